@@ -1,0 +1,110 @@
+"""Retrieval cache of the TriForce middle tier (Sun et al., 2024, arXiv 2404.11912).
+
+It reads the full cache of the same model. Positions before ``selected_until`` (a multiple of chunk_size) are
+represented by ``budget / chunk_size`` chunks per KV head: chunk 0, which holds the attention sinks, and the
+chunks whose mean key scores best against the current query. Positions from ``selected_until`` on are kept
+whole in a recent region after the selected chunks, at slot ``budget + position - selected_until``.
+
+Mean keys are computed once per chunk, when the chunk is complete. ``select_chunks`` re-selects with the query
+the full model computed at the last cached position (the last full verification pass, no extra forward);
+``sync_recent`` copies the full model's keys/values of newly verified tokens over the middle tier's own.
+"""
+
+import torch
+
+from cache.base import CacheCapacityError, KVCache
+from cache.full import FullCache
+from kernels import chunk_mean_keys, gather_chunks, score_chunks, top_chunks
+
+
+class RetrievalCache(KVCache):
+    def __init__(self, full: FullCache, budget: int, chunk_size: int, recent_capacity: int):
+        if budget % chunk_size:
+            raise ValueError(f"budget {budget} is not a multiple of chunk size {chunk_size}")
+        self.full = full
+        self.budget = budget
+        self.chunk_size = chunk_size
+        self.recent_capacity = recent_capacity
+        num_layers, num_kv_heads, capacity, head_dim = full.keys.shape
+        shape = (num_layers, num_kv_heads, budget + recent_capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=full.keys.dtype, device=full.keys.device)
+        self.values = torch.zeros_like(self.keys)
+        self.mean_keys = torch.zeros(
+            (num_layers, num_kv_heads, capacity // chunk_size, head_dim), dtype=torch.float32, device=full.keys.device
+        )
+        self.num_mean_keys = 0
+        self.chunk_ids: torch.Tensor | None = None  # (layers, Hkv, budget/chunk) after the first selection
+        self.selected_until = 0
+        self.synced_until = 0
+        self.length = 0
+        self._write = slice(0, 0)
+
+    def rollback(self, length: int) -> None:
+        self.length = min(self.length, length)
+        self.synced_until = min(self.synced_until, length)
+
+    def reset(self) -> None:
+        self.length = self.selected_until = self.synced_until = self.num_mean_keys = 0
+        self.chunk_ids = None
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.length - self.selected_until
+
+    def _update_mean_keys(self, complete_chunks: int) -> None:
+        if complete_chunks <= self.num_mean_keys:
+            return
+        first, stop = self.num_mean_keys * self.chunk_size, complete_chunks * self.chunk_size
+        for layer in range(self.keys.shape[0]):
+            self.mean_keys[layer, :, self.num_mean_keys : complete_chunks] = chunk_mean_keys(
+                self.full.keys[layer, :, first:stop], self.chunk_size
+            )
+        self.num_mean_keys = complete_chunks
+
+    def select_chunks(self) -> None:
+        """Choose the best chunks for the query at the full cache's last position and rebuild the view."""
+        length = self.full.length
+        complete_chunks = length // self.chunk_size
+        keep = self.budget // self.chunk_size
+        if complete_chunks < keep:
+            raise ValueError(f"budget {self.budget} exceeds the {length} cached tokens")
+        self._update_mean_keys(complete_chunks)
+        ids = []
+        for layer in range(self.keys.shape[0]):
+            scores = score_chunks(self.full.query_at(layer, length - 1), self.mean_keys[layer, :, :complete_chunks])
+            chosen = top_chunks(scores, keep)  # (Hkv, keep)
+            self.keys[layer, :, : self.budget] = gather_chunks(self.full.keys[layer], chosen, self.chunk_size)
+            self.values[layer, :, : self.budget] = gather_chunks(self.full.values[layer], chosen, self.chunk_size)
+            ids.append(chosen)
+        self.chunk_ids = torch.stack(ids)
+        self.selected_until = complete_chunks * self.chunk_size
+        self.synced_until = self.selected_until
+        self.sync_recent()
+
+    def sync_recent(self) -> None:
+        """Copy the full cache's positions [synced_until, full.length) into the recent region."""
+        start, stop = self.synced_until, self.full.length
+        if stop - self.selected_until > self.recent_capacity:
+            raise CacheCapacityError("recent region of the retrieval cache is full; select chunks again first")
+        if stop > start:
+            slots = slice(self.budget + start - self.selected_until, self.budget + stop - self.selected_until)
+            self.keys[:, :, slots] = self.full.keys[:, :, start:stop]
+            self.values[:, :, slots] = self.full.values[:, :, start:stop]
+        self.synced_until = stop
+        self.length = stop
+
+    def prepare(self, start: int, num_tokens: int) -> None:
+        self._check_start(start)
+        if start < self.selected_until:
+            raise ValueError(f"position {start} lies in the selected chunks and cannot be rewritten")
+        first = self.budget + start - self.selected_until
+        if first + num_tokens > self.budget + self.recent_capacity:
+            raise CacheCapacityError("recent region of the retrieval cache is full; select chunks again first")
+        self._write = slice(first, first + num_tokens)
+        self.length = start + num_tokens
+
+    def update(self, layer, q, k, v):
+        self.keys[layer, :, self._write] = k
+        self.values[layer, :, self._write] = v
+        end = self._write.stop
+        return self.keys[layer, :, :end], self.values[layer, :, :end]

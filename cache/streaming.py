@@ -1,0 +1,93 @@
+"""StreamingLLM cache (Xiao et al., 2023, arXiv 2309.17453) for the drafter: attention sinks + a recent window.
+
+Positions [0, sink_tokens) stay in slots [0, sink_tokens). Positions [window_start, length) sit right after
+them, at slot ``sink_tokens + position - window_start``. When a write would not fit, the oldest positions are
+evicted so that the last ``window`` positions before the write remain. ``max_step`` slots on top of the window
+hold one step's new (speculative) tokens, so rollback within a step never needs an evicted position.
+"""
+
+import torch
+
+from cache.base import CacheCapacityError, KVCache
+from cache.full import FullCache
+
+
+class StreamingCache(KVCache):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sink_tokens: int,
+        window: int,
+        max_step: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.sink_tokens = sink_tokens
+        self.window = window
+        self.max_step = max_step
+        self.capacity = sink_tokens + window + max_step
+        shape = (num_layers, num_kv_heads, self.capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.window_start = sink_tokens
+        self._write = slice(0, 0)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.window_start = self.sink_tokens
+
+    def slot(self, position: int) -> int:
+        if position < self.sink_tokens:
+            return position
+        return self.sink_tokens + position - self.window_start
+
+    def cached_positions(self) -> list[int]:
+        """Sequence positions held, in slot order."""
+        sinks = range(min(self.length, self.sink_tokens))
+        return [*sinks, *range(max(self.window_start, self.sink_tokens), self.length)]
+
+    def prepare(self, start: int, num_tokens: int) -> None:
+        self._check_start(start)
+        if num_tokens > self.max_step:
+            raise CacheCapacityError(f"StreamingLLM cache takes at most {self.max_step} tokens per step")
+        if start >= self.sink_tokens and start < self.window_start:
+            raise ValueError(f"position {start} was already evicted from the StreamingLLM window")
+        self.length = start
+        if self.slot(start) + num_tokens > self.capacity:
+            self._evict(keep_from=max(self.sink_tokens, start - self.window))
+        first = self.slot(start)
+        self._write = slice(first, first + num_tokens)
+        self.length = start + num_tokens
+
+    def _evict(self, keep_from: int) -> None:
+        """Move positions [keep_from, length) to the front of the window region."""
+        src = slice(self.slot(keep_from), self.slot(self.length))
+        kept = src.stop - src.start
+        dst = slice(self.sink_tokens, self.sink_tokens + kept)
+        self.keys[:, :, dst] = self.keys[:, :, src].clone()
+        self.values[:, :, dst] = self.values[:, :, src].clone()
+        self.window_start = keep_from
+
+    def update(self, layer, q, k, v):
+        self.keys[layer, :, self._write] = k
+        self.values[layer, :, self._write] = v
+        end = self._write.stop
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def fill_from(self, full: FullCache) -> None:
+        """Take the sinks and the recent window from a full cache of the same model, instead of a prefill."""
+        self.reset()
+        length = full.length
+        sinks = min(length, self.sink_tokens)
+        self.keys[:, :, :sinks] = full.keys[:, :, :sinks]
+        self.values[:, :, :sinks] = full.values[:, :, :sinks]
+        self.window_start = max(self.sink_tokens, length - self.window)
+        recent = slice(self.window_start, length)
+        count = recent.stop - recent.start
+        if count > 0:
+            self.keys[:, :, self.sink_tokens : self.sink_tokens + count] = full.keys[:, :, recent]
+            self.values[:, :, self.sink_tokens : self.sink_tokens + count] = full.values[:, :, recent]
+        self.length = length

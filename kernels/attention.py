@@ -1,0 +1,76 @@
+"""Attention of T new queries against a cache view whose last T keys belong to those same queries.
+
+Every cache (full, StreamingLLM, retrieval) hands attention a view laid out as
+``[context keys visible to every query | the T new keys]``, so one mask serves all of them: query t sees the
+whole context and new keys 0..t ("bottom-right aligned" causal mask, as in FlashAttention 2).
+
+Shapes: q (Hq, T, D); k, v (Hkv, L, D) with L >= T and Hq a multiple of Hkv (grouped-query attention,
+query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.optional import flash_attn_func
+
+
+def new_token_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """Boolean (T, L) mask, True where query t may read key j: j <= L - T + t."""
+    offset = num_keys - num_queries
+    rows = torch.arange(num_queries, device=device)[:, None]
+    cols = torch.arange(num_keys, device=device)[None, :]
+    return cols <= rows + offset
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain attention: repeat KV heads, explicit masked softmax in float32."""
+    group = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)  # (Hq, L, D)
+    v = v.repeat_interleave(group, dim=0)
+    scores = (q.float() @ k.float().transpose(1, 2)) * scale  # (Hq, T, L)
+    mask = new_token_mask(q.shape[1], k.shape[1], q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """CPU path for few queries against a long cache: one batched matmul per KV head, no KV copies.
+
+    The G query heads that share a KV head are stacked into one (G*T, D) matrix, so each cached key is read
+    once per KV head instead of once per query head.
+    """
+    num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads, num_keys, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    qg = q.reshape(num_kv_heads, group * num_queries, head_dim)  # (Hkv, G*T, D)
+    scores = torch.bmm(qg * scale, k.transpose(1, 2))  # (Hkv, G*T, L)
+    if num_queries > 1:
+        mask = new_token_mask(num_queries, num_keys, q.device).repeat(group, 1)  # (G*T, L)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    out = torch.bmm(probs, v)  # (Hkv, G*T, D)
+    return out.reshape(num_q_heads, num_queries, head_dim)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch scaled_dot_product_attention with an explicit bottom-right mask (SDPA's is_causal is top-left)."""
+    mask = None if q.shape[1] == 1 else new_token_mask(q.shape[1], k.shape[1], q.device)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0]
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """FlashAttention 2: bottom-right causal masking and grouped-query heads are native."""
+    out = flash_attn_func(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], softmax_scale=scale, causal=True
+    )  # (1, T, Hq, D)
+    return out[0].transpose(0, 1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dispatch to the fastest available kernel for the device and dtype."""
+    if q.is_cuda:
+        if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
+            return flash_attention(q, k, v, scale)
+        return sdpa_attention(q, k, v, scale)
+    return grouped_attention(q, k, v, scale)

@@ -1,0 +1,39 @@
+"""Retrieval-cache kernels: chunk mean keys, GQA-aware chunk scores, top-chunk choice and gather.
+
+TriForce (Sun et al., 2024, arXiv 2404.11912) scores each chunk of the prompt's cached keys by the current
+query against the chunk's mean key and keeps the best chunks that fit the budget.
+"""
+
+import torch
+
+
+def chunk_mean_keys(k: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Mean key of every complete chunk. k (Hkv, L, D) with L a multiple of chunk_size -> (Hkv, L/chunk, D)."""
+    num_kv_heads, length, head_dim = k.shape
+    return k.reshape(num_kv_heads, length // chunk_size, chunk_size, head_dim).float().mean(dim=2)
+
+
+def score_chunks(q: torch.Tensor, mean_keys: torch.Tensor) -> torch.Tensor:
+    """Score of each chunk for each KV head, summed over the query heads that share it.
+
+    q (Hq, D), mean_keys (Hkv, C, D) -> (Hkv, C). The sum of the group's dot products with a mean key is the
+    dot product of the group's summed query with it.
+    """
+    num_kv_heads = mean_keys.shape[0]
+    grouped = q.float().reshape(num_kv_heads, -1, q.shape[-1]).sum(dim=1)  # (Hkv, D)
+    return torch.einsum("hd,hcd->hc", grouped, mean_keys)
+
+
+def top_chunks(scores: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Indices (Hkv, num_chunks), ascending, of the best chunks per KV head; chunk 0 (the sinks) always kept."""
+    scores = scores.clone()
+    scores[:, 0] = float("inf")
+    chosen = scores.topk(num_chunks, dim=-1).indices
+    return chosen.sort(dim=-1).values
+
+
+def gather_chunks(k: torch.Tensor, chunk_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Tokens of the chosen chunks. k (Hkv, L, D), chunk_ids (Hkv, n) -> (Hkv, n*chunk_size, D)."""
+    offsets = torch.arange(chunk_size, device=k.device)
+    token_ids = (chunk_ids[:, :, None] * chunk_size + offsets).reshape(chunk_ids.shape[0], -1)  # (Hkv, n*chunk)
+    return torch.gather(k, 1, token_ids[:, :, None].expand(-1, -1, k.shape[-1]))

@@ -1,0 +1,183 @@
+"""One Llama-family decoder serving every tier: ``forward(tokens, start, cache) -> logits``.
+
+RMSNorm, rotary embeddings (plain, linear, llama3 and YaRN scaling, initialised by transformers'
+``ROPE_INIT_FUNCTIONS``), grouped-query attention with optional q/k/v biases (Qwen2), SwiGLU MLP, tied or
+separate output embeddings. Parameter names match Hugging Face's Llama/Qwen2 checkpoints, so a state dict loads
+as it is. Which cache is passed in decides the tier; the model never branches on it.
+Batch size is 1: tokens (T,), hidden states (T, C).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from cache import KVCache
+from kernels import attention
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one this runtime implements."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: dict
+
+    @classmethod
+    def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
+        if getattr(hf, "model_type", None) not in ("llama", "qwen2", "mistral"):
+            raise UnsupportedModelError(f"model type '{getattr(hf, 'model_type', None)}' is not Llama-family")
+        rope = dict(getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+        if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(f"rope type '{rope.get('rope_type')}' is not supported")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
+            rope=rope,
+        )
+
+
+def rope_frequencies(hf: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim/2,) and the cos/sin scale of the configured RoPE variant."""
+    rope = hf.rope_parameters
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        return 1.0 / (rope["rope_theta"] ** exponents), 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1)  # (Hq, T, D)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
+        out = attention(q, keys, values, self.scale)  # (Hq, T, D)
+        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scale: float):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scale = rope_scale
+
+    @classmethod
+    def from_hf_config(cls, hf: PretrainedConfig) -> "Transformer":
+        cfg = ModelConfig.from_hf(hf)
+        inv_freq, rope_scale = rope_frequencies(hf, cfg.head_dim)
+        return cls(cfg, inv_freq, rope_scale)
+
+    def rotary(self, start: int, num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + num_tokens, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]  # (T, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, num_logits: int | None = None) -> torch.Tensor:
+        """Logits (num_logits or T, V) for tokens (T,) at positions [start, start + T), writing them to cache."""
+        cache.prepare(start, tokens.shape[0])
+        x = self.model.embed_tokens(tokens)  # (T, C)
+        cos, sin = self.rotary(start, tokens.shape[0], x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache)
+        if num_logits is not None:
+            x = x[-num_logits:]
+        return self.lm_head(self.model.norm(x)).float()
