@@ -1,0 +1,83 @@
+"""Run-time settings of the speculative pipeline, validated in one place."""
+
+from dataclasses import dataclass, field
+
+from triforce_cli.errors import ConfigError
+from triforce_cli.sampling import SamplingConfig
+
+MODES = ("autoregressive", "retrieval", "streaming", "triforce")
+DEFAULT_BUDGET = 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How tokens are proposed and verified.
+
+    mode: ``autoregressive`` (target@full only), ``retrieval`` (target@retrieval -> target@full), ``streaming``
+    (drafter@StreamingLLM -> target@full) or ``triforce`` (all three tiers).
+    budget: tokens of prompt chunks the retrieval cache keeps; None picks min(1024, the prompt's whole chunks).
+    gamma1: drafter tokens per verification by the tier above it; gamma2: tokens target@full verifies per pass
+    in ``triforce`` and ``retrieval`` modes.
+    refresh_interval: full verifications between two chunk selections of the retrieval cache.
+    """
+
+    mode: str = "triforce"
+    budget: int | None = None
+    chunk_size: int = 16
+    sink_tokens: int = 16
+    draft_window: int = 496
+    gamma1: int = 2
+    gamma2: int = 6
+    max_new_tokens: int = 256
+    refresh_interval: int = 4
+    prefill_chunk: int = 512
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.mode in MODES, f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})"),
+            (self.chunk_size > 0, "chunk size must be positive"),
+            (self.budget is None or self.budget > 0, "budget must be positive"),
+            (
+                self.budget is None or self.budget % self.chunk_size == 0,
+                f"budget {self.budget} is not a multiple of chunk size {self.chunk_size}",
+            ),
+            (self.sink_tokens >= 0, "sink tokens must not be negative"),
+            (self.draft_window > 0, "draft window must be positive"),
+            (self.gamma1 > 0, "gamma1 must be positive"),
+            (self.gamma2 > 0, "gamma2 must be positive"),
+            (self.max_new_tokens > 0, "max new tokens must be positive"),
+            (self.refresh_interval > 0, "refresh interval must be positive"),
+            (self.prefill_chunk > 0, "prefill chunk must be positive"),
+            (self.sampling.temperature >= 0, "temperature must not be negative"),
+            (0 < self.sampling.top_p <= 1, "top-p must lie in (0, 1]"),
+            (self.sampling.top_k >= 0, "top-k must not be negative"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def uses_retrieval(self) -> bool:
+        return self.mode in ("retrieval", "triforce")
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.mode in ("streaming", "triforce")
+
+    def budget_for(self, prompt_tokens: int) -> int:
+        """The retrieval budget for a prompt; an explicit budget must fit inside it."""
+        whole_chunks = prompt_tokens // self.chunk_size * self.chunk_size
+        if self.budget is None:
+            if whole_chunks == 0:
+                raise ConfigError(
+                    f"prompt of {prompt_tokens} tokens is shorter than one retrieval chunk ({self.chunk_size});"
+                    " use a smaller --chunk-size or --mode streaming/autoregressive"
+                )
+            return min(DEFAULT_BUDGET, whole_chunks)
+        if self.budget > whole_chunks:
+            raise ConfigError(
+                f"budget {self.budget} is larger than the prompt's {whole_chunks} tokens in whole chunks"
+                f" of {self.chunk_size}"
+            )
+        return self.budget

@@ -1,0 +1,202 @@
+"""The generation engine: load once, then generate for many prompts.
+
+Data path (DESIGN.md): chunked prefill of target@full -> retrieval cache selected with the last prompt token's
+queries -> drafter StreamingLLM cache -> loop of top-tier steps, each rolling every cache back to the accepted
+length and refreshing the retrieval cache on its policy.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cache import FullCache, RetrievalCache, StreamingCache
+from triforce_cli.config import EngineConfig
+from triforce_cli.errors import ConfigError, PromptError
+from triforce_cli.loading import LoadedModel
+from triforce_cli.model import Transformer
+from triforce_cli.sampling import probabilities, sample
+from triforce_cli.speculative import ModelTier
+from triforce_cli.stats import GenerationResult, GenerationStats
+
+PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
+TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
+
+
+@dataclass
+class _Caches:
+    full: FullCache
+    retrieval: RetrievalCache | None
+    streaming: StreamingCache | None
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, config: EngineConfig, drafter: LoadedModel | None = None):
+        self.target = target
+        self.config = config
+        self.drafter = drafter if config.uses_drafter else None
+        if self.drafter is not None and self.drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ConfigError(f"drafter {self.drafter.name} does not share the vocabulary of {target.name}")
+        self.eos_ids = target.eos_token_ids
+        self._caches: _Caches | None = None
+
+    @property
+    def drafter_description(self) -> str | None:
+        if not self.config.uses_drafter:
+            return None
+        if self.drafter is None:
+            return f"{self.target.name} itself on a StreamingLLM cache (self-speculation; no --draft given)"
+        return self.drafter.name
+
+    @property
+    def _drafter_model(self) -> Transformer:
+        return self.drafter.model if self.drafter is not None else self.target.model
+
+    def _allocate(self, prompt_tokens: int) -> _Caches:
+        cfg = self.config
+        model = self.target.model.config
+        dtype, device = self.target.dtype, self.target.device
+        headroom = cfg.gamma1 + cfg.gamma2 + 2
+        capacity = prompt_tokens + cfg.max_new_tokens + headroom
+        old = self._caches
+        if old is not None and old.full.capacity >= capacity:
+            full = old.full
+        else:
+            full = FullCache(model.num_layers, model.num_kv_heads, model.head_dim, capacity, dtype, device)
+        full.reset()
+        retrieval = None
+        if cfg.uses_retrieval:
+            recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
+            retrieval = RetrievalCache(full, cfg.budget_for(prompt_tokens), cfg.chunk_size, recent)
+        streaming = None
+        if cfg.uses_drafter:
+            draft = self._drafter_model.config
+            streaming = StreamingCache(
+                draft.num_layers,
+                draft.num_kv_heads,
+                draft.head_dim,
+                cfg.sink_tokens,
+                cfg.draft_window,
+                max(cfg.prefill_chunk, headroom),
+                dtype,
+                device,
+            )
+        self._caches = _Caches(full, retrieval, streaming)
+        return self._caches
+
+    def _build_tiers(self, caches: _Caches, generator: torch.Generator) -> ModelTier:
+        cfg = self.config
+        sampling = cfg.sampling
+        model = self.target.model
+        drafter = None
+        if caches.streaming is not None:
+            drafter = ModelTier("drafter", self._drafter_model, caches.streaming, sampling, generator)
+        if cfg.mode == "autoregressive":
+            return ModelTier("target", model, caches.full, sampling, generator)
+        if cfg.mode == "streaming":
+            return ModelTier("target", model, caches.full, sampling, generator, drafter, cfg.gamma1)
+        middle = ModelTier("retrieval", model, caches.retrieval, sampling, generator, drafter, cfg.gamma1)
+        return ModelTier("target", model, caches.full, sampling, generator, middle, cfg.gamma2)
+
+    def _prefill(self, name: str, model: Transformer, cache, ids: list[int], on_prefill) -> torch.Tensor:
+        """Run the prompt through model in chunks; return the logits (1, V) after its last token."""
+        chunk = self.config.prefill_chunk
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.target.device)
+        logits = None
+        for start in range(0, len(ids), chunk):
+            logits = model(tokens[start : start + chunk], start, cache, num_logits=1)
+            if on_prefill is not None:
+                on_prefill(name, min(start + chunk, len(ids)), len(ids))
+        return logits
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise PromptError("the prompt is empty after tokenization")
+        context = self.target.model.config.max_position_embeddings
+        needed = len(prompt_ids) + self.config.max_new_tokens
+        if needed > context:
+            raise PromptError(
+                f"prompt of {len(prompt_ids)} tokens plus {self.config.max_new_tokens} new tokens exceeds"
+                f" the {context}-token context of {self.target.name}"
+            )
+        if self.config.uses_retrieval:
+            self.config.budget_for(len(prompt_ids))
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        on_prefill: PrefillCallback | None = None,
+        on_tokens: TokenCallback | None = None,
+    ) -> GenerationResult:
+        """Generate after prompt_ids. Ctrl-C stops early and still returns what was generated."""
+        self.check_prompt(prompt_ids)
+        cfg = self.config
+        generator = torch.Generator(device=self.target.device)
+        generator.manual_seed(cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed())
+        stats = GenerationStats(cfg.mode, self.drafter_description, len(prompt_ids))
+        generated: list[int] = []
+        try:
+            caches = self._allocate(len(prompt_ids))
+            started = time.perf_counter()
+            logits = self._prefill(self.target.name, self.target.model, caches.full, prompt_ids, on_prefill)
+            if caches.retrieval is not None:
+                caches.retrieval.select_chunks()
+            if caches.streaming is not None:
+                if self.drafter is None:
+                    caches.streaming.fill_from(caches.full)
+                else:
+                    self._prefill(self.drafter.name, self.drafter.model, caches.streaming, prompt_ids, on_prefill)
+            first = int(sample(probabilities(logits, cfg.sampling), generator))
+            stats.prefill_seconds = time.perf_counter() - started
+            generated.append(first)
+            if on_tokens is not None:
+                on_tokens([first], ["target"])
+            top = self._build_tiers(caches, generator)
+            stats.acceptance = [t.stats for t in self._tier_chain(top) if t.stats is not None]
+            self._decode(top, caches, prompt_ids, generated, stats, on_tokens)
+        except KeyboardInterrupt:
+            stats.stop_reason = "interrupted"
+        stats.new_tokens = len(generated)
+        text = self.target.tokenizer.decode(generated, skip_special_tokens=True)
+        return GenerationResult(generated, text, stats)
+
+    @staticmethod
+    def _tier_chain(top: ModelTier) -> list[ModelTier]:
+        chain = [top]
+        while isinstance(chain[-1].proposer, ModelTier):
+            chain.append(chain[-1].proposer)
+        return chain
+
+    def _decode(self, top, caches, prompt_ids, generated, stats, on_tokens) -> None:
+        cfg = self.config
+        committed = list(prompt_ids) + generated
+        rounds_since_selection = 0
+        if generated[-1] in self.eos_ids:
+            stats.stop_reason = "eos"
+            return
+        while len(generated) < cfg.max_new_tokens:
+            started = time.perf_counter()
+            step = top.step(committed)
+            if caches.retrieval is not None:
+                rounds_since_selection += 1
+                if rounds_since_selection >= cfg.refresh_interval:
+                    caches.retrieval.select_chunks()
+                    rounds_since_selection = 0
+                else:
+                    caches.retrieval.sync_recent()
+            tokens = step.tokens[: cfg.max_new_tokens - len(generated)]
+            stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
+            if stop is not None:
+                tokens = tokens[: stop + 1]
+            elapsed = time.perf_counter() - started
+            stats.decode_seconds += elapsed
+            stats.round_seconds.append(elapsed)
+            stats.round_tokens.append(len(tokens))
+            committed += tokens
+            generated += tokens
+            if on_tokens is not None:
+                on_tokens(tokens, step.origins[: len(tokens)])
+            if stop is not None:
+                stats.stop_reason = "eos"
+                return

@@ -1,0 +1,156 @@
+"""Checkpoint resolution and loading, one code path for every source.
+
+A model spec is a local folder (config.json + tokenizer + safetensors, sharded or not), a single .safetensors
+file beside its config, a GGUF file, a Hugging Face hub id, or nothing for the embedded default. GGUF files are
+dequantized once by transformers into a safetensors folder in the user cache; every source then loads from
+such a folder.
+"""
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from triforce_cli.embedded import EMBEDDED_NAME, embedded_gguf_path
+from triforce_cli.errors import ModelLoadError
+from triforce_cli.model import Transformer, UnsupportedModelError, rope_frequencies
+
+StatusCallback = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Transformer
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.hf_config.eos_token_id
+        ids = set(ids) if isinstance(ids, list) else ({ids} if ids is not None else set())
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: $TRIFORCE_CACHE, else $XDG_CACHE_HOME/triforce-cli, else ~/.cache."""
+    if os.environ.get("TRIFORCE_CACHE"):
+        return Path(os.environ["TRIFORCE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "triforce-cli"
+
+
+def converted_folder(gguf: Path, status: StatusCallback | None = None) -> Path:
+    """The safetensors folder made from a GGUF file, converting it on first use."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_root() / "models" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    if status is not None:
+        status(f"converting {gguf.name} to safetensors once, into {target}")
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    except (ValueError, KeyError, OSError) as err:
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {err}") from None
+    save_file({name: t.contiguous() for name, t in tensors.items()}, partial / "model.safetensors")
+    config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    return target
+
+
+def download_folder(repo_id: str) -> Path:
+    """A hub checkpoint's local snapshot (from the local HF cache when offline)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as err:  # the hub client raises many kinds: offline, not found, gated, bad id
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModelLoadError(
+            f"unknown model '{repo_id}': not a local file or folder, and not available from the hub ({reason})"
+        ) from None
+
+
+def resolve_checkpoint(spec: str | None, status: StatusCallback | None = None) -> tuple[str, Path, list[Path]]:
+    """(display name, folder with config and tokenizer, safetensors files) for a model spec."""
+    if spec is None:
+        return EMBEDDED_NAME, *_folder_files(converted_folder(embedded_gguf_path(), status))
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.stem, *_folder_files(converted_folder(path, status))
+    if path.is_file() and path.suffix == ".safetensors":
+        return path.stem, path.parent, [path]
+    if path.is_dir():
+        return path.name, *_folder_files(path)
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelLoadError(f"model path {spec} is not a folder, a .gguf file or a .safetensors file")
+    return spec, *_folder_files(download_folder(spec))
+
+
+def _folder_files(folder: Path) -> tuple[Path, list[Path]]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder} has no config.json")
+    if not files:
+        raise ModelLoadError(f"{folder} has no .safetensors weights")
+    return folder, files
+
+
+def load_model(
+    spec: str | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    status: StatusCallback | None = None,
+) -> LoadedModel:
+    """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config."""
+    name, folder, files = resolve_checkpoint(spec, status)
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (ValueError, OSError) as err:
+        raise ModelLoadError(f"cannot read config or tokenizer of {name}: {err}") from None
+    try:
+        with torch.device("meta"):
+            model = Transformer.from_hf_config(hf_config)
+    except UnsupportedModelError as err:
+        raise ModelLoadError(f"{name}: {err}") from None
+    state = {}
+    for file in files:
+        state.update({k: v.to(dtype) for k, v in load_file(file, device=str(device)).items()})
+    missing, _ = model.load_state_dict(state, strict=False, assign=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing:
+        raise ModelLoadError(f"{name}: checkpoint lacks weights such as {missing[0]}")
+    inv_freq, _ = rope_frequencies(hf_config, model.config.head_dim)
+    model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+    return LoadedModel(name, model.eval(), tokenizer, hf_config)

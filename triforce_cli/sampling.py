@@ -1,0 +1,77 @@
+"""Pure sampling and speculative-acceptance functions.
+
+Speculative sampling (Leviathan et al., 2023, arXiv 2211.17192; Chen et al., 2023, arXiv 2302.01318): accept a
+draft token x with probability min(1, p(x)/q(x)); at the first rejection sample from norm(max(p - q, 0)); when
+every draft is accepted sample a bonus token from p. Temperature, top-k and top-p shape p and q identically, and
+temperature 0 turns both into one-hot argmax distributions, so greedy decoding runs through the same code.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.6
+    top_p: float = 0.9
+    top_k: int = 0  # 0 keeps every token
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Sampling distribution (N, V) in float32 for logits (N, V)."""
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    logits = logits / cfg.temperature
+    if 0 < cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= cfg.top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs (N, V) -> (N,)."""
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # leading draft tokens kept
+    next_token: int  # the correction after a rejection, or the bonus token
+
+
+def verify_draft(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Speculative sampling of n draft tokens (n,) drawn from draft_probs (n, V) against target_probs (n+1, V)."""
+    n = draft_tokens.shape[0]
+    rows = torch.arange(n, device=draft_tokens.device)
+    # 1. Accept x with probability min(1, p(x)/q(x)), written as u*q(x) < p(x) with u ~ U[0, 1).
+    p_x = target_probs[rows, draft_tokens]
+    q_x = draft_probs[rows, draft_tokens]
+    uniform = torch.rand(n, generator=generator, device=draft_tokens.device)
+    accepted = int((uniform * q_x < p_x).int().cumprod(dim=0).sum())
+    # 2. All accepted: the bonus token comes from p at the next position.
+    if accepted == n:
+        return Verdict(n, int(sample(target_probs[n : n + 1], generator)))
+    # 3. First rejection: resample from the normalised residual max(p - q, 0).
+    residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0.0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else target_probs[accepted]
+    return Verdict(accepted, int(sample(residual[None], generator)))

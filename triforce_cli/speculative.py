@@ -1,0 +1,114 @@
+"""Hierarchical speculative decoding as a composition of tiers.
+
+A tier is a model reading one cache, optionally with a proposer below it. ``propose(prefix, n)`` returns n tokens
+that continue ``prefix`` distributed exactly as the tier's own model-with-cache, together with that model's
+probabilities for each of them, which the tier above uses as its draft distribution. With a proposer, a tier
+produces its tokens by speculative sampling of the proposer's drafts (see sampling.py); without one it samples
+autoregressively. Two tiers give classic speculative decoding, three give TriForce (Sun et al., 2024,
+arXiv 2404.11912): drafter@StreamingLLM -> target@retrieval -> target@full.
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from cache import KVCache
+from triforce_cli.model import Transformer
+from triforce_cli.sampling import SamplingConfig, probabilities, sample, verify_draft
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor  # (len(tokens), V): the proposing tier's distribution at each token's position
+    origins: list[str]  # name of the tier that sampled each token
+
+
+@dataclass
+class AcceptanceStats:
+    """How a tier's proposals fared with the tier above it."""
+
+    proposer: str
+    verifier: str
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verification: accepted drafts plus the verifier's own token."""
+        return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, prefix: list[int], n: int) -> Proposal: ...
+
+    def rollback(self, length: int) -> None: ...
+
+
+@dataclass
+class ModelTier:
+    name: str
+    model: Transformer
+    cache: KVCache
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    proposer: Proposer | None = None
+    gamma: int = 1  # tokens asked of the proposer per verification
+    stats: AcceptanceStats | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.proposer is not None and self.stats is None:
+            self.stats = AcceptanceStats(self.proposer.name, self.name)
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+        if self.proposer is not None:
+            self.proposer.rollback(length)
+
+    def propose(self, prefix: list[int], n: int) -> Proposal:
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        origins: list[str] = []
+        while len(tokens) < n:
+            step = self.step(prefix + tokens)
+            tokens += step.tokens
+            probs.append(step.probs)
+            origins += step.origins
+        return Proposal(tokens[:n], torch.cat(probs)[:n], origins[:n])
+
+    def _forward(self, prefix: list[int], drafts: list[int]) -> torch.Tensor:
+        """Distributions (len(drafts) + 1, V) at the positions after prefix[-1] and after each draft."""
+        start = min(self.cache.length, len(prefix) - 1)
+        self.cache.rollback(start)
+        device = self.model.inv_freq.device
+        tokens = torch.tensor(prefix[start:] + drafts, dtype=torch.long, device=device)
+        logits = self.model(tokens, start, self.cache, num_logits=len(drafts) + 1)
+        return probabilities(logits, self.sampling)
+
+    def step(self, prefix: list[int]) -> Proposal:
+        """The next tokens of this tier after prefix: one sampled token, or verified drafts plus one."""
+        if self.proposer is None:
+            probs = self._forward(prefix, [])
+            return Proposal([int(sample(probs, self.generator))], probs, [self.name])
+        draft = self.proposer.propose(prefix, self.gamma)
+        probs = self._forward(prefix, draft.tokens)  # (gamma + 1, V)
+        device = probs.device
+        verdict = verify_draft(torch.tensor(draft.tokens, device=device), draft.probs.to(device), probs, self.generator)
+        self.stats.drafted += len(draft.tokens)
+        self.stats.accepted += verdict.accepted
+        self.stats.verifications += 1
+        kept = len(prefix) + verdict.accepted
+        self.rollback(kept)
+        return Proposal(
+            draft.tokens[: verdict.accepted] + [verdict.next_token],
+            probs[: verdict.accepted + 1],
+            draft.origins[: verdict.accepted] + [self.name],
+        )
