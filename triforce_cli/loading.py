@@ -110,8 +110,10 @@ def resolve_checkpoint(spec: str | None, status: StatusCallback | None = None) -
         return path.stem, path.parent, [path]
     if path.is_dir():
         return path.name, *_folder_files(path)
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if path.exists():
         raise ModelLoadError(f"model path {spec} is not a folder, a .gguf file or a .safetensors file")
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelLoadError(f"model path {spec} does not exist")
     return spec, *_folder_files(download_folder(spec))
 
 

@@ -1,0 +1,107 @@
+"""Shared helpers: tiny random-weight Llama models wrapped into the runtime, and a stub tokenizer.
+
+``make_model`` builds a transformers ``LlamaForCausalLM`` (the reference) and copies its weights into our
+``Transformer``; both are returned so tests can compare against the reference forward. ``peak`` multiplies the
+output embedding so distributions are far from uniform (drafts then get both accepted and rejected).
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from triforce_cli.loading import LoadedModel
+from triforce_cli.model import Transformer
+
+
+class StubTokenizer:
+    """Just what the engine needs: get_vocab(), decode() and eos_token_id."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None = None):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+
+    def get_vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(self.vocab_size)}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def llama_config(
+    vocab_size: int = 32,
+    hidden_size: int = 32,
+    intermediate_size: int = 48,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool = True,
+    **extra,
+) -> LlamaConfig:
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        **extra,
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+@dataclass
+class TinyModel:
+    ref: LlamaForCausalLM  # transformers reference with the same weights
+    loaded: LoadedModel  # our runtime
+
+    @property
+    def model(self) -> Transformer:
+        return self.loaded.model
+
+
+def wrap(ref: torch.nn.Module, cfg, name: str = "tiny", eos_token_id: int | None = None) -> LoadedModel:
+    """Our Transformer with the weights of a transformers model, as a LoadedModel with a stub tokenizer."""
+    model = Transformer.from_hf_config(cfg)
+    missing, unexpected = model.load_state_dict(ref.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    assert set(missing) <= {"lm_head.weight"}, missing
+    cfg.eos_token_id = eos_token_id
+    return LoadedModel(name, model.eval(), StubTokenizer(cfg.vocab_size, eos_token_id), cfg)
+
+
+def make_model(seed: int = 0, peak: float = 1.0, name: str = "tiny", eos_token_id=None, **config) -> TinyModel:
+    cfg = llama_config(**config)
+    torch.manual_seed(seed)
+    ref = LlamaForCausalLM(cfg).eval()
+    if peak != 1.0:
+        with torch.no_grad():
+            ref.lm_head.weight.mul_(peak)  # shared with the input embedding when tied
+    return TinyModel(ref, wrap(ref, cfg, name, eos_token_id))
+
+
+@torch.no_grad()
+def reference_logits(ref: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """transformers' logits (T, V) for one sequence."""
+    return ref(torch.tensor([ids])).logits[0].float()
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> TinyModel:
+    """Peaky tiny target (vocab 32)."""
+    return make_model(seed=0, peak=30.0, name="target")
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter() -> TinyModel:
+    """A different random model with the same stub vocabulary."""
+    return make_model(seed=1, peak=30.0, name="drafter", num_layers=1)

@@ -1,0 +1,176 @@
+"""Attention and retrieval kernels against plain-torch references and explicit formulas."""
+
+import sys
+
+import pytest
+import torch
+
+from kernels import attention, attention_reference, chunk_mean_keys, gather_chunks, score_chunks, top_chunks
+from kernels.attention import grouped_attention, new_token_mask, sdpa_attention
+
+HEAD_DIM = 8
+SCALE = HEAD_DIM**-0.5
+
+
+def qkv(num_q_heads: int, num_kv_heads: int, num_queries: int, num_keys: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_q_heads, num_queries, HEAD_DIM, generator=g)
+    k = torch.randn(num_kv_heads, num_keys, HEAD_DIM, generator=g)
+    v = torch.randn(num_kv_heads, num_keys, HEAD_DIM, generator=g)
+    return q, k, v
+
+
+def explicit_attention(q, k, v, scale):
+    """Loop over heads and queries: query t of head h reads KV head h // G, keys 0 .. L - T + t."""
+    num_q_heads, num_queries, _ = q.shape
+    num_kv_heads, num_keys, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for h in range(num_q_heads):
+        kv = h // group
+        for t in range(num_queries):
+            visible = num_keys - num_queries + t + 1
+            weights = ((k[kv, :visible] @ q[h, t]) * scale).softmax(dim=0)
+            out[h, t] = weights @ v[kv, :visible]
+    return out
+
+
+def test_new_token_mask_is_bottom_right_causal():
+    mask = new_token_mask(3, 5, torch.device("cpu"))
+    expected = torch.tensor(
+        [
+            [1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 0],
+            [1, 1, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert mask.dtype == torch.bool
+    assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (1, 7), (3, 3), (4, 9)])
+def test_new_token_mask_formula(num_queries, num_keys):
+    mask = new_token_mask(num_queries, num_keys, torch.device("cpu"))
+    assert mask.shape == (num_queries, num_keys)
+    for t in range(num_queries):
+        for j in range(num_keys):
+            assert bool(mask[t, j]) == (j <= num_keys - num_queries + t)
+    assert bool(mask[-1].all())  # the last query sees every key
+
+
+@pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (1, 13), (4, 4), (5, 17)])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_reference_matches_explicit_loop(group, num_queries, num_keys):
+    q, k, v = qkv(4, 4 // group, num_queries, num_keys)
+    torch.testing.assert_close(attention_reference(q, k, v, SCALE), explicit_attention(q, k, v, SCALE))
+
+
+@pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (1, 13), (4, 4), (5, 17), (8, 40)])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("kernel", [attention, grouped_attention, sdpa_attention], ids=["dispatch", "grouped", "sdpa"])
+def test_attention_kernels_match_reference(kernel, group, num_queries, num_keys):
+    q, k, v = qkv(4, 4 // group, num_queries, num_keys, seed=num_keys)
+    out = kernel(q, k, v, SCALE)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_dispatch_uses_grouped_attention(monkeypatch):
+    module = sys.modules["kernels.attention"]  # the package re-exports a function under the same name
+
+    calls = []
+    original = module.grouped_attention
+    monkeypatch.setattr(module, "grouped_attention", lambda *a: calls.append(1) or original(*a))
+    q, k, v = qkv(4, 2, 2, 6)
+    module.attention(q, k, v, SCALE)
+    assert calls == [1]
+
+
+def test_multi_query_rows_equal_single_query_calls():
+    """Verifying T tokens at once gives the same outputs as T decode steps against a growing cache."""
+    q, k, v = qkv(4, 2, 5, 12, seed=3)
+    batched = attention(q, k, v, SCALE)
+    for t in range(5):
+        keys = 12 - 5 + t + 1
+        single = attention(q[:, t : t + 1], k[:, :keys], v[:, :keys], SCALE)
+        torch.testing.assert_close(batched[:, t : t + 1], single, atol=1e-6, rtol=1e-5)
+
+
+def test_masking_ignores_future_keys():
+    """Changing keys/values a query may not see must not change its output."""
+    q, k, v = qkv(4, 2, 3, 10, seed=4)
+    out = attention(q, k, v, SCALE)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, -1] += 5.0  # only the last query sees the last key
+    v2[:, -1] -= 3.0
+    out2 = attention(q, k2, v2, SCALE)
+    torch.testing.assert_close(out[:, :2], out2[:, :2])
+    assert not torch.allclose(out[:, 2], out2[:, 2])
+
+
+# --- retrieval kernels --------------------------------------------------------------------------------------
+
+
+def test_chunk_mean_keys_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 24, HEAD_DIM, generator=g)
+    means = chunk_mean_keys(k, 8)
+    assert means.shape == (2, 3, HEAD_DIM)
+    for h in range(2):
+        for c in range(3):
+            torch.testing.assert_close(means[h, c], k[h, c * 8 : (c + 1) * 8].mean(dim=0))
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1), (6, 2)])
+def test_score_chunks_sums_query_heads_of_each_kv_head(num_q_heads, num_kv_heads):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(num_q_heads, HEAD_DIM, generator=g)
+    means = torch.randn(num_kv_heads, 5, HEAD_DIM, generator=g)
+    scores = score_chunks(q, means)
+    group = num_q_heads // num_kv_heads
+    expected = torch.zeros(num_kv_heads, 5)
+    for h in range(num_q_heads):
+        for c in range(5):
+            expected[h // group, c] += torch.dot(q[h], means[h // group, c])
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_top_chunks_keeps_chunk_zero_sorted_and_best():
+    scores = torch.tensor(
+        [
+            [-100.0, 1.0, 5.0, 3.0, 4.0, -2.0],
+            [-1.0, 9.0, 0.0, 8.0, -5.0, 7.0],
+        ]
+    )
+    chosen = top_chunks(scores, 3)
+    assert chosen.tolist() == [[0, 2, 4], [0, 1, 3]]
+    assert scores[0, 0] == -100.0  # the input is not modified
+    assert top_chunks(scores, 1).tolist() == [[0], [0]]
+
+
+def test_top_chunks_random_properties():
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        scores = torch.randn(3, 12, generator=g)
+        chosen = top_chunks(scores, 4)
+        assert chosen.shape == (3, 4)
+        for h in range(3):
+            ids = chosen[h].tolist()
+            assert ids[0] == 0
+            assert ids == sorted(ids) and len(set(ids)) == 4
+            best_rest = sorted(range(1, 12), key=lambda c: -scores[h, c].item())[:3]
+            assert set(ids[1:]) == set(best_rest)
+
+
+def test_gather_chunks_picks_the_right_tokens():
+    num_kv_heads, length, chunk = 2, 20, 4
+    # key of token j in head h is (h * 1000 + j) in every dimension
+    k = (torch.arange(num_kv_heads)[:, None] * 1000 + torch.arange(length)[None, :]).float()
+    k = k[:, :, None].expand(-1, -1, HEAD_DIM).contiguous()
+    ids = torch.tensor([[0, 3], [0, 4]])
+    out = gather_chunks(k, ids, chunk)
+    assert out.shape == (2, 8, HEAD_DIM)
+    assert out[0, :, 0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert out[1, :, 0].tolist() == [1000, 1001, 1002, 1003, 1016, 1017, 1018, 1019]
+    assert torch.equal(out[:, :, 0:1].expand(-1, -1, HEAD_DIM), out)

@@ -1,0 +1,86 @@
+"""The library API: load the models once, then generate for many prompts.
+
+    from triforce_cli import EngineConfig, Pipeline, SamplingConfig
+
+    pipe = Pipeline.load(config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
+    result = pipe.generate("Summarise this report: ...", chat=True)
+    print(result.text, result.stats.ms_per_token)
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from triforce_cli.config import EngineConfig
+from triforce_cli.engine import Engine, PrefillCallback, TokenCallback
+from triforce_cli.errors import ConfigError
+from triforce_cli.loading import LoadedModel, StatusCallback, load_model
+from triforce_cli.prompts import encode_prompt
+from triforce_cli.stats import GenerationResult
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device '{device}'") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but no CUDA GPU is available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}' (choose from auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+@dataclass
+class Pipeline:
+    target: LoadedModel
+    drafter: LoadedModel | None
+    engine: Engine
+
+    @classmethod
+    def load(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        config: EngineConfig | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        status: StatusCallback | None = None,
+    ) -> "Pipeline":
+        """Load target (None: the embedded default) and optional drafter; config defaults to EngineConfig()."""
+        config = config or EngineConfig()
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        target_model = load_model(target, torch_dtype, torch_device, status)
+        drafter = load_model(draft, torch_dtype, torch_device, status) if draft is not None else None
+        return cls(target_model, drafter, Engine(target_model, config, drafter))
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def reconfigure(self, **changes) -> None:
+        """Change settings (mode, budget, sampling, ...) keeping the loaded models."""
+        self.engine = Engine(self.target, replace(self.config, **changes), self.drafter)
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        return encode_prompt(self.target.tokenizer, prompt, chat)
+
+    def generate(
+        self,
+        prompt: str,
+        chat: bool = False,
+        on_prefill: PrefillCallback | None = None,
+        on_tokens: TokenCallback | None = None,
+    ) -> GenerationResult:
+        return self.engine.generate(self.encode(prompt, chat), on_prefill, on_tokens)

@@ -1,0 +1,118 @@
+"""Rich rendering for the CLI: prefill progress, tier-coloured token stream and the closing summary."""
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+from transformers import PreTrainedTokenizerBase
+
+from triforce_cli.stats import GenerationStats
+
+TIER_STYLES = {"drafter": "green", "retrieval": "yellow", "target": "cyan"}
+
+
+def tier_legend() -> Text:
+    legend = Text("tokens by tier: ")
+    for tier, style in TIER_STYLES.items():
+        legend.append(f"{tier} ", style=style)
+    return legend
+
+
+class TokenStream:
+    """Prints newly accepted tokens as text, each coloured by the tier that sampled it.
+
+    The whole generated sequence is decoded each time, so multi-token characters and merged spaces come out
+    right; text is held back while it ends in an incomplete character.
+    """
+
+    def __init__(self, console: Console, tokenizer: PreTrainedTokenizerBase):
+        self.console = console
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, tokens: list[int], origins: list[str]) -> None:
+        for token, origin in zip(tokens, origins):
+            self.ids.append(token)
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if text.endswith("\ufffd") or len(text) <= self.printed:
+                continue
+            self.console.print(text[self.printed :], style=TIER_STYLES.get(origin), end="", soft_wrap=True)
+            self.printed = len(text)
+
+    def finish(self) -> None:
+        self.console.print()
+
+
+class PrefillProgress:
+    """A progress bar per model while the prompt is prefilled."""
+
+    def __init__(self, console: Console):
+        self.progress = Progress(
+            TextColumn("prefill {task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.completed}/{task.total} tokens"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "PrefillProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        if name not in self.tasks:
+            self.tasks[name] = self.progress.add_task(name, total=total)
+        self.progress.update(self.tasks[name], completed=done)
+        if done >= total:
+            self.progress.stop()
+
+
+def summary_table(stats: GenerationStats) -> Table:
+    table = Table(title="generation", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("mode", stats.mode),
+        ("drafter", stats.drafter or "-"),
+        ("prompt tokens", str(stats.prompt_tokens)),
+        ("prefill", f"{stats.prefill_seconds:.2f} s"),
+        ("new tokens", str(stats.new_tokens)),
+        ("per-token latency", f"{stats.ms_per_token:.1f} ms (median step {stats.median_ms_per_token:.1f} ms)"),
+        ("throughput", f"{stats.tokens_per_second:.1f} tokens/s"),
+        ("stopped by", stats.stop_reason),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def acceptance_table(stats: GenerationStats) -> Table | None:
+    if not stats.acceptance:
+        return None
+    table = Table(title="acceptance per tier", title_justify="left")
+    for column in ("proposer", "verifier", "drafted", "accepted", "rate", "mean accepted length"):
+        table.add_column(column, justify="left" if column in ("proposer", "verifier") else "right")
+    for a in stats.acceptance:
+        table.add_row(
+            Text(a.proposer, style=TIER_STYLES.get(a.proposer)),
+            Text(a.verifier, style=TIER_STYLES.get(a.verifier)),
+            str(a.drafted),
+            str(a.accepted),
+            f"{a.acceptance_rate:.1%}",
+            f"{a.mean_accepted_length:.2f}",
+        )
+    return table
+
+
+def print_summary(console: Console, stats: GenerationStats) -> None:
+    console.print(summary_table(stats))
+    table = acceptance_table(stats)
+    if table is not None:
+        console.print(table)
