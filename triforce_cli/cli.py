@@ -72,6 +72,9 @@ def generate(
     sink_tokens: Annotated[int, typer.Option(help="Drafter StreamingLLM attention sinks.")] = DEFAULTS.sink_tokens,
     gamma1: Annotated[int, typer.Option(help="Drafter tokens per verification.")] = DEFAULTS.gamma1,
     gamma2: Annotated[int, typer.Option(help="Tokens the full cache verifies per pass.")] = DEFAULTS.gamma2,
+    ngram: Annotated[
+        bool, typer.Option("--ngram", help="Training-free n-gram (prompt lookup) proposer at the bottom tier.")
+    ] = DEFAULTS.ngram,
     refresh_interval: Annotated[
         int, typer.Option(help="Full verifications between retrieval-chunk selections.")
     ] = DEFAULTS.refresh_interval,
@@ -104,6 +107,7 @@ def generate(
             gamma2=gamma2,
             max_new_tokens=max_new_tokens,
             refresh_interval=refresh_interval,
+            ngram=ngram,
             sampling=sampling,
         )
         text = read_prompt(prompt_file)

@@ -19,6 +19,8 @@ class EngineConfig:
     gamma1: drafter tokens per verification by the tier above it; gamma2: tokens target@full verifies per pass
     in ``triforce`` and ``retrieval`` modes.
     refresh_interval: full verifications between two chunk selections of the retrieval cache.
+    ngram: put the training-free n-gram proposer at the bottom of the hierarchy (alone as the drafter tier, or
+    under the model drafter when one is given); ngram_max is the longest suffix it matches.
     """
 
     mode: str = "triforce"
@@ -31,6 +33,8 @@ class EngineConfig:
     max_new_tokens: int = 256
     refresh_interval: int = 4
     prefill_chunk: int = 512
+    ngram: bool = False
+    ngram_max: int = 3
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
@@ -49,6 +53,11 @@ class EngineConfig:
             (self.max_new_tokens > 0, "max new tokens must be positive"),
             (self.refresh_interval > 0, "refresh interval must be positive"),
             (self.prefill_chunk > 0, "prefill chunk must be positive"),
+            (self.ngram_max > 0, "n-gram length must be positive"),
+            (
+                not self.ngram or self.mode in ("streaming", "triforce"),
+                "--ngram needs a mode with a drafter tier (streaming or triforce)",
+            ),
             (self.sampling.temperature >= 0, "temperature must not be negative"),
             (0 < self.sampling.top_p <= 1, "top-p must lie in (0, 1]"),
             (self.sampling.top_k >= 0, "top-k must not be negative"),

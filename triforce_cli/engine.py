@@ -16,6 +16,7 @@ from triforce_cli.config import EngineConfig
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.loading import LoadedModel
 from triforce_cli.model import Transformer
+from triforce_cli.ngram import NGramProposer
 from triforce_cli.sampling import probabilities, sample
 from triforce_cli.speculative import ModelTier
 from triforce_cli.stats import GenerationResult, GenerationStats
@@ -42,12 +43,20 @@ class Engine:
         self._caches: _Caches | None = None
 
     @property
+    def uses_model_drafter(self) -> bool:
+        """A model tier drafts: the given drafter, or the target itself when neither drafter nor n-gram is set."""
+        return self.config.uses_drafter and (self.drafter is not None or not self.config.ngram)
+
+    @property
     def drafter_description(self) -> str | None:
         if not self.config.uses_drafter:
             return None
+        ngram = "n-gram prompt lookup (training-free)"
+        if not self.uses_model_drafter:
+            return ngram
         if self.drafter is None:
             return f"{self.target.name} itself on a StreamingLLM cache (self-speculation; no --draft given)"
-        return self.drafter.name
+        return f"{self.drafter.name} with {ngram} under it" if self.config.ngram else self.drafter.name
 
     @property
     def _drafter_model(self) -> Transformer:
@@ -70,7 +79,7 @@ class Engine:
             recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
             retrieval = RetrievalCache(full, cfg.budget_for(prompt_tokens), cfg.chunk_size, recent)
         streaming = None
-        if cfg.uses_drafter:
+        if self.uses_model_drafter:
             draft = self._drafter_model.config
             streaming = StreamingCache(
                 draft.num_layers,
@@ -89,9 +98,11 @@ class Engine:
         cfg = self.config
         sampling = cfg.sampling
         model = self.target.model
-        drafter = None
+        drafter = NGramProposer(model.config.vocab_size, cfg.ngram_max) if cfg.ngram else None
         if caches.streaming is not None:
-            drafter = ModelTier("drafter", self._drafter_model, caches.streaming, sampling, generator)
+            drafter = ModelTier(
+                "drafter", self._drafter_model, caches.streaming, sampling, generator, drafter, cfg.gamma1
+            )
         if cfg.mode == "autoregressive":
             return ModelTier("target", model, caches.full, sampling, generator)
         if cfg.mode == "streaming":

@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from triforce_cli.stats import GenerationStats
 
-TIER_STYLES = {"drafter": "green", "retrieval": "yellow", "target": "cyan"}
+TIER_STYLES = {"ngram": "magenta", "drafter": "green", "retrieval": "yellow", "target": "cyan"}
 
 
 def tier_legend() -> Text:

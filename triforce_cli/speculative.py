@@ -101,7 +101,8 @@ class ModelTier:
         draft = self.proposer.propose(prefix, self.gamma)
         probs = self._forward(prefix, draft.tokens)  # (gamma + 1, V)
         device = probs.device
-        verdict = verify_draft(torch.tensor(draft.tokens, device=device), draft.probs.to(device), probs, self.generator)
+        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
+        verdict = verify_draft(draft_tokens, draft.probs.to(device), probs, self.generator)
         self.stats.drafted += len(draft.tokens)
         self.stats.accepted += verdict.accepted
         self.stats.verifications += 1

@@ -1,0 +1,60 @@
+"""Training-free n-gram proposer (prompt lookup): continue the longest suffix that occurred earlier in the text.
+
+It proposes the tokens that followed the latest earlier occurrence of the sequence's last ``max_ngram`` tokens,
+falling back to shorter suffixes down to ``min_ngram``. Its proposal distribution is one-hot, so the tier above
+accepts a token x with probability p(x) and otherwise resamples from p without x: still exact. It may propose
+fewer tokens than asked (none when nothing matches); the tier above then verifies what there is.
+
+Lookups are dictionary hits: every n-gram's latest start is indexed as the sequence grows. Only the tail of the
+sequence changes between calls (rejected drafts), so only the tail is re-indexed; a stale entry is caught by
+checking the match against the sequence itself.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from triforce_cli.speculative import Proposal
+
+TAIL_RECHECK = 64  # positions compared to find where the sequence diverged from the indexed one
+
+
+@dataclass
+class NGramProposer:
+    vocab_size: int
+    max_ngram: int = 3
+    min_ngram: int = 1
+    name: str = "ngram"
+    _starts: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)
+    _indexed: list[int] = field(default_factory=list, repr=False)
+
+    def _reindex(self, prefix: list[int]) -> None:
+        same = min(len(self._indexed), len(prefix))
+        floor = max(0, same - TAIL_RECHECK)
+        while same > floor and self._indexed[same - 1] != prefix[same - 1]:
+            same -= 1
+        first = max(0, same - self.max_ngram)
+        # An n-gram starting at i is indexed once a token follows it, so the final suffix never matches itself.
+        for i in range(first, len(prefix) - self.min_ngram):
+            for size in range(self.min_ngram, min(self.max_ngram, len(prefix) - 1 - i) + 1):
+                self._starts[tuple(prefix[i : i + size])] = i
+        self._indexed = list(prefix)
+
+    def continuation(self, prefix: list[int], n: int) -> list[int]:
+        """Up to n tokens that followed the latest earlier occurrence of prefix's longest matching suffix."""
+        self._reindex(prefix)
+        for size in range(min(self.max_ngram, len(prefix) - 1), self.min_ngram - 1, -1):
+            suffix = tuple(prefix[-size:])
+            start = self._starts.get(suffix)
+            if start is not None and start + size < len(prefix) and tuple(prefix[start : start + size]) == suffix:
+                return prefix[start + size : start + size + n]
+        return []
+
+    def propose(self, prefix: list[int], n: int) -> Proposal:
+        tokens = self.continuation(prefix, n)
+        probs = torch.zeros((len(tokens), self.vocab_size))
+        probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+        return Proposal(tokens, probs, [self.name] * len(tokens))
+
+    def rollback(self, length: int) -> None:
+        """Nothing to undo: proposals are read off the sequence itself."""
