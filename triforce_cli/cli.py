@@ -2,6 +2,7 @@
 
 import json
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -87,6 +88,9 @@ def generate(
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
     threads: Annotated[int | None, typer.Option(help="CPU threads for torch.")] = None,
+    prompt_cache: Annotated[
+        Path | None, typer.Option(help="Folder to keep prefilled prompts in and reuse them from.")
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object and nothing else.")] = False,
 ) -> None:
     """Generate a continuation of a (long) prompt, exactly as the target model would."""
@@ -116,7 +120,7 @@ def generate(
         prompt_ids = pipe.encode(text, chat=chat)
         pipe.engine.check_prompt(prompt_ids)
         if json_output:
-            result = pipe.engine.generate(prompt_ids)
+            result = pipe.generate_ids(prompt_ids, prompt_cache=prompt_cache)
             print(json.dumps({"token_ids": result.token_ids, "text": result.text, **result.stats.as_dict()}))
         else:
             if pipe.engine.drafter_description:
@@ -124,7 +128,7 @@ def generate(
             err.print(tier_legend())
             stream = TokenStream(out, pipe.target.tokenizer)
             with PrefillProgress(err) as progress:
-                result = pipe.engine.generate(prompt_ids, on_prefill=progress, on_tokens=stream)
+                result = pipe.generate_ids(prompt_ids, progress, stream, prompt_cache)
             stream.finish()
             print_summary(err, result.stats)
         if result.stats.stop_reason == "interrupted":

@@ -17,6 +17,7 @@ from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.loading import LoadedModel
 from triforce_cli.model import Transformer
 from triforce_cli.ngram import NGramProposer
+from triforce_cli.prompt_state import PromptState
 from triforce_cli.sampling import probabilities, sample
 from triforce_cli.speculative import ModelTier
 from triforce_cli.stats import GenerationResult, GenerationStats
@@ -134,14 +135,29 @@ class Engine:
         if self.config.uses_retrieval:
             self.config.budget_for(len(prompt_ids))
 
+    def prefill(self, prompt_ids: list[int], on_prefill: PrefillCallback | None = None) -> PromptState:
+        """Prefill the target once, for reuse by generate(prompt_state=...) and the prompt cache."""
+        self.check_prompt(prompt_ids)
+        full = self._allocate(len(prompt_ids)).full
+        logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill)
+        return PromptState.capture(full, prompt_ids, logits)
+
     def generate(
         self,
         prompt_ids: list[int],
         on_prefill: PrefillCallback | None = None,
         on_tokens: TokenCallback | None = None,
+        prompt_state: PromptState | None = None,
+        on_prompt_state: Callable[[PromptState], None] | None = None,
     ) -> GenerationResult:
-        """Generate after prompt_ids. Ctrl-C stops early and still returns what was generated."""
+        """Generate after prompt_ids, restoring prompt_state instead of prefilling when it is given.
+
+        on_prompt_state receives the freshly prefilled prompt (to save it). Ctrl-C stops early and still returns
+        what was generated.
+        """
         self.check_prompt(prompt_ids)
+        if prompt_state is not None and not prompt_state.matches(prompt_ids):
+            raise PromptError("the saved prompt state belongs to another prompt")
         cfg = self.config
         generator = torch.Generator(device=self.target.device)
         generator.manual_seed(cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed())
@@ -150,7 +166,14 @@ class Engine:
         try:
             caches = self._allocate(len(prompt_ids))
             started = time.perf_counter()
-            logits = self._prefill(self.target.name, self.target.model, caches.full, prompt_ids, on_prefill)
+            if prompt_state is None:
+                logits = self._prefill(self.target.name, self.target.model, caches.full, prompt_ids, on_prefill)
+                if on_prompt_state is not None:
+                    on_prompt_state(PromptState.capture(caches.full, prompt_ids, logits))
+            else:
+                prompt_state.restore(caches.full)
+                logits = prompt_state.last_logits
+                stats.prompt_cached = True
             if caches.retrieval is not None:
                 caches.retrieval.select_chunks()
             if caches.streaming is not None:

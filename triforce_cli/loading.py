@@ -30,6 +30,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: PreTrainedTokenizerBase
     hf_config: PretrainedConfig
+    source: str = ""  # the checkpoint folder it was loaded from
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,4 +156,4 @@ def load_model(
         raise ModelLoadError(f"{name}: checkpoint lacks weights such as {missing[0]}")
     inv_freq, _ = rope_frequencies(hf_config, model.config.head_dim)
     model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-    return LoadedModel(name, model.eval(), tokenizer, hf_config)
+    return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder))

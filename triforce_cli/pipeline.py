@@ -8,6 +8,7 @@
 """
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.errors import ConfigError
 from triforce_cli.loading import LoadedModel, StatusCallback, load_model
+from triforce_cli.prompt_state import PromptState, prompt_cache_file
 from triforce_cli.prompts import encode_prompt
 from triforce_cli.stats import GenerationResult
 
@@ -76,11 +78,28 @@ class Pipeline:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt, chat)
 
+    def generate_ids(
+        self,
+        prompt_ids: list[int],
+        on_prefill: PrefillCallback | None = None,
+        on_tokens: TokenCallback | None = None,
+        prompt_cache: Path | None = None,
+    ) -> GenerationResult:
+        """Generate after token ids; with prompt_cache, reuse a saved prefill of them or save this one there."""
+        if prompt_cache is None:
+            return self.engine.generate(prompt_ids, on_prefill, on_tokens)
+        path = prompt_cache_file(prompt_cache, self.target.source, self.target.dtype, prompt_ids)
+        state = PromptState.load(path, self.target.device) if path.is_file() else None
+        if state is not None and state.matches(prompt_ids):
+            return self.engine.generate(prompt_ids, on_prefill, on_tokens, prompt_state=state)
+        return self.engine.generate(prompt_ids, on_prefill, on_tokens, on_prompt_state=lambda st: st.save(path))
+
     def generate(
         self,
         prompt: str,
         chat: bool = False,
         on_prefill: PrefillCallback | None = None,
         on_tokens: TokenCallback | None = None,
+        prompt_cache: Path | None = None,
     ) -> GenerationResult:
-        return self.engine.generate(self.encode(prompt, chat), on_prefill, on_tokens)
+        return self.generate_ids(self.encode(prompt, chat), on_prefill, on_tokens, prompt_cache)

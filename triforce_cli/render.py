@@ -82,7 +82,7 @@ def summary_table(stats: GenerationStats) -> Table:
         ("mode", stats.mode),
         ("drafter", stats.drafter or "-"),
         ("prompt tokens", str(stats.prompt_tokens)),
-        ("prefill", f"{stats.prefill_seconds:.2f} s"),
+        ("prefill", f"{stats.prefill_seconds:.2f} s" + (" (restored from the prompt cache)" if stats.prompt_cached else "")),
         ("new tokens", str(stats.new_tokens)),
         ("per-token latency", f"{stats.ms_per_token:.1f} ms (median step {stats.median_ms_per_token:.1f} ms)"),
         ("throughput", f"{stats.tokens_per_second:.1f} tokens/s"),

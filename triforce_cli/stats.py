@@ -18,6 +18,7 @@ class GenerationStats:
     round_tokens: list[int] = field(default_factory=list)  # tokens that step committed
     acceptance: list[AcceptanceStats] = field(default_factory=list)
     stop_reason: str = "max_new_tokens"  # or "eos", "interrupted"
+    prompt_cached: bool = False  # the prompt's KV cache was restored instead of prefilled
 
     @property
     def decoded_tokens(self) -> int:
@@ -45,6 +46,7 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "prefill_seconds": self.prefill_seconds,
+            "prompt_cached": self.prompt_cached,
             "decode_seconds": self.decode_seconds,
             "ms_per_token": self.ms_per_token,
             "median_ms_per_token": self.median_ms_per_token,

@@ -1,0 +1,69 @@
+"""A prefilled prompt that can be reused: the full KV cache, the last queries and the next-token logits.
+
+Prefill of a long prompt dominates end-to-end time on a CPU, so ``Engine.prefill`` captures it once; every mode
+of a benchmark, every repeat, and later runs through ``--prompt-cache`` restore it instead of recomputing.
+Files are safetensors, named by a hash of the model's source, the dtype and the prompt's token ids.
+"""
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cache import FullCache
+from triforce_cli.errors import PromptError
+
+
+@dataclass
+class PromptState:
+    prompt_ids: torch.Tensor  # (P,)
+    keys: torch.Tensor  # (layers, Hkv, P, D)
+    values: torch.Tensor  # (layers, Hkv, P, D)
+    last_queries: torch.Tensor  # (layers, Hq, D): queries at the last prompt position
+    last_logits: torch.Tensor  # (1, V): logits after the last prompt token
+
+    @classmethod
+    def capture(cls, full: FullCache, prompt_ids: list[int], last_logits: torch.Tensor) -> "PromptState":
+        length = full.length
+        queries = torch.stack([full.query_at(layer, length - 1) for layer in range(full.keys.shape[0])])
+        return cls(
+            torch.tensor(prompt_ids, dtype=torch.long),
+            full.keys[:, :, :length].clone(),
+            full.values[:, :, :length].clone(),
+            queries.clone(),
+            last_logits.clone(),
+        )
+
+    def matches(self, prompt_ids: list[int]) -> bool:
+        return self.prompt_ids.tolist() == list(prompt_ids)
+
+    def restore(self, full: FullCache) -> None:
+        """Put the prompt into a full cache as if it had just been prefilled."""
+        length = self.keys.shape[2]
+        full.reset()
+        full.prepare(0, length)
+        full.keys[:, :, :length] = self.keys
+        full.values[:, :, :length] = self.values
+        full.queries = [q[:, None, :] for q in self.last_queries]  # (Hq, 1, D) per layer
+        full.query_start = length - 1
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        save_file({name: t.contiguous() for name, t in vars(self).items()}, partial)
+        partial.rename(path)
+
+    @classmethod
+    def load(cls, path: Path, device: torch.device | str = "cpu") -> "PromptState":
+        try:
+            return cls(**load_file(path, device=str(device)))
+        except Exception as err:  # safetensors raises its own error types for damaged files
+            raise PromptError(f"cannot read prompt cache {path}: {err}") from None
+
+
+def prompt_cache_file(folder: Path, model_source: str, dtype: torch.dtype, prompt_ids: list[int]) -> Path:
+    digest = hashlib.sha256(f"{model_source}|{dtype}|".encode())
+    digest.update(torch.tensor(prompt_ids, dtype=torch.long).numpy().tobytes())
+    return folder / f"prompt-{digest.hexdigest()[:16]}.safetensors"
