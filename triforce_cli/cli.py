@@ -1,6 +1,8 @@
 """The `triforce` command line: thin Typer commands over the library API."""
 
 import json
+import shlex
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -9,8 +11,11 @@ import torch
 import typer
 from rich.console import Console
 
+from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig
+from triforce_cli.bench_report import bench_table, plot_latency, write_results
 from triforce_cli.config import MODES, EngineConfig
-from triforce_cli.errors import TriforceError
+from triforce_cli.corpus import DOCUMENTS, builtin_document
+from triforce_cli.errors import ConfigError, PromptError, TriforceError
 from triforce_cli.pipeline import Pipeline
 from triforce_cli.prompts import read_prompt
 from triforce_cli.render import PrefillProgress, TokenStream, print_summary, tier_legend
@@ -24,7 +29,29 @@ app = typer.Typer(
 )
 DEFAULTS = EngineConfig()
 SAMPLING_DEFAULTS = SamplingConfig()
+BENCH_DEFAULTS = BenchConfig()
 INTERRUPTED_EXIT_CODE = 130
+
+Target = Annotated[
+    str | None, typer.Option(help="Target model: folder, .safetensors, .gguf or hub id (default: embedded).")
+]
+Draft = Annotated[
+    str | None, typer.Option(help="Drafter model sharing the target's tokenizer (default: the target itself).")
+]
+ChunkSize = Annotated[int, typer.Option(help="Retrieval-cache chunk size in tokens.")]
+DraftWindow = Annotated[int, typer.Option(help="Drafter StreamingLLM recent window.")]
+SinkTokens = Annotated[int, typer.Option(help="Drafter StreamingLLM attention sinks.")]
+Gamma1 = Annotated[int, typer.Option(help="Drafter tokens per verification.")]
+Gamma2 = Annotated[int, typer.Option(help="Tokens the full cache verifies per pass.")]
+RefreshInterval = Annotated[int, typer.Option(help="Full verifications between retrieval-chunk selections.")]
+MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate at most.")]
+Temperature = Annotated[float, typer.Option(help="0 means greedy.")]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")]
+TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 keeps all.")]
+Seed = Annotated[int | None, typer.Option(help="Random seed for sampling.")]
+Dtype = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+Device = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
+Threads = Annotated[int | None, typer.Option(help="CPU threads for torch.")]
 
 
 @app.callback()
@@ -55,39 +82,54 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'2k,7.5k,32768' -> (2048, 7680, 32768)."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        try:
+            sizes.append(round(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+        except ValueError:
+            raise ConfigError(f"cannot read '{part}' as a token count (e.g. 2k, 7.5k or 4096)") from None
+    return tuple(sizes)
+
+
+def parse_names(text: str, known) -> tuple[str, ...]:
+    """'a, b' -> ('a', 'b'), each one of known."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"unknown name '{name}' (choose from {', '.join(known)})")
+    return names
+
+
 @app.command()
 def generate(
     prompt_file: Annotated[str, typer.Option("--prompt-file", "-p", help="Prompt text file; '-' reads stdin.")],
-    target: Annotated[
-        str | None, typer.Option(help="Target model: folder, .safetensors, .gguf or hub id (default: embedded).")
-    ] = None,
-    draft: Annotated[
-        str | None, typer.Option(help="Drafter model sharing the target's tokenizer (default: the target itself).")
-    ] = None,
+    target: Target = None,
+    draft: Draft = None,
     mode: Annotated[str, typer.Option(help=f"One of: {', '.join(MODES)}.")] = DEFAULTS.mode,
     budget: Annotated[
         int | None, typer.Option(help="Retrieval-cache budget in tokens (default: min(1024, prompt)).")
     ] = DEFAULTS.budget,
-    chunk_size: Annotated[int, typer.Option(help="Retrieval-cache chunk size in tokens.")] = DEFAULTS.chunk_size,
-    draft_window: Annotated[int, typer.Option(help="Drafter StreamingLLM recent window.")] = DEFAULTS.draft_window,
-    sink_tokens: Annotated[int, typer.Option(help="Drafter StreamingLLM attention sinks.")] = DEFAULTS.sink_tokens,
-    gamma1: Annotated[int, typer.Option(help="Drafter tokens per verification.")] = DEFAULTS.gamma1,
-    gamma2: Annotated[int, typer.Option(help="Tokens the full cache verifies per pass.")] = DEFAULTS.gamma2,
+    chunk_size: ChunkSize = DEFAULTS.chunk_size,
+    draft_window: DraftWindow = DEFAULTS.draft_window,
+    sink_tokens: SinkTokens = DEFAULTS.sink_tokens,
+    gamma1: Gamma1 = DEFAULTS.gamma1,
+    gamma2: Gamma2 = DEFAULTS.gamma2,
     ngram: Annotated[
         bool, typer.Option("--ngram", help="Training-free n-gram (prompt lookup) proposer at the bottom tier.")
     ] = DEFAULTS.ngram,
-    refresh_interval: Annotated[
-        int, typer.Option(help="Full verifications between retrieval-chunk selections.")
-    ] = DEFAULTS.refresh_interval,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = DEFAULTS.max_new_tokens,
-    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = SAMPLING_DEFAULTS.temperature,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = SAMPLING_DEFAULTS.top_p,
-    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 keeps all.")] = SAMPLING_DEFAULTS.top_k,
-    seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
+    refresh_interval: RefreshInterval = DEFAULTS.refresh_interval,
+    max_new_tokens: MaxNewTokens = DEFAULTS.max_new_tokens,
+    temperature: Temperature = SAMPLING_DEFAULTS.temperature,
+    top_p: TopP = SAMPLING_DEFAULTS.top_p,
+    top_k: TopK = SAMPLING_DEFAULTS.top_k,
+    seed: Seed = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
-    threads: Annotated[int | None, typer.Option(help="CPU threads for torch.")] = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = None,
     prompt_cache: Annotated[
         Path | None, typer.Option(help="Folder to keep prefilled prompts in and reuse them from.")
     ] = None,
@@ -133,3 +175,92 @@ def generate(
             print_summary(err, result.stats)
         if result.stats.stop_reason == "interrupted":
             raise typer.Exit(INTERRUPTED_EXIT_CODE)
+
+
+@app.command()
+def bench(
+    prompt_file: Annotated[
+        list[Path] | None,
+        typer.Option("--prompt-file", "-p", help="Prompt file(s); repeat the option for several."),
+    ] = None,
+    builtin: Annotated[
+        str, typer.Option(help=f"Built-in prompts when no file is given, from: {', '.join(DOCUMENTS)}.")
+    ] = next(iter(DOCUMENTS)),
+    context: Annotated[
+        str, typer.Option(help="Context lengths to cut each prompt to, e.g. 2k,7.5k,32k.")
+    ] = ",".join(map(str, BENCH_DEFAULTS.contexts)),
+    modes: Annotated[
+        str, typer.Option(help=f"Comma-separated, from: {', '.join(ALL_MODES)}.")
+    ] = ",".join(DEFAULT_MODES),
+    budget: Annotated[
+        str, typer.Option(help="Retrieval budgets to sweep, e.g. 256,1024 (auto: min(1024, prompt)).")
+    ] = "auto",
+    chunk_size: Annotated[str, typer.Option(help="Retrieval chunk sizes to sweep, e.g. 8,16.")] = str(
+        DEFAULTS.chunk_size
+    ),
+    max_new_tokens: MaxNewTokens = BENCH_DEFAULTS.max_new_tokens,
+    repeats: Annotated[int, typer.Option(help="Timed runs of every mode.")] = BENCH_DEFAULTS.repeats,
+    warmup: Annotated[int, typer.Option(help="Untimed runs of every mode first.")] = BENCH_DEFAULTS.warmup,
+    temperature: Temperature = 0.0,
+    top_p: TopP = SAMPLING_DEFAULTS.top_p,
+    top_k: TopK = SAMPLING_DEFAULTS.top_k,
+    seed: Seed = 0,
+    target: Target = None,
+    draft: Draft = None,
+    draft_window: DraftWindow = DEFAULTS.draft_window,
+    sink_tokens: SinkTokens = DEFAULTS.sink_tokens,
+    gamma1: Gamma1 = DEFAULTS.gamma1,
+    gamma2: Gamma2 = DEFAULTS.gamma2,
+    refresh_interval: RefreshInterval = DEFAULTS.refresh_interval,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = None,
+    out: Annotated[Path | None, typer.Option(help="Write results to a .json or .csv file.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
+) -> None:
+    """Per-token latency of every mode and the peers, side by side on the same prompts."""
+    err = Console(stderr=True)
+    quiet_libraries()
+    with reported_errors(err):
+        if threads is not None:
+            torch.set_num_threads(threads)
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        config = BenchConfig(
+            modes=parse_names(modes, ALL_MODES),
+            contexts=parse_sizes(context),
+            max_new_tokens=max_new_tokens,
+            repeats=repeats,
+            warmup=warmup,
+            budgets=(None,) if budget == "auto" else parse_sizes(budget),
+            chunk_sizes=parse_sizes(chunk_size),
+            sampling=sampling,
+        )
+        engine_config = EngineConfig(
+            sink_tokens=sink_tokens,
+            draft_window=draft_window,
+            gamma1=gamma1,
+            gamma2=gamma2,
+            refresh_interval=refresh_interval,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+        )
+        pipe = Pipeline.load(target, draft, engine_config, dtype, device, lambda message: err.print(f"[dim]{message}[/]"))
+        if prompt_file:
+            prompts = {path.name: read_prompt(str(path)) for path in prompt_file}
+        else:
+            prompts = {name: builtin_document(name) for name in parse_names(builtin, DOCUMENTS)}
+        runner = Bench(pipe, config)
+        rows = []
+        for name, text in prompts.items():
+            ids = pipe.encode(text)
+            for length in config.contexts:
+                if length > len(ids):
+                    raise PromptError(f"prompt {name} has {len(ids)} tokens, fewer than the context {length}")
+                err.print(f"[dim]{name} at {length} tokens: prefill, then {len(config.modes)} modes...[/]")
+                rows += runner.run_context(name, ids[:length])
+        Console(width=None if sys.stdout.isatty() else 220).print(bench_table(rows))
+        command = shlex.join(["triforce", *sys.argv[1:]])
+        if out is not None:
+            write_results(rows, out, command)
+        if plot is not None:
+            plot_latency(rows, plot)

@@ -93,7 +93,7 @@ def download_folder(repo_id: str) -> Path:
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as err:  # the hub client raises many kinds: offline, not found, gated, bad id
+    except Exception as err:  # noqa: BLE001 - the hub client raises many kinds: offline, not found, gated, bad id
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ModelLoadError(
             f"unknown model '{repo_id}': not a local file or folder, and not available from the hub ({reason})"

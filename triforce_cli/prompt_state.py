@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cache import FullCache
@@ -59,7 +60,7 @@ class PromptState:
     def load(cls, path: Path, device: torch.device | str = "cpu") -> "PromptState":
         try:
             return cls(**load_file(path, device=str(device)))
-        except Exception as err:  # safetensors raises its own error types for damaged files
+        except (OSError, SafetensorError, TypeError) as err:
             raise PromptError(f"cannot read prompt cache {path}: {err}") from None
 
 

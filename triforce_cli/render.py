@@ -1,5 +1,7 @@
 """Rich rendering for the CLI: prefill progress, tier-coloured token stream and the closing summary."""
 
+from typing import Self
+
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -59,7 +61,7 @@ class PrefillProgress:
         )
         self.tasks: dict[str, int] = {}
 
-    def __enter__(self) -> "PrefillProgress":
+    def __enter__(self) -> Self:
         self.progress.start()
         return self
 

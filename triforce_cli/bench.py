@@ -1,0 +1,200 @@
+"""`triforce bench`: per-token latency of our modes and the peers, side by side, in one process.
+
+For every context length the prompt is cut to that many tokens and prefilled once; our modes restore that
+prefill, so they differ only in decoding. Repeats interleave the modes, so drift of a noisy machine touches them
+alike. Each row reports median, min and max per-token decode latency over the repeats, the speed-up of the
+median over our autoregressive mode and over plain transformers generate, the acceptance per tier, and whether
+greedy output matched our autoregressive output.
+"""
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from triforce_cli.config import EngineConfig
+from triforce_cli.engine import Engine
+from triforce_cli.errors import ConfigError
+from triforce_cli.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate, load_hf_model
+from triforce_cli.pipeline import Pipeline
+from triforce_cli.sampling import SamplingConfig
+
+OUR_MODES = {
+    "autoregressive": {"mode": "autoregressive"},
+    "retrieval": {"mode": "retrieval"},
+    "streaming": {"mode": "streaming"},
+    "triforce": {"mode": "triforce"},
+    "ngram": {"mode": "streaming", "ngram": True},
+    "triforce-ngram": {"mode": "triforce", "ngram": True},
+}
+ALL_MODES = (*OUR_MODES, *HF_PEERS)
+DEFAULT_MODES = ("autoregressive", "retrieval", "streaming", "triforce", "ngram", "triforce-ngram", "hf", "hf-lookup")
+RETRIEVAL_MODES = ("retrieval", "triforce", "triforce-ngram")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    modes: tuple[str, ...] = DEFAULT_MODES
+    contexts: tuple[int, ...] = (1024,)
+    max_new_tokens: int = 32
+    repeats: int = 3
+    warmup: int = 1  # untimed runs of every mode before the first repeat
+    budgets: tuple[int | None, ...] = (None,)
+    chunk_sizes: tuple[int, ...] = (16,)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0))
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes if m not in ALL_MODES]
+        if unknown:
+            raise ConfigError(f"unknown bench mode '{unknown[0]}' (choose from {', '.join(ALL_MODES)})")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ConfigError("repeats must be at least 1 and warm-up not negative")
+        if not self.contexts or min(self.contexts) < 1:
+            raise ConfigError("context lengths must be positive")
+        for chunk_size in self.chunk_sizes:
+            for budget in self.budgets:
+                EngineConfig(budget=budget, chunk_size=chunk_size)  # raises on an inconsistent pair
+
+
+@dataclass
+class BenchRow:
+    prompt: str
+    mode: str
+    context: int
+    budget: int | None
+    chunk_size: int | None
+    prefill_seconds: float
+    ms_per_token: list[float]  # one per repeat
+    acceptance: list[dict] = field(default_factory=list)
+    matches_autoregressive: bool | None = None
+    speedup_vs_autoregressive: float | None = None
+    speedup_vs_hf: float | None = None
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.ms_per_token)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1000 / self.median_ms if self.median_ms else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt": self.prompt,
+            "mode": self.mode,
+            "context": self.context,
+            "budget": self.budget,
+            "chunk_size": self.chunk_size,
+            "prefill_seconds": self.prefill_seconds,
+            "median_ms_per_token": self.median_ms,
+            "min_ms_per_token": min(self.ms_per_token),
+            "max_ms_per_token": max(self.ms_per_token),
+            "tokens_per_second": self.tokens_per_second,
+            "speedup_vs_autoregressive": self.speedup_vs_autoregressive,
+            "speedup_vs_hf": self.speedup_vs_hf,
+            "matches_autoregressive": self.matches_autoregressive,
+            "acceptance": self.acceptance,
+            "repeats_ms_per_token": self.ms_per_token,
+        }
+
+
+@dataclass
+class _Variant:
+    """One row to measure: a mode with its retrieval settings."""
+
+    mode: str
+    budget: int | None
+    chunk_size: int | None
+    runs: list = field(default_factory=list)
+
+
+def _variants(config: BenchConfig) -> list[_Variant]:
+    variants = []
+    for mode in config.modes:
+        if mode in RETRIEVAL_MODES:
+            variants += [_Variant(mode, b, c) for b in config.budgets for c in config.chunk_sizes]
+        else:
+            variants.append(_Variant(mode, None, None))
+    return variants
+
+
+class Bench:
+    def __init__(self, pipe: Pipeline, config: BenchConfig):
+        self.pipe = pipe
+        self.config = config
+        self.base_config = replace(pipe.config, max_new_tokens=config.max_new_tokens, sampling=config.sampling)
+        self._hf = None
+        self._hf_assistant = None
+
+    def _hf_models(self):
+        if self._hf is None:
+            dtype = self.pipe.target.dtype
+            self._hf = load_hf_model(self.pipe.target.source, dtype)
+            assistant = self.pipe.drafter or self.pipe.target
+            self._hf_assistant = load_hf_model(assistant.source, dtype)
+        return self._hf, self._hf_assistant
+
+    def _run_peer(self, mode: str, prompt_ids: list[int]) -> TimedRun:
+        model, assistant = self._hf_models()
+        extra = {
+            "hf": {},
+            "hf-assisted": {"assistant": assistant},
+            "hf-lookup": {"prompt_lookup": PROMPT_LOOKUP_TOKENS},
+        }
+        return hf_generate(model, prompt_ids, self.config.max_new_tokens, self.config.sampling, **extra[mode])
+
+    def _engine(self, **changes) -> Engine:
+        return Engine(self.pipe.target, replace(self.base_config, **changes), self.pipe.drafter)
+
+    def _run_ours(self, variant: _Variant, prompt_ids: list[int], state):
+        changes = dict(OUR_MODES[variant.mode])
+        if variant.mode in RETRIEVAL_MODES:
+            changes.update(budget=variant.budget, chunk_size=variant.chunk_size)
+        return self._engine(**changes).generate(prompt_ids, prompt_state=state)
+
+    def run_context(
+        self, prompt: str, prompt_ids: list[int], on_run: Callable[[str, int], None] | None = None
+    ) -> list[BenchRow]:
+        """All rows for one prompt already cut to its context length."""
+        variants = _variants(self.config)
+        state = None
+        prefill_seconds = 0.0
+        if any(v.mode in OUR_MODES for v in variants):
+            started = time.perf_counter()
+            state = self._engine().prefill(prompt_ids)
+            prefill_seconds = time.perf_counter() - started
+        for repeat in range(-self.config.warmup, self.config.repeats):
+            for variant in variants:
+                if on_run is not None:
+                    on_run(variant.mode, repeat)
+                if variant.mode in OUR_MODES:
+                    run = self._run_ours(variant, prompt_ids, state)
+                else:
+                    run = self._run_peer(variant.mode, prompt_ids)
+                if repeat >= 0:
+                    variant.runs.append(run)
+        return self._rows(prompt, len(prompt_ids), variants, prefill_seconds)
+
+    def _rows(self, prompt: str, context: int, variants: list[_Variant], prefill_seconds: float) -> list[BenchRow]:
+        rows = []
+        reference = next((v.runs[0].token_ids for v in variants if v.mode == "autoregressive"), None)
+        for v in variants:
+            if v.mode in OUR_MODES:
+                stats = [r.stats for r in v.runs]
+                row = BenchRow(
+                    prompt, v.mode, context, v.budget, v.chunk_size, prefill_seconds, [s.ms_per_token for s in stats]
+                )
+                row.acceptance = stats[-1].as_dict()["acceptance"]
+            else:
+                peer_prefill = statistics.median(r.prefill_seconds for r in v.runs)
+                row = BenchRow(prompt, v.mode, context, None, None, peer_prefill, [r.ms_per_token for r in v.runs])
+            if self.config.sampling.greedy and reference is not None:
+                row.matches_autoregressive = v.runs[0].token_ids == reference
+            rows.append(row)
+        baseline = {r.mode: r.median_ms for r in rows if r.mode in ("autoregressive", "hf")}
+        for row in rows:
+            if "autoregressive" in baseline and row.median_ms:
+                row.speedup_vs_autoregressive = baseline["autoregressive"] / row.median_ms
+            if "hf" in baseline and row.median_ms:
+                row.speedup_vs_hf = baseline["hf"] / row.median_ms
+        return rows

@@ -1,0 +1,96 @@
+"""Rendering and writing `triforce bench` results: a Rich table, JSON or CSV files, and a latency plot."""
+
+import csv
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from triforce_cli.bench import BenchRow
+from triforce_cli.errors import ConfigError
+
+
+def machine_description() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def _acceptance_text(row: BenchRow) -> str:
+    return ", ".join(
+        f"{a['proposer']}→{a['verifier']} {a['acceptance_rate']:.0%} (len {a['mean_accepted_length']:.2f})"
+        for a in row.acceptance
+    )
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}×" if value is not None else "-"
+
+
+def bench_table(rows: list[BenchRow]) -> Table:
+    table = Table(title="per-token decode latency (median over repeats, [min-max])", title_justify="left")
+    for column in ("prompt", "context", "mode", "budget/chunk", "prefill s", "ms/token", "tok/s", "vs ours AR",
+                   "vs HF", "greedy = AR", "acceptance"):
+        table.add_column(column, justify="left" if column in ("prompt", "mode", "acceptance") else "right")
+    for row in rows:
+        match = {True: "yes", False: "[red]NO[/]", None: "-"}[row.matches_autoregressive]
+        table.add_row(
+            row.prompt,
+            str(row.context),
+            row.mode,
+            f"{row.budget or 'auto'}/{row.chunk_size}" if row.chunk_size else "-",
+            f"{row.prefill_seconds:.1f}",
+            f"{row.median_ms:.1f} [{min(row.ms_per_token):.1f}-{max(row.ms_per_token):.1f}]",
+            f"{row.tokens_per_second:.1f}",
+            _ratio(row.speedup_vs_autoregressive),
+            _ratio(row.speedup_vs_hf),
+            match,
+            _acceptance_text(row),
+        )
+    return table
+
+
+def write_results(rows: list[BenchRow], path: Path, command: str) -> None:
+    """JSON (rows with the command and machine) or CSV (one flat line per row), by the file's suffix."""
+    if path.suffix == ".json":
+        payload = {"command": command, "machine": machine_description(), "rows": [r.as_dict() for r in rows]}
+        path.write_text(json.dumps(payload, indent=2))
+    elif path.suffix == ".csv":
+        with path.open("w", newline="") as handle:
+            flat = [{**r.as_dict(), "acceptance": _acceptance_text(r), "repeats_ms_per_token": ""} for r in rows]
+            writer = csv.DictWriter(handle, fieldnames=list(flat[0]))
+            writer.writeheader()
+            writer.writerows(flat)
+    else:
+        raise ConfigError(f"--out must end in .json or .csv, not {path.suffix or 'nothing'}")
+
+
+def plot_latency(rows: list[BenchRow], path: Path) -> None:
+    """PNG of median per-token latency against context length, one line per mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r.mode for r in rows):
+        points = sorted((r.context, r.median_ms) for r in rows if r.mode == mode)
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=mode)
+    axes.set_xlabel("context length (tokens)")
+    axes.set_ylabel("median decode latency (ms/token)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

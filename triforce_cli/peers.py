@@ -1,0 +1,82 @@
+"""What `triforce bench` measures our modes against: Hugging Face transformers `generate`, plain, with an
+assistant model (assisted generation) and with prompt lookup, on the same weights, dtype and threads."""
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
+
+from triforce_cli.sampling import SamplingConfig
+
+HF_PEERS = ("hf", "hf-assisted", "hf-lookup")
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
+
+
+@dataclass
+class TimedRun:
+    token_ids: list[int]
+    prefill_seconds: float  # until the first new token
+    decode_seconds: float  # from the first new token to the last
+
+    @property
+    def ms_per_token(self) -> float:
+        decoded = len(self.token_ids) - 1
+        return 1000 * self.decode_seconds / decoded if decoded > 0 else 0.0
+
+
+class FirstTokenClock(BaseStreamer):
+    """Notes when generate pushes its first new token (its first push is the prompt)."""
+
+    def __init__(self) -> None:
+        self.pushes = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.pushes += 1
+        if self.pushes == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        """Nothing to flush."""
+
+
+def load_hf_model(source: str, dtype: torch.dtype) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+
+
+def hf_sampling_kwargs(sampling: SamplingConfig) -> dict:
+    if sampling.greedy:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+
+
+def hf_generate(
+    model: PreTrainedModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    assistant: PreTrainedModel | None = None,
+    prompt_lookup: int | None = None,
+) -> TimedRun:
+    """One transformers generate run, timed to the first new token and to the end."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    clock = FirstTokenClock()
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            streamer=clock,
+            assistant_model=assistant,
+            prompt_lookup_num_tokens=prompt_lookup,
+            pad_token_id=model.generation_config.eos_token_id,
+            **hf_sampling_kwargs(sampling),
+        )
+    finished = time.perf_counter()
+    first = clock.first_token_at or finished
+    return TimedRun(output[0, len(prompt_ids) :].tolist(), first - started, finished - first)
