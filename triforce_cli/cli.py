@@ -10,6 +10,7 @@ from typing import Annotated
 import torch
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig
 from triforce_cli.bench_report import bench_table, plot_latency, write_results
@@ -52,11 +53,23 @@ Seed = Annotated[int | None, typer.Option(help="Random seed for sampling.")]
 Dtype = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for torch.")]
+Weights = Annotated[
+    str, typer.Option(help="auto, dense or compact (compute from a GGUF's Q4_1 blocks; auto: where possible).")
+]
 
 
 @app.callback()
 def main() -> None:
     """Lossless long-context speculative generation (TriForce)."""
+
+
+OUT_OF_MEMORY = "out of memory: lower --max-new-tokens, use a shorter prompt or a smaller --dtype"
+
+
+def print_error(console: Console, message: str) -> None:
+    """One line, printed as it is: no Rich markup or emoji codes are read from the message."""
+    first_line = next((line.strip() for line in message.splitlines() if line.strip()), "unknown error")
+    console.print(Text.assemble(("error:", "bold red"), " ", first_line), soft_wrap=True)
 
 
 @contextmanager
@@ -65,14 +78,10 @@ def reported_errors(console: Console):
     try:
         yield
     except TriforceError as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        print_error(console, str(err))
         raise typer.Exit(1) from None
     except (torch.OutOfMemoryError, MemoryError):
-        console.print(
-            "[bold red]error:[/] out of memory: lower --max-new-tokens, use a shorter prompt or a smaller --dtype",
-            highlight=False,
-            soft_wrap=True,
-        )
+        print_error(console, OUT_OF_MEMORY)
         raise typer.Exit(1) from None
 
 
@@ -130,6 +139,7 @@ def generate(
     dtype: Dtype = "auto",
     device: Device = "auto",
     threads: Threads = None,
+    weights: Weights = "auto",
     prompt_cache: Annotated[
         Path | None, typer.Option(help="Folder to keep prefilled prompts in and reuse them from.")
     ] = None,
@@ -158,7 +168,9 @@ def generate(
         )
         text = read_prompt(prompt_file)
         status = None if json_output else (lambda message: err.print(f"[dim]{message}[/]"))
-        pipe = Pipeline.load(target=target, draft=draft, config=config, dtype=dtype, device=device, status=status)
+        pipe = Pipeline.load(
+            target=target, draft=draft, config=config, dtype=dtype, device=device, status=status, weights=weights
+        )
         prompt_ids = pipe.encode(text, chat=chat)
         pipe.engine.check_prompt(prompt_ids)
         if json_output:
@@ -215,6 +227,7 @@ def bench(
     dtype: Dtype = "auto",
     device: Device = "auto",
     threads: Threads = None,
+    weights: Weights = "auto",
     out: Annotated[Path | None, typer.Option(help="Write results to a .json or .csv file.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
 ) -> None:
@@ -244,7 +257,15 @@ def bench(
             max_new_tokens=max_new_tokens,
             sampling=sampling,
         )
-        pipe = Pipeline.load(target, draft, engine_config, dtype, device, lambda message: err.print(f"[dim]{message}[/]"))
+        pipe = Pipeline.load(
+            target=target,
+            draft=draft,
+            config=engine_config,
+            dtype=dtype,
+            device=device,
+            status=lambda message: err.print(f"[dim]{message}[/]"),
+            weights=weights,
+        )
         if prompt_file:
             prompts = {path.name: read_prompt(str(path)) for path in prompt_file}
         else:

@@ -14,14 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from triforce_cli.compact import use_q4_1_weights
 from triforce_cli.embedded import EMBEDDED_NAME, embedded_gguf_path
 from triforce_cli.errors import ModelLoadError
-from triforce_cli.model import Transformer, UnsupportedModelError, rope_frequencies
+from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 
 StatusCallback = Callable[[str], None]
+WEIGHT_FORMATS = ("auto", "dense", "compact")
 
 
 @dataclass
@@ -100,22 +103,31 @@ def download_folder(repo_id: str) -> Path:
         ) from None
 
 
-def resolve_checkpoint(spec: str | None, status: StatusCallback | None = None) -> tuple[str, Path, list[Path]]:
-    """(display name, folder with config and tokenizer, safetensors files) for a model spec."""
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    folder: Path  # config.json and tokenizer
+    weight_files: list[Path]  # safetensors
+    gguf: Path | None = None  # the GGUF file the folder was converted from
+
+
+def resolve_checkpoint(spec: str | None, status: StatusCallback | None = None) -> Checkpoint:
+    """Where a model spec's config, tokenizer and weights are, converting GGUF files on first use."""
     if spec is None:
-        return EMBEDDED_NAME, *_folder_files(converted_folder(embedded_gguf_path(), status))
+        gguf = embedded_gguf_path()
+        return Checkpoint(EMBEDDED_NAME, *_folder_files(converted_folder(gguf, status)), gguf)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return path.stem, *_folder_files(converted_folder(path, status))
+        return Checkpoint(path.stem, *_folder_files(converted_folder(path, status)), path)
     if path.is_file() and path.suffix == ".safetensors":
-        return path.stem, path.parent, [path]
+        return Checkpoint(path.stem, path.parent, [path])
     if path.is_dir():
-        return path.name, *_folder_files(path)
+        return Checkpoint(path.name, *_folder_files(path))
     if path.exists():
         raise ModelLoadError(f"model path {spec} is not a folder, a .gguf file or a .safetensors file")
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelLoadError(f"model path {spec} does not exist")
-    return spec, *_folder_files(download_folder(spec))
+    return Checkpoint(spec, *_folder_files(download_folder(spec)))
 
 
 def _folder_files(folder: Path) -> tuple[Path, list[Path]]:
@@ -127,33 +139,60 @@ def _folder_files(folder: Path) -> tuple[Path, list[Path]]:
     return folder, files
 
 
+def use_compact_weights(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether to compute from the GGUF's Q4_1 blocks: weights is 'auto', 'dense' or 'compact'."""
+    possible = checkpoint.gguf is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+    if weights == "compact" and not possible:
+        raise ModelLoadError("compact weights need a GGUF checkpoint, the CPU and float32")
+    if weights not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"unknown weight format '{weights}' (choose from {', '.join(WEIGHT_FORMATS)})")
+    return weights != "dense" and possible
+
+
 def load_model(
     spec: str | None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     status: StatusCallback | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
-    """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config."""
-    name, folder, files = resolve_checkpoint(spec, status)
+    """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config.
+
+    weights: 'dense' computes from float weights, 'compact' from a GGUF's Q4_1 blocks, 'auto' picks compact
+    where it is possible (GGUF source, CPU, float32).
+    """
+    checkpoint = resolve_checkpoint(spec, status)
+    name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files
+    compact = use_compact_weights(weights, checkpoint, dtype, device)
     try:
         hf_config = AutoConfig.from_pretrained(folder)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (ValueError, OSError) as err:
         raise ModelLoadError(f"cannot read config or tokenizer of {name}: {err}") from None
     try:
-        with torch.device("meta"):
-            model = Transformer.from_hf_config(hf_config)
+        model_config = ModelConfig.from_hf(hf_config)
     except UnsupportedModelError as err:
         raise ModelLoadError(f"{name}: {err}") from None
+    inv_freq, rope_scale = rope_frequencies(hf_config, model_config.head_dim)  # on the CPU, not the meta device
+    with torch.device("meta"):
+        model = Transformer(model_config, inv_freq, rope_scale)
     state = {}
     for file in files:
-        state.update({k: v.to(dtype) for k, v in load_file(file, device=str(device)).items()})
-    missing, _ = model.load_state_dict(state, strict=False, assign=True)
+        try:
+            tensors = load_file(file)
+        except (OSError, SafetensorError) as err:
+            raise ModelLoadError(f"cannot read weights {file}: {err}") from None
+        state.update({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing:
         raise ModelLoadError(f"{name}: checkpoint lacks weights such as {missing[0]}")
-    inv_freq, _ = rope_frequencies(hf_config, model.config.head_dim)
+    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise ModelLoadError(f"{name}: checkpoint has weights this runtime does not use, such as {unexpected[0]}")
     model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+    if compact:
+        use_q4_1_weights(model, checkpoint.gguf, hf_config)
     return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder))

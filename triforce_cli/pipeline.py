@@ -29,7 +29,9 @@ def resolve_device(device: str) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        raise ConfigError(f"unknown device '{device}'") from None
+        raise ConfigError(f"unknown device '{device}' (use auto, cpu or cuda[:N])") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device '{device}' (use auto, cpu or cuda[:N])")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' requested but no CUDA GPU is available")
     return resolved
@@ -58,13 +60,17 @@ class Pipeline:
         dtype: str = "auto",
         device: str = "auto",
         status: StatusCallback | None = None,
+        weights: str = "auto",
     ) -> "Pipeline":
-        """Load target (None: the embedded default) and optional drafter; config defaults to EngineConfig()."""
+        """Load target (None: the embedded default) and optional drafter; config defaults to EngineConfig().
+
+        weights: 'auto', 'dense' or 'compact' (compute from a GGUF's Q4_1 blocks; see loading.load_model).
+        """
         config = config or EngineConfig()
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
-        target_model = load_model(target, torch_dtype, torch_device, status)
-        drafter = load_model(draft, torch_dtype, torch_device, status) if draft is not None else None
+        target_model = load_model(target, torch_dtype, torch_device, status, weights)
+        drafter = load_model(draft, torch_dtype, torch_device, status, weights) if draft is not None else None
         return cls(target_model, drafter, Engine(target_model, config, drafter))
 
     @property
