@@ -39,6 +39,12 @@ class StreamingCache(KVCache):
         self.length = 0
         self.window_start = self.sink_tokens
 
+    def rollback(self, length: int) -> None:
+        """Forget positions from length on; a window emptied by the rollback restarts right at length."""
+        self.length = min(self.length, length)
+        if self.length < self.window_start:
+            self.window_start = max(self.sink_tokens, self.length)
+
     def slot(self, position: int) -> int:
         if position < self.sink_tokens:
             return position

@@ -5,6 +5,8 @@
 output embedding so distributions are far from uniform (drafts then get both accepted and rejected).
 """
 
+import copy
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from triforce_cli.loading import LoadedModel
 from triforce_cli.model import Transformer
+
+# Tiny models: intra-op threads only add synchronisation overhead (and stall badly on a busy 2-core machine).
+torch.set_num_threads(1)
 
 
 class StubTokenizer:
@@ -95,13 +100,33 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=g).tolist()
 
 
+@functools.cache
+def rich_model(seed: int, vocab_size: int = 32, num_layers: int = 2, name: str = "target") -> TinyModel:
+    """A tiny random model whose output depends on its context (large init), untied; cached per arguments."""
+    return make_model(
+        seed=seed,
+        name=name,
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+
+
+def with_eos(loaded: LoadedModel, config_eos=None, tokenizer_eos=None) -> LoadedModel:
+    """The same weights with other end-of-sequence ids (in the HF config and/or the tokenizer)."""
+    cfg = copy.deepcopy(loaded.hf_config)
+    cfg.eos_token_id = config_eos
+    return LoadedModel(loaded.name, loaded.model, StubTokenizer(cfg.vocab_size, tokenizer_eos), cfg)
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> TinyModel:
-    """Peaky tiny target (vocab 32)."""
-    return make_model(seed=0, peak=30.0, name="target")
+    """Peaky tiny target (vocab 32): drafts of the tiers below it are sometimes accepted, sometimes rejected."""
+    return make_model(seed=0, peak=2.0, name="target", initializer_range=0.3, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_drafter() -> TinyModel:
-    """A different random model with the same stub vocabulary."""
-    return make_model(seed=1, peak=30.0, name="drafter", num_layers=1)
+    """A different random model (one layer) with the same stub vocabulary."""
+    return make_model(seed=1, peak=2.0, name="drafter", num_layers=1, initializer_range=0.3, tie_word_embeddings=False)

@@ -84,7 +84,10 @@ def test_full_cache_capacity_and_gaps():
 def test_full_cache_query_at():
     cache = full_cache(16)
     write(cache, 0, 4)
-    q = [torch.arange(Q_HEADS * 3 * DIM, dtype=torch.float32).reshape(Q_HEADS, 3, DIM) + 100 * layer for layer in range(2)]
+    q = [
+        torch.arange(Q_HEADS * 3 * DIM, dtype=torch.float32).reshape(Q_HEADS, 3, DIM) + 100 * layer
+        for layer in range(2)
+    ]
     write(cache, 4, 3, q=q)
     torch.testing.assert_close(cache.query_at(1, 5), q[1][:, 1])
     torch.testing.assert_close(cache.query_at(0, 6), q[0][:, 2])
@@ -160,15 +163,27 @@ def test_streaming_rollback_within_a_step():
     assert positions_of(keys)[-3:] == [12, 13.5, 14.5]
 
 
-def test_streaming_rollback_past_eviction_is_an_error():
+def test_streaming_rollback_past_eviction_restarts_the_window():
+    """Evicted positions cannot come back: a rollback into them keeps the sinks and restarts the window there."""
     cache = streaming(sinks=2, window=4, max_step=3)
     for start in range(0, 15, 3):
         write(cache, start, 3)
     assert cache.window_start > cache.sink_tokens
     evicted = cache.window_start - 1
     cache.rollback(evicted)
+    assert cache.cached_positions() == [0, 1]
+    assert cache.window_start == evicted
+    views = write(cache, evicted, 3)
+    assert cache.cached_positions() == [0, 1, evicted, evicted + 1, evicted + 2]
+    check_streaming_view(cache, views, evicted, 3)
+
+
+def test_streaming_write_into_evicted_positions_is_an_error():
+    cache = streaming(sinks=2, window=4, max_step=3)
+    for start in range(0, 15, 3):
+        write(cache, start, 3)
     with pytest.raises(ValueError, match="evicted"):
-        cache.prepare(evicted, 1)
+        cache.prepare(cache.window_start - 1, 1)
 
 
 def test_streaming_step_limit():
@@ -177,11 +192,6 @@ def test_streaming_step_limit():
         cache.prepare(0, 4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG cache/streaming.py rollback(): rolling back below sink_tokens after an eviction leaves window_start"
-    " stale, so re-filling the cache from there fails ('already evicted') instead of acting like a fresh cache",
-)
 def test_streaming_rollback_into_sinks_after_eviction():
     cache = streaming(sinks=2, window=4, max_step=3)
     for start in range(0, 15, 3):
@@ -258,7 +268,7 @@ def test_retrieval_select_prefers_aligned_chunk_and_keeps_chunk_zero():
     # the selected region holds exactly the chosen chunks' keys and values
     for layer in range(LAYERS):
         for h in range(KV_HEADS):
-            tokens = [*range(0, 4), *range(8, 12), *range(16, 20)]
+            tokens = [*range(4), *range(8, 12), *range(16, 20)]
             torch.testing.assert_close(retrieval3.keys[layer, h, :12], full.keys[layer, h, tokens])
             torch.testing.assert_close(retrieval3.values[layer, h, :12], full.values[layer, h, tokens])
 

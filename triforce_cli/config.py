@@ -43,7 +43,7 @@ class EngineConfig:
             (self.chunk_size > 0, "chunk size must be positive"),
             (self.budget is None or self.budget > 0, "budget must be positive"),
             (
-                self.budget is None or self.budget % self.chunk_size == 0,
+                self.budget is None or self.chunk_size <= 0 or self.budget % self.chunk_size == 0,
                 f"budget {self.budget} is not a multiple of chunk size {self.chunk_size}",
             ),
             (self.sink_tokens >= 0, "sink tokens must not be negative"),
@@ -51,6 +51,13 @@ class EngineConfig:
             (self.gamma1 > 0, "gamma1 must be positive"),
             (self.gamma2 > 0, "gamma2 must be positive"),
             (self.max_new_tokens > 0, "max new tokens must be positive"),
+            (
+                self.draft_window >= self.speculation_depth,
+                (
+                    f"draft window {self.draft_window} must hold at least gamma1 + gamma2 + 2 ="
+                    f" {self.speculation_depth} tokens, the most a verification can roll back"
+                ),
+            ),
             (self.refresh_interval > 0, "refresh interval must be positive"),
             (self.prefill_chunk > 0, "prefill chunk must be positive"),
             (self.ngram_max > 0, "n-gram length must be positive"),
@@ -65,6 +72,11 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+    @property
+    def speculation_depth(self) -> int:
+        """Most positions any cache may hold beyond the committed sequence within one top-level step."""
+        return self.gamma1 + self.gamma2 + 2
 
     @property
     def uses_retrieval(self) -> bool:

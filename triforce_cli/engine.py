@@ -38,7 +38,10 @@ class Engine:
         self.target = target
         self.config = config
         self.drafter = drafter if config.uses_drafter else None
-        if self.drafter is not None and self.drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        if self.drafter is not None and (
+            self.drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab()
+            or self.drafter.model.config.vocab_size != target.model.config.vocab_size
+        ):
             raise ConfigError(f"drafter {self.drafter.name} does not share the vocabulary of {target.name}")
         self.eos_ids = target.eos_token_ids
         self._caches: _Caches | None = None
@@ -67,7 +70,7 @@ class Engine:
         cfg = self.config
         model = self.target.model.config
         dtype, device = self.target.dtype, self.target.device
-        headroom = cfg.gamma1 + cfg.gamma2 + 2
+        headroom = cfg.speculation_depth
         capacity = prompt_tokens + cfg.max_new_tokens + headroom
         old = self._caches
         if old is not None and old.full.capacity >= capacity:

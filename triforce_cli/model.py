@@ -37,13 +37,17 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # biases on q/k/v projections
+    output_bias: bool  # bias on the attention output projection
+    mlp_bias: bool
     rope: dict
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
         if getattr(hf, "model_type", None) not in ("llama", "qwen2", "mistral"):
             raise UnsupportedModelError(f"model type '{getattr(hf, 'model_type', None)}' is not Llama-family")
+        if getattr(hf, "sliding_window", None) and (hf.model_type == "mistral" or getattr(hf, "use_sliding_window", 0)):
+            raise UnsupportedModelError("sliding-window attention is not supported")
         rope = dict(getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
         if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(f"rope type '{rope.get('rope_type')}' is not supported")
@@ -60,6 +64,8 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
+            output_bias=bool(getattr(hf, "attention_bias", False)) and hf.model_type != "qwen2",
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             rope=rope,
         )
 
@@ -100,7 +106,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.output_bias)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -118,9 +124,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -39,7 +39,7 @@ class TokenStream:
             text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             if text.endswith("\ufffd") or len(text) <= self.printed:
                 continue
-            self.console.print(text[self.printed :], style=TIER_STYLES.get(origin), end="", soft_wrap=True)
+            self.console.print(Text(text[self.printed :], style=TIER_STYLES.get(origin, "")), end="", soft_wrap=True)
             self.printed = len(text)
 
     def finish(self) -> None:

@@ -1,0 +1,335 @@
+"""Our Transformer against transformers' reference models, checkpoint loading, and the `kernels` name hazard."""
+
+import json
+
+import pytest
+import torch
+from conftest import llama_config, random_prompt, reference_logits, wrap
+from transformers import GPT2Config, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from cache import FullCache
+from triforce_cli.loading import load_model
+from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError
+
+SEQ = 96
+ATOL = 1e-5
+ROPES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 500000.0,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+}
+
+
+def full_cache_for(model: Transformer, capacity: int = 256) -> FullCache:
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    return FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype)
+
+
+def our_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor(ids), 0, full_cache_for(model))
+
+
+def random_llama(seed: int = 0, **config):
+    cfg = llama_config(initializer_range=0.2, **config)
+    torch.manual_seed(seed)
+    ref = LlamaForCausalLM(cfg).eval()
+    return ref, wrap(ref, cfg).model
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_logits_match_transformers(rope, num_kv_heads, tied):
+    extra = {} if ROPES[rope] is None else {"rope_parameters": dict(ROPES[rope])}
+    ref, model = random_llama(num_kv_heads=num_kv_heads, tie_word_embeddings=tied, **extra)
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    else:
+        assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    ids = random_prompt(SEQ, 32, seed=1)
+    expected = reference_logits(ref, ids)
+    assert expected.std() > 0.1  # a meaningful comparison, not near-zero logits
+    torch.testing.assert_close(our_logits(model, ids), expected, atol=ATOL, rtol=1e-5)
+
+
+def test_rope_variants_differ():
+    """Guard: the scaled RoPE variants really change the model past the original context."""
+    ids = random_prompt(SEQ, 32, seed=1)
+    logits = {}
+    for rope, params in ROPES.items():
+        extra = {} if params is None else {"rope_parameters": dict(params)}
+        logits[rope] = our_logits(random_llama(**extra)[1], ids)
+    for rope in ("linear", "llama3", "yarn"):
+        assert not torch.allclose(logits[rope][-1], logits["default"][-1], atol=1e-3)
+
+
+def test_head_dim_different_from_hidden_over_heads():
+    ref, model = random_llama(head_dim=16)
+    assert model.config.head_dim == 16
+    ids = random_prompt(40, 32, seed=2)
+    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+
+
+def test_chunked_prefill_and_decode_match_one_forward():
+    ref, model = random_llama(rope_parameters=dict(ROPES["llama3"]))
+    ids = random_prompt(SEQ, 32, seed=3)
+    whole = our_logits(model, ids)
+    cache = full_cache_for(model)
+    first = model(torch.tensor(ids[:50]), 0, cache)
+    second = model(torch.tensor(ids[50:90]), 50, cache)
+    steps = [model(torch.tensor([t]), 90 + i, cache) for i, t in enumerate(ids[90:])]
+    torch.testing.assert_close(torch.cat([first, second, *steps]), whole, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(whole, reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    # num_logits keeps only the last rows
+    cache.rollback(80)
+    tail = model(torch.tensor(ids[80:]), 80, cache, num_logits=3)
+    torch.testing.assert_close(tail, whole[-3:], atol=ATOL, rtol=1e-5)
+
+
+def test_rewriting_after_rollback_matches():
+    """Rolled-back speculative tokens leave no trace: verify wrong drafts, roll back, feed the right ones."""
+    _, model = random_llama()
+    ids = random_prompt(60, 32, seed=4)
+    whole = our_logits(model, ids)
+    cache = full_cache_for(model)
+    model(torch.tensor(ids[:50]), 0, cache)
+    model(torch.tensor([(t + 1) % 32 for t in ids[50:55]]), 50, cache)  # rejected drafts
+    cache.rollback(50)
+    torch.testing.assert_close(model(torch.tensor(ids[50:]), 50, cache), whole[50:], atol=ATOL, rtol=1e-5)
+
+
+def test_qwen2_biases_match_transformers():
+    cfg = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ref = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)  # initialised to zero: make them matter
+    model = wrap(ref, cfg).model
+    assert model.config.attention_bias
+    ids = random_prompt(SEQ, 32, seed=5)
+    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    # the biases are really used: dropping them changes the output
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.bias.zero_()
+    assert not torch.allclose(our_logits(model, ids), reference_logits(ref, ids), atol=1e-3)
+
+
+def mistral(sliding_window):
+    cfg = MistralConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=sliding_window,
+        initializer_range=0.2,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return cfg, MistralForCausalLM(cfg).eval()
+
+
+def test_mistral_without_sliding_window_matches_transformers():
+    cfg, ref = mistral(sliding_window=None)
+    ids = random_prompt(48, 32, seed=1)
+    torch.testing.assert_close(our_logits(wrap(ref, cfg).model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+
+
+def test_mistral_sliding_window_is_honoured_or_refused():
+    cfg, ref = mistral(sliding_window=16)
+    try:
+        model = wrap(ref, cfg).model
+    except UnsupportedModelError:
+        return
+    ids = random_prompt(48, 32, seed=1)
+    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+
+
+def test_unsupported_configs_are_rejected():
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        ModelConfig.from_hf(GPT2Config())
+    cfg = llama_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        ModelConfig.from_hf(cfg)
+
+
+# --- loading from a saved folder --------------------------------------------------------------------------------
+
+
+def save_tokenizer(folder, vocab_size: int, eos: str = "<eos>"):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab["<unk>"] = vocab_size - 2
+    vocab[eos] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=eos)
+    fast.save_pretrained(folder)
+    return fast
+
+
+def save_checkpoint(folder, seed: int = 0, **config) -> LlamaForCausalLM:
+    cfg = llama_config(initializer_range=0.2, **config)
+    cfg.eos_token_id = cfg.vocab_size - 1
+    torch.manual_seed(seed)
+    ref = LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(folder)
+    save_tokenizer(folder, cfg.vocab_size)
+    return ref
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_load_model_from_saved_folder(tmp_path, tied):
+    folder = tmp_path / "tiny-llama"
+    ref = save_checkpoint(folder, tie_word_embeddings=tied)
+    loaded = load_model(str(folder))
+    assert loaded.name == "tiny-llama"
+    assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
+    assert loaded.eos_token_ids == {31}
+    assert loaded.tokenizer.get_vocab()["w3"] == 3
+    assert loaded.tokenizer.encode("w1 w2 w3", add_special_tokens=False) == [1, 2, 3]
+    model = loaded.model
+    assert not model.training
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    ids = random_prompt(SEQ, 31, seed=6)
+    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", ["linear", "llama3", "yarn"])
+def test_load_model_with_scaled_rope(tmp_path, rope):
+    folder = tmp_path / "scaled"
+    ref = save_checkpoint(folder, rope_parameters=dict(ROPES[rope]))
+    loaded = load_model(str(folder))
+    ids = random_prompt(SEQ, 31, seed=6)
+    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+
+
+def test_load_model_from_single_safetensors_file(tmp_path):
+    folder = tmp_path / "ckpt"
+    ref = save_checkpoint(folder, seed=2)
+    loaded = load_model(str(folder / "model.safetensors"))
+    assert loaded.name == "model"
+    ids = random_prompt(40, 31, seed=7)
+    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+
+
+def test_load_model_in_bfloat16(tmp_path):
+    folder = tmp_path / "ckpt"
+    save_checkpoint(folder)
+    loaded = load_model(str(folder), dtype=torch.bfloat16)
+    assert loaded.dtype == torch.bfloat16
+    logits = our_logits(loaded.model, random_prompt(20, 31, seed=8))
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_load_model_errors(tmp_path):
+    from triforce_cli.errors import ModelLoadError
+
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(str(folder))
+    (folder / "config.json").write_text(json.dumps(llama_config().to_dict()))
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(str(folder))
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path / "missing" / "model.gguf"))
+
+
+def _biased_checkpoint_logits(tmp_path, **bias):
+    folder = tmp_path / "biased"
+    ref = save_checkpoint(folder, **bias)
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    ref.save_pretrained(folder)
+    loaded = load_model(str(folder))
+    ids = random_prompt(40, 31, seed=9)
+    return our_logits(loaded.model, ids), reference_logits(ref, ids)
+
+
+def test_llama_attention_bias_checkpoint(tmp_path):
+    ours, expected = _biased_checkpoint_logits(tmp_path, attention_bias=True)
+    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=1e-5)
+
+
+def test_llama_mlp_bias_checkpoint(tmp_path):
+    ours, expected = _biased_checkpoint_logits(tmp_path, mlp_bias=True)
+    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=1e-5)
+
+
+# --- the `kernels` naming hazard ---------------------------------------------------------------------------------
+
+
+def test_transformers_does_not_mistake_our_kernels_package():
+    import importlib.util
+
+    import transformers
+    from transformers.utils.import_utils import is_kernels_available
+
+    spec = importlib.util.find_spec("kernels")
+    assert spec is not None and spec.origin is not None
+    assert "attention" in dir(__import__("kernels"))  # the `kernels` found is ours
+    if hasattr(is_kernels_available, "cache_clear"):
+        is_kernels_available.cache_clear()
+    assert is_kernels_available() is False
+    # and building / running a Llama model does not try to use hub kernels
+    cfg = llama_config()
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([[1, 2, 3]])).logits
+    assert out.shape == (1, 3, 32)
+    assert is_kernels_available() is False
+
+
+def test_kernels_probe_in_fresh_interpreter():
+    """The probe runs once per process (lru_cache): check it where nothing imported transformers before."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import transformers\n"
+        "from transformers.utils.import_utils import is_kernels_available\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,"
+        " num_attention_heads=2, num_key_value_heads=1))\n"
+        "import kernels\n"
+        "print(is_kernels_available(), kernels.__file__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    available, path = out.stdout.split()
+    assert available == "False"
+    assert Path(path).resolve() == root / "kernels" / "__init__.py"

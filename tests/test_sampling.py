@@ -1,0 +1,218 @@
+"""Sampling distributions and speculative acceptance, with stub distributions and a chi-square exactness test."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from triforce_cli.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
+
+P_THRESHOLD = 1e-3
+
+
+# --- probabilities ---------------------------------------------------------------------------------------------
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 4.0, 3.0, 2.0], [-3.0, -2.0, -1.0, -1.5]])
+    probs = probabilities(logits, SamplingConfig(temperature=0))
+    assert probs.dtype == torch.float32
+    assert torch.equal(probs, torch.eye(4)[[1, 0, 2]])
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0, 1.0]])
+    for temperature in (0.5, 1.0, 2.0):
+        probs = probabilities(logits, SamplingConfig(temperature=temperature, top_p=1.0))
+        torch.testing.assert_close(probs, (logits / temperature).softmax(dim=-1))
+    sharp = probabilities(logits, SamplingConfig(temperature=0.25, top_p=1.0))
+    flat = probabilities(logits, SamplingConfig(temperature=4.0, top_p=1.0))
+    assert sharp.max() > flat.max()
+
+
+def test_top_k_keeps_k_best():
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0, 1.0], [3.0, 2.0, 1.0, 0.0, -1.0]])
+    probs = probabilities(logits, SamplingConfig(temperature=1.0, top_p=1.0, top_k=2))
+    assert (probs > 0).sum(dim=-1).tolist() == [2, 2]
+    expected0 = torch.zeros(5)
+    expected0[[2, 4]] = torch.tensor([2.0, 1.0]).softmax(dim=0)
+    torch.testing.assert_close(probs[0], expected0)
+    assert probs[1, :2].sum().item() == pytest.approx(1.0)
+    # top_k >= vocab keeps everything
+    full = probabilities(logits, SamplingConfig(temperature=1.0, top_p=1.0, top_k=5))
+    torch.testing.assert_close(full, logits.softmax(dim=-1))
+
+
+def test_top_p_keeps_the_minimal_nucleus():
+    base = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 0.5 (1), 0.3 (3), 0.15 (2), 0.05 (0)
+    logits = base.log()[None]
+    cases = {0.4: {1}, 0.75: {1, 3}, 0.9: {1, 3, 2}, 0.99: {0, 1, 2, 3}, 1e-6: {1}}
+    for top_p, kept in cases.items():
+        probs = probabilities(logits, SamplingConfig(temperature=1.0, top_p=top_p))[0]
+        assert set(torch.nonzero(probs).flatten().tolist()) == kept, top_p
+        expected = torch.zeros(4)
+        idx = sorted(kept)
+        expected[idx] = base[idx] / base[idx].sum()
+        torch.testing.assert_close(probs, expected)
+
+
+def test_top_p_random_rows_are_minimal_and_sufficient():
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(50, 12, generator=g)
+    full = logits.softmax(dim=-1)
+    for top_p in (0.3, 0.6, 0.9):
+        probs = probabilities(logits, SamplingConfig(temperature=1.0, top_p=top_p))
+        for row in range(50):
+            kept = probs[row] > 0
+            mass = full[row][kept].sum().item()
+            smallest = full[row][kept].min().item()
+            assert mass >= top_p - 1e-6  # enough mass
+            assert mass - smallest < top_p + 1e-6  # and no token more than needed
+            assert kept[full[row].argmax()]  # the top token always stays
+            # kept tokens are the most likely ones
+            assert full[row][~kept].max().item() <= smallest if (~kept).any() else True
+            torch.testing.assert_close(probs[row][kept], full[row][kept] / mass)
+
+
+def test_top_k_then_top_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    probs = probabilities(logits, SamplingConfig(temperature=1.0, top_k=3, top_p=0.7))
+    top3 = torch.tensor([4.0, 3.0, 2.0]).softmax(dim=0)  # 0.665, 0.245, 0.09: top-p 0.7 keeps two
+    expected = torch.zeros(5)
+    expected[:2] = top3[:2] / top3[:2].sum()
+    torch.testing.assert_close(probs[0], expected)
+
+
+def test_sample_follows_rows():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.eye(5)[[3, 0, 4]]
+    assert sample(probs, g).tolist() == [3, 0, 4]
+
+
+# --- verify_draft with stub distributions ----------------------------------------------------------------------
+
+
+def one_hot(*ids, vocab=5):
+    return torch.eye(vocab)[list(ids)]
+
+
+def test_never_accept_resamples_from_residual():
+    g = torch.Generator().manual_seed(0)
+    draft_probs = torch.tensor([[0.7, 0.3, 0.0, 0.0, 0.0], [0.2] * 5])
+    target_probs = torch.tensor([[0.0, 0.5, 0.2, 0.3, 0.0], [0.2] * 5, [0.2] * 5])
+    seen = set()
+    for _ in range(300):
+        verdict = verify_draft(torch.tensor([0, 1]), draft_probs, target_probs, g)
+        assert verdict.accepted == 0
+        seen.add(verdict.next_token)
+    # residual max(p - q, 0) = [0, 0.2, 0.2, 0.3, 0]: token 1 keeps some mass, 0 and 4 none
+    assert seen == {1, 2, 3}
+
+
+def test_always_accept_when_target_covers_draft():
+    g = torch.Generator().manual_seed(0)
+    draft_probs = torch.tensor([[0.5, 0.5, 0, 0, 0], [0, 0.2, 0.8, 0, 0], [0.1, 0.1, 0.1, 0.1, 0.6]])
+    target_probs = torch.cat([draft_probs, one_hot(3)])
+    target_probs[1] = torch.tensor([0, 0.1, 0.9, 0, 0])  # p(x) >= q(x) for the drafted token 2
+    for _ in range(200):
+        verdict = verify_draft(torch.tensor([1, 2, 4]), draft_probs, target_probs, g)
+        assert verdict == Verdict(3, 3)  # all three accepted, bonus from p at position 3
+
+
+def test_rejection_stops_acceptance_even_if_later_drafts_match():
+    g = torch.Generator().manual_seed(0)
+    draft_probs = one_hot(1, 2, 3)
+    target_probs = one_hot(1, 4, 3, 0)  # position 1 disagrees, position 2 would agree
+    for _ in range(50):
+        assert verify_draft(torch.tensor([1, 2, 3]), draft_probs, target_probs, g) == Verdict(1, 4)
+
+
+def test_greedy_acceptance_is_argmax_matching():
+    g = torch.Generator().manual_seed(0)
+    target = one_hot(2, 0, 4, 1)
+    assert verify_draft(torch.tensor([2, 0, 4]), one_hot(2, 0, 4), target, g) == Verdict(3, 1)
+    assert verify_draft(torch.tensor([3, 0, 4]), one_hot(3, 0, 4), target, g) == Verdict(0, 2)
+    assert verify_draft(torch.tensor([2, 0, 3]), one_hot(2, 0, 3), target, g) == Verdict(2, 4)
+
+
+def test_sometimes_accept_with_rate_p_over_q():
+    g = torch.Generator().manual_seed(0)
+    draft_probs = torch.tensor([[0.8, 0.2, 0.0, 0.0, 0.0]])
+    target_probs = torch.tensor([[0.2, 0.2, 0.6, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]])
+    trials = 4000
+    verdicts = [verify_draft(torch.tensor([0]), draft_probs, target_probs, g) for _ in range(trials)]
+    accepted = sum(v.accepted for v in verdicts)
+    assert abs(accepted / trials - 0.25) < 0.03  # min(1, 0.2 / 0.8)
+    assert {v.next_token for v in verdicts if v.accepted == 1} == {3}  # bonus
+    assert {v.next_token for v in verdicts if v.accepted == 0} == {2}  # residual [0, 0, 0.6, 0, 0]
+
+
+# --- statistical exactness -------------------------------------------------------------------------------------
+
+VOCAB = 6
+P = torch.tensor(
+    [
+        [0.05, 0.30, 0.10, 0.25, 0.20, 0.10],
+        [0.40, 0.05, 0.05, 0.20, 0.10, 0.20],
+        [0.10, 0.10, 0.50, 0.05, 0.15, 0.10],
+    ]
+)
+Q = torch.tensor(
+    [
+        [0.50, 0.05, 0.30, 0.02, 0.03, 0.10],
+        [0.05, 0.60, 0.20, 0.05, 0.05, 0.05],
+    ]
+)
+
+
+def wrong_verify_draft(draft_tokens, draft_probs, target_probs, generator):
+    """Speculative sampling that resamples from p (not the residual) after a rejection: NOT exact."""
+    verdict = verify_draft(draft_tokens, draft_probs, target_probs, generator)
+    if verdict.accepted == draft_tokens.shape[0]:
+        return verdict
+    return Verdict(verdict.accepted, int(sample(target_probs[verdict.accepted][None], generator)))
+
+
+def run_trials(verify, trials: int, seed: int) -> list[list[int]]:
+    """Emitted token sequences (accepted drafts + next token) for `trials` two-token drafts drawn from Q."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.stack([torch.multinomial(Q[i], trials, replacement=True, generator=g) for i in range(2)], dim=1)
+    out = []
+    for draft in drafts:
+        verdict = verify(draft, Q, P, g)
+        out.append(draft[: verdict.accepted].tolist() + [verdict.next_token])
+    return out
+
+
+def chi_square_p(tokens: list[int], probs: torch.Tensor) -> float:
+    observed = np.bincount(tokens, minlength=probs.shape[0]).astype(float)
+    expected = probs.double().numpy() * len(tokens)
+    expected *= observed.sum() / expected.sum()
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.fixture(scope="module")
+def exact_trials():
+    return run_trials(verify_draft, 20000, seed=1234)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_verify_draft_is_exact(exact_trials, position):
+    """Token at each position (draft, residual resample or bonus) follows p exactly."""
+    tokens = [seq[position] for seq in exact_trials if len(seq) > position]
+    assert len(tokens) > 1000
+    assert chi_square_p(tokens, P[position]) > P_THRESHOLD
+
+
+def test_acceptance_rate_matches_theory(exact_trials):
+    """P(first draft accepted) = sum_x min(p(x), q(x))."""
+    expected = torch.minimum(P[0], Q[0]).sum().item()
+    rate = sum(len(seq) > 1 for seq in exact_trials) / len(exact_trials)
+    assert abs(rate - expected) < 0.015
+
+
+def test_chi_square_detects_resampling_from_p():
+    """The same test rejects the inexact variant: the exactness test has power."""
+    trials = run_trials(wrong_verify_draft, 20000, seed=1234)
+    tokens = [seq[0] for seq in trials]
+    assert chi_square_p(tokens, P[0]) < P_THRESHOLD
