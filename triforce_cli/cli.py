@@ -53,9 +53,7 @@ Seed = Annotated[int | None, typer.Option(help="Random seed for sampling.")]
 Dtype = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for torch.")]
-Weights = Annotated[
-    str, typer.Option(help="auto, dense or compact (compute from a GGUF's Q4_1 blocks; auto: where possible).")
-]
+Weights = Annotated[str, typer.Option(help="dense, or compact: compute from a GGUF's Q4_1 blocks (less memory).")]
 
 
 @app.callback()
@@ -139,7 +137,7 @@ def generate(
     dtype: Dtype = "auto",
     device: Device = "auto",
     threads: Threads = None,
-    weights: Weights = "auto",
+    weights: Weights = "dense",
     prompt_cache: Annotated[
         Path | None, typer.Option(help="Folder to keep prefilled prompts in and reuse them from.")
     ] = None,
@@ -227,7 +225,7 @@ def bench(
     dtype: Dtype = "auto",
     device: Device = "auto",
     threads: Threads = None,
-    weights: Weights = "auto",
+    weights: Weights = "dense",
     out: Annotated[Path | None, typer.Option(help="Write results to a .json or .csv file.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
 ) -> None:

@@ -24,7 +24,7 @@ from triforce_cli.errors import ModelLoadError
 from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 
 StatusCallback = Callable[[str], None]
-WEIGHT_FORMATS = ("auto", "dense", "compact")
+WEIGHT_FORMATS = ("dense", "compact")
 
 
 @dataclass
@@ -140,13 +140,14 @@ def _folder_files(folder: Path) -> tuple[Path, list[Path]]:
 
 
 def use_compact_weights(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether to compute from the GGUF's Q4_1 blocks: weights is 'auto', 'dense' or 'compact'."""
-    possible = checkpoint.gguf is not None and torch.device(device).type == "cpu" and dtype == torch.float32
-    if weights == "compact" and not possible:
-        raise ModelLoadError("compact weights need a GGUF checkpoint, the CPU and float32")
+    """Whether to compute from the GGUF's Q4_1 blocks: weights is 'dense' or 'compact'."""
     if weights not in WEIGHT_FORMATS:
         raise ModelLoadError(f"unknown weight format '{weights}' (choose from {', '.join(WEIGHT_FORMATS)})")
-    return weights != "dense" and possible
+    if weights == "compact" and not (
+        checkpoint.gguf is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+    ):
+        raise ModelLoadError("compact weights need a GGUF checkpoint, the CPU and float32")
+    return weights == "compact"
 
 
 def load_model(
@@ -154,12 +155,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     status: StatusCallback | None = None,
-    weights: str = "auto",
+    weights: str = "dense",
 ) -> LoadedModel:
     """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config.
 
-    weights: 'dense' computes from float weights, 'compact' from a GGUF's Q4_1 blocks, 'auto' picks compact
-    where it is possible (GGUF source, CPU, float32).
+    weights: 'dense' computes from float weights, 'compact' from a GGUF's Q4_1 blocks (GGUF source, CPU,
+    float32): a quarter of the memory, but torch's CPU int4 kernel is slower than dense products here.
     """
     checkpoint = resolve_checkpoint(spec, status)
     name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files

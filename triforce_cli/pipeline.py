@@ -60,11 +60,11 @@ class Pipeline:
         dtype: str = "auto",
         device: str = "auto",
         status: StatusCallback | None = None,
-        weights: str = "auto",
+        weights: str = "dense",
     ) -> "Pipeline":
         """Load target (None: the embedded default) and optional drafter; config defaults to EngineConfig().
 
-        weights: 'auto', 'dense' or 'compact' (compute from a GGUF's Q4_1 blocks; see loading.load_model).
+        weights: 'dense' or 'compact' (compute from a GGUF's Q4_1 blocks; see loading.load_model).
         """
         config = config or EngineConfig()
         torch_device = resolve_device(device)
