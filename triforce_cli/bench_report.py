@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
+from rich.text import Text
 
 from triforce_cli.bench import BenchRow
 from triforce_cli.errors import ConfigError
@@ -44,7 +45,7 @@ def bench_table(rows: list[BenchRow]) -> Table:
     for row in rows:
         match = {True: "yes", False: "[red]NO[/]", None: "-"}[row.matches_autoregressive]
         table.add_row(
-            row.prompt,
+            Text(row.prompt),
             str(row.context),
             row.mode,
             f"{row.budget or 'auto'}/{row.chunk_size}" if row.chunk_size else "-",

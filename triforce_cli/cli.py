@@ -64,6 +64,11 @@ def main() -> None:
 OUT_OF_MEMORY = "out of memory: lower --max-new-tokens, use a shorter prompt or a smaller --dtype"
 
 
+def print_note(console: Console, message: str) -> None:
+    """A dim status line, printed as it is (model names and paths may contain brackets)."""
+    console.print(Text(message, style="dim"), soft_wrap=True)
+
+
 def print_error(console: Console, message: str) -> None:
     """One line, printed as it is: no Rich markup or emoji codes are read from the message."""
     first_line = next((line.strip() for line in message.splitlines() if line.strip()), "unknown error")
@@ -165,7 +170,7 @@ def generate(
             sampling=sampling,
         )
         text = read_prompt(prompt_file)
-        status = None if json_output else (lambda message: err.print(f"[dim]{message}[/]"))
+        status = None if json_output else (lambda message: print_note(err, message))
         pipe = Pipeline.load(
             target=target, draft=draft, config=config, dtype=dtype, device=device, status=status, weights=weights
         )
@@ -176,7 +181,7 @@ def generate(
             print(json.dumps({"token_ids": result.token_ids, "text": result.text, **result.stats.as_dict()}))
         else:
             if pipe.engine.drafter_description:
-                err.print(f"[dim]drafter: {pipe.engine.drafter_description}[/]")
+                print_note(err, f"drafter: {pipe.engine.drafter_description}")
             err.print(tier_legend())
             stream = TokenStream(out, pipe.target.tokenizer)
             with PrefillProgress(err) as progress:
@@ -261,7 +266,7 @@ def bench(
             config=engine_config,
             dtype=dtype,
             device=device,
-            status=lambda message: err.print(f"[dim]{message}[/]"),
+            status=lambda message: print_note(err, message),
             weights=weights,
         )
         if prompt_file:
@@ -275,7 +280,7 @@ def bench(
             for length in config.contexts:
                 if length > len(ids):
                     raise PromptError(f"prompt {name} has {len(ids)} tokens, fewer than the context {length}")
-                err.print(f"[dim]{name} at {length} tokens: prefill, then {len(config.modes)} modes...[/]")
+                print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")
                 rows += runner.run_context(name, ids[:length])
         Console(width=None if sys.stdout.isatty() else 220).print(bench_table(rows))
         command = shlex.join(["triforce", *sys.argv[1:]])

@@ -91,7 +91,7 @@ def summary_table(stats: GenerationStats) -> Table:
         ("stopped by", stats.stop_reason),
     ]
     for name, value in rows:
-        table.add_row(name, value)
+        table.add_row(name, Text(value))
     return table
 
 
