@@ -68,9 +68,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dispatch to the fastest available kernel for the device and dtype."""
+    """Dispatch to the fastest available kernel for the device, dtype and number of queries.
+
+    On the CPU (2 threads, 9 query / 3 KV heads of 64, 7,680 keys) the grouped path took 0.42 ms for one query
+    against SDPA's 0.47 ms, while SDPA took 2.0 ms for 7 queries (2.7 ms grouped) and 86 ms for a 512-query
+    prefill chunk (276 ms grouped).
+    """
     if q.is_cuda:
         if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
             return flash_attention(q, k, v, scale)
         return sdpa_attention(q, k, v, scale)
-    return grouped_attention(q, k, v, scale)
+    if q.shape[1] == 1:
+        return grouped_attention(q, k, v, scale)
+    return sdpa_attention(q, k, v, scale)

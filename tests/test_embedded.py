@@ -14,6 +14,7 @@ machine a second OpenMP thread mostly waits at barriers (decode steps measured s
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from typer.testing import CliRunner
 from cache import FullCache
 from triforce_cli.cli import app
 from triforce_cli.config import EngineConfig
+from triforce_cli.corpus import builtin_document
 from triforce_cli.embedded import EMBEDDED_NAME
 from triforce_cli.engine import Engine
 from triforce_cli.loading import LoadedModel, load_model, resolve_checkpoint
@@ -155,6 +157,42 @@ def test_greedy_speculative_equals_autoregressive(greedy_runs, mode):
     assert result.stats.mode == mode
     assert result.token_ids == reference.token_ids
     assert result.text == reference.text
+
+
+DOCS_TOKENS = 4096  # several thousand tokens of real text nobody here wrote
+DOCS_MODES = {
+    "retrieval": {"mode": "retrieval"},
+    "streaming": {"mode": "streaming"},
+    "triforce": {"mode": "triforce"},
+    "triforce-ngram": {"mode": "triforce", "ngram": True},
+}
+
+
+@pytest.fixture(scope="module")
+def docs_runs(embedded) -> dict:
+    """Greedy runs on 4K tokens of standard-library documentation, prefilled once and restored for every mode."""
+    ids = embedded.tokenizer(builtin_document("stdlib-b")).input_ids[:DOCS_TOKENS]
+    config = EngineConfig(
+        mode="autoregressive",
+        budget=512,
+        chunk_size=16,
+        refresh_interval=2,
+        max_new_tokens=24,
+        sampling=SamplingConfig(temperature=0),
+    )
+    state = Engine(embedded, config).prefill(ids)
+    runs = {"autoregressive": Engine(embedded, config).generate(ids, prompt_state=state)}
+    for name, changes in DOCS_MODES.items():
+        runs[name] = Engine(embedded, replace(config, **changes)).generate(ids, prompt_state=state)
+    return runs
+
+
+@pytest.mark.parametrize("mode", DOCS_MODES)
+def test_greedy_equals_autoregressive_on_4k_tokens_of_real_text(docs_runs, mode):
+    reference = docs_runs["autoregressive"]
+    assert reference.stats.prompt_tokens == DOCS_TOKENS and reference.stats.prompt_cached
+    assert len(reference.token_ids) >= 8
+    assert docs_runs[mode].token_ids == reference.token_ids
 
 
 def test_triforce_acceptance_is_non_trivial(greedy_runs):

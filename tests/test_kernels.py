@@ -76,15 +76,16 @@ def test_attention_kernels_match_reference(kernel, group, num_queries, num_keys)
     torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_dispatch_uses_grouped_attention(monkeypatch):
+@pytest.mark.parametrize(("num_queries", "expected"), [(1, "grouped_attention"), (2, "sdpa_attention"), (6, "sdpa_attention")])
+def test_cpu_dispatch_by_number_of_queries(monkeypatch, num_queries, expected):
     module = sys.modules["kernels.attention"]  # the package re-exports a function under the same name
-
     calls = []
-    original = module.grouped_attention
-    monkeypatch.setattr(module, "grouped_attention", lambda *a: calls.append(1) or original(*a))
-    q, k, v = qkv(4, 2, 2, 6)
+    for name in ("grouped_attention", "sdpa_attention"):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    q, k, v = qkv(4, 2, num_queries, 8)
     module.attention(q, k, v, SCALE)
-    assert calls == [1]
+    assert calls == [expected]
 
 
 def test_multi_query_rows_equal_single_query_calls():

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from transformers import PreTrainedModel
+
 from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine
 from triforce_cli.errors import ConfigError
@@ -123,25 +125,22 @@ class Bench:
         self.pipe = pipe
         self.config = config
         self.base_config = replace(pipe.config, max_new_tokens=config.max_new_tokens, sampling=config.sampling)
-        self._hf = None
-        self._hf_assistant = None
+        self._hf: dict[str, PreTrainedModel] = {}
 
-    def _hf_models(self):
-        if self._hf is None:
-            dtype = self.pipe.target.dtype
-            self._hf = load_hf_model(self.pipe.target.source, dtype)
-            assistant = self.pipe.drafter or self.pipe.target
-            self._hf_assistant = load_hf_model(assistant.source, dtype)
-        return self._hf, self._hf_assistant
+    def _hf_model(self, role: str):
+        """The transformers copy of the target ('target') or of the drafter ('assistant'), loaded on first use."""
+        if role not in self._hf:
+            loaded = self.pipe.target if role == "target" else (self.pipe.drafter or self.pipe.target)
+            self._hf[role] = load_hf_model(loaded.source, self.pipe.target.dtype)
+        return self._hf[role]
 
     def _run_peer(self, mode: str, prompt_ids: list[int]) -> TimedRun:
-        model, assistant = self._hf_models()
-        extra = {
-            "hf": {},
-            "hf-assisted": {"assistant": assistant},
-            "hf-lookup": {"prompt_lookup": PROMPT_LOOKUP_TOKENS},
-        }
-        return hf_generate(model, prompt_ids, self.config.max_new_tokens, self.config.sampling, **extra[mode])
+        extra = {}
+        if mode == "hf-assisted":
+            extra["assistant"] = self._hf_model("assistant")
+        elif mode == "hf-lookup":
+            extra["prompt_lookup"] = PROMPT_LOOKUP_TOKENS
+        return hf_generate(self._hf_model("target"), prompt_ids, self.config.max_new_tokens, self.config.sampling, **extra)
 
     def _engine(self, **changes) -> Engine:
         return Engine(self.pipe.target, replace(self.base_config, **changes), self.pipe.drafter)

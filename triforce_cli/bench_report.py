@@ -38,7 +38,7 @@ def _ratio(value: float | None) -> str:
 
 
 def bench_table(rows: list[BenchRow]) -> Table:
-    table = Table(title="per-token decode latency (median over repeats, [min-max])", title_justify="left")
+    table = Table(title=Text("per-token decode latency (median over repeats, [min-max])"), title_justify="left")
     for column in ("prompt", "context", "mode", "budget/chunk", "prefill s", "ms/token", "tok/s", "vs ours AR",
                    "vs HF", "greedy = AR", "acceptance"):
         table.add_column(column, justify="left" if column in ("prompt", "mode", "acceptance") else "right")

@@ -6,8 +6,8 @@ accepts a token x with probability p(x) and otherwise resamples from p without x
 fewer tokens than asked (none when nothing matches); the tier above then verifies what there is.
 
 Lookups are dictionary hits: every n-gram's latest start is indexed as the sequence grows. Only the tail of the
-sequence changes between calls (rejected drafts), so only the tail is re-indexed; a stale entry is caught by
-checking the match against the sequence itself.
+sequence changes between calls (rejected drafts), so only the tail is re-indexed; an entry left stale by a
+rollback is caught by checking the match against the sequence, and then found again by a scan.
 """
 
 from dataclasses import dataclass, field
@@ -40,13 +40,29 @@ class NGramProposer:
                 self._starts[tuple(prefix[i : i + size])] = i
         self._indexed = list(prefix)
 
+    def _latest_start(self, prefix: list[int], suffix: tuple[int, ...]) -> int | None:
+        """Latest start of suffix in prefix that a token follows; a stale index entry is replaced by a scan."""
+        size = len(suffix)
+        start = self._starts.get(suffix)
+        if start is None:
+            return None
+        if start + size < len(prefix) and tuple(prefix[start : start + size]) == suffix:
+            return start
+        found = next(
+            (i for i in range(len(prefix) - size - 1, -1, -1) if tuple(prefix[i : i + size]) == suffix), None
+        )
+        if found is None:
+            del self._starts[suffix]
+        else:
+            self._starts[suffix] = found
+        return found
+
     def continuation(self, prefix: list[int], n: int) -> list[int]:
         """Up to n tokens that followed the latest earlier occurrence of prefix's longest matching suffix."""
         self._reindex(prefix)
         for size in range(min(self.max_ngram, len(prefix) - 1), self.min_ngram - 1, -1):
-            suffix = tuple(prefix[-size:])
-            start = self._starts.get(suffix)
-            if start is not None and start + size < len(prefix) and tuple(prefix[start : start + size]) == suffix:
+            start = self._latest_start(prefix, tuple(prefix[-size:]))
+            if start is not None:
                 return prefix[start + size : start + size + n]
         return []
 

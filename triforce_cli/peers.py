@@ -43,7 +43,13 @@ class FirstTokenClock(BaseStreamer):
 
 
 def load_hf_model(source: str, dtype: torch.dtype) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def hf_sampling_kwargs(sampling: SamplingConfig) -> dict:
