@@ -183,7 +183,7 @@ class Bench:
                 row = BenchRow(
                     prompt, v.mode, context, v.budget, v.chunk_size, prefill_seconds, [s.ms_per_token for s in stats]
                 )
-                row.acceptance = stats[-1].as_dict()["acceptance"]
+                row.acceptance = [a.as_dict() for a in stats[-1].acceptance]
             else:
                 peer_prefill = statistics.median(r.prefill_seconds for r in v.runs)
                 row = BenchRow(prompt, v.mode, context, None, None, peer_prefill, [r.ms_per_token for r in v.runs])

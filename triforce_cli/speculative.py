@@ -44,6 +44,17 @@ class AcceptanceStats:
         """Tokens gained per verification: accepted drafts plus the verifier's own token."""
         return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
 
+    def as_dict(self) -> dict:
+        return {
+            "proposer": self.proposer,
+            "verifier": self.verifier,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "verifications": self.verifications,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
 
 class Proposer(Protocol):
     name: str

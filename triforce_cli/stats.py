@@ -52,18 +52,7 @@ class GenerationStats:
             "median_ms_per_token": self.median_ms_per_token,
             "tokens_per_second": self.tokens_per_second,
             "stop_reason": self.stop_reason,
-            "acceptance": [
-                {
-                    "proposer": a.proposer,
-                    "verifier": a.verifier,
-                    "drafted": a.drafted,
-                    "accepted": a.accepted,
-                    "verifications": a.verifications,
-                    "acceptance_rate": a.acceptance_rate,
-                    "mean_accepted_length": a.mean_accepted_length,
-                }
-                for a in self.acceptance
-            ],
+            "acceptance": [a.as_dict() for a in self.acceptance],
         }
 
 
