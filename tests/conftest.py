@@ -113,6 +113,30 @@ def rich_model(seed: int, vocab_size: int = 32, num_layers: int = 2, name: str =
     )
 
 
+def save_tokenizer(folder, vocab_size: int, eos: str = "<eos>"):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab["<unk>"] = vocab_size - 2
+    vocab[eos] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=eos)
+    fast.save_pretrained(folder)
+    return fast
+
+
+def save_checkpoint(folder, seed: int = 0, **config) -> LlamaForCausalLM:
+    cfg = llama_config(initializer_range=0.2, **config)
+    cfg.eos_token_id = cfg.vocab_size - 1
+    torch.manual_seed(seed)
+    ref = LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(folder)
+    save_tokenizer(folder, cfg.vocab_size)
+    return ref
+
+
 def with_eos(loaded: LoadedModel, config_eos=None, tokenizer_eos=None) -> LoadedModel:
     """The same weights with other end-of-sequence ids (in the HF config and/or the tokenizer)."""
     cfg = copy.deepcopy(loaded.hf_config)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import llama_config, random_prompt, reference_logits, wrap
+from conftest import llama_config, random_prompt, reference_logits, save_checkpoint, wrap
 from transformers import GPT2Config, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from cache import FullCache
@@ -178,30 +178,6 @@ def test_unsupported_configs_are_rejected():
 
 
 # --- loading from a saved folder --------------------------------------------------------------------------------
-
-
-def save_tokenizer(folder, vocab_size: int, eos: str = "<eos>"):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
-    vocab["<unk>"] = vocab_size - 2
-    vocab[eos] = vocab_size - 1
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=eos)
-    fast.save_pretrained(folder)
-    return fast
-
-
-def save_checkpoint(folder, seed: int = 0, **config) -> LlamaForCausalLM:
-    cfg = llama_config(initializer_range=0.2, **config)
-    cfg.eos_token_id = cfg.vocab_size - 1
-    torch.manual_seed(seed)
-    ref = LlamaForCausalLM(cfg).eval()
-    ref.save_pretrained(folder)
-    save_tokenizer(folder, cfg.vocab_size)
-    return ref
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

@@ -15,11 +15,12 @@ from rich.text import Text
 from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig
 from triforce_cli.bench_report import bench_table, plot_latency, write_results
 from triforce_cli.config import MODES, EngineConfig
-from triforce_cli.corpus import DOCUMENTS, builtin_document
+from triforce_cli.corpus import BUILTIN_NAMES, DOCUMENTS, builtin_document
+from triforce_cli.distill import DistillConfig, Distiller, load_teacher
 from triforce_cli.errors import ConfigError, PromptError, TriforceError
 from triforce_cli.pipeline import Pipeline
 from triforce_cli.prompts import read_prompt
-from triforce_cli.render import PrefillProgress, TokenStream, print_summary, tier_legend
+from triforce_cli.render import DistillBar, PrefillProgress, TokenStream, print_summary, tier_legend
 from triforce_cli.sampling import SamplingConfig
 
 app = typer.Typer(
@@ -37,7 +38,11 @@ Target = Annotated[
     str | None, typer.Option(help="Target model: folder, .safetensors, .gguf or hub id (default: embedded).")
 ]
 Draft = Annotated[
-    str | None, typer.Option(help="Drafter model sharing the target's tokenizer (default: the target itself).")
+    str | None,
+    typer.Option(
+        help="Drafter sharing the target's tokenizer, or 'self' for the target on a StreamingLLM cache "
+        "(default: the embedded model's distilled drafter; the target itself for other targets)."
+    ),
 ]
 ChunkSize = Annotated[int, typer.Option(help="Retrieval-cache chunk size in tokens.")]
 DraftWindow = Annotated[int, typer.Option(help="Drafter StreamingLLM recent window.")]
@@ -53,7 +58,9 @@ Seed = Annotated[int | None, typer.Option(help="Random seed for sampling.")]
 Dtype = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for torch.")]
-Weights = Annotated[str, typer.Option(help="dense, or compact: compute from a GGUF's Q4_1 blocks (less memory).")]
+Weights = Annotated[
+    str, typer.Option(help="dense, or compact: compute the target from a GGUF's Q4_1 blocks (less memory).")
+]
 
 
 @app.callback()
@@ -104,6 +111,14 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         except ValueError:
             raise ConfigError(f"cannot read '{part}' as a token count (e.g. 2k, 7.5k or 4096)") from None
     return tuple(sizes)
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'0,1,29' -> (0, 1, 29)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"cannot read '{text}' as layer numbers (e.g. 0,1,2,3)") from None
 
 
 def parse_names(text: str, known) -> tuple[str, ...]:
@@ -201,12 +216,12 @@ def bench(
     builtin: Annotated[
         str, typer.Option(help=f"Built-in prompts when no file is given, from: {', '.join(DOCUMENTS)}.")
     ] = next(iter(DOCUMENTS)),
-    context: Annotated[
-        str, typer.Option(help="Context lengths to cut each prompt to, e.g. 2k,7.5k,32k.")
-    ] = ",".join(map(str, BENCH_DEFAULTS.contexts)),
-    modes: Annotated[
-        str, typer.Option(help=f"Comma-separated, from: {', '.join(ALL_MODES)}.")
-    ] = ",".join(DEFAULT_MODES),
+    context: Annotated[str, typer.Option(help="Context lengths to cut each prompt to, e.g. 2k,7.5k,32k.")] = ",".join(
+        map(str, BENCH_DEFAULTS.contexts)
+    ),
+    modes: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(ALL_MODES)}.")] = ",".join(
+        DEFAULT_MODES
+    ),
     budget: Annotated[
         str, typer.Option(help="Retrieval budgets to sweep, e.g. 256,1024 (auto: min(1024, prompt)).")
     ] = "auto",
@@ -288,3 +303,100 @@ def bench(
             write_results(rows, out, command)
         if plot is not None:
             plot_latency(rows, plot)
+
+
+DISTILL_DEFAULTS = DistillConfig(builtin=("stdlib-train",))
+
+
+@app.command()
+def distill(
+    out: Annotated[Path, typer.Option(help="Folder to write the drafter (and its checkpoint) to.")],
+    data: Annotated[
+        list[Path] | None, typer.Option("--data", "-d", help="Training text file; repeat for several.")
+    ] = None,
+    builtin: Annotated[
+        str,
+        typer.Option(help=f"Built-in training text, comma-separated from: {', '.join(BUILTIN_NAMES)}; '' for none."),
+    ] = ",".join(DISTILL_DEFAULTS.builtin),
+    target: Target = None,
+    init_layers: Annotated[
+        str, typer.Option(help="Target layers the drafter starts from, in order (its depth).")
+    ] = ",".join(map(str, DISTILL_DEFAULTS.init_layers)),
+    draft_vocab: Annotated[
+        int, typer.Option(help="Tokens the drafter's output layer covers (the most frequent in the data); 0: all.")
+    ] = DISTILL_DEFAULTS.draft_vocab,
+    self_generate: Annotated[
+        int, typer.Option(help="Extra training windows the target writes itself (aligns the drafter's context).")
+    ] = DISTILL_DEFAULTS.self_generate,
+    self_temperature: Annotated[float, typer.Option(help="Temperature of the target's own windows.")] = (
+        DISTILL_DEFAULTS.self_temperature
+    ),
+    top_k: Annotated[int, typer.Option(help="Target tokens per position in the top-K loss.")] = DISTILL_DEFAULTS.top_k,
+    seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = DISTILL_DEFAULTS.seq_len,
+    batch_size: Annotated[int, typer.Option(help="Windows per step.")] = DISTILL_DEFAULTS.batch_size,
+    learning_rate: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = DISTILL_DEFAULTS.learning_rate,
+    max_steps: Annotated[int, typer.Option(help="Training steps (the learning-rate schedule spans them).")] = (
+        DISTILL_DEFAULTS.max_steps
+    ),
+    max_minutes: Annotated[
+        float | None, typer.Option(help="Stop after this many minutes, saving a checkpoint to --resume from.")
+    ] = None,
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = (
+        DISTILL_DEFAULTS.eval_every
+    ),
+    held_out_windows: Annotated[int, typer.Option(help="Windows of real text kept out of training.")] = (
+        DISTILL_DEFAULTS.held_out_windows
+    ),
+    acceptance_temperature: Annotated[float, typer.Option(help="Temperature of the held-out acceptance.")] = (
+        DISTILL_DEFAULTS.acceptance_temperature
+    ),
+    save_dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 for the written weights.")] = (
+        DISTILL_DEFAULTS.save_dtype
+    ),
+    seed: Annotated[int, typer.Option(help="Seed of the split, the sampling and the initial weights.")] = (
+        DISTILL_DEFAULTS.seed
+    ),
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --out.")] = False,
+    threads: Threads = None,
+) -> None:
+    """Train a small drafter for a target with the top-K distillation loss (HASS); --draft loads the result."""
+    err = Console(stderr=True)
+    quiet_libraries()
+    with reported_errors(err):
+        if threads is not None:
+            torch.set_num_threads(threads)
+        config = DistillConfig(
+            data=tuple(str(path) for path in data or ()),
+            builtin=parse_names(builtin, BUILTIN_NAMES),
+            init_layers=parse_layers(init_layers),
+            draft_vocab=draft_vocab,
+            self_generate=self_generate,
+            self_temperature=self_temperature,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            top_k=top_k,
+            learning_rate=learning_rate,
+            max_steps=max_steps,
+            held_out_windows=held_out_windows,
+            eval_every=eval_every,
+            acceptance_temperature=acceptance_temperature,
+            save_dtype=save_dtype,
+            seed=seed,
+        )
+        checkpoint, teacher, tokenizer = load_teacher(target, status=lambda message: print_note(err, message))
+        distiller = Distiller(config, teacher, tokenizer, checkpoint, out, resume=resume)
+        with DistillBar(err) as bar:
+            try:
+                result = distiller.run(bar, max_minutes)
+            except KeyboardInterrupt:
+                result = distiller.stop(interrupted=True)
+        held = result.history[-1] if result.history else None
+        summary = f"{result.steps} steps, {result.tokens} tokens, {result.seconds / 60:.1f} min"
+        if held is not None:
+            summary += f"; held-out acceptance {held['acceptance']:.1%} (greedy {held['greedy_acceptance']:.1%})"
+        print_note(err, summary)
+        if result.steps:
+            print_note(err, f"drafter written to {result.folder}: use it with --draft {result.folder}")
+        if not result.finished:
+            print_note(err, f"stopped before --max-steps {config.max_steps}: continue with --resume")
+            raise typer.Exit(INTERRUPTED_EXIT_CODE if result.interrupted else 0)

@@ -1,12 +1,15 @@
-"""Built-in benchmark prompts: documentation text of the Python standard library.
+"""Built-in text: documentation of the Python standard library, for benchmark prompts and drafter training.
 
 Real prose and reference text written by the Python developers (PSF licence), present wherever Python runs, so
-benchmarks need no download and no text written by us. Each document is the docstrings of a fixed list of
-modules and their public members, in a fixed order.
+benchmarks and `triforce distill` need no download and no text written by us. Each module document is the
+docstrings of a fixed list of modules and their public members, in a fixed order; "python-reference" is the
+language reference topics pydoc shows. The benchmark prompts (stdlib-a, stdlib-b) share no module with the
+training text (stdlib-train, python-reference), so a drafter trained on the latter is measured on held-out text.
 """
 
 import importlib
 import inspect
+from pydoc_data.topics import topics
 
 DOCUMENTS = {
     "stdlib-a": (
@@ -17,7 +20,25 @@ DOCUMENTS = {
         "asyncio", "datetime", "decimal", "fractions", "functools", "itertools", "statistics", "threading",
         "socket", "ssl", "sqlite3", "csv", "textwrap", "difflib", "heapq", "inspect", "pickle", "urllib.request",
     ),
+    "stdlib-train": (
+        "abc", "ast", "base64", "bdb", "binascii", "bisect", "bz2", "calendar", "cmath", "cmd", "code", "codecs",
+        "colorsys", "concurrent.futures", "configparser", "contextlib", "contextvars", "copy", "copyreg",
+        "dataclasses", "dbm", "dis", "doctest", "email.headerregistry", "email.parser", "email.policy",
+        "email.utils", "enum", "filecmp", "fileinput", "fnmatch", "ftplib", "getopt", "getpass", "gettext", "glob",
+        "graphlib", "gzip", "hashlib", "hmac", "html", "html.parser", "http.cookiejar", "http.cookies",
+        "http.server", "imaplib", "importlib", "importlib.metadata", "io", "ipaddress", "keyword", "linecache",
+        "locale", "logging.config", "logging.handlers", "lzma", "mailbox", "mimetypes", "netrc", "numbers",
+        "operator", "optparse", "os", "pdb", "pkgutil", "platform", "plistlib", "poplib", "pprint", "profile",
+        "pstats", "queue", "quopri", "random", "re", "reprlib", "runpy", "sched", "secrets", "selectors", "shelve",
+        "shlex", "signal", "site", "smtplib", "socketserver", "stat", "string", "struct", "symtable", "sysconfig",
+        "timeit", "tokenize", "tomllib", "trace", "traceback", "tracemalloc", "types", "unittest.mock",
+        "urllib.parse", "urllib.robotparser", "uuid", "warnings", "wave", "weakref", "webbrowser",
+        "wsgiref.handlers", "xml.dom.minidom", "xml.sax.handler", "xmlrpc.client", "xmlrpc.server", "zipapp",
+        "zipimport", "zoneinfo",
+    ),
 }
+REFERENCE = "python-reference"
+BUILTIN_NAMES = (*DOCUMENTS, REFERENCE)
 
 
 def module_text(name: str) -> str:
@@ -33,5 +54,7 @@ def module_text(name: str) -> str:
 
 
 def builtin_document(name: str) -> str:
-    """The named built-in document (see DOCUMENTS)."""
+    """The named built-in document (one of BUILTIN_NAMES)."""
+    if name == REFERENCE:
+        return "\n\n".join(topics[key] for key in sorted(topics))
     return "\n\n".join(module_text(module) for module in DOCUMENTS[name])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -25,6 +25,9 @@ from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError, 
 
 StatusCallback = Callable[[str], None]
 WEIGHT_FORMATS = ("dense", "compact")
+EMBEDDING_WEIGHT = "model.embed_tokens.weight"
+SHARED_WEIGHTS = (EMBEDDING_WEIGHT, "lm_head.weight")  # what a distilled drafter borrows from its target
+DRAFTER_METADATA = "triforce_drafter"  # config.json key written by `triforce distill`
 
 
 @dataclass
@@ -34,6 +37,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     hf_config: PretrainedConfig
     source: str = ""  # the checkpoint folder it was loaded from
+    weight_files: tuple[Path, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,6 +143,37 @@ def _folder_files(folder: Path) -> tuple[Path, list[Path]]:
     return folder, files
 
 
+def embedding_digest(weight_files) -> str:
+    """SHA-256 of the stored input-embedding tensor: identifies the target a distilled drafter belongs to."""
+    for file in weight_files:
+        with safe_open(file, framework="pt") as handle:
+            if EMBEDDING_WEIGHT in handle.keys():  # noqa: SIM118 - safe_open has no __contains__
+                tensor = handle.get_tensor(EMBEDDING_WEIGHT)
+                return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy()).hexdigest()
+    raise ModelLoadError(f"no {EMBEDDING_WEIGHT} in {', '.join(str(f) for f in weight_files)}")
+
+
+def borrow_shared_weights(
+    name: str, hf_config: PretrainedConfig, state: dict, shared_from: "LoadedModel | None"
+) -> None:
+    """Fill a distilled drafter's missing embedding and output layer with its target's (the same tensors)."""
+    metadata = getattr(hf_config, DRAFTER_METADATA, None)
+    if not metadata or EMBEDDING_WEIGHT in state:
+        return
+    if shared_from is None:
+        raise ModelLoadError(
+            f"{name} is a drafter distilled for {metadata['target']} and borrows its embeddings: load it with --draft"
+        )
+    if embedding_digest(shared_from.weight_files) != metadata["embedding_sha256"]:
+        raise ModelLoadError(
+            f"drafter {name} was distilled for {metadata['target']}; its embeddings are not those of {shared_from.name}"
+        )
+    target = shared_from.model
+    state[EMBEDDING_WEIGHT] = target.model.embed_tokens.weight
+    if not hf_config.tie_word_embeddings:
+        state["lm_head.weight"] = target.lm_head.weight
+
+
 def use_compact_weights(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether to compute from the GGUF's Q4_1 blocks: weights is 'dense' or 'compact'."""
     if weights not in WEIGHT_FORMATS:
@@ -156,8 +191,12 @@ def load_model(
     device: str | torch.device = "cpu",
     status: StatusCallback | None = None,
     weights: str = "dense",
+    shared_from: LoadedModel | None = None,
 ) -> LoadedModel:
     """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config.
+
+    shared_from: the target, when loading a drafter; a drafter written by `triforce distill` borrows its
+    embedding and output layer (see borrow_shared_weights).
 
     weights: 'dense' computes from float weights, 'compact' from a GGUF's Q4_1 blocks (GGUF source, CPU,
     float32): a quarter of the memory, but torch's CPU int4 kernel is slower than dense products here.
@@ -184,6 +223,7 @@ def load_model(
         except (OSError, SafetensorError) as err:
             raise ModelLoadError(f"cannot read weights {file}: {err}") from None
         state.update({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
+    borrow_shared_weights(name, hf_config, state, shared_from)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -194,6 +234,9 @@ def load_model(
     if unexpected:
         raise ModelLoadError(f"{name}: checkpoint has weights this runtime does not use, such as {unexpected[0]}")
     model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+    output_ids = (getattr(hf_config, DRAFTER_METADATA, None) or {}).get("output_ids")
+    if output_ids:
+        model.restrict_output(torch.tensor(output_ids, device=device))
     if compact:
         use_q4_1_weights(model, checkpoint.gguf, hf_config)
-    return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder))
+    return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files))

@@ -163,6 +163,19 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scale = rope_scale
+        self.output_ids: torch.Tensor | None = None  # see restrict_output
+
+    def restrict_output(self, output_ids: torch.Tensor) -> None:
+        """Compute logits for output_ids (V',) only; every other token gets -inf, so probability 0.
+
+        A drafter's output layer over the most frequent tokens costs V'/V of the full one (FR-Spec, Zhao et al.,
+        2025, arXiv 2502.14856). Speculative sampling stays exact: tokens it never proposes are left to the
+        residual distribution of the tier above.
+        """
+        rows = self.lm_head.weight[output_ids].detach().clone()
+        self.lm_head = nn.Linear(self.config.hidden_size, len(output_ids), bias=False, device=rows.device, dtype=rows.dtype)
+        self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
+        self.output_ids = output_ids.to(rows.device)
 
     @classmethod
     def from_hf_config(cls, hf: PretrainedConfig) -> "Transformer":
@@ -186,4 +199,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache)
         if num_logits is not None:
             x = x[-num_logits:]
-        return self.lm_head(self.model.norm(x)).float()
+        logits = self.lm_head(self.model.norm(x)).float()  # (T, V) or (T, V')
+        if self.output_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.output_ids, logits)

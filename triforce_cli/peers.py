@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
+from triforce_cli.loading import DRAFTER_METADATA
 from triforce_cli.sampling import SamplingConfig
 
 HF_PEERS = ("hf", "hf-assisted", "hf-lookup")
@@ -42,14 +43,20 @@ class FirstTokenClock(BaseStreamer):
         """Nothing to flush."""
 
 
-def load_hf_model(source: str, dtype: torch.dtype) -> PreTrainedModel:
+def load_hf_model(source: str, dtype: torch.dtype, target: PreTrainedModel | None = None) -> PreTrainedModel:
+    """A checkpoint folder as a transformers model; a drafter written by `triforce distill` gets target's
+    embedding and output layer (transformers computes its output over the whole vocabulary)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
     finally:
         hf_logging.enable_progress_bar()
+    if target is not None and getattr(model.config, DRAFTER_METADATA, None):
+        model.model.embed_tokens = target.model.embed_tokens
+        model.lm_head = target.lm_head
+    return model
 
 
 def hf_sampling_kwargs(sampling: SamplingConfig) -> dict:

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 from transformers import PreTrainedTokenizerBase
 
+from triforce_cli.distill import DistillProgress
 from triforce_cli.stats import GenerationStats
 
 TIER_STYLES = {"ngram": "magenta", "drafter": "green", "retrieval": "yellow", "target": "cyan"}
@@ -76,6 +77,43 @@ class PrefillProgress:
             self.progress.stop()
 
 
+DISTILL_PHASES = {"self-generate": "target writes windows", "teacher": "target top-K", "train": "train drafter"}
+
+
+class DistillBar:
+    """One progress bar per distillation phase; training shows the loss and the held-out acceptance."""
+
+    def __init__(self, console: Console):
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[metrics]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.tasks: dict[str, int] = {}
+        self.loss = ""
+        self.acceptance = ""
+
+    def __enter__(self) -> Self:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def __call__(self, event: DistillProgress) -> None:
+        if event.phase not in self.tasks:
+            self.tasks[event.phase] = self.progress.add_task(DISTILL_PHASES[event.phase], total=event.total, metrics="")
+        if event.loss is not None:
+            self.loss = f"loss {event.loss:.3f}"
+        if event.acceptance is not None:
+            self.acceptance = f"held-out acceptance {event.acceptance:.1%} (greedy {event.greedy_acceptance:.1%})"
+        metrics = "  ".join(part for part in (self.loss, self.acceptance) if part)
+        self.progress.update(self.tasks[event.phase], completed=event.done, metrics=metrics)
+
+
 def summary_table(stats: GenerationStats) -> Table:
     table = Table(title="generation", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -84,7 +122,10 @@ def summary_table(stats: GenerationStats) -> Table:
         ("mode", stats.mode),
         ("drafter", stats.drafter or "-"),
         ("prompt tokens", str(stats.prompt_tokens)),
-        ("prefill", f"{stats.prefill_seconds:.2f} s" + (" (restored from the prompt cache)" if stats.prompt_cached else "")),
+        (
+            "prefill",
+            f"{stats.prefill_seconds:.2f} s" + (" (restored from the prompt cache)" if stats.prompt_cached else ""),
+        ),
         ("new tokens", str(stats.new_tokens)),
         ("per-token latency", f"{stats.ms_per_token:.1f} ms (median step {stats.median_ms_per_token:.1f} ms)"),
         ("throughput", f"{stats.tokens_per_second:.1f} tokens/s"),

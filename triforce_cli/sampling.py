@@ -75,3 +75,8 @@ def verify_draft(
     total = residual.sum()
     residual = residual / total if total > 0 else target_probs[accepted]
     return Verdict(accepted, int(sample(residual[None], generator)))
+
+
+def acceptance_probability(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Chance (N,) that speculative sampling accepts a token drawn from draft_probs (N, V): sum_x min(p, q)."""
+    return torch.minimum(target_probs, draft_probs).sum(dim=-1)

@@ -1,0 +1,300 @@
+"""`triforce distill`: the top-K loss, the draft vocabulary, training, checkpoints and resume, the written folder
+(loaded beside its target, refused beside another), greedy equality with it as the drafter, and CLI errors."""
+
+import json
+
+import pytest
+import torch
+from conftest import save_checkpoint
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from triforce_cli.cli import app
+from triforce_cli.config import EngineConfig
+from triforce_cli.distill import (
+    CHECKPOINT_NAME,
+    DistillConfig,
+    Distiller,
+    DistillProgress,
+    frequent_tokens,
+    load_teacher,
+    topk_distillation_loss,
+)
+from triforce_cli.errors import ConfigError, ModelLoadError
+from triforce_cli.loading import DRAFTER_METADATA, load_model
+from triforce_cli.pipeline import Pipeline, drafter_spec
+from triforce_cli.sampling import SamplingConfig
+
+VOCAB = 32  # w0..w29, <unk>, <eos>
+
+
+def test_topk_loss_is_the_weighted_log_likelihood_of_the_targets_top_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 10)
+    teacher = torch.log_softmax(torch.randn(2, 3, 10), dim=-1)
+    top_logp, top_ids = teacher.topk(4, dim=-1)
+    draft_logp = torch.log_softmax(logits, dim=-1)
+    expected = (
+        -sum(
+            top_logp[b, t, k].exp() * draft_logp[b, t, top_ids[b, t, k]]
+            for b in range(2)
+            for t in range(3)
+            for k in range(4)
+        )
+        / 6
+    )
+    torch.testing.assert_close(topk_distillation_loss(logits, top_ids, top_logp), expected)
+
+
+def test_topk_loss_over_the_whole_vocabulary_is_cross_entropy_minimised_by_the_target():
+    torch.manual_seed(1)
+    teacher_logits = torch.randn(1, 5, 8)
+    logp = torch.log_softmax(teacher_logits, dim=-1)
+    ids = torch.arange(8).expand(1, 5, 8)
+    at_target = topk_distillation_loss(teacher_logits, ids, logp)
+    torch.testing.assert_close(at_target, -(logp.exp() * logp).sum(-1).mean())  # the target's entropy
+    for seed in range(10, 15):  # other distributions than the target's (seeded apart from it)
+        other = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(seed))
+        assert topk_distillation_loss(other, ids, logp) > at_target
+
+
+def test_topk_loss_leaves_out_tokens_the_drafter_cannot_propose():
+    logits = torch.tensor([[[0.0, 1.0, 2.0]]])
+    logp = torch.log(torch.tensor([[[0.5, 0.3, 0.2]]]))
+    with_missing = topk_distillation_loss(logits, torch.tensor([[[2, -1, 0]]]), logp)
+    draft_logp = torch.log_softmax(logits[0, 0], dim=-1)
+    torch.testing.assert_close(with_missing, -(0.5 * draft_logp[2] + 0.2 * draft_logp[0]))
+
+
+def test_frequent_tokens_keeps_the_most_frequent_and_the_required_ids():
+    windows = torch.tensor([[5, 5, 5, 3, 3, 1], [5, 3, 7, 7, 7, 7]])
+    assert frequent_tokens(windows, 10, 3, always={9}).tolist() == [5, 7, 9]
+    assert frequent_tokens(windows, 10, 2, always=set()).tolist() == [5, 7]
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="training text"):
+        DistillConfig()
+    with pytest.raises(ConfigError, match="init-layers"):
+        DistillConfig(builtin=("stdlib-train",), init_layers=())
+    with pytest.raises(ConfigError, match="draft-vocab"):
+        DistillConfig(builtin=("stdlib-train",), draft_vocab=-1)
+    with pytest.raises(ConfigError, match="save-dtype"):
+        DistillConfig(builtin=("stdlib-train",), save_dtype="int8")
+
+
+# --- training on a tiny target ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "tiny-target"
+    save_checkpoint(folder, seed=3, num_layers=3, vocab_size=VOCAB)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """Word text with structure a drafter can learn: runs of rising word numbers."""
+    generator = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 20, (400,), generator=generator).tolist()
+    words = [f"w{start + step}" for start in starts for step in range(8)]
+    path = tmp_path_factory.mktemp("text") / "train.txt"
+    path.write_text(" ".join(words))
+    return path
+
+
+def tiny_config(text_file, **changes) -> DistillConfig:
+    settings = {
+        "data": (str(text_file),), "init_layers": (0, 2), "seq_len": 16, "batch_size": 4, "max_steps": 12,
+        "eval_every": 4, "held_out_windows": 4, "learning_rate": 3e-3, "warmup_steps": 2, "draft_vocab": 0,
+    }  # fmt: skip
+    return DistillConfig(**{**settings, **changes})
+
+
+def distill(target_folder, out, config, resume=False, on_progress=lambda event: None):
+    checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
+    distiller = Distiller(config, teacher, tokenizer, checkpoint, out, resume=resume)
+    return distiller, distiller.run(on_progress)
+
+
+def test_training_lowers_the_loss_and_raises_held_out_acceptance(target_folder, text_file, tmp_path):
+    config = tiny_config(text_file, max_steps=40, eval_every=5)
+    events = []
+    _, result = distill(target_folder, tmp_path / "d", config, on_progress=events.append)
+    assert result.finished and result.steps == 40 and result.tokens == 40 * 4 * 16
+    train = [e for e in events if e.phase == "train"]
+    assert [e.done for e in train] == list(range(1, 41))
+    assert sum(e.loss for e in train[-5:]) < sum(e.loss for e in train[:5])
+    assert {e.phase for e in events} == {"teacher", "train"}
+    assert [h["step"] for h in result.history] == [5, 10, 15, 20, 25, 30, 35, 40]
+    first, last = result.history[0], result.history[-1]
+    assert last["acceptance"] > first["acceptance"] + 0.05
+    assert [e.acceptance is not None for e in train] == [e.done % 5 == 0 for e in train]
+    assert not (tmp_path / "d" / CHECKPOINT_NAME).exists()  # finished: nothing left to resume
+
+
+def test_written_folder_loads_beside_its_target_only(target_folder, text_file, tmp_path):
+    out = tmp_path / "drafter"
+    distiller, _ = distill(target_folder, out, tiny_config(text_file, save_dtype="float16"))
+    tensors = load_file(out / "model.safetensors")
+    assert "model.embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors
+    assert all(t.dtype == torch.float16 for t in tensors.values())
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config[DRAFTER_METADATA]["target"] == "tiny-target"
+    assert (out / "tokenizer.json").is_file()
+
+    target = load_model(str(target_folder))
+    drafter = load_model(str(out), shared_from=target)
+    assert drafter.model.model.embed_tokens.weight is target.model.model.embed_tokens.weight
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.inference_mode():
+        expected = distiller.drafter.eval()(ids).logits[0]
+    from cache import FullCache
+
+    cfg = drafter.model.config
+    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(drafter.model.forward(ids[0], 0, cache), expected, atol=2e-2, rtol=1e-2)
+
+    with pytest.raises(ModelLoadError, match="borrows its embeddings"):
+        load_model(str(out))
+    other_folder = tmp_path / "other-target"
+    save_checkpoint(other_folder, seed=4, num_layers=3, vocab_size=VOCAB)
+    with pytest.raises(ModelLoadError, match="not those of other-target"):
+        load_model(str(out), shared_from=load_model(str(other_folder)))
+
+
+def test_draft_vocabulary_restricts_proposals_and_greedy_output_stays_exact(target_folder, text_file, tmp_path):
+    out = tmp_path / "small-vocab"
+    distill(target_folder, out, tiny_config(text_file, draft_vocab=12))
+    output_ids = json.loads((out / "config.json").read_text())[DRAFTER_METADATA]["output_ids"]
+    assert len(output_ids) == 12 and VOCAB - 1 in output_ids  # the end-of-sequence token always stays
+    target = load_model(str(target_folder))
+    drafter = load_model(str(out), shared_from=target)
+    from cache import FullCache
+
+    cfg = drafter.model.config
+    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32, torch.device("cpu"))
+    logits = drafter.model.forward(torch.tensor([1, 2, 3]), 0, cache)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[output_ids] = False
+    assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, ~outside]).all()
+
+    prompt = target.tokenizer(" ".join(f"w{i % 25}" for i in range(60))).input_ids
+    greedy = SamplingConfig(temperature=0)
+    reference = Pipeline.load(
+        str(target_folder),
+        config=EngineConfig(mode="autoregressive", sampling=greedy, max_new_tokens=24, budget=32, chunk_size=8),
+    )
+    expected = reference.generate_ids(prompt).token_ids
+    for mode in ("triforce", "streaming"):
+        config = EngineConfig(mode=mode, sampling=greedy, max_new_tokens=24, budget=32, chunk_size=8, draft_window=16,
+                              sink_tokens=4)  # fmt: skip
+        pipe = Pipeline.load(str(target_folder), draft=str(out), config=config)
+        result = pipe.generate_ids(prompt)
+        assert result.token_ids == expected, mode
+        assert result.stats.acceptance[-1].drafted > 0
+
+
+def test_interrupted_run_resumes_to_the_same_weights(target_folder, text_file, tmp_path):
+    config = tiny_config(text_file)
+    distill(target_folder, tmp_path / "straight", config)
+
+    def interrupt_at_step_6(event: DistillProgress):
+        if event.phase == "train" and event.done == 6:
+            raise KeyboardInterrupt
+
+    checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
+    out = tmp_path / "resumed"
+    distiller = Distiller(config, teacher, tokenizer, checkpoint, out)
+    with pytest.raises(KeyboardInterrupt):
+        distiller.run(interrupt_at_step_6)
+    stopped = distiller.stop(interrupted=True)
+    assert (stopped.steps, stopped.finished, stopped.interrupted) == (6, False, True)
+    assert (out / CHECKPOINT_NAME).is_file() and (out / "model.safetensors").is_file()
+    with pytest.raises(ConfigError, match="--resume"):
+        Distiller(config, teacher, tokenizer, checkpoint, out)
+    with pytest.raises(ConfigError, match="other settings"):
+        Distiller(tiny_config(text_file, top_k=3), teacher, tokenizer, checkpoint, out, resume=True)
+    _, resumed = distill(target_folder, out, config, resume=True)
+    assert resumed.finished and resumed.steps == 12
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name)
+
+
+def test_self_generated_windows_join_the_training_data(target_folder, text_file, tmp_path):
+    events = []
+    distill(
+        target_folder, tmp_path / "d", tiny_config(text_file, self_generate=3, max_steps=2), on_progress=events.append
+    )
+    generated = torch.load(tmp_path / "d" / "distill-work" / "self-generated.pt")
+    assert generated.shape == (3, 16)
+    assert [e.done for e in events if e.phase == "self-generate"] == [3]
+
+
+def test_max_minutes_zero_stops_before_training_and_resumes(target_folder, text_file, tmp_path):
+    checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
+    out = tmp_path / "d"
+    result = Distiller(tiny_config(text_file), teacher, tokenizer, checkpoint, out).run(lambda e: None, max_minutes=0)
+    assert (result.steps, result.finished) == (0, False)
+    assert (out / CHECKPOINT_NAME).is_file() and not (out / "model.safetensors").exists()
+    _, resumed = distill(target_folder, out, tiny_config(text_file), resume=True)
+    assert resumed.finished
+
+
+def test_default_drafter_choice(tmp_path, monkeypatch):
+    import triforce_cli.pipeline
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "config.json").write_text("{}")
+    monkeypatch.setattr(triforce_cli.pipeline, "EMBEDDED_DRAFTER", shipped)
+    assert drafter_spec(None, None, EngineConfig()) == str(shipped)
+    assert drafter_spec(None, "self", EngineConfig()) is None
+    assert drafter_spec(None, None, EngineConfig(ngram=True)) is None  # n-gram alone, as asked
+    assert drafter_spec("some/model", None, EngineConfig()) is None
+    assert drafter_spec(None, "mine", EngineConfig()) == "mine"
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+
+def run_cli(*args):
+    return CliRunner().invoke(app, ["distill", *map(str, args)])
+
+
+def test_cli_writes_a_drafter_that_generate_uses(target_folder, text_file, tmp_path):
+    out = tmp_path / "cli-drafter"
+    result = run_cli("--target", target_folder, "--data", text_file, "--builtin", "", "--out", out,
+                     "--init-layers", "0,1", "--seq-len", 16, "--batch-size", 4, "--max-steps", 4, "--eval-every", 2,
+                     "--held-out-windows", 2, "--draft-vocab", 0)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "held-out acceptance" in result.stderr and f"--draft {out}" in result.stderr
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(f"w{i % 20}" for i in range(40)))
+    generated = CliRunner().invoke(app, ["generate", "-p", str(prompt), "--target", str(target_folder), "--draft",
+                                         str(out), "--budget", "16", "--chunk-size", "8", "--max-new-tokens", "6",
+                                         "--temperature", "0", "--json"])  # fmt: skip
+    assert generated.exit_code == 0, generated.output
+    assert json.loads(generated.stdout)["drafter"] == "cli-drafter"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--builtin", ""), "training text"),
+        (("--init-layers", "0,x"), "layer numbers"),
+        (("--init-layers", "0,7"), "the target has 3"),
+        (("--builtin", "novel"), "unknown name 'novel'"),
+        (("--resume",), "nothing to resume"),
+        (("--data", "/nonexistent/text.txt", "--builtin", ""), "does not exist"),
+    ],
+    ids=["no-data", "bad-layers", "layer-out-of-range", "unknown-builtin", "nothing-to-resume", "missing-file"],
+)
+def test_cli_errors_are_one_line(target_folder, tmp_path, args, message):
+    result = run_cli("--target", target_folder, "--out", tmp_path / "d", *args)
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr

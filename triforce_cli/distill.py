@@ -1,0 +1,371 @@
+"""`triforce distill`: train a small drafter for a target model, sharing its tokenizer and embeddings.
+
+The drafter is the target's own architecture with a few layers, started from target layers the user picks, and
+trained on the target's next-token distributions with the top-K distillation loss of HASS (Zhang et al., 2024,
+arXiv 2408.15766): -sum over the target's K most likely tokens x of p(x) log q(x), which spends the drafter's
+small capacity on the tokens speculative sampling can accept. Its embedding and output layer are the target's,
+frozen, and are not written out: loading the drafter beside its target borrows them (see loading.py).
+
+HASS's second idea, context alignment, trains a feature-level drafter on the features it will see while drafting
+(its own). A token-level drafter sees accepted tokens while drafting, which follow the target's distribution;
+`self_generate` aligns its training context the same way, with windows the target writes itself.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from triforce_cli.distill_data import TeacherTargets, self_generated_windows, text_windows, training_texts
+from triforce_cli.errors import ConfigError, ModelLoadError
+from triforce_cli.loading import (
+    DRAFTER_METADATA,
+    SHARED_WEIGHTS,
+    Checkpoint,
+    StatusCallback,
+    embedding_digest,
+    resolve_checkpoint,
+)
+from triforce_cli.model import ModelConfig, UnsupportedModelError
+from triforce_cli.peers import load_hf_model
+from triforce_cli.sampling import SamplingConfig, acceptance_probability, probabilities
+
+CHECKPOINT_NAME = "distill-checkpoint.pt"
+WORK_FOLDER = "distill-work"  # teacher targets and self-generated windows, kept for --resume
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    data: tuple[str, ...] = ()  # text files
+    builtin: tuple[str, ...] = ()  # built-in documents (corpus.BUILTIN_NAMES)
+    init_layers: tuple[int, ...] = (0, 1, 2)  # target layers the drafter starts from, in order
+    draft_vocab: int = 8192  # tokens the drafter's output layer covers, the most frequent in the data; 0: all
+    self_generate: int = 0  # extra training windows the target writes itself
+    seq_len: int = 256
+    batch_size: int = 8
+    top_k: int = 5
+    learning_rate: float = 5e-4
+    warmup_steps: int = 20
+    max_steps: int = 1000
+    held_out_windows: int = 8
+    eval_every: int = 50
+    acceptance_temperature: float = 0.6  # held-out acceptance is reported at this temperature and at 0
+    self_temperature: float = 0.6
+    save_dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.data and not self.builtin:
+            raise ConfigError("distill needs training text: --data files and/or --builtin documents")
+        if not self.init_layers or min(self.init_layers) < 0:
+            raise ConfigError("--init-layers must name target layers, e.g. 0,1,2,3")
+        if self.top_k < 1 or self.seq_len < 8 or self.batch_size < 1 or self.max_steps < 1:
+            raise ConfigError(
+                "--top-k and --batch-size must be at least 1, --seq-len at least 8, --max-steps at least 1"
+            )
+        if self.draft_vocab < 0:
+            raise ConfigError("--draft-vocab must be 0 (the whole vocabulary) or a token count")
+        if self.held_out_windows < 1 or self.eval_every < 1 or self.self_generate < 0:
+            raise ConfigError("--held-out-windows and --eval-every must be at least 1, --self-generate not negative")
+        if self.learning_rate <= 0 or self.acceptance_temperature <= 0 or self.self_temperature <= 0:
+            raise ConfigError("the learning rate and temperatures must be positive")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ConfigError(f"unknown --save-dtype '{self.save_dtype}' (choose from {', '.join(SAVE_DTYPES)})")
+
+
+@dataclass
+class DistillProgress:
+    phase: str  # 'self-generate', 'teacher' or 'train'
+    done: int
+    total: int
+    loss: float | None = None
+    acceptance: float | None = None  # held-out, at the acceptance temperature
+    greedy_acceptance: float | None = None  # held-out argmax agreement
+
+
+@dataclass
+class DistillResult:
+    folder: Path
+    steps: int
+    tokens: int  # training tokens seen
+    seconds: float
+    history: list[dict] = field(default_factory=list)  # one entry per evaluation
+    finished: bool = False  # max_steps reached
+    interrupted: bool = False  # stopped by Ctrl-C (neither finished nor interrupted: by the time limit)
+
+
+def load_teacher(
+    spec: str | None, status: StatusCallback | None = None
+) -> tuple[Checkpoint, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target (None: the embedded default) as a float32 transformers model, with its tokenizer."""
+    checkpoint = resolve_checkpoint(spec, status)
+    try:
+        teacher = load_hf_model(str(checkpoint.folder), torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder)
+        ModelConfig.from_hf(teacher.config)
+    except (ValueError, OSError) as err:
+        raise ModelLoadError(f"cannot load {checkpoint.name} as a transformers model: {err}") from None
+    except UnsupportedModelError as err:
+        raise ModelLoadError(f"{checkpoint.name}: {err}") from None
+    return checkpoint, teacher.eval(), tokenizer
+
+
+def topk_distillation_loss(
+    draft_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logp: torch.Tensor
+) -> torch.Tensor:
+    """HASS top-K loss: mean over positions of -sum_k p(x_k) log q(x_k), x_k the target's top-K tokens.
+
+    draft_logits (B, L, V'); teacher_ids (B, L, K) index its last dimension, and negative ids (tokens the
+    drafter cannot propose) are left out; teacher_logp (B, L, K).
+    """
+    draft_logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    picked = draft_logp.gather(-1, teacher_ids.long().clamp_min(0))  # (B, L, K)
+    weights = teacher_logp.float().exp() * (teacher_ids >= 0)
+    return -(weights * picked).sum(dim=-1).mean()
+
+
+def frequent_tokens(windows: torch.Tensor, vocab_size: int, count: int, always: set[int]) -> torch.Tensor:
+    """The count most frequent token ids of windows (ties to the lower id), with the always ids, sorted."""
+    frequency = torch.bincount(windows.flatten(), minlength=vocab_size).float()
+    frequency[list(always)] = math.inf
+    return frequency.topk(min(count, vocab_size), sorted=False).indices.sort().values
+
+
+def drafter_config(target_config: PretrainedConfig, init_layers: tuple[int, ...]) -> PretrainedConfig:
+    config = target_config.__class__.from_dict(target_config.to_dict())
+    config.num_hidden_layers = len(init_layers)
+    layer_types = getattr(target_config, "layer_types", None)
+    if layer_types:
+        config.layer_types = [layer_types[i] for i in init_layers]
+    return config
+
+
+def build_drafter(
+    teacher: PreTrainedModel, init_layers: tuple[int, ...], output_ids: torch.Tensor | None = None
+) -> PreTrainedModel:
+    """The target's architecture with len(init_layers) layers copied from it, sharing its frozen embeddings.
+
+    With output_ids (V',) its output layer is the target's rows for those tokens: logits (B, L, V').
+    """
+    drafter = AutoModelForCausalLM.from_config(drafter_config(teacher.config, init_layers))
+    for index, source in enumerate(init_layers):
+        drafter.model.layers[index].load_state_dict(teacher.model.layers[source].state_dict())
+    drafter.model.norm.load_state_dict(teacher.model.norm.state_dict())
+    drafter.model.embed_tokens = teacher.model.embed_tokens
+    drafter.lm_head = teacher.lm_head
+    if output_ids is not None:
+        drafter.lm_head = torch.nn.Linear(teacher.config.hidden_size, len(output_ids), bias=False)
+        drafter.lm_head.weight = torch.nn.Parameter(teacher.lm_head.weight[output_ids].detach().clone())
+    for name in SHARED_WEIGHTS:
+        drafter.get_parameter(name).requires_grad_(False)
+    return drafter
+
+
+def learning_rate(config: DistillConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth over max_steps."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+    return config.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+class Distiller:
+    """One distillation run into an output folder, resumable from the checkpoint it keeps there."""
+
+    def __init__(
+        self,
+        config: DistillConfig,
+        teacher: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        target: Checkpoint,
+        out: Path,
+        resume: bool = False,
+    ):
+        self.config = config
+        self.teacher = teacher.eval()
+        self.tokenizer = tokenizer
+        self.target = target
+        self.out = out
+        self.work = out / WORK_FOLDER
+        checkpoint_path = out / CHECKPOINT_NAME
+        if checkpoint_path.is_file() and not resume:
+            raise ConfigError(f"{out} holds an unfinished distillation: pass --resume, or choose another --out")
+        if resume and not checkpoint_path.is_file():
+            raise ConfigError(f"nothing to resume: {out} has no {CHECKPOINT_NAME}")
+        available = teacher.config.num_hidden_layers
+        if max(config.init_layers) >= available:
+            raise ConfigError(f"--init-layers names layer {max(config.init_layers)}, but the target has {available}")
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.checkpoint = torch.load(checkpoint_path, weights_only=False) if resume else None
+        if self.checkpoint is not None and self.checkpoint["config"] != asdict(config):
+            raise ConfigError(f"{out} was started with other settings; resume with the same flags")
+        self.drafter: PreTrainedModel | None = None  # built once the data (and so the draft vocabulary) is known
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.output_ids: torch.Tensor | None = None
+        self.step = 0
+        self.seconds = 0.0  # training time of earlier runs of this checkpoint
+        self.history: list[dict] = []
+        self._started = time.monotonic()
+
+    def _windows(self, on_progress: Callable[[DistillProgress], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training and held-out windows (N, L); held-out ones are real text only."""
+        cfg = self.config
+        real = text_windows(self.tokenizer, training_texts(cfg.data, cfg.builtin), cfg.seq_len)
+        order = torch.randperm(len(real), generator=torch.Generator().manual_seed(cfg.seed))
+        held = min(cfg.held_out_windows, len(real) // 2)
+        held_out, train = real[order[:held]], real[order[held:]]
+        if cfg.self_generate:
+            path = self.work / "self-generated.pt"
+            saved = torch.load(path) if path.is_file() else None
+            if saved is None or len(saved) != cfg.self_generate:
+                torch.manual_seed(cfg.seed)
+                seeds = train[torch.arange(cfg.self_generate) % len(train)]
+                saved = self_generated_windows(
+                    self.teacher, seeds, cfg.seq_len, cfg.self_temperature, cfg.batch_size,
+                    lambda done, total: on_progress(DistillProgress("self-generate", done, total)),
+                )  # fmt: skip
+                torch.save(saved, path)
+            train = torch.cat([train, saved])
+        return train, held_out
+
+    def _build(self, train: torch.Tensor) -> None:
+        """The drafter and optimizer, restored from the checkpoint when resuming."""
+        cfg = self.config
+        vocab_size = self.teacher.config.vocab_size
+        if 0 < cfg.draft_vocab < vocab_size:
+            eos = self.teacher.generation_config.eos_token_id
+            always = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+            self.output_ids = frequent_tokens(train, vocab_size, cfg.draft_vocab, always)
+        torch.manual_seed(cfg.seed)
+        self.drafter = build_drafter(self.teacher, cfg.init_layers, self.output_ids)
+        trainable = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
+        if self.checkpoint is not None and self.checkpoint["step"]:
+            self.drafter.load_state_dict(self.checkpoint["drafter"], strict=False)
+            self.optimizer.load_state_dict(self.checkpoint["optimizer"])
+            self.step, self.seconds, self.history = (
+                self.checkpoint["step"], self.checkpoint["seconds"], self.checkpoint["history"]
+            )  # fmt: skip
+
+    def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """Drafter logits (N, V') spread over the whole vocabulary (N, V), -inf where it cannot propose."""
+        if self.output_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.teacher.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.output_ids, logits)
+
+    @torch.inference_mode()
+    def evaluate(
+        self, held_out: torch.Tensor, target_probs: torch.Tensor, target_argmax: torch.Tensor
+    ) -> tuple[float, float]:
+        """Held-out (acceptance at the acceptance temperature, greedy agreement) of the drafter's next tokens."""
+        self.drafter.eval()
+        logits = self._full_vocabulary(self.drafter(held_out).logits.flatten(0, 1))  # (N * L, V)
+        self.drafter.train()
+        sampling = SamplingConfig(temperature=self.config.acceptance_temperature)
+        accept = acceptance_probability(target_probs, probabilities(logits, sampling)).mean()
+        greedy = (logits.argmax(dim=-1) == target_argmax).float().mean()
+        return float(accept), float(greedy)
+
+    def run(self, on_progress: Callable[[DistillProgress], None], max_minutes: float | None = None) -> DistillResult:
+        """Prepare data, then train until max_steps or the time limit; checkpoint and write the drafter."""
+        cfg = self.config
+        self._started = time.monotonic()
+        deadline = self._started + 60 * max_minutes if max_minutes is not None else math.inf
+        train, held_out = self._windows(on_progress)
+        targets = TeacherTargets(train, cfg.top_k, self.work / "teacher-top-k.pt")
+        targets.fill(
+            self.teacher, cfg.batch_size, lambda done, total: on_progress(DistillProgress("teacher", done, total)),
+            deadline=deadline,
+        )  # fmt: skip
+        self._build(train)
+        if not targets.complete:
+            return self.stop()
+        teacher_ids = targets.ids.long()  # (N, L, K) in the full vocabulary
+        if self.output_ids is not None:
+            position = torch.full((self.teacher.config.vocab_size,), -1, dtype=torch.long)
+            position[self.output_ids] = torch.arange(len(self.output_ids))
+            teacher_ids = position[teacher_ids]  # positions in the drafter's output, -1 where it has none
+        with torch.inference_mode():
+            logits = self.teacher(held_out).logits.flatten(0, 1)  # (N * L, V)
+            target_probs = probabilities(logits, SamplingConfig(temperature=cfg.acceptance_temperature))
+            target_argmax = logits.argmax(dim=-1)
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed + 1))
+        self.drafter.train()
+        while self.step < cfg.max_steps and time.monotonic() < deadline:
+            picked = order[(torch.arange(cfg.batch_size) + self.step * cfg.batch_size) % len(train)]
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate(cfg, self.step)
+            logits = self.drafter(train[picked]).logits  # (B, L, V')
+            loss = topk_distillation_loss(logits, teacher_ids[picked], targets.logp[picked])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in self.drafter.parameters() if p.requires_grad], 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            progress = DistillProgress("train", self.step, cfg.max_steps, float(loss.detach()))
+            if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
+                progress.acceptance, progress.greedy_acceptance = self.evaluate(held_out, target_probs, target_argmax)
+                self.history.append(
+                    {"step": self.step, "loss": progress.loss, "acceptance": progress.acceptance,
+                     "greedy_acceptance": progress.greedy_acceptance}
+                )  # fmt: skip
+                self._save_checkpoint()
+            on_progress(progress)
+        return self.stop()
+
+    def _save_checkpoint(self) -> None:
+        trained = {}
+        if self.drafter is not None:
+            trained = {k: v for k, v in self.drafter.state_dict().items() if k not in SHARED_WEIGHTS}
+        state = {
+            "config": asdict(self.config),
+            "drafter": trained,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "step": self.step,
+            "seconds": self.seconds + time.monotonic() - self._started,
+            "history": self.history,
+        }
+        torch.save(state, self.out / CHECKPOINT_NAME)
+
+    def stop(self, interrupted: bool = False) -> DistillResult:
+        """Checkpoint, write the drafter trained so far, and report; the checkpoint goes once max_steps is reached."""
+        self._save_checkpoint()
+        seconds = self.seconds + time.monotonic() - self._started
+        finished = self.step >= self.config.max_steps
+        if self.step:
+            self.export(seconds)
+        if finished:
+            (self.out / CHECKPOINT_NAME).unlink()
+        tokens = self.step * self.config.batch_size * self.config.seq_len
+        return DistillResult(self.out, self.step, tokens, seconds, self.history, finished, interrupted)
+
+    def export(self, seconds: float) -> None:
+        """Write config, trained weights (without the borrowed embeddings) and tokenizer: a --draft folder."""
+        dtype = SAVE_DTYPES[self.config.save_dtype]
+        tensors = {
+            name: tensor.detach().to(dtype).contiguous()
+            for name, tensor in self.drafter.state_dict().items()
+            if name not in SHARED_WEIGHTS
+        }
+        save_file(tensors, self.out / "model.safetensors")
+        config = drafter_config(self.teacher.config, self.config.init_layers)
+        metadata = {
+            "target": self.target.name,
+            "embedding_sha256": embedding_digest(self.target.weight_files),
+            "steps": self.step,
+            "seconds": round(seconds, 1),
+            "distill": asdict(self.config) | {"data": [Path(f).name for f in self.config.data]},
+            "held_out": self.history[-1] if self.history else None,
+        }
+        if self.output_ids is not None:
+            metadata["output_ids"] = self.output_ids.tolist()
+        setattr(config, DRAFTER_METADATA, metadata)
+        config.save_pretrained(self.out)
+        self.tokenizer.save_pretrained(self.out)

@@ -1,0 +1,115 @@
+"""Training data for `triforce distill`: token windows from text files or the target's own samples, and the
+target's top-K next-token distributions over them, computed once and kept on disk so a run can resume."""
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from triforce_cli.corpus import BUILTIN_NAMES, builtin_document
+from triforce_cli.errors import ConfigError
+from triforce_cli.prompts import read_prompt
+
+ProgressCallback = Callable[[int, int], None]  # (done, total)
+
+
+def training_texts(files: tuple[str, ...], builtin: tuple[str, ...]) -> list[str]:
+    """The text of each named file and built-in document (see corpus.py)."""
+    unknown = [name for name in builtin if name not in BUILTIN_NAMES]
+    if unknown:
+        raise ConfigError(f"unknown built-in text '{unknown[0]}' (choose from {', '.join(BUILTIN_NAMES)})")
+    return [read_prompt(file) for file in files] + [builtin_document(name) for name in builtin]
+
+
+def text_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int) -> torch.Tensor:
+    """The texts' tokens, each text followed by EOS, cut into non-overlapping windows: (N, seq_len)."""
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer(text).input_ids
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+    count = len(ids) // seq_len
+    if count < 2:
+        raise ConfigError(
+            f"the training text has {len(ids)} tokens: at least {2 * seq_len} are needed for --seq-len {seq_len}"
+        )
+    return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
+
+
+@torch.inference_mode()
+def self_generated_windows(
+    teacher: PreTrainedModel,
+    seeds: torch.Tensor,
+    seq_len: int,
+    temperature: float,
+    batch_size: int,
+    on_progress: ProgressCallback | None = None,
+) -> torch.Tensor:
+    """Windows the target writes itself: each seed's first quarter, continued by sampling: (N, seq_len)."""
+    prefix = max(1, seq_len // 4)
+    windows = []
+    for start in range(0, len(seeds), batch_size):
+        prompts = seeds[start : start + batch_size, :prefix]
+        out = teacher.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=seq_len - prefix,
+            min_new_tokens=seq_len - prefix,
+            do_sample=True,
+            temperature=temperature,
+            top_p=1.0,
+            top_k=0,
+            pad_token_id=teacher.generation_config.eos_token_id,
+        )
+        windows.append(out[:, :seq_len])
+        if on_progress is not None:
+            on_progress(min(start + batch_size, len(seeds)), len(seeds))
+    return torch.cat(windows)
+
+
+class TeacherTargets:
+    """The target's top-K next-token ids and log-probabilities for every window position.
+
+    Filled batch by batch and saved after each, so an interrupted run picks up where it stopped.
+    """
+
+    def __init__(self, windows: torch.Tensor, top_k: int, path: Path):
+        self.windows = windows  # (N, L)
+        self.top_k = top_k
+        self.path = path
+        n, length = windows.shape
+        saved = torch.load(path) if path.is_file() else None
+        if saved is not None and torch.equal(saved["windows"], windows) and saved["ids"].shape[-1] == top_k:
+            self.ids, self.logp, self.done = saved["ids"], saved["logp"], saved["done"]
+        else:
+            self.ids = torch.zeros(n, length, top_k, dtype=torch.int32)  # (N, L, K)
+            self.logp = torch.zeros(n, length, top_k, dtype=torch.float16)  # (N, L, K)
+            self.done = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.done == len(self.windows)
+
+    @torch.inference_mode()
+    def fill(
+        self,
+        teacher: PreTrainedModel,
+        batch_size: int,
+        on_progress: ProgressCallback | None = None,
+        deadline: float = math.inf,
+    ) -> None:
+        """Compute the missing batches, stopping early (saved) once time.monotonic() passes deadline."""
+        while not self.complete and time.monotonic() < deadline:
+            batch = self.windows[self.done : self.done + batch_size]
+            logp = torch.log_softmax(teacher(batch).logits.float(), dim=-1)  # (B, L, V)
+            top_logp, top_ids = logp.topk(self.top_k, dim=-1)
+            end = self.done + len(batch)
+            self.ids[self.done : end] = top_ids.to(torch.int32)
+            self.logp[self.done : end] = top_logp.to(torch.float16)
+            self.done = end
+            torch.save({"windows": self.windows, "ids": self.ids, "logp": self.logp, "done": self.done}, self.path)
+            if on_progress is not None:
+                on_progress(self.done, len(self.windows))
