@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -97,11 +98,13 @@ def tiny(monkeypatch, tiny_models) -> dict:
     """Pipeline.load runs for real, but every model spec resolves to an in-memory tiny model."""
     calls = []
 
-    def fake_load_model(spec, dtype=torch.float32, device="cpu", status=None, weights="dense"):
-        calls.append(SimpleNamespace(spec=spec, dtype=dtype, device=device, weights=weights))
+    def fake_load_model(spec, dtype=torch.float32, device="cpu", status=None, weights="dense", shared_from=None):
+        calls.append(SimpleNamespace(spec=spec, dtype=dtype, device=device, weights=weights, shared_from=shared_from))
         return tiny_models.get(spec, tiny_models["tiny"])
 
     monkeypatch.setattr(triforce_cli.pipeline, "load_model", fake_load_model)
+    # The embedded default's shipped drafter is not one of the tiny models: without --draft the target drafts.
+    monkeypatch.setattr(triforce_cli.pipeline, "EMBEDDED_DRAFTER", Path("/nonexistent/drafter"))
     return {"models": tiny_models, "calls": calls}
 
 
@@ -575,7 +578,9 @@ class TestOptionsReachBackend:
         assert [c.spec for c in tiny["calls"]] == ["tiny", "drafter"]
         assert captured_load["weights"] == "compact"
         assert all(c.dtype == torch.float32 and c.device == torch.device("cpu") for c in tiny["calls"])
-        assert all(c.weights == "compact" for c in tiny["calls"])
+        target_call, drafter_call = tiny["calls"]
+        assert (target_call.weights, drafter_call.weights) == ("compact", "dense")  # compact applies to the target
+        assert drafter_call.shared_from is tiny["models"]["tiny"] and target_call.shared_from is None
         assert data["mode"] == "streaming" and data["new_tokens"] == 7
         assert data["drafter"].startswith("drafter")
 

