@@ -5,8 +5,18 @@ import sys
 import pytest
 import torch
 
-from kernels import attention, attention_reference, chunk_mean_keys, gather_chunks, score_chunks, top_chunks
+from kernels import (
+    attention,
+    attention_reference,
+    chunk_mean_keys,
+    gather_chunks,
+    linear,
+    linear_reference,
+    score_chunks,
+    top_chunks,
+)
 from kernels.attention import grouped_attention, new_token_mask, sdpa_attention
+from kernels.linear import FEW_ROWS, few_row_linear
 
 HEAD_DIM = 8
 SCALE = HEAD_DIM**-0.5
@@ -76,7 +86,9 @@ def test_attention_kernels_match_reference(kernel, group, num_queries, num_keys)
     torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("num_queries", "expected"), [(1, "grouped_attention"), (2, "sdpa_attention"), (6, "sdpa_attention")])
+@pytest.mark.parametrize(
+    ("num_queries", "expected"), [(1, "grouped_attention"), (2, "sdpa_attention"), (6, "sdpa_attention")]
+)
 def test_cpu_dispatch_by_number_of_queries(monkeypatch, num_queries, expected):
     module = sys.modules["kernels.attention"]  # the package re-exports a function under the same name
     calls = []
@@ -175,3 +187,34 @@ def test_gather_chunks_picks_the_right_tokens():
     assert out[0, :, 0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert out[1, :, 0].tolist() == [1000, 1001, 1002, 1003, 1016, 1017, 1018, 1019]
     assert torch.equal(out[:, :, 0:1].expand(-1, -1, HEAD_DIM), out)
+
+
+# --- linear ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, FEW_ROWS, FEW_ROWS + 1])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_few_row_linear_matches_reference(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 24, generator=g), torch.randn(40, 24, generator=g)
+    bias = torch.randn(40, generator=g) if with_bias else None
+    expected = linear_reference(x, weight, bias)
+    out = few_row_linear(x, weight, bias)
+    assert out.shape == (rows, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, expected)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, weight, bias), expected)
+
+
+def test_linear_dispatch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        sys.modules["kernels.linear"], "few_row_linear", lambda *args: calls.append(args[0].shape) or args[0]
+    )
+    weight = torch.randn(6, 4)
+    with torch.inference_mode():
+        linear(torch.randn(FEW_ROWS, 4), weight)  # decode and verification steps
+        linear(torch.randn(FEW_ROWS + 1, 4), weight)  # prefill chunks: torch's linear
+        linear(torch.randn(1, 2, 4), weight)  # batched input: torch's linear
+    linear(torch.randn(2, 4, requires_grad=True), weight)  # training needs autograd: torch's linear
+    assert calls == [(FEW_ROWS, 4)]
