@@ -95,6 +95,17 @@ def reported_errors(console: Console):
         raise typer.Exit(1) from None
 
 
+@contextmanager
+def command_console(threads: int | None):
+    """A command's stderr console: libraries quieted, torch threads set, domain errors reported as one line."""
+    err = Console(stderr=True)
+    quiet_libraries()
+    with reported_errors(err):
+        if threads is not None:
+            torch.set_num_threads(threads)
+        yield err
+
+
 def quiet_libraries() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -164,12 +175,8 @@ def generate(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object and nothing else.")] = False,
 ) -> None:
     """Generate a continuation of a (long) prompt, exactly as the target model would."""
-    err = Console(stderr=True)
     out = Console(highlight=False)
-    quiet_libraries()
-    with reported_errors(err):
-        if threads is not None:
-            torch.set_num_threads(threads)
+    with command_console(threads) as err:
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = EngineConfig(
             mode=mode,
@@ -250,11 +257,7 @@ def bench(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
 ) -> None:
     """Per-token latency of every mode and the peers, side by side on the same prompts."""
-    err = Console(stderr=True)
-    quiet_libraries()
-    with reported_errors(err):
-        if threads is not None:
-            torch.set_num_threads(threads)
+    with command_console(threads) as err:
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = BenchConfig(
             modes=parse_names(modes, ALL_MODES),
@@ -360,11 +363,7 @@ def distill(
     threads: Threads = None,
 ) -> None:
     """Train a small drafter for a target with the top-K distillation loss (HASS); --draft loads the result."""
-    err = Console(stderr=True)
-    quiet_libraries()
-    with reported_errors(err):
-        if threads is not None:
-            torch.set_num_threads(threads)
+    with command_console(threads) as err:
         config = DistillConfig(
             data=tuple(str(path) for path in data or ()),
             builtin=parse_names(builtin, BUILTIN_NAMES),
