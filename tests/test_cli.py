@@ -385,6 +385,7 @@ class TestRealLoader:
         # A status line announcing the one-time conversion may come first; the error is the last line.
         assert lines[-1].startswith("error:") and "GGUF" in lines[-1]
         assert not any(line.startswith("error:") for line in lines[:-1])
+        assert not list(own_cache.rglob("*.partial"))  # no half-converted folder is left behind
 
     def test_corrupt_weights(self, prompt_file, tiny_folder, tmp_path):
         folder = copy_folder(tiny_folder, tmp_path / "corrupt")

@@ -85,6 +85,7 @@ def converted_folder(gguf: Path, status: StatusCallback | None = None) -> Path:
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     except (ValueError, KeyError, OSError) as err:
+        shutil.rmtree(partial, ignore_errors=True)
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {err}") from None
     save_file({name: t.contiguous() for name, t in tensors.items()}, partial / "model.safetensors")
     config.save_pretrained(partial)
