@@ -30,8 +30,9 @@ from triforce_cli.loading import (
     StatusCallback,
     embedding_digest,
     resolve_checkpoint,
+    token_id_set,
 )
-from triforce_cli.model import ModelConfig, UnsupportedModelError
+from triforce_cli.model import ModelConfig, UnsupportedModelError, spread_over_vocabulary
 from triforce_cli.peers import load_hf_model
 from triforce_cli.sampling import SamplingConfig, acceptance_probability, probabilities
 
@@ -239,8 +240,7 @@ class Distiller:
         cfg = self.config
         vocab_size = self.teacher.config.vocab_size
         if 0 < cfg.draft_vocab < vocab_size:
-            eos = self.teacher.generation_config.eos_token_id
-            always = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+            always = token_id_set(self.teacher.generation_config.eos_token_id)
             self.output_ids = frequent_tokens(train, vocab_size, cfg.draft_vocab, always)
         torch.manual_seed(cfg.seed)
         self.drafter = build_drafter(self.teacher, cfg.init_layers, self.output_ids)
@@ -253,21 +253,16 @@ class Distiller:
                 self.checkpoint["step"], self.checkpoint["seconds"], self.checkpoint["history"]
             )  # fmt: skip
 
-    def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        """Drafter logits (N, V') spread over the whole vocabulary (N, V), -inf where it cannot propose."""
-        if self.output_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.teacher.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.output_ids, logits)
-
     @torch.inference_mode()
     def evaluate(
         self, held_out: torch.Tensor, target_probs: torch.Tensor, target_argmax: torch.Tensor
     ) -> tuple[float, float]:
         """Held-out (acceptance at the acceptance temperature, greedy agreement) of the drafter's next tokens."""
         self.drafter.eval()
-        logits = self._full_vocabulary(self.drafter(held_out).logits.flatten(0, 1))  # (N * L, V)
+        logits = self.drafter(held_out).logits.flatten(0, 1)  # (N * L, V')
         self.drafter.train()
+        if self.output_ids is not None:
+            logits = spread_over_vocabulary(logits, self.output_ids, self.teacher.config.vocab_size)  # (N * L, V)
         sampling = SamplingConfig(temperature=self.config.acceptance_temperature)
         accept = acceptance_probability(target_probs, probabilities(logits, sampling)).mean()
         greedy = (logits.argmax(dim=-1) == target_argmax).float().mean()
@@ -284,9 +279,9 @@ class Distiller:
             self.teacher, cfg.batch_size, lambda done, total: on_progress(DistillProgress("teacher", done, total)),
             deadline=deadline,
         )  # fmt: skip
-        self._build(train)
         if not targets.complete:
             return self.stop()
+        self._build(train)
         teacher_ids = targets.ids.long()  # (N, L, K) in the full vocabulary
         if self.output_ids is not None:
             position = torch.full((self.teacher.config.vocab_size,), -1, dtype=torch.long)
@@ -316,7 +311,8 @@ class Distiller:
                     {"step": self.step, "loss": progress.loss, "acceptance": progress.acceptance,
                      "greedy_acceptance": progress.greedy_acceptance}
                 )  # fmt: skip
-                self._save_checkpoint()
+                if self.step < cfg.max_steps:
+                    self._save_checkpoint()
             on_progress(progress)
         return self.stop()
 
@@ -335,14 +331,15 @@ class Distiller:
         torch.save(state, self.out / CHECKPOINT_NAME)
 
     def stop(self, interrupted: bool = False) -> DistillResult:
-        """Checkpoint, write the drafter trained so far, and report; the checkpoint goes once max_steps is reached."""
-        self._save_checkpoint()
+        """Write the drafter trained so far and report; keep a checkpoint until max_steps is reached."""
         seconds = self.seconds + time.monotonic() - self._started
         finished = self.step >= self.config.max_steps
+        if finished:
+            (self.out / CHECKPOINT_NAME).unlink(missing_ok=True)
+        else:
+            self._save_checkpoint()
         if self.step:
             self.export(seconds)
-        if finished:
-            (self.out / CHECKPOINT_NAME).unlink()
         tokens = self.step * self.config.batch_size * self.config.seq_len
         return DistillResult(self.out, self.step, tokens, seconds, self.history, finished, interrupted)
 

@@ -30,6 +30,13 @@ SHARED_WEIGHTS = (EMBEDDING_WEIGHT, "lm_head.weight")  # what a distilled drafte
 DRAFTER_METADATA = "triforce_drafter"  # config.json key written by `triforce distill`
 
 
+def token_id_set(ids: int | list[int] | None) -> set[int]:
+    """A config's token id field (one id, a list, or None) as a set."""
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, list) else {ids}
+
+
 @dataclass
 class LoadedModel:
     name: str
@@ -49,8 +56,7 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids = self.hf_config.eos_token_id
-        ids = set(ids) if isinstance(ids, list) else ({ids} if ids is not None else set())
+        ids = token_id_set(self.hf_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids

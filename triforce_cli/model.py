@@ -97,6 +97,12 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def spread_over_vocabulary(logits: torch.Tensor, output_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits (N, V') for the tokens output_ids (V',) as logits (N, vocab_size), -inf for every other token."""
+    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    return full.index_copy_(1, output_ids, logits)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and names) computed by kernels.linear, fast for the few rows of a decode step."""
 
@@ -211,5 +217,4 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.model.norm(x)).float()  # (T, V) or (T, V')
         if self.output_ids is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.output_ids, logits)
+        return spread_over_vocabulary(logits, self.output_ids, self.config.vocab_size)
