@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
+from cache import FullCache
 from triforce_cli.loading import LoadedModel
 from triforce_cli.model import Transformer
 
@@ -42,21 +43,31 @@ def llama_config(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 512,
+    config_class: type[PretrainedConfig] = LlamaConfig,
     **extra,
-) -> LlamaConfig:
-    cfg = LlamaConfig(
+) -> PretrainedConfig:
+    """A tiny config of a Llama-family class (LlamaConfig unless config_class says otherwise)."""
+    cfg = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         **extra,
     )
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def full_cache_for(model: Transformer, capacity: int = 256) -> FullCache:
+    """An empty full KV cache for model, in its dtype."""
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    return FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype)
 
 
 @dataclass

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import llama_config
+from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
 import triforce_cli.pipeline
@@ -34,6 +35,12 @@ LIBRARY_WEIGHTS_DEFAULT = inspect.signature(Pipeline.load).parameters["weights"]
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,!?'"  # 32 pieces, none of them Rich markup or emoji codes
 OTHER_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456"[:32]
 CONTEXT = 512  # max_position_embeddings of the in-process tiny models
+UNTIED_WITHOUT_SPECIAL_TOKENS = {
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
 PROMPT = "the quick brown fox jumps over the lazy dog, then naps. " * 4  # 224 characters = 224 tokens
 
 
@@ -58,18 +65,7 @@ class CharTokenizer:
 
 
 def tiny_loaded(name: str, seed: int, pieces: list[str], num_layers: int = 2, peak: float = 10.0) -> LoadedModel:
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    cfg = llama_config(num_layers=num_layers, max_position_embeddings=CONTEXT, **UNTIED_WITHOUT_SPECIAL_TOKENS)
     torch.manual_seed(seed)
     ref = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -298,18 +294,7 @@ def tiny_folder(tmp_path_factory):
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    cfg = llama_config(max_position_embeddings=4096, **UNTIED_WITHOUT_SPECIAL_TOKENS)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -355,7 +340,9 @@ class TestRealLoader:
 
         monkeypatch.chdir(tmp_path)
         monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-        assert_one_error_line(invoke("-p", prompt_file, "--target", "no-org/no-model"), "unknown model 'no-org/no-model'")
+        assert_one_error_line(
+            invoke("-p", prompt_file, "--target", "no-org/no-model"), "unknown model 'no-org/no-model'"
+        )
 
     def test_file_that_is_not_a_checkpoint(self, prompt_file):
         assert_one_error_line(invoke("-p", prompt_file, "--target", prompt_file), "not a folder, a .gguf")

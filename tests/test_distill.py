@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import save_checkpoint
+from conftest import full_cache_for, save_checkpoint
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -150,10 +150,7 @@ def test_written_folder_loads_beside_its_target_only(target_folder, text_file, t
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     with torch.inference_mode():
         expected = distiller.drafter.eval()(ids).logits[0]
-    from cache import FullCache
-
-    cfg = drafter.model.config
-    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32, torch.device("cpu"))
+    cache = full_cache_for(drafter.model, 16)
     torch.testing.assert_close(drafter.model.forward(ids[0], 0, cache), expected, atol=2e-2, rtol=1e-2)
 
     with pytest.raises(ModelLoadError, match="borrows its embeddings"):
@@ -171,10 +168,7 @@ def test_draft_vocabulary_restricts_proposals_and_greedy_output_stays_exact(targ
     assert len(output_ids) == 12 and VOCAB - 1 in output_ids  # the end-of-sequence token always stays
     target = load_model(str(target_folder))
     drafter = load_model(str(out), shared_from=target)
-    from cache import FullCache
-
-    cfg = drafter.model.config
-    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32, torch.device("cpu"))
+    cache = full_cache_for(drafter.model, 16)
     logits = drafter.model.forward(torch.tensor([1, 2, 3]), 0, cache)
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[output_ids] = False

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import full_cache_for
 from typer.testing import CliRunner
 
-from cache import FullCache
 from triforce_cli.cli import app
 from triforce_cli.config import EngineConfig
 from triforce_cli.corpus import builtin_document
@@ -92,8 +92,7 @@ def test_logits_match_transformers(embedded, logbook_text):
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].float()  # (T, V)
 
-    cfg = embedded.model.config
-    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), torch.float32)
+    cache = full_cache_for(embedded.model, len(ids))
     tokens = torch.tensor(ids)
     whole = embedded.model(tokens, 0, cache)  # (T, V) in one forward
     torch.testing.assert_close(whole, expected, atol=1e-3, rtol=1e-4)
@@ -116,11 +115,9 @@ def test_compact_weights_match_dense(embedded, logbook_text):
     assert sum(isinstance(m, Q4Linear) for m in compact.model.modules()) > 0
     assert not any(isinstance(m, Q4Linear) for m in embedded.model.modules())
     ids = torch.tensor(embedded.tokenizer(logbook_text).input_ids[:48])
-    cfg = embedded.model.config
     logits = []
     for loaded in (embedded, compact):
-        cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), torch.float32)
-        logits.append(loaded.model(ids, 0, cache))  # (T, V)
+        logits.append(loaded.model(ids, 0, full_cache_for(loaded.model, len(ids))))  # (T, V)
     torch.testing.assert_close(logits[1], logits[0], atol=5e-3, rtol=1e-4)
     assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
 
@@ -239,10 +236,7 @@ def test_shipped_drafter_predicts_the_target_on_held_out_text(embedded, shipped)
     ids = torch.tensor(embedded.tokenizer(builtin_document("stdlib-b")).input_ids[1024:1536])
     logits = []
     for loaded in (embedded, shipped):
-        cfg = loaded.model.config
-        logits.append(
-            loaded.model(ids, 0, FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), torch.float32))
-        )
+        logits.append(loaded.model(ids, 0, full_cache_for(loaded.model, len(ids))))
     sampling = SamplingConfig(temperature=0.6)
     accepted = acceptance_probability(probabilities(logits[0], sampling), probabilities(logits[1], sampling))
     assert accepted.mean() > 0.25

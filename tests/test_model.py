@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
-from conftest import llama_config, random_prompt, reference_logits, save_checkpoint, wrap
+from conftest import full_cache_for, llama_config, random_prompt, reference_logits, save_checkpoint, wrap
 from transformers import GPT2Config, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from cache import FullCache
 from triforce_cli.loading import load_model
 from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError
 
@@ -26,12 +25,6 @@ ROPES = {
     },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
 }
-
-
-def full_cache_for(model: Transformer, capacity: int = 256) -> FullCache:
-    cfg = model.config
-    dtype = model.model.embed_tokens.weight.dtype
-    return FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype)
 
 
 def our_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
@@ -108,18 +101,7 @@ def test_rewriting_after_rollback_matches():
 
 
 def test_qwen2_biases_match_transformers():
-    cfg = Qwen2Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
-    cfg._attn_implementation = "eager"
+    cfg = llama_config(config_class=Qwen2Config, tie_word_embeddings=False, initializer_range=0.2)
     torch.manual_seed(0)
     ref = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -137,18 +119,9 @@ def test_qwen2_biases_match_transformers():
 
 
 def mistral(sliding_window):
-    cfg = MistralConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=sliding_window,
-        initializer_range=0.2,
+    cfg = llama_config(
+        config_class=MistralConfig, tie_word_embeddings=False, sliding_window=sliding_window, initializer_range=0.2
     )
-    cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     return cfg, MistralForCausalLM(cfg).eval()
 
