@@ -1,10 +1,10 @@
 """The library API: load the models once, then generate for many prompts.
 
-from triforce_cli import EngineConfig, Pipeline, SamplingConfig
+    from triforce_cli import EngineConfig, Pipeline, SamplingConfig
 
-pipe = Pipeline.load(config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
-result = pipe.generate("Summarise this report: ...", chat=True)
-print(result.text, result.stats.ms_per_token)
+    pipe = Pipeline.load(config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
+    result = pipe.generate("Summarise this report: ...", chat=True)
+    print(result.text, result.stats.ms_per_token)
 """
 
 from dataclasses import dataclass, replace
