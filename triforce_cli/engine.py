@@ -133,7 +133,7 @@ class Engine:
         if needed > context:
             raise PromptError(
                 f"prompt of {len(prompt_ids)} tokens plus {self.config.max_new_tokens} new tokens exceeds"
-                f" the {context}-token context of {self.target.name}"
+                f" the {context}-token context of {self.target.name} (--context-window extends it with YaRN)"
             )
         if self.config.uses_retrieval:
             self.config.budget_for(len(prompt_ids))

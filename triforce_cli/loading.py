@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from triforce_cli.compact import use_q4_1_weights
+from triforce_cli.context_window import extend_context
 from triforce_cli.embedded import EMBEDDED_NAME, embedded_gguf_path
 from triforce_cli.errors import ModelLoadError
 from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
@@ -45,6 +46,7 @@ class LoadedModel:
     hf_config: PretrainedConfig
     source: str = ""  # the checkpoint folder it was loaded from
     weight_files: tuple[Path, ...] = ()
+    gguf: Path | None = None  # the GGUF file it was converted from, if any
 
     @property
     def dtype(self) -> torch.dtype:
@@ -199,6 +201,7 @@ def load_model(
     status: StatusCallback | None = None,
     weights: str = "dense",
     shared_from: LoadedModel | None = None,
+    context_window: int | None = None,
 ) -> LoadedModel:
     """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config.
 
@@ -207,6 +210,8 @@ def load_model(
 
     weights: 'dense' computes from float weights, 'compact' from a GGUF's Q4_1 blocks (GGUF source, CPU,
     float32): a quarter of the memory, but torch's CPU int4 kernel is slower than dense products here.
+
+    context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
     """
     checkpoint = resolve_checkpoint(spec, status)
     name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files
@@ -216,6 +221,8 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (ValueError, OSError) as err:
         raise ModelLoadError(f"cannot read config or tokenizer of {name}: {err}") from None
+    if context_window is not None:
+        extend_context(hf_config, context_window)
     try:
         model_config = ModelConfig.from_hf(hf_config)
     except UnsupportedModelError as err:
@@ -246,4 +253,4 @@ def load_model(
         model.restrict_output(torch.tensor(output_ids, device=device))
     if compact:
         use_q4_1_weights(model, checkpoint.gguf, hf_config)
-    return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files))
+    return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf)

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from triforce_cli.loading import DRAFTER_METADATA
@@ -43,14 +43,22 @@ class FirstTokenClock(BaseStreamer):
         """Nothing to flush."""
 
 
-def load_hf_model(source: str, dtype: torch.dtype, target: PreTrainedModel | None = None) -> PreTrainedModel:
+def load_hf_model(
+    source: str,
+    dtype: torch.dtype,
+    target: PreTrainedModel | None = None,
+    config: PretrainedConfig | None = None,
+) -> PreTrainedModel:
     """A checkpoint folder as a transformers model; a drafter written by `triforce distill` gets target's
-    embedding and output layer (transformers computes its output over the whole vocabulary)."""
+    embedding and output layer (transformers computes its output over the whole vocabulary).
+
+    config: the runtime's config of the same model (its context window), instead of the folder's.
+    """
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, config=config).eval()
     finally:
         hf_logging.enable_progress_bar()
     if target is not None and getattr(model.config, DRAFTER_METADATA, None):

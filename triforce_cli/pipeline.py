@@ -73,19 +73,23 @@ class Pipeline:
         device: str = "auto",
         status: StatusCallback | None = None,
         weights: str = "dense",
+        context_window: int | None = None,
     ) -> "Pipeline":
         """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
 
         weights: 'dense' or 'compact' (compute the target from a GGUF's Q4_1 blocks; see loading.load_model).
+        context_window: positions both models accept, YaRN-scaled beyond their trained context.
         """
         config = config or EngineConfig()
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
-        target_model = load_model(target, torch_dtype, torch_device, status, weights)
+        target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
         draft = drafter_spec(target, draft, config)
         drafter = None
         if draft is not None:
-            drafter = load_model(draft, torch_dtype, torch_device, status, shared_from=target_model)
+            drafter = load_model(
+                draft, torch_dtype, torch_device, status, shared_from=target_model, context_window=context_window
+            )
         return cls(target_model, drafter, Engine(target_model, config, drafter))
 
     @property
