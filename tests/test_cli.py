@@ -94,8 +94,19 @@ def tiny(monkeypatch, tiny_models) -> dict:
     """Pipeline.load runs for real, but every model spec resolves to an in-memory tiny model."""
     calls = []
 
-    def fake_load_model(spec, dtype=torch.float32, device="cpu", status=None, weights="dense", shared_from=None):
-        calls.append(SimpleNamespace(spec=spec, dtype=dtype, device=device, weights=weights, shared_from=shared_from))
+    def fake_load_model(
+        spec, dtype=torch.float32, device="cpu", status=None, weights="dense", shared_from=None, context_window=None
+    ):
+        calls.append(
+            SimpleNamespace(
+                spec=spec,
+                dtype=dtype,
+                device=device,
+                weights=weights,
+                shared_from=shared_from,
+                context_window=context_window,
+            )
+        )
         return tiny_models.get(spec, tiny_models["tiny"])
 
     monkeypatch.setattr(triforce_cli.pipeline, "load_model", fake_load_model)
@@ -185,7 +196,15 @@ class TestPromptErrors:
     def test_prompt_longer_than_context(self, tmp_path):
         path = tmp_path / "long.txt"
         path.write_text("x" * (CONTEXT + 10))
-        assert_one_error_line(invoke("-p", path, "--max-new-tokens", 4), "context", str(CONTEXT))
+        assert_one_error_line(invoke("-p", path, "--max-new-tokens", 4), "context", str(CONTEXT), "--context-window")
+
+    def test_context_window_reaches_both_loads(self, tiny, prompt_file):
+        result = invoke("-p", prompt_file, "--draft", "drafter", "--context-window", "2k", "--max-new-tokens", 2)
+        assert result.exit_code == 0, result.output
+        assert [c.context_window for c in tiny["calls"]] == [2048, 2048]
+
+    def test_bad_context_window(self, prompt_file):
+        assert_one_error_line(invoke("-p", prompt_file, "--context-window", "1k,2k"), "one token count")
 
     def test_prompt_plus_new_tokens_longer_than_context(self, tmp_path):
         path = tmp_path / "long.txt"

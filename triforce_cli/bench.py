@@ -12,11 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
 from transformers import PreTrainedModel
 
 from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine
 from triforce_cli.errors import ConfigError
+from triforce_cli.llama_cpp_peer import LLAMA_CPP_PEER, LlamaCppPeer, llama_cpp_available
+from triforce_cli.loading import LoadedModel
 from triforce_cli.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate, load_hf_model
 from triforce_cli.pipeline import Pipeline
 from triforce_cli.sampling import SamplingConfig
@@ -29,10 +32,17 @@ OUR_MODES = {
     "ngram": {"mode": "streaming", "ngram": True},
     "triforce-ngram": {"mode": "triforce", "ngram": True},
 }
-ALL_MODES = (*OUR_MODES, *HF_PEERS)
+ALL_MODES = (*OUR_MODES, *HF_PEERS, LLAMA_CPP_PEER)
 DEFAULT_MODES = ("autoregressive", "retrieval", "streaming", "triforce", "ngram", "triforce-ngram", "hf", "hf-lookup")
 RETRIEVAL_MODES = ("retrieval", "triforce", "triforce-ngram")
 MODEL_DRAFTER_MODES = ("streaming", "triforce", "triforce-ngram")  # "ngram" drafts with the n-gram proposer alone
+
+
+def default_modes(target: LoadedModel) -> tuple[str, ...]:
+    """DEFAULT_MODES, plus llama.cpp where llama-cpp-python is installed and the target is a GGUF file."""
+    if llama_cpp_available() and target.gguf is not None:
+        return (*DEFAULT_MODES, LLAMA_CPP_PEER)
+    return DEFAULT_MODES
 
 
 @dataclass(frozen=True)
@@ -127,18 +137,26 @@ class Bench:
         self.config = config
         self.base_config = replace(pipe.config, max_new_tokens=config.max_new_tokens, sampling=config.sampling)
         self._hf: dict[str, PreTrainedModel] = {}
+        self._llama_cpp = None
+        if LLAMA_CPP_PEER in config.modes:
+            self._llama_cpp = LlamaCppPeer(pipe.target.gguf, pipe.target.hf_config, torch.get_num_threads())
 
     def _hf_model(self, role: str):
         """The transformers copy of the target ('target') or of the drafter ('assistant'), loaded on first use."""
         if role not in self._hf:
+            target = self.pipe.target
             if role == "target":
-                self._hf[role] = load_hf_model(self.pipe.target.source, self.pipe.target.dtype)
+                self._hf[role] = load_hf_model(target.source, target.dtype, config=target.hf_config)
             else:
-                loaded = self.pipe.drafter or self.pipe.target
-                self._hf[role] = load_hf_model(loaded.source, self.pipe.target.dtype, self._hf_model("target"))
+                loaded = self.pipe.drafter or target
+                self._hf[role] = load_hf_model(loaded.source, target.dtype, self._hf_model("target"), loaded.hf_config)
         return self._hf[role]
 
     def _run_peer(self, mode: str, prompt_ids: list[int]) -> TimedRun:
+        if mode == LLAMA_CPP_PEER:
+            return self._llama_cpp.generate(
+                prompt_ids, self.config.max_new_tokens, self.config.sampling, self.pipe.target.eos_token_ids
+            )
         extra = {}
         if mode == "hf-assisted":
             extra["assistant"] = self._hf_model("assistant")

@@ -39,8 +39,19 @@ def _ratio(value: float | None) -> str:
 
 def bench_table(rows: list[BenchRow]) -> Table:
     table = Table(title=Text("per-token decode latency (median over repeats, [min-max])"), title_justify="left")
-    for column in ("prompt", "context", "mode", "budget/chunk", "prefill s", "ms/token", "tok/s", "vs ours AR",
-                   "vs HF", "greedy = AR", "acceptance"):
+    for column in (
+        "prompt",
+        "context",
+        "mode",
+        "budget/chunk",
+        "prefill s",
+        "ms/token",
+        "tok/s",
+        "vs ours AR",
+        "vs HF",
+        "greedy = AR",
+        "acceptance",
+    ):
         table.add_column(column, justify="left" if column in ("prompt", "mode", "acceptance") else "right")
     for row in rows:
         match = {True: "yes", False: "[red]NO[/]", None: "-"}[row.matches_autoregressive]
@@ -60,19 +71,27 @@ def bench_table(rows: list[BenchRow]) -> Table:
     return table
 
 
+RESULT_SUFFIXES = (".json", ".csv")
+
+
+def check_results_path(path: Path | None) -> None:
+    """Refuse an --out file of an unknown kind before the bench runs, not after."""
+    if path is not None and path.suffix not in RESULT_SUFFIXES:
+        raise ConfigError(f"--out must end in .json or .csv, not {path.suffix or 'nothing'}")
+
+
 def write_results(rows: list[BenchRow], path: Path, command: str) -> None:
     """JSON (rows with the command and machine) or CSV (one flat line per row), by the file's suffix."""
+    check_results_path(path)
     if path.suffix == ".json":
         payload = {"command": command, "machine": machine_description(), "rows": [r.as_dict() for r in rows]}
         path.write_text(json.dumps(payload, indent=2))
-    elif path.suffix == ".csv":
+    else:
         with path.open("w", newline="") as handle:
             flat = [{**r.as_dict(), "acceptance": _acceptance_text(r), "repeats_ms_per_token": ""} for r in rows]
             writer = csv.DictWriter(handle, fieldnames=list(flat[0]))
             writer.writeheader()
             writer.writerows(flat)
-    else:
-        raise ConfigError(f"--out must end in .json or .csv, not {path.suffix or 'nothing'}")
 
 
 def plot_latency(rows: list[BenchRow], path: Path) -> None:

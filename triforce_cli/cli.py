@@ -4,6 +4,7 @@ import json
 import shlex
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -12,12 +13,13 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig
-from triforce_cli.bench_report import bench_table, plot_latency, write_results
+from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
+from triforce_cli.bench_report import bench_table, check_results_path, plot_latency, write_results
 from triforce_cli.config import MODES, EngineConfig
 from triforce_cli.corpus import BUILTIN_NAMES, DOCUMENTS, builtin_document
 from triforce_cli.distill import DistillConfig, Distiller, load_teacher
 from triforce_cli.errors import ConfigError, PromptError, TriforceError
+from triforce_cli.llama_cpp_peer import LLAMA_CPP_PEER
 from triforce_cli.pipeline import Pipeline
 from triforce_cli.prompts import read_prompt
 from triforce_cli.render import DistillBar, PrefillProgress, TokenStream, print_summary, tier_legend
@@ -58,6 +60,10 @@ Seed = Annotated[int | None, typer.Option(help="Random seed for sampling.")]
 Dtype = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for torch.")]
+ContextWindow = Annotated[
+    str | None,
+    typer.Option(help="Positions the models accept, e.g. 32k; beyond the trained context RoPE is scaled with YaRN."),
+]
 Weights = Annotated[
     str, typer.Option(help="dense, or compact: compute the target from a GGUF's Q4_1 blocks (less memory).")
 ]
@@ -124,6 +130,16 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def parse_window(text: str | None) -> int | None:
+    """'32k' -> 32768; None stays None."""
+    if text is None:
+        return None
+    sizes = parse_sizes(text)
+    if len(sizes) != 1:
+        raise ConfigError(f"--context-window takes one token count, not '{text}'")
+    return sizes[0]
+
+
 def parse_layers(text: str) -> tuple[int, ...]:
     """'0,1,29' -> (0, 1, 29)."""
     try:
@@ -169,6 +185,7 @@ def generate(
     device: Device = "auto",
     threads: Threads = None,
     weights: Weights = "dense",
+    context_window: ContextWindow = None,
     prompt_cache: Annotated[
         Path | None, typer.Option(help="Folder to keep prefilled prompts in and reuse them from.")
     ] = None,
@@ -194,7 +211,14 @@ def generate(
         text = read_prompt(prompt_file)
         status = None if json_output else (lambda message: print_note(err, message))
         pipe = Pipeline.load(
-            target=target, draft=draft, config=config, dtype=dtype, device=device, status=status, weights=weights
+            target=target,
+            draft=draft,
+            config=config,
+            dtype=dtype,
+            device=device,
+            status=status,
+            weights=weights,
+            context_window=parse_window(context_window),
         )
         prompt_ids = pipe.encode(text, chat=chat)
         pipe.engine.check_prompt(prompt_ids)
@@ -226,9 +250,13 @@ def bench(
     context: Annotated[str, typer.Option(help="Context lengths to cut each prompt to, e.g. 2k,7.5k,32k.")] = ",".join(
         map(str, BENCH_DEFAULTS.contexts)
     ),
-    modes: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(ALL_MODES)}.")] = ",".join(
-        DEFAULT_MODES
-    ),
+    modes: Annotated[
+        str,
+        typer.Option(
+            help=f"Comma-separated, from: {', '.join(ALL_MODES)}; 'default' is {','.join(DEFAULT_MODES)}"
+            f", plus {LLAMA_CPP_PEER} where llama-cpp-python is installed and the target is a GGUF file."
+        ),
+    ] = "default",
     budget: Annotated[
         str, typer.Option(help="Retrieval budgets to sweep, e.g. 256,1024 (auto: min(1024, prompt)).")
     ] = "auto",
@@ -253,6 +281,7 @@ def bench(
     device: Device = "auto",
     threads: Threads = None,
     weights: Weights = "dense",
+    context_window: ContextWindow = None,
     out: Annotated[Path | None, typer.Option(help="Write results to a .json or .csv file.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
 ) -> None:
@@ -260,7 +289,7 @@ def bench(
     with command_console(threads) as err:
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = BenchConfig(
-            modes=parse_names(modes, ALL_MODES),
+            modes=DEFAULT_MODES if modes == "default" else parse_names(modes, ALL_MODES),
             contexts=parse_sizes(context),
             max_new_tokens=max_new_tokens,
             repeats=repeats,
@@ -269,6 +298,7 @@ def bench(
             chunk_sizes=parse_sizes(chunk_size),
             sampling=sampling,
         )
+        check_results_path(out)
         engine_config = EngineConfig(
             sink_tokens=sink_tokens,
             draft_window=draft_window,
@@ -286,7 +316,10 @@ def bench(
             device=device,
             status=lambda message: print_note(err, message),
             weights=weights,
+            context_window=parse_window(context_window),
         )
+        if modes == "default":
+            config = replace(config, modes=default_modes(pipe.target))
         if prompt_file:
             prompts = {path.name: read_prompt(str(path)) for path in prompt_file}
         else:

@@ -1,0 +1,209 @@
+"""`triforce bench`: rows of every mode and peer on a tiny saved checkpoint, the report files, the llama.cpp peer's
+wiring (with a stand-in module: llama-cpp-python is optional) and one-line errors."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import pytest
+from conftest import random_prompt, save_checkpoint
+from typer.testing import CliRunner
+
+import triforce_cli.bench
+import triforce_cli.llama_cpp_peer
+from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
+from triforce_cli.cli import app
+from triforce_cli.config import EngineConfig
+from triforce_cli.context_window import extend_context
+from triforce_cli.errors import ConfigError
+from triforce_cli.llama_cpp_peer import (
+    LLAMA_CPP_PEER,
+    LlamaCppPeer,
+    llama_cpp_rope_kwargs,
+    llama_cpp_sampling_kwargs,
+)
+from triforce_cli.pipeline import Pipeline
+from triforce_cli.sampling import SamplingConfig
+
+CONTEXT = 48
+NEW_TOKENS = 6
+FAST = {"budgets": (16,), "chunk_sizes": (4,), "repeats": 1, "warmup": 0, "max_new_tokens": NEW_TOKENS}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bench") / "tiny"
+    save_checkpoint(folder, seed=5, max_position_embeddings=128)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipe(checkpoint) -> Pipeline:
+    config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS)
+    return Pipeline.load(str(checkpoint), config=config, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def prompt_file(tmp_path) -> Path:
+    path = tmp_path / "prompt.txt"
+    path.write_text(" ".join(f"w{i}" for i in random_prompt(2 * CONTEXT, 30, seed=9)))
+    return path
+
+
+def test_every_mode_and_transformers_peer_matches_greedy_autoregressive(pipe):
+    modes = tuple(m for m in ALL_MODES if m != LLAMA_CPP_PEER)
+    rows = Bench(pipe, BenchConfig(modes=modes, contexts=(CONTEXT,), **FAST)).run_context(
+        "p", random_prompt(CONTEXT, 30, seed=1)
+    )
+    by_mode = {row.mode: row for row in rows}
+    assert set(by_mode) == set(modes)
+    assert all(row.matches_autoregressive for row in rows), [(r.mode, r.matches_autoregressive) for r in rows]
+    assert by_mode["autoregressive"].speedup_vs_autoregressive == 1.0
+    assert by_mode["hf"].speedup_vs_hf == 1.0
+    assert all(row.median_ms > 0 and row.context == CONTEXT for row in rows)
+    assert by_mode["autoregressive"].acceptance == []
+    tiers = [(a["proposer"], a["verifier"]) for a in by_mode["triforce"].acceptance]
+    assert tiers == [("retrieval", "target"), ("drafter", "retrieval")]
+    assert by_mode["triforce"].budget == 16 and by_mode["triforce"].chunk_size == 4
+
+
+def test_repeats_and_sweeps_make_one_row_per_setting(pipe):
+    config = BenchConfig(
+        modes=("autoregressive", "retrieval"), contexts=(CONTEXT,), **{**FAST, "budgets": (8, 16), "repeats": 2}
+    )
+    rows = Bench(pipe, config).run_context("p", random_prompt(CONTEXT, 30, seed=2))
+    assert [(r.mode, r.budget) for r in rows] == [("autoregressive", None), ("retrieval", 8), ("retrieval", 16)]
+    assert all(len(r.ms_per_token) == 2 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"modes": ("autoregressive", "vllm")}, "unknown bench mode 'vllm'"),
+        ({"repeats": 0}, "repeats"),
+        ({"contexts": ()}, "positive"),
+        ({"budgets": (8,), "chunk_sizes": (16,)}, "budget"),
+    ],
+)
+def test_inconsistent_settings_are_refused(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        BenchConfig(**changes)
+
+
+def test_llama_cpp_joins_the_default_modes_only_where_it_can_run(monkeypatch, pipe):
+    gguf_target = SimpleNamespace(gguf=Path("model.gguf"))
+    monkeypatch.setattr(triforce_cli.bench, "llama_cpp_available", lambda: True)
+    assert default_modes(gguf_target) == (*DEFAULT_MODES, LLAMA_CPP_PEER)
+    assert default_modes(pipe.target) == DEFAULT_MODES  # a safetensors target
+    monkeypatch.setattr(triforce_cli.bench, "llama_cpp_available", lambda: False)
+    assert default_modes(gguf_target) == DEFAULT_MODES
+
+
+def test_llama_cpp_peer_needs_the_package_and_a_gguf_file(monkeypatch, pipe):
+    monkeypatch.setattr(triforce_cli.llama_cpp_peer, "llama_cpp_available", lambda: False)
+    with pytest.raises(ConfigError, match="pip install llama-cpp-python"):
+        LlamaCppPeer(Path("model.gguf"), pipe.target.hf_config, 2)
+    monkeypatch.setattr(triforce_cli.llama_cpp_peer, "llama_cpp_available", lambda: True)
+    with pytest.raises(ConfigError, match="GGUF target"):
+        LlamaCppPeer(None, pipe.target.hf_config, 2)
+
+
+def test_llama_cpp_sampling_is_ours_without_its_extra_filters():
+    greedy = llama_cpp_sampling_kwargs(SamplingConfig(temperature=0))
+    assert greedy["temp"] == 0.0 and greedy["min_p"] == 0.0 and greedy["repeat_penalty"] == 1.0
+    sampled = llama_cpp_sampling_kwargs(SamplingConfig(temperature=0.6, top_p=0.9, top_k=0))
+    assert sampled == {"temp": 0.6, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0}
+
+
+def test_llama_cpp_gets_the_same_yarn_setting(pipe):
+    module = SimpleNamespace(LLAMA_ROPE_SCALING_TYPE_YARN=2)
+    config = pipe.target.hf_config.__class__.from_dict(pipe.target.hf_config.to_dict())
+    assert llama_cpp_rope_kwargs(config, module) == {}
+    extend_context(config, 4 * config.max_position_embeddings)
+    assert llama_cpp_rope_kwargs(config, module) == {
+        "rope_scaling_type": 2,
+        "rope_freq_scale": 0.25,
+        "yarn_orig_ctx": 128,
+    }
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama: counts prompt evaluations and yields a scripted token stream."""
+
+    instances: ClassVar[list["FakeLlama"]] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.resets = 0
+        self.seeds: list[int] = []
+        self.calls: list[dict] = []
+        FakeLlama.instances.append(self)
+
+    def reset(self):
+        self.resets += 1
+
+    def set_seed(self, seed):
+        self.seeds.append(seed)
+
+    def generate(self, tokens, **kwargs):
+        self.calls.append(kwargs)
+        yield from [7, 8, 9, 3, 4, 5, 6]
+
+
+def test_llama_cpp_peer_stops_at_eos_and_reuses_the_prompt(monkeypatch, pipe):
+    monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(Llama=FakeLlama, LLAMA_ROPE_SCALING_TYPE_YARN=2))
+    monkeypatch.setattr(triforce_cli.llama_cpp_peer, "llama_cpp_available", lambda: True)
+    peer = LlamaCppPeer(Path("model.gguf"), pipe.target.hf_config, threads=2)
+    llm = FakeLlama.instances[-1]
+    assert llm.kwargs["n_threads"] == 2 and llm.kwargs["n_ctx"] == 128
+    sampling = SamplingConfig(temperature=0.6, seed=11)
+    first = peer.generate([1, 2, 3], 10, sampling, eos_ids={3})
+    again = peer.generate([1, 2, 3], 2, sampling, eos_ids={3})
+    assert first.token_ids == [7, 8, 9, 3] and again.token_ids == [7, 8]
+    assert again.prefill_seconds == first.prefill_seconds  # the cold prefill, reported for every repeat
+    assert llm.resets == 1 and llm.seeds == [11, 11]
+    peer.generate([1, 2], 2, sampling, eos_ids=set())
+    assert llm.resets == 2
+    assert llm.calls[0]["temp"] == 0.6
+
+
+def invoke_bench(*args):
+    return CliRunner().invoke(app, ["bench", *map(str, args)])
+
+
+def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_path, monkeypatch):
+    common = ["--target", checkpoint, "-p", prompt_file, "--context", CONTEXT, "--max-new-tokens", 4]
+    common += ["--repeats", 1, "--warmup", 0, "--budget", 16, "--chunk-size", 4, "--modes", "autoregressive,triforce"]
+    monkeypatch.setattr(sys, "argv", ["triforce", "bench", "--target", str(checkpoint)])  # what the JSON records
+    result = invoke_bench(*common, "--out", tmp_path / "rows.json", "--plot", tmp_path / "latency.png")
+    assert result.exit_code == 0, result.output
+    assert "triforce" in result.stdout and "autoregressive" in result.stdout
+    payload = json.loads((tmp_path / "rows.json").read_text())
+    assert payload["command"] == f"triforce bench --target {checkpoint}"
+    assert payload["machine"]["torch_threads"] >= 1
+    assert [row["mode"] for row in payload["rows"]] == ["autoregressive", "triforce"]
+    assert all(row["matches_autoregressive"] for row in payload["rows"])
+    assert (tmp_path / "latency.png").read_bytes().startswith(b"\x89PNG")
+    result = invoke_bench(*common, "--out", tmp_path / "rows.csv")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "rows.csv").read_text().splitlines()[0].startswith("prompt,mode,context")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--context", 4 * CONTEXT], ["fewer than the context"]),
+        (["--context", CONTEXT, "--max-new-tokens", 100], ["context of", "--context-window"]),
+        (["--context", CONTEXT, "--modes", "autoregressive,llama.cpp"], ["llama.cpp"]),
+        (["--context", CONTEXT, "--out", "rows.txt"], [".json or .csv"]),
+    ],
+)
+def test_bench_errors_are_one_line(checkpoint, prompt_file, monkeypatch, tmp_path, args, fragments):
+    monkeypatch.chdir(tmp_path)
+    result = invoke_bench("--target", checkpoint, "-p", prompt_file, "--repeats", 1, "--warmup", 0, *args)
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert all(fragment in errors[0] for fragment in fragments), errors[0]
