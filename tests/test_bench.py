@@ -78,6 +78,19 @@ def test_repeats_and_sweeps_make_one_row_per_setting(pipe):
     assert all(len(r.ms_per_token) == 2 for r in rows)
 
 
+def test_forward_costs_time_each_token_count_on_both_caches(pipe):
+    config = BenchConfig(modes=("hf",), contexts=(CONTEXT,), forward_tokens=(1, 3), **{**FAST, "repeats": 2})
+    runner = Bench(pipe, config)
+    runner.run_context("p", random_prompt(CONTEXT, 30, seed=3))
+    assert [(c.cache, c.tokens, c.context) for c in runner.forward_costs] == [
+        ("full", 1, CONTEXT),
+        ("full", 3, CONTEXT),
+        ("retrieval", 1, CONTEXT),
+        ("retrieval", 3, CONTEXT),
+    ]
+    assert all(len(c.ms) == 2 and min(c.ms) > 0 for c in runner.forward_costs)
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -85,6 +98,7 @@ def test_repeats_and_sweeps_make_one_row_per_setting(pipe):
         ({"repeats": 0}, "repeats"),
         ({"contexts": ()}, "positive"),
         ({"budgets": (8,), "chunk_sizes": (16,)}, "budget"),
+        ({"forward_tokens": (0, 2)}, "forward-cost"),
     ],
 )
 def test_inconsistent_settings_are_refused(changes, message):
@@ -177,10 +191,19 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     common = ["--target", checkpoint, "-p", prompt_file, "--context", CONTEXT, "--max-new-tokens", 4]
     common += ["--repeats", 1, "--warmup", 0, "--budget", 16, "--chunk-size", 4, "--modes", "autoregressive,triforce"]
     monkeypatch.setattr(sys, "argv", ["triforce", "bench", "--target", str(checkpoint)])  # what the JSON records
-    result = invoke_bench(*common, "--out", tmp_path / "rows.json", "--plot", tmp_path / "latency.png")
+    result = invoke_bench(
+        *common, "--forward-costs", "1,2", "--out", tmp_path / "rows.json", "--plot", tmp_path / "latency.png"
+    )
     assert result.exit_code == 0, result.output
     assert "triforce" in result.stdout and "autoregressive" in result.stdout
+    assert "one target forward of T new tokens" in result.stdout
     payload = json.loads((tmp_path / "rows.json").read_text())
+    assert [(c["cache"], c["tokens"]) for c in payload["forward_costs"]] == [
+        ("full", 1),
+        ("full", 2),
+        ("retrieval", 1),
+        ("retrieval", 2),
+    ]
     assert payload["command"] == f"triforce bench --target {checkpoint}"
     assert payload["machine"]["torch_threads"] >= 1
     assert [row["mode"] for row in payload["rows"]] == ["autoregressive", "triforce"]

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine
 from triforce_cli.errors import ConfigError
+from triforce_cli.forward_costs import ForwardCost, measure_forward_costs
 from triforce_cli.llama_cpp_peer import LLAMA_CPP_PEER, LlamaCppPeer, llama_cpp_available
 from triforce_cli.loading import LoadedModel
 from triforce_cli.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate, load_hf_model
@@ -54,6 +55,7 @@ class BenchConfig:
     warmup: int = 1  # untimed runs of every mode before the first repeat
     budgets: tuple[int | None, ...] = (None,)
     chunk_sizes: tuple[int, ...] = (16,)
+    forward_tokens: tuple[int, ...] = ()  # also time single forwards of these many tokens (forward_costs.py)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0))
 
     def __post_init__(self) -> None:
@@ -64,6 +66,8 @@ class BenchConfig:
             raise ConfigError("repeats must be at least 1 and warm-up not negative")
         if not self.contexts or min(self.contexts) < 1:
             raise ConfigError("context lengths must be positive")
+        if self.forward_tokens and min(self.forward_tokens) < 1:
+            raise ConfigError("forward-cost token counts must be positive")
         for chunk_size in self.chunk_sizes:
             for budget in self.budgets:
                 EngineConfig(budget=budget, chunk_size=chunk_size)  # raises on an inconsistent pair
@@ -138,6 +142,7 @@ class Bench:
         self.base_config = replace(pipe.config, max_new_tokens=config.max_new_tokens, sampling=config.sampling)
         self._hf: dict[str, PreTrainedModel] = {}
         self._llama_cpp = None
+        self.forward_costs: list[ForwardCost] = []
         if LLAMA_CPP_PEER in config.modes:
             self._llama_cpp = LlamaCppPeer(pipe.target.gguf, pipe.target.hf_config, torch.get_num_threads())
 
@@ -181,10 +186,21 @@ class Bench:
         variants = _variants(self.config)
         state = None
         prefill_seconds = 0.0
-        if any(v.mode in OUR_MODES for v in variants):
+        if any(v.mode in OUR_MODES for v in variants) or self.config.forward_tokens:
             started = time.perf_counter()
             state = self._engine().prefill(prompt_ids)
             prefill_seconds = time.perf_counter() - started
+        if self.config.forward_tokens:
+            retrieval = EngineConfig(budget=self.config.budgets[0], chunk_size=self.config.chunk_sizes[0])
+            self.forward_costs += measure_forward_costs(
+                prompt,
+                self.pipe.target,
+                state,
+                self.config.forward_tokens,
+                self.config.repeats,
+                retrieval.budget_for(len(prompt_ids)),
+                retrieval.chunk_size,
+            )
         for repeat in range(-self.config.warmup, self.config.repeats):
             for variant in variants:
                 if on_run is not None:

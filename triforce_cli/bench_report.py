@@ -13,6 +13,7 @@ from rich.text import Text
 
 from triforce_cli.bench import BenchRow
 from triforce_cli.errors import ConfigError
+from triforce_cli.forward_costs import ForwardCost
 
 
 def machine_description() -> dict:
@@ -80,11 +81,35 @@ def check_results_path(path: Path | None) -> None:
         raise ConfigError(f"--out must end in .json or .csv, not {path.suffix or 'nothing'}")
 
 
-def write_results(rows: list[BenchRow], path: Path, command: str) -> None:
-    """JSON (rows with the command and machine) or CSV (one flat line per row), by the file's suffix."""
+def forward_cost_table(costs: list[ForwardCost]) -> Table:
+    """One line per prompt, context and cache; the cost of T tokens also as a multiple of one token's."""
+    table = Table(title=Text("one target forward of T new tokens (median over repeats, [min-max])"))
+    for column in ("prompt", "context", "cache", "T", "ms", "vs T=1"):
+        table.add_column(column, justify="left" if column in ("prompt", "cache") else "right")
+    single = {(c.prompt, c.context, c.cache): c.median_ms for c in costs if c.tokens == 1}
+    for cost in costs:
+        one = single.get((cost.prompt, cost.context, cost.cache))
+        table.add_row(
+            Text(cost.prompt),
+            str(cost.context),
+            cost.cache,
+            str(cost.tokens),
+            f"{cost.median_ms:.1f} [{min(cost.ms):.1f}-{max(cost.ms):.1f}]",
+            _ratio(cost.median_ms / one if one else None),
+        )
+    return table
+
+
+def write_results(rows: list[BenchRow], path: Path, command: str, forward_costs: list[ForwardCost] = ()) -> None:
+    """JSON (rows and forward costs with the command and machine) or CSV (one flat line per row), by suffix."""
     check_results_path(path)
     if path.suffix == ".json":
-        payload = {"command": command, "machine": machine_description(), "rows": [r.as_dict() for r in rows]}
+        payload = {
+            "command": command,
+            "machine": machine_description(),
+            "rows": [r.as_dict() for r in rows],
+            "forward_costs": [c.as_dict() for c in forward_costs],
+        }
         path.write_text(json.dumps(payload, indent=2))
     else:
         with path.open("w", newline="") as handle:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
-from triforce_cli.bench_report import bench_table, check_results_path, plot_latency, write_results
+from triforce_cli.bench_report import bench_table, check_results_path, forward_cost_table, plot_latency, write_results
 from triforce_cli.config import MODES, EngineConfig
 from triforce_cli.corpus import BUILTIN_NAMES, DOCUMENTS, builtin_document
 from triforce_cli.distill import DistillConfig, Distiller, load_teacher
@@ -282,6 +282,10 @@ def bench(
     threads: Threads = None,
     weights: Weights = "dense",
     context_window: ContextWindow = None,
+    forward_costs: Annotated[
+        str | None,
+        typer.Option(help="Also time one target forward of T new tokens per context, e.g. 1,2,4,8 (verification cost)."),
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Write results to a .json or .csv file.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
 ) -> None:
@@ -296,6 +300,7 @@ def bench(
             warmup=warmup,
             budgets=(None,) if budget == "auto" else parse_sizes(budget),
             chunk_sizes=parse_sizes(chunk_size),
+            forward_tokens=parse_sizes(forward_costs) if forward_costs else (),
             sampling=sampling,
         )
         check_results_path(out)
@@ -333,10 +338,13 @@ def bench(
                     raise PromptError(f"prompt {name} has {len(ids)} tokens, fewer than the context {length}")
                 print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")
                 rows += runner.run_context(name, ids[:length])
-        Console(width=None if sys.stdout.isatty() else 220).print(bench_table(rows))
+        console = Console(width=None if sys.stdout.isatty() else 220)
+        console.print(bench_table(rows))
+        if runner.forward_costs:
+            console.print(forward_cost_table(runner.forward_costs))
         command = shlex.join(["triforce", *sys.argv[1:]])
         if out is not None:
-            write_results(rows, out, command)
+            write_results(rows, out, command, runner.forward_costs)
         if plot is not None:
             plot_latency(rows, plot)
 

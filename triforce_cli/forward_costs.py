@@ -1,0 +1,77 @@
+"""What one target forward of T new tokens costs after a long prompt, against the full and the retrieval cache.
+
+Speculation pays only when verifying T tokens costs little more than one decode step, so `triforce bench
+--forward-costs 1,2,4,8` times exactly that: T tokens appended to the prefilled prompt, rolled back after each
+repeat, with the logits of all T positions as a verification needs them.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cache import FullCache, RetrievalCache
+from triforce_cli.loading import LoadedModel
+from triforce_cli.prompt_state import PromptState
+
+
+@dataclass
+class ForwardCost:
+    prompt: str
+    context: int
+    cache: str  # "full" or "retrieval"
+    tokens: int
+    ms: list[float]  # one per repeat
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.ms)
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt": self.prompt,
+            "context": self.context,
+            "cache": self.cache,
+            "tokens": self.tokens,
+            "median_ms": self.median_ms,
+            "min_ms": min(self.ms),
+            "max_ms": max(self.ms),
+        }
+
+
+def _time_forward(target: LoadedModel, cache, new_ids: torch.Tensor, start: int, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats + 1):  # the first call warms up
+        began = time.perf_counter()
+        with torch.inference_mode():
+            target.model(new_ids, start, cache, num_logits=len(new_ids))
+        times.append(1000 * (time.perf_counter() - began))
+        cache.rollback(start)
+    return times[1:]
+
+
+def measure_forward_costs(
+    prompt: str,
+    target: LoadedModel,
+    state: PromptState,
+    token_counts: tuple[int, ...],
+    repeats: int,
+    budget: int,
+    chunk_size: int,
+) -> list[ForwardCost]:
+    """Median-ready timings of forwards of each token count, full cache first, then the retrieval cache."""
+    cfg = target.model.config
+    context = state.keys.shape[2]
+    most = max(token_counts)
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context + most, target.dtype, target.device)
+    state.restore(full)
+    retrieval = RetrievalCache(full, budget, chunk_size, chunk_size + most)
+    retrieval.select_chunks()
+    new_ids = state.prompt_ids[-most:].to(target.device)  # any tokens: only the cost is measured
+    costs = []
+    for name, cache in (("full", full), ("retrieval", retrieval)):
+        for count in token_counts:
+            ms = _time_forward(target, cache, new_ids[:count], context, repeats)
+            costs.append(ForwardCost(prompt, context, name, count, ms))
+    return costs
