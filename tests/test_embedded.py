@@ -8,7 +8,8 @@
 - the speculative tiers accept a useful share of their drafts on that prompt;
 - the shipped distilled drafter loads beside it (borrowing its embedding), keeps its greedy output exact on 4K
   tokens of held-out documentation, and predicts the target there far better than untrained layers do;
-- the CLI runs on the embedded default, exactly as a user calls it.
+- the CLI runs on the embedded default, exactly as a user calls it;
+- where llama-cpp-python is installed, the llama.cpp bench peer decodes the same GGUF file.
 
 The generation tests use the default dense weights: computing from the Q4_1 blocks (--weights compact) is much
 slower at prefill on this CPU, and four modes prefill a 2,000-token prompt each. One torch thread: on a shared two-core
@@ -251,3 +252,18 @@ def test_cli_with_embedded_default(tmp_path):
     data = json.loads(result.stdout)
     assert data["mode"] == "autoregressive" and 0 < data["new_tokens"] <= 8
     assert "Paris" in data["text"]
+
+
+def test_llama_cpp_peer_decodes_the_embedded_gguf(embedded):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional peer (it builds from source)")
+    from triforce_cli.llama_cpp_peer import LlamaCppPeer
+
+    prompt = embedded.tokenizer(builtin_document("stdlib-b"))["input_ids"][:300]
+    peer = LlamaCppPeer(embedded.gguf, embedded.hf_config, threads=1)
+    greedy = SamplingConfig(temperature=0)
+    run = peer.generate(prompt, 8, greedy, embedded.eos_token_ids)
+    engine = Engine(embedded, EngineConfig(mode="autoregressive", max_new_tokens=8, sampling=greedy))
+    reference = engine.generate(prompt).token_ids
+    assert len(run.token_ids) == 8 and run.prefill_seconds > 0 and run.decode_seconds > 0
+    # Different arithmetic (quantized products): the same weights should still agree on most greedy tokens.
+    assert sum(a == b for a, b in zip(run.token_ids, reference)) >= 4, (run.token_ids, reference)
