@@ -11,6 +11,7 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
+from triforce_cli.context_window import trained_context
 from triforce_cli.errors import ConfigError
 from triforce_cli.peers import TimedRun
 from triforce_cli.sampling import SamplingConfig
@@ -39,7 +40,7 @@ def llama_cpp_rope_kwargs(hf_config: PretrainedConfig, llama_cpp) -> dict:
     return {
         "rope_scaling_type": llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN,
         "rope_freq_scale": 1.0 / rope["factor"],
-        "yarn_orig_ctx": int(rope["original_max_position_embeddings"]),
+        "yarn_orig_ctx": trained_context(hf_config),
     }
 
 
