@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import full_cache_for, llama_config, random_prompt, save_checkpoint
+from conftest import full_cache_for, llama_config, random_prompt, save_checkpoint, with_eos
 
 from triforce_cli.config import EngineConfig
 from triforce_cli.context_window import extend_context, trained_context
@@ -67,5 +67,8 @@ def test_engine_accepts_prompts_up_to_the_window(tmp_path):
     prompt = random_prompt(2 * TRAINED, 31, seed=4)
     with pytest.raises(PromptError, match="--context-window"):
         Engine(load_model(str(tmp_path / "ckpt")), config).check_prompt(prompt)
-    engine = Engine(load_model(str(tmp_path / "ckpt"), context_window=4 * TRAINED), config)
-    assert len(engine.generate(prompt).token_ids) == 4
+    # No end-of-sequence id: a random model may well pick it, and this test is about the window, not stopping.
+    extended = with_eos(load_model(str(tmp_path / "ckpt"), context_window=4 * TRAINED))
+    result = Engine(extended, config).generate(prompt)
+    assert len(result.token_ids) == 4
+    assert result.stats.stop_reason == "max_new_tokens"
