@@ -78,6 +78,28 @@ def test_repeats_and_sweeps_make_one_row_per_setting(pipe):
     assert all(len(r.ms_per_token) == 2 for r in rows)
 
 
+def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
+    config = BenchConfig(
+        modes=("autoregressive", "triforce", "ngram", "hf"),
+        contexts=(CONTEXT,),
+        gamma_policies=("fixed", "heuristic"),
+        **FAST,
+    )
+    rows = Bench(pipe, config).run_context("p", random_prompt(CONTEXT, 30, seed=4))
+    assert [(r.mode, r.gamma_policy) for r in rows] == [
+        ("autoregressive", None),
+        ("triforce", "fixed"),
+        ("triforce", "heuristic"),
+        ("ngram", "fixed"),
+        ("ngram", "heuristic"),
+        ("hf", None),
+    ]
+    assert all(row.matches_autoregressive for row in rows)
+    fixed_top = rows[1].acceptance[0]
+    assert fixed_top["mean_drafted"] == 4  # gamma2 of the pipe, every pass
+    assert rows[1].as_dict()["gamma_policy"] == "fixed"
+
+
 def test_forward_costs_time_each_token_count_on_both_caches(pipe):
     config = BenchConfig(modes=("hf",), contexts=(CONTEXT,), forward_tokens=(1, 3), **{**FAST, "repeats": 2})
     runner = Bench(pipe, config)
@@ -99,6 +121,8 @@ def test_forward_costs_time_each_token_count_on_both_caches(pipe):
         ({"contexts": ()}, "positive"),
         ({"budgets": (8,), "chunk_sizes": (16,)}, "budget"),
         ({"forward_tokens": (0, 2)}, "forward-cost"),
+        ({"gamma_policies": ("fixed", "eager")}, "unknown gamma policy 'eager'"),
+        ({"gamma_policies": ()}, "gamma policy"),
     ],
 )
 def test_inconsistent_settings_are_refused(changes, message):
@@ -221,6 +245,7 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
         (["--context", CONTEXT, "--max-new-tokens", 100], ["context of", "--context-window"]),
         (["--context", CONTEXT, "--modes", "autoregressive,llama.cpp"], ["llama.cpp"]),
         (["--context", CONTEXT, "--out", "rows.txt"], [".json or .csv"]),
+        (["--context", CONTEXT, "--gamma-policy", "fixed,eager"], ["unknown name 'eager'"]),
     ],
 )
 def test_bench_errors_are_one_line(checkpoint, prompt_file, monkeypatch, tmp_path, args, fragments):

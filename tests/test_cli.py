@@ -235,6 +235,7 @@ class TestSettingErrors:
             (("--chunk-size", 0), "chunk size"),
             (("--gamma1", 0), "gamma1"),
             (("--gamma2", -1), "gamma2"),
+            (("--gamma-policy", "eager"), "unknown gamma policy 'eager'"),
             (("--draft-window", 0), "draft window"),
             (("--sink-tokens", -1), "sink tokens"),
             (("--refresh-interval", 0), "refresh interval"),
@@ -561,6 +562,7 @@ class TestOptionsReachBackend:
             "--sink-tokens", 4,
             "--gamma1", 3,
             "--gamma2", 5,
+            "--gamma-policy", "heuristic",
             "--refresh-interval", 3,
             "--max-new-tokens", 7,
             "--temperature", 0.7,
@@ -576,6 +578,7 @@ class TestOptionsReachBackend:
         assert (config.mode, config.budget, config.chunk_size) == ("streaming", 48, 8)
         assert (config.draft_window, config.sink_tokens) == (24, 4)
         assert (config.gamma1, config.gamma2, config.refresh_interval) == (3, 5, 3)
+        assert config.gamma_policy == "heuristic"
         assert config.max_new_tokens == 7
         assert config.ngram is True
         s = config.sampling

@@ -421,7 +421,7 @@ def test_pipeline_chi_square_detects_an_inexact_top_tier(monkeypatch):
 class MiddleTier:
     """drafter@StreamingLLM -> target@retrieval on the 8-token vocabulary, after a prefill of PROMPT8."""
 
-    def __init__(self, sampling: SamplingConfig, seed: int):
+    def __init__(self, sampling: SamplingConfig, seed: int, gamma_policy: str = "fixed"):
         model, drafter = target8().model, drafter8().model
         cfg, dcfg = model.config, drafter.config
         self.full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float32)
@@ -433,7 +433,9 @@ class MiddleTier:
             drafter(torch.tensor(PROMPT8[start : start + 12]), start, streaming)
         generator = torch.Generator().manual_seed(seed)
         draft_tier = ModelTier("drafter", drafter, streaming, sampling, generator)
-        self.tier = ModelTier("retrieval", model, self.retrieval, sampling, generator, draft_tier, gamma=2)
+        self.tier = ModelTier(
+            "retrieval", model, self.retrieval, sampling, generator, draft_tier, gamma=2, gamma_policy=gamma_policy
+        )
         self.model, self.sampling = model, sampling
 
     def exact_joint(self, committed: int) -> tuple[torch.Tensor, torch.Tensor]:

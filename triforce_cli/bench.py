@@ -37,6 +37,7 @@ ALL_MODES = (*OUR_MODES, *HF_PEERS, LLAMA_CPP_PEER)
 DEFAULT_MODES = ("autoregressive", "retrieval", "streaming", "triforce", "ngram", "triforce-ngram", "hf", "hf-lookup")
 RETRIEVAL_MODES = ("retrieval", "triforce", "triforce-ngram")
 MODEL_DRAFTER_MODES = ("streaming", "triforce", "triforce-ngram")  # "ngram" drafts with the n-gram proposer alone
+SPECULATIVE_MODES = tuple(mode for mode in OUR_MODES if mode != "autoregressive")  # swept over gamma policies
 
 
 def default_modes(target: LoadedModel) -> tuple[str, ...]:
@@ -55,6 +56,7 @@ class BenchConfig:
     warmup: int = 1  # untimed runs of every mode before the first repeat
     budgets: tuple[int | None, ...] = (None,)
     chunk_sizes: tuple[int, ...] = (16,)
+    gamma_policies: tuple[str, ...] = ("fixed",)
     forward_tokens: tuple[int, ...] = ()  # also time single forwards of these many tokens (forward_costs.py)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0))
 
@@ -66,6 +68,10 @@ class BenchConfig:
             raise ConfigError("repeats must be at least 1 and warm-up not negative")
         if not self.contexts or min(self.contexts) < 1:
             raise ConfigError("context lengths must be positive")
+        if not self.gamma_policies:
+            raise ConfigError("name at least one gamma policy")
+        for policy in self.gamma_policies:
+            EngineConfig(gamma_policy=policy)  # raises on an unknown policy
         if self.forward_tokens and min(self.forward_tokens) < 1:
             raise ConfigError("forward-cost token counts must be positive")
         for chunk_size in self.chunk_sizes:
@@ -82,6 +88,7 @@ class BenchRow:
     chunk_size: int | None
     prefill_seconds: float
     ms_per_token: list[float]  # one per repeat
+    gamma_policy: str | None = None
     acceptance: list[dict] = field(default_factory=list)
     matches_autoregressive: bool | None = None
     speedup_vs_autoregressive: float | None = None
@@ -102,6 +109,7 @@ class BenchRow:
             "context": self.context,
             "budget": self.budget,
             "chunk_size": self.chunk_size,
+            "gamma_policy": self.gamma_policy,
             "prefill_seconds": self.prefill_seconds,
             "median_ms_per_token": self.median_ms,
             "min_ms_per_token": min(self.ms_per_token),
@@ -117,21 +125,22 @@ class BenchRow:
 
 @dataclass
 class _Variant:
-    """One row to measure: a mode with its retrieval settings."""
+    """One row to measure: a mode with its retrieval settings and speculation-length policy."""
 
     mode: str
     budget: int | None
     chunk_size: int | None
+    gamma_policy: str | None
     runs: list = field(default_factory=list)
 
 
 def _variants(config: BenchConfig) -> list[_Variant]:
     variants = []
     for mode in config.modes:
-        if mode in RETRIEVAL_MODES:
-            variants += [_Variant(mode, b, c) for b in config.budgets for c in config.chunk_sizes]
-        else:
-            variants.append(_Variant(mode, None, None))
+        retrieval = [(b, c) for b in config.budgets for c in config.chunk_sizes]
+        policies = config.gamma_policies if mode in SPECULATIVE_MODES else (None,)
+        for budget, chunk_size in retrieval if mode in RETRIEVAL_MODES else [(None, None)]:
+            variants += [_Variant(mode, budget, chunk_size, policy) for policy in policies]
     return variants
 
 
@@ -167,7 +176,9 @@ class Bench:
             extra["assistant"] = self._hf_model("assistant")
         elif mode == "hf-lookup":
             extra["prompt_lookup"] = PROMPT_LOOKUP_TOKENS
-        return hf_generate(self._hf_model("target"), prompt_ids, self.config.max_new_tokens, self.config.sampling, **extra)
+        return hf_generate(
+            self._hf_model("target"), prompt_ids, self.config.max_new_tokens, self.config.sampling, **extra
+        )
 
     def _engine(self, mode: str = "autoregressive", **changes) -> Engine:
         drafter = self.pipe.drafter if mode in MODEL_DRAFTER_MODES else None
@@ -177,6 +188,8 @@ class Bench:
         changes = {}
         if variant.mode in RETRIEVAL_MODES:
             changes.update(budget=variant.budget, chunk_size=variant.chunk_size)
+        if variant.gamma_policy is not None:
+            changes.update(gamma_policy=variant.gamma_policy)
         return self._engine(variant.mode, **changes).generate(prompt_ids, prompt_state=state)
 
     def run_context(
@@ -219,9 +232,8 @@ class Bench:
         for v in variants:
             if v.mode in OUR_MODES:
                 stats = [r.stats for r in v.runs]
-                row = BenchRow(
-                    prompt, v.mode, context, v.budget, v.chunk_size, prefill_seconds, [s.ms_per_token for s in stats]
-                )
+                ms = [s.ms_per_token for s in stats]
+                row = BenchRow(prompt, v.mode, context, v.budget, v.chunk_size, prefill_seconds, ms, v.gamma_policy)
                 row.acceptance = [a.as_dict() for a in stats[-1].acceptance]
             else:
                 peer_prefill = statistics.median(r.prefill_seconds for r in v.runs)

@@ -29,7 +29,8 @@ def machine_description() -> dict:
 
 def _acceptance_text(row: BenchRow) -> str:
     return ", ".join(
-        f"{a['proposer']}→{a['verifier']} {a['acceptance_rate']:.0%} (len {a['mean_accepted_length']:.2f})"
+        f"{a['proposer']}→{a['verifier']} {a['acceptance_rate']:.0%} of {a['mean_drafted']:.1f}"
+        f" (len {a['mean_accepted_length']:.2f})"
         for a in row.acceptance
     )
 
@@ -45,6 +46,7 @@ def bench_table(rows: list[BenchRow]) -> Table:
         "context",
         "mode",
         "budget/chunk",
+        "gammas",
         "prefill s",
         "ms/token",
         "tok/s",
@@ -61,6 +63,7 @@ def bench_table(rows: list[BenchRow]) -> Table:
             str(row.context),
             row.mode,
             f"{row.budget or 'auto'}/{row.chunk_size}" if row.chunk_size else "-",
+            row.gamma_policy or "-",
             f"{row.prefill_seconds:.1f}",
             f"{row.median_ms:.1f} [{min(row.ms_per_token):.1f}-{max(row.ms_per_token):.1f}]",
             f"{row.tokens_per_second:.1f}",

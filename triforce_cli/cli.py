@@ -24,6 +24,7 @@ from triforce_cli.pipeline import Pipeline
 from triforce_cli.prompts import read_prompt
 from triforce_cli.render import DistillBar, PrefillProgress, TokenStream, print_summary, tier_legend
 from triforce_cli.sampling import SamplingConfig
+from triforce_cli.speculation_length import GAMMA_POLICIES
 
 app = typer.Typer(
     help="Lossless long-context speculative generation (TriForce: drafter -> retrieval cache -> full cache).",
@@ -51,6 +52,10 @@ DraftWindow = Annotated[int, typer.Option(help="Drafter StreamingLLM recent wind
 SinkTokens = Annotated[int, typer.Option(help="Drafter StreamingLLM attention sinks.")]
 Gamma1 = Annotated[int, typer.Option(help="Drafter tokens per verification.")]
 Gamma2 = Annotated[int, typer.Option(help="Tokens the full cache verifies per pass.")]
+GAMMA_POLICY_HELP = (
+    f"Speculation lengths: {', '.join(GAMMA_POLICIES)} (adaptive ones move below --gamma1/--gamma2:"
+    " heuristic is +2 after a fully accepted draft, -1 otherwise; throughput picks the most expected tokens/s)."
+)
 RefreshInterval = Annotated[int, typer.Option(help="Full verifications between retrieval-chunk selections.")]
 MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate at most.")]
 Temperature = Annotated[float, typer.Option(help="0 means greedy.")]
@@ -171,6 +176,7 @@ def generate(
     sink_tokens: SinkTokens = DEFAULTS.sink_tokens,
     gamma1: Gamma1 = DEFAULTS.gamma1,
     gamma2: Gamma2 = DEFAULTS.gamma2,
+    gamma_policy: Annotated[str, typer.Option(help=GAMMA_POLICY_HELP)] = DEFAULTS.gamma_policy,
     ngram: Annotated[
         bool, typer.Option("--ngram", help="Training-free n-gram (prompt lookup) proposer at the bottom tier.")
     ] = DEFAULTS.ngram,
@@ -203,6 +209,7 @@ def generate(
             draft_window=draft_window,
             gamma1=gamma1,
             gamma2=gamma2,
+            gamma_policy=gamma_policy,
             max_new_tokens=max_new_tokens,
             refresh_interval=refresh_interval,
             ngram=ngram,
@@ -276,6 +283,9 @@ def bench(
     sink_tokens: SinkTokens = DEFAULTS.sink_tokens,
     gamma1: Gamma1 = DEFAULTS.gamma1,
     gamma2: Gamma2 = DEFAULTS.gamma2,
+    gamma_policy: Annotated[
+        str, typer.Option(help="Speculation-length policies to sweep, e.g. fixed,throughput (see generate --help).")
+    ] = DEFAULTS.gamma_policy,
     refresh_interval: RefreshInterval = DEFAULTS.refresh_interval,
     dtype: Dtype = "auto",
     device: Device = "auto",
@@ -284,7 +294,9 @@ def bench(
     context_window: ContextWindow = None,
     forward_costs: Annotated[
         str | None,
-        typer.Option(help="Also time one target forward of T new tokens per context, e.g. 1,2,4,8 (verification cost)."),
+        typer.Option(
+            help="Also time one target forward of T new tokens per context, e.g. 1,2,4,8 (verification cost)."
+        ),
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Write results to a .json or .csv file.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
@@ -300,6 +312,7 @@ def bench(
             warmup=warmup,
             budgets=(None,) if budget == "auto" else parse_sizes(budget),
             chunk_sizes=parse_sizes(chunk_size),
+            gamma_policies=parse_names(gamma_policy, GAMMA_POLICIES),
             forward_tokens=parse_sizes(forward_costs) if forward_costs else (),
             sampling=sampling,
         )

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from triforce_cli.errors import ConfigError
 from triforce_cli.sampling import SamplingConfig
+from triforce_cli.speculation_length import GAMMA_POLICIES
 
 MODES = ("autoregressive", "retrieval", "streaming", "triforce")
 DEFAULT_BUDGET = 1024
@@ -18,6 +19,8 @@ class EngineConfig:
     budget: tokens of prompt chunks the retrieval cache keeps; None picks min(1024, the prompt's whole chunks).
     gamma1: drafter tokens per verification by the tier above it; gamma2: tokens target@full verifies per pass
     in ``triforce`` and ``retrieval`` modes.
+    gamma_policy: ``fixed`` gammas, or adapted after every verification (``heuristic``: +2/-1;
+    ``throughput``: most expected tokens per second), with gamma1/gamma2 as ceilings (speculation_length.py).
     refresh_interval: full verifications between two chunk selections of the retrieval cache.
     ngram: put the training-free n-gram proposer at the bottom of the hierarchy (alone as the drafter tier, or
     under the model drafter when one is given); ngram_max is the longest suffix it matches.
@@ -30,6 +33,7 @@ class EngineConfig:
     draft_window: int = 496
     gamma1: int = 2
     gamma2: int = 6
+    gamma_policy: str = "fixed"
     max_new_tokens: int = 256
     refresh_interval: int = 4
     prefill_chunk: int = 512
@@ -50,6 +54,10 @@ class EngineConfig:
             (self.draft_window > 0, "draft window must be positive"),
             (self.gamma1 > 0, "gamma1 must be positive"),
             (self.gamma2 > 0, "gamma2 must be positive"),
+            (
+                self.gamma_policy in GAMMA_POLICIES,
+                f"unknown gamma policy '{self.gamma_policy}' (choose from {', '.join(GAMMA_POLICIES)})",
+            ),
             (self.max_new_tokens > 0, "max new tokens must be positive"),
             (
                 self.draft_window >= self.speculation_depth,

@@ -102,17 +102,18 @@ class Engine:
         cfg = self.config
         sampling = cfg.sampling
         model = self.target.model
+        policy = cfg.gamma_policy
         drafter = NGramProposer(model.config.vocab_size, cfg.ngram_max) if cfg.ngram else None
         if caches.streaming is not None:
             drafter = ModelTier(
-                "drafter", self._drafter_model, caches.streaming, sampling, generator, drafter, cfg.gamma1
+                "drafter", self._drafter_model, caches.streaming, sampling, generator, drafter, cfg.gamma1, policy
             )
         if cfg.mode == "autoregressive":
             return ModelTier("target", model, caches.full, sampling, generator)
         if cfg.mode == "streaming":
-            return ModelTier("target", model, caches.full, sampling, generator, drafter, cfg.gamma1)
-        middle = ModelTier("retrieval", model, caches.retrieval, sampling, generator, drafter, cfg.gamma1)
-        return ModelTier("target", model, caches.full, sampling, generator, middle, cfg.gamma2)
+            return ModelTier("target", model, caches.full, sampling, generator, drafter, cfg.gamma1, policy)
+        middle = ModelTier("retrieval", model, caches.retrieval, sampling, generator, drafter, cfg.gamma1, policy)
+        return ModelTier("target", model, caches.full, sampling, generator, middle, cfg.gamma2, policy)
 
     def _prefill(self, name: str, model: Transformer, cache, ids: list[int], on_prefill) -> torch.Tensor:
         """Run the prompt through model in chunks; return the logits (1, V) after its last token."""

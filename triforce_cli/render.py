@@ -140,7 +140,7 @@ def acceptance_table(stats: GenerationStats) -> Table | None:
     if not stats.acceptance:
         return None
     table = Table(title="acceptance per tier", title_justify="left")
-    for column in ("proposer", "verifier", "drafted", "accepted", "rate", "mean accepted length"):
+    for column in ("proposer", "verifier", "drafted", "accepted", "rate", "drafts per pass", "mean accepted length"):
         table.add_column(column, justify="left" if column in ("proposer", "verifier") else "right")
     for a in stats.acceptance:
         table.add_row(
@@ -149,6 +149,7 @@ def acceptance_table(stats: GenerationStats) -> Table | None:
             str(a.drafted),
             str(a.accepted),
             f"{a.acceptance_rate:.1%}",
+            f"{a.mean_drafted:.2f}",
             f"{a.mean_accepted_length:.2f}",
         )
     return table

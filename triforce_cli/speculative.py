@@ -8,6 +8,7 @@ autoregressively. Two tiers give classic speculative decoding, three give TriFor
 arXiv 2404.11912): drafter@StreamingLLM -> target@retrieval -> target@full.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,6 +17,7 @@ import torch
 from cache import KVCache
 from triforce_cli.model import Transformer
 from triforce_cli.sampling import SamplingConfig, probabilities, sample, verify_draft
+from triforce_cli.speculation_length import SpeculationLength
 
 
 @dataclass
@@ -40,6 +42,11 @@ class AcceptanceStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def mean_drafted(self) -> float:
+        """Drafts per verification: gamma, or its average under an adaptive policy."""
+        return self.drafted / self.verifications if self.verifications else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens gained per verification: accepted drafts plus the verifier's own token."""
         return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
@@ -52,6 +59,7 @@ class AcceptanceStats:
             "accepted": self.accepted,
             "verifications": self.verifications,
             "acceptance_rate": self.acceptance_rate,
+            "mean_drafted": self.mean_drafted,
             "mean_accepted_length": self.mean_accepted_length,
         }
 
@@ -72,12 +80,15 @@ class ModelTier:
     sampling: SamplingConfig
     generator: torch.Generator | None
     proposer: Proposer | None = None
-    gamma: int = 1  # tokens asked of the proposer per verification
+    gamma: int = 1  # tokens asked of the proposer per verification; the ceiling under an adaptive policy
+    gamma_policy: str = "fixed"  # see speculation_length.py
     stats: AcceptanceStats | None = field(default=None)
+    length: SpeculationLength = field(init=False)
 
     def __post_init__(self) -> None:
         if self.proposer is not None and self.stats is None:
             self.stats = AcceptanceStats(self.proposer.name, self.name)
+        self.length = SpeculationLength(self.gamma_policy, self.gamma)
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
@@ -109,14 +120,18 @@ class ModelTier:
         if self.proposer is None:
             probs = self._forward(prefix, [])
             return Proposal([int(sample(probs, self.generator))], probs, [self.name])
-        draft = self.proposer.propose(prefix, self.gamma)
-        probs = self._forward(prefix, draft.tokens)  # (gamma + 1, V)
+        started = time.perf_counter()
+        draft = self.proposer.propose(prefix, self.length.current)
+        drafted = time.perf_counter()
+        probs = self._forward(prefix, draft.tokens)  # (len(draft.tokens) + 1, V)
         device = probs.device
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
         verdict = verify_draft(draft_tokens, draft.probs.to(device), probs, self.generator)
+        verified = time.perf_counter()
         self.stats.drafted += len(draft.tokens)
         self.stats.accepted += verdict.accepted
         self.stats.verifications += 1
+        self.length.record(len(draft.tokens), verdict.accepted, drafted - started, verified - drafted)
         kept = len(prefix) + verdict.accepted
         self.rollback(kept)
         return Proposal(
