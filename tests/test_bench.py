@@ -3,6 +3,7 @@ wiring (with a stand-in module: llama-cpp-python is optional) and one-line error
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
@@ -98,6 +99,13 @@ def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
     fixed_top = rows[1].acceptance[0]
     assert fixed_top["mean_drafted"] == 4  # gamma2 of the pipe, every pass
     assert rows[1].as_dict()["gamma_policy"] == "fixed"
+
+
+def test_auto_policy_is_resolved_for_the_bench_sampling():
+    greedy = BenchConfig(modes=("triforce",), gamma_policies=("auto", "throughput"))
+    assert triforce_cli.bench._resolved_policies(greedy) == ("throughput",)
+    seeded = replace(greedy, sampling=SamplingConfig(temperature=0.6, seed=0))
+    assert triforce_cli.bench._resolved_policies(seeded) == ("fixed", "throughput")
 
 
 def test_forward_costs_time_each_token_count_on_both_caches(pipe):

@@ -14,8 +14,10 @@ from test_speculative import (
     prompt_for,
 )
 
+from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine
 from triforce_cli.errors import ConfigError
+from triforce_cli.sampling import SamplingConfig
 from triforce_cli.speculation_length import (
     SpeculationLength,
     expected_tokens,
@@ -70,6 +72,16 @@ def test_fixed_policy_never_moves():
     length = SpeculationLength("fixed", ceiling=3)
     length.record(3, 0, 1.0, 1.0)
     assert length.current == 3
+
+
+def test_auto_is_throughput_except_for_seeded_sampling():
+    def resolved(policy="auto", **sampling):
+        return EngineConfig(gamma_policy=policy, sampling=SamplingConfig(**sampling)).speculation_policy
+
+    assert resolved(temperature=0.6) == "throughput"
+    assert resolved(temperature=0.6, seed=3) == "fixed"  # a seeded sampled run must repeat exactly
+    assert resolved(temperature=0, seed=3) == "throughput"  # greedy output does not depend on the lengths
+    assert resolved("heuristic", temperature=0.6, seed=3) == "heuristic"
 
 
 def test_unknown_policy_is_refused():

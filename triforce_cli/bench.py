@@ -56,7 +56,7 @@ class BenchConfig:
     warmup: int = 1  # untimed runs of every mode before the first repeat
     budgets: tuple[int | None, ...] = (None,)
     chunk_sizes: tuple[int, ...] = (16,)
-    gamma_policies: tuple[str, ...] = ("fixed",)
+    gamma_policies: tuple[str, ...] = ("throughput",)  # what generate runs by default (no --seed)
     forward_tokens: tuple[int, ...] = ()  # also time single forwards of these many tokens (forward_costs.py)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0))
 
@@ -134,11 +134,19 @@ class _Variant:
     runs: list = field(default_factory=list)
 
 
+def _resolved_policies(config: BenchConfig) -> tuple[str, ...]:
+    """The policies to run, 'auto' resolved for the bench's sampling, each once."""
+    resolved = (
+        EngineConfig(gamma_policy=p, sampling=config.sampling).speculation_policy for p in config.gamma_policies
+    )
+    return tuple(dict.fromkeys(resolved))
+
+
 def _variants(config: BenchConfig) -> list[_Variant]:
     variants = []
     for mode in config.modes:
         retrieval = [(b, c) for b in config.budgets for c in config.chunk_sizes]
-        policies = config.gamma_policies if mode in SPECULATIVE_MODES else (None,)
+        policies = _resolved_policies(config) if mode in SPECULATIVE_MODES else (None,)
         for budget, chunk_size in retrieval if mode in RETRIEVAL_MODES else [(None, None)]:
             variants += [_Variant(mode, budget, chunk_size, policy) for policy in policies]
     return variants

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
 from triforce_cli.bench_report import bench_table, check_results_path, forward_cost_table, plot_latency, write_results
-from triforce_cli.config import MODES, EngineConfig
+from triforce_cli.config import GAMMA_POLICIES, MODES, EngineConfig
 from triforce_cli.corpus import BUILTIN_NAMES, DOCUMENTS, builtin_document
 from triforce_cli.distill import DistillConfig, Distiller, load_teacher
 from triforce_cli.errors import ConfigError, PromptError, TriforceError
@@ -24,7 +24,6 @@ from triforce_cli.pipeline import Pipeline
 from triforce_cli.prompts import read_prompt
 from triforce_cli.render import DistillBar, PrefillProgress, TokenStream, print_summary, tier_legend
 from triforce_cli.sampling import SamplingConfig
-from triforce_cli.speculation_length import GAMMA_POLICIES
 
 app = typer.Typer(
     help="Lossless long-context speculative generation (TriForce: drafter -> retrieval cache -> full cache).",
@@ -53,8 +52,9 @@ SinkTokens = Annotated[int, typer.Option(help="Drafter StreamingLLM attention si
 Gamma1 = Annotated[int, typer.Option(help="Drafter tokens per verification.")]
 Gamma2 = Annotated[int, typer.Option(help="Tokens the full cache verifies per pass.")]
 GAMMA_POLICY_HELP = (
-    f"Speculation lengths: {', '.join(GAMMA_POLICIES)} (adaptive ones move below --gamma1/--gamma2:"
-    " heuristic is +2 after a fully accepted draft, -1 otherwise; throughput picks the most expected tokens/s)."
+    f"Speculation lengths, from {', '.join(GAMMA_POLICIES)}: adaptive ones move below --gamma1/--gamma2 after every"
+    " verification (heuristic: +2 after a fully accepted draft, else -1; throughput: most expected tokens/s);"
+    " auto is throughput, or fixed for sampling with --seed, which then repeats exactly."
 )
 RefreshInterval = Annotated[int, typer.Option(help="Full verifications between retrieval-chunk selections.")]
 MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate at most.")]
@@ -285,7 +285,7 @@ def bench(
     gamma2: Gamma2 = DEFAULTS.gamma2,
     gamma_policy: Annotated[
         str, typer.Option(help="Speculation-length policies to sweep, e.g. fixed,throughput (see generate --help).")
-    ] = DEFAULTS.gamma_policy,
+    ] = ",".join(BENCH_DEFAULTS.gamma_policies),
     refresh_interval: RefreshInterval = DEFAULTS.refresh_interval,
     dtype: Dtype = "auto",
     device: Device = "auto",

@@ -4,7 +4,9 @@ from dataclasses import dataclass, field
 
 from triforce_cli.errors import ConfigError
 from triforce_cli.sampling import SamplingConfig
-from triforce_cli.speculation_length import GAMMA_POLICIES
+from triforce_cli.speculation_length import POLICIES
+
+GAMMA_POLICIES = ("auto", *POLICIES)
 
 MODES = ("autoregressive", "retrieval", "streaming", "triforce")
 DEFAULT_BUDGET = 1024
@@ -20,7 +22,8 @@ class EngineConfig:
     gamma1: drafter tokens per verification by the tier above it; gamma2: tokens target@full verifies per pass
     in ``triforce`` and ``retrieval`` modes.
     gamma_policy: ``fixed`` gammas, or adapted after every verification (``heuristic``: +2/-1;
-    ``throughput``: most expected tokens per second), with gamma1/gamma2 as ceilings (speculation_length.py).
+    ``throughput``: most expected tokens per second), with gamma1/gamma2 as ceilings (speculation_length.py);
+    ``auto`` is throughput, except for seeded sampling (see speculation_policy).
     refresh_interval: full verifications between two chunk selections of the retrieval cache.
     ngram: put the training-free n-gram proposer at the bottom of the hierarchy (alone as the drafter tier, or
     under the model drafter when one is given); ngram_max is the longest suffix it matches.
@@ -33,7 +36,7 @@ class EngineConfig:
     draft_window: int = 496
     gamma1: int = 2
     gamma2: int = 6
-    gamma_policy: str = "fixed"
+    gamma_policy: str = "auto"
     max_new_tokens: int = 256
     refresh_interval: int = 4
     prefill_chunk: int = 512
@@ -85,6 +88,14 @@ class EngineConfig:
     def speculation_depth(self) -> int:
         """Most positions any cache may hold beyond the committed sequence within one top-level step."""
         return self.gamma1 + self.gamma2 + 2
+
+    @property
+    def speculation_policy(self) -> str:
+        """The policy to run: ``auto`` is throughput, but fixed for seeded sampling, whose output must repeat
+        exactly; throughput's choices follow the clock."""
+        if self.gamma_policy != "auto":
+            return self.gamma_policy
+        return "fixed" if self.sampling.seed is not None and not self.sampling.greedy else "throughput"
 
     @property
     def uses_retrieval(self) -> bool:

@@ -102,7 +102,7 @@ class Engine:
         cfg = self.config
         sampling = cfg.sampling
         model = self.target.model
-        policy = cfg.gamma_policy
+        policy = cfg.speculation_policy
         drafter = NGramProposer(model.config.vocab_size, cfg.ngram_max) if cfg.ngram else None
         if caches.streaming is not None:
             drafter = ModelTier(

@@ -17,7 +17,7 @@ between 1 and that ceiling. None of them changes what is generated, only how muc
 
 from dataclasses import dataclass, field
 
-GAMMA_POLICIES = ("fixed", "heuristic", "throughput")
+POLICIES = ("fixed", "heuristic", "throughput")
 SMOOTHING = 0.3  # weight of the newest measurement in the running averages
 
 
@@ -64,7 +64,7 @@ class SpeculationLength:
     verify_seconds: dict[int, float] = field(default_factory=dict)  # per verification, by length
 
     def __post_init__(self) -> None:
-        if self.policy not in GAMMA_POLICIES:
+        if self.policy not in POLICIES:
             raise ValueError(f"unknown speculation-length policy '{self.policy}'")
         self.current = self.current or self.ceiling
 
