@@ -144,9 +144,10 @@ def _resolved_policies(config: BenchConfig) -> tuple[str, ...]:
 
 def _variants(config: BenchConfig) -> list[_Variant]:
     variants = []
+    retrieval = [(b, c) for b in config.budgets for c in config.chunk_sizes]
+    policies_to_sweep = _resolved_policies(config)
     for mode in config.modes:
-        retrieval = [(b, c) for b in config.budgets for c in config.chunk_sizes]
-        policies = _resolved_policies(config) if mode in SPECULATIVE_MODES else (None,)
+        policies = policies_to_sweep if mode in SPECULATIVE_MODES else (None,)
         for budget, chunk_size in retrieval if mode in RETRIEVAL_MODES else [(None, None)]:
             variants += [_Variant(mode, budget, chunk_size, policy) for policy in policies]
     return variants

@@ -58,7 +58,7 @@ class SpeculationLength:
 
     policy: str
     ceiling: int
-    current: int = 0
+    current: int = field(init=False)  # starts at the ceiling
     acceptance: float | None = None
     draft_seconds: float | None = None  # per drafted token
     verify_seconds: dict[int, float] = field(default_factory=dict)  # per verification, by length
@@ -66,7 +66,7 @@ class SpeculationLength:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown speculation-length policy '{self.policy}'")
-        self.current = self.current or self.ceiling
+        self.current = self.ceiling
 
     def record(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """Account for one verification of `drafted` tokens, `accepted` of them accepted, and pick the next length.
