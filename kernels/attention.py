@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 from kernels.optional import flash_attn_func
 
-FEW_QUERIES = 8  # up to this many queries grouped_attention beats SDPA on a long cache
-LONG_CACHE = 2048  # keys; below this SDPA is as fast
+FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here
 
 
 def new_token_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
@@ -47,9 +46,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     group = num_q_heads // num_kv_heads
     qg = q.reshape(num_kv_heads, group * num_queries, head_dim)  # (Hkv, G*T, D)
     scores = torch.bmm(qg * scale, k.transpose(1, 2))  # (Hkv, G*T, L)
-    if num_queries > 1:
-        mask = new_token_mask(num_queries, num_keys, q.device).repeat(group, 1)  # (G*T, L)
-        scores = scores.masked_fill(~mask, float("-inf"))
+    if num_queries > 1:  # every query sees the context; among the T new keys, query t sees keys 0..t
+        future = ~new_token_mask(num_queries, num_queries, q.device).repeat(group, 1)  # (G*T, T)
+        scores[:, :, num_keys - num_queries :].masked_fill_(future, float("-inf"))
     probs = scores.float().softmax(dim=-1).to(v.dtype)
     out = torch.bmm(probs, v)  # (Hkv, G*T, D)
     return out.reshape(num_q_heads, num_queries, head_dim)
@@ -86,13 +85,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dispatch to the fastest available kernel for the device, dtype, number of queries and cache length.
+    """Dispatch to the fastest available kernel for the device, dtype and number of queries.
 
     CPU, 2 threads, 9 query / 3 KV heads of 64, 30 layers of distinct caches (medians of 7 interleaved rounds,
-    ms for all 30 layers; grouped / SDPA): T = 2, 4, 8 queries against 7,680 keys 47 / 71, 59 / 73, 91 / 98, and
-    against 32,000 keys 125 / 208, 171 / 263, 359 / 454. Against 512-1,100 keys they are within 10% of each
-    other, and at T = 16 SDPA wins (135 against 258 ms at 7,680 keys). One query: single_query_attention 34.5 ms at 7,680 keys and 93 at
-    32,000, against 38.5 and 113 for grouped_attention and 45.5 and 172 for SDPA.
+    ms for all 30 layers; grouped / SDPA): T = 2, 4, 8 queries against 7,680 keys 28.5 / 41.0, 45.9 / 62.6,
+    67.7 / 75.4, and against 32,000 keys 116 / 209, 156 / 264, 242 / 358; against 512 keys 2.8 / 3.6, 3.5 / 4.1,
+    5.0 / 5.2. At T = 16 SDPA wins on 2,048 keys (24.6 against 43.9). One query: single_query_attention 34.5 ms at 7,680 keys and 93 at 32,000, against 38.5
+    and 113 for grouped_attention and 45.5 and 172 for SDPA.
     """
     if q.is_cuda:
         if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
@@ -100,6 +99,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         return sdpa_attention(q, k, v, scale)
     if q.shape[1] == 1:
         return single_query_attention(q, k, v, scale)
-    if q.shape[1] <= FEW_QUERIES and k.shape[1] >= LONG_CACHE:
+    if q.shape[1] <= FEW_QUERIES:
         return grouped_attention(q, k, v, scale)
     return sdpa_attention(q, k, v, scale)
