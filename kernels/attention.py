@@ -39,34 +39,25 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """CPU path for few queries against a long cache: one batched matmul per KV head, no KV copies.
 
     The G query heads that share a KV head are stacked into one (G*T, D) matrix, so each cached key is read
-    once per KV head instead of once per query head.
+    once per KV head instead of once per query head. For one query the scores come from keys @ queries, a tall
+    (L, G) product: MKL streams a long (L, D) matrix at close to full bandwidth as the left factor with a few
+    columns on the right, and slowly as the right factor of a few rows (kernels/linear.py shows the same
+    effect on weights). For T > 1 queries the few-row shape measured faster.
     """
     num_q_heads, num_queries, head_dim = q.shape
     num_kv_heads, num_keys, _ = k.shape
     group = num_q_heads // num_kv_heads
-    qg = q.reshape(num_kv_heads, group * num_queries, head_dim)  # (Hkv, G*T, D)
-    scores = torch.bmm(qg * scale, k.transpose(1, 2))  # (Hkv, G*T, L)
-    if num_queries > 1:  # every query sees the context; among the T new keys, query t sees keys 0..t
+    qg = q.reshape(num_kv_heads, group * num_queries, head_dim) * scale  # (Hkv, G*T, D)
+    if num_queries == 1:
+        scores = torch.bmm(k, qg.transpose(1, 2)).transpose(1, 2)  # (Hkv, G, L) from an (Hkv, L, G) product
+    else:
+        scores = torch.bmm(qg, k.transpose(1, 2))  # (Hkv, G*T, L)
+        # every query sees the context; among the T new keys, query t sees keys 0..t
         future = ~new_token_mask(num_queries, num_queries, q.device).repeat(group, 1)  # (G*T, T)
         scores[:, :, num_keys - num_queries :].masked_fill_(future, float("-inf"))
-    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    probs = scores.float().softmax(dim=-1).to(v.dtype)  # contiguous
     out = torch.bmm(probs, v)  # (Hkv, G*T, D)
     return out.reshape(num_q_heads, num_queries, head_dim)
-
-
-def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """CPU decode step (T = 1): scores as keys @ queries, a tall (L, G) product per KV head.
-
-    MKL streams a long (L, D) matrix at close to full bandwidth when it is the left factor with a few columns
-    on the right, and slowly as the right factor of a few rows (the shape grouped_attention uses); see
-    kernels/linear.py for the same effect on weights.
-    """
-    num_q_heads, _, head_dim = q.shape
-    num_kv_heads = k.shape[0]
-    qg = q.reshape(num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # (Hkv, G, D)
-    scores = torch.bmm(k, (qg * scale).transpose(1, 2))  # (Hkv, L, G)
-    probs = scores.transpose(1, 2).float().softmax(dim=-1).to(v.dtype)  # (Hkv, G, L), contiguous
-    return torch.bmm(probs, v).reshape(num_q_heads, 1, head_dim)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -90,15 +81,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     CPU, 2 threads, 9 query / 3 KV heads of 64, 30 layers of distinct caches (medians of 7 interleaved rounds,
     ms for all 30 layers; grouped / SDPA): T = 2, 4, 8 queries against 7,680 keys 28.5 / 41.0, 45.9 / 62.6,
     67.7 / 75.4, and against 32,000 keys 116 / 209, 156 / 264, 242 / 358; against 512 keys 2.8 / 3.6, 3.5 / 4.1,
-    5.0 / 5.2. At T = 16 SDPA wins on 2,048 keys (24.6 against 43.9). One query: single_query_attention 34.5 ms at 7,680 keys and 93 at 32,000, against 38.5
-    and 113 for grouped_attention and 45.5 and 172 for SDPA.
+    5.0 / 5.2. At T = 16 SDPA wins on 2,048 keys (24.6 against 43.9). One query, grouped with its keys @ queries
+    product: 34.5 ms at 7,680 keys and 93 at 32,000, against 38.5 and 113 with the queries @ keys product and
+    45.5 and 172 for SDPA.
     """
     if q.is_cuda:
         if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
             return flash_attention(q, k, v, scale)
         return sdpa_attention(q, k, v, scale)
-    if q.shape[1] == 1:
-        return single_query_attention(q, k, v, scale)
     if q.shape[1] <= FEW_QUERIES:
         return grouped_attention(q, k, v, scale)
     return sdpa_attention(q, k, v, scale)

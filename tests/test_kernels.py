@@ -20,7 +20,6 @@ from kernels.attention import (
     grouped_attention,
     new_token_mask,
     sdpa_attention,
-    single_query_attention,
 )
 from kernels.linear import FEW_ROWS, few_row_linear
 
@@ -94,9 +93,9 @@ def test_attention_kernels_match_reference(kernel, group, num_queries, num_keys)
 
 @pytest.mark.parametrize("num_keys", [1, 13, 3000])
 @pytest.mark.parametrize("group", [1, 3])
-def test_single_query_attention_matches_reference(group, num_keys):
+def test_grouped_single_query_matches_reference(group, num_keys):
     q, k, v = qkv(3, 3 // group, 1, num_keys, seed=num_keys)
-    out = single_query_attention(q, k, v, SCALE)
+    out = grouped_attention(q, k, v, SCALE)
     assert out.shape == q.shape
     torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
 
@@ -113,7 +112,7 @@ def test_dispatch_matches_reference_on_a_long_strided_cache(num_queries):
 @pytest.mark.parametrize(
     ("num_queries", "expected"),
     [
-        (1, "single_query_attention"),
+        (1, "grouped_attention"),
         (2, "grouped_attention"),
         (FEW_QUERIES, "grouped_attention"),
         (FEW_QUERIES + 1, "sdpa_attention"),
@@ -122,7 +121,7 @@ def test_dispatch_matches_reference_on_a_long_strided_cache(num_queries):
 def test_cpu_dispatch_by_number_of_queries(monkeypatch, num_queries, expected):
     module = sys.modules["kernels.attention"]  # the package re-exports a function under the same name
     calls = []
-    for name in ("single_query_attention", "grouped_attention", "sdpa_attention"):
+    for name in ("grouped_attention", "sdpa_attention"):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
     q, k, v = qkv(4, 2, num_queries, 16)
