@@ -4,7 +4,15 @@ Every kernel here has a plain-torch reference beside it that the tests compare a
 """
 
 from kernels.attention import attention, attention_reference
-from kernels.linear import linear, linear_reference
+from kernels.linear import (
+    half_weight_linear,
+    half_weight_linear_reference,
+    half_weights_available,
+    linear,
+    linear_reference,
+    pack_half_weight,
+    unpack_half_weight,
+)
 from kernels.retrieval import chunk_mean_keys, gather_chunks, score_chunks, top_chunks
 
 __all__ = [
@@ -12,8 +20,13 @@ __all__ = [
     "attention_reference",
     "chunk_mean_keys",
     "gather_chunks",
+    "half_weight_linear",
+    "half_weight_linear_reference",
+    "half_weights_available",
     "linear",
     "linear_reference",
+    "pack_half_weight",
     "score_chunks",
     "top_chunks",
+    "unpack_half_weight",
 ]

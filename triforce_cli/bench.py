@@ -168,11 +168,14 @@ class Bench:
         """The transformers copy of the target ('target') or of the drafter ('assistant'), loaded on first use."""
         if role not in self._hf:
             target = self.pipe.target
-            if role == "target":
-                self._hf[role] = load_hf_model(target.source, target.dtype, config=target.hf_config)
-            else:
-                loaded = self.pipe.drafter or target
-                self._hf[role] = load_hf_model(loaded.source, target.dtype, self._hf_model("target"), loaded.hf_config)
+            loaded = target if role == "target" else self.pipe.drafter or target
+            self._hf[role] = load_hf_model(
+                loaded.source,
+                target.dtype,
+                None if role == "target" else self._hf_model("target"),
+                loaded.hf_config,
+                half_weights=loaded.weights == "half",
+            )
         return self._hf[role]
 
     def _run_peer(self, mode: str, prompt_ids: list[int]) -> TimedRun:

@@ -70,7 +70,11 @@ ContextWindow = Annotated[
     typer.Option(help="Positions the models accept, e.g. 32k; beyond the trained context RoPE is scaled with YaRN."),
 ]
 Weights = Annotated[
-    str, typer.Option(help="dense, or compact: compute the target from a GGUF's Q4_1 blocks (less memory).")
+    str,
+    typer.Option(
+        help="dense; half: weight matrices rounded to float16 and read as such (CPU, faster); "
+        "compact: compute the target from a GGUF's Q4_1 blocks (less memory)."
+    ),
 ]
 
 

@@ -18,14 +18,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from kernels import half_weights_available
 from triforce_cli.compact import use_q4_1_weights
 from triforce_cli.context_window import extend_context
 from triforce_cli.embedded import EMBEDDED_NAME, embedded_gguf_path
 from triforce_cli.errors import ModelLoadError
+from triforce_cli.half_weights import use_half_weights
 from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 
 StatusCallback = Callable[[str], None]
-WEIGHT_FORMATS = ("dense", "compact")
+WEIGHT_FORMATS = ("dense", "half", "compact")
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 SHARED_WEIGHTS = (EMBEDDING_WEIGHT, "lm_head.weight")  # what a distilled drafter borrows from its target
 DRAFTER_METADATA = "triforce_drafter"  # config.json key written by `triforce distill`
@@ -47,6 +49,7 @@ class LoadedModel:
     source: str = ""  # the checkpoint folder it was loaded from
     weight_files: tuple[Path, ...] = ()
     gguf: Path | None = None  # the GGUF file it was converted from, if any
+    weights: str = "dense"  # one of WEIGHT_FORMATS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -183,15 +186,15 @@ def borrow_shared_weights(
         state["lm_head.weight"] = target.lm_head.weight
 
 
-def use_compact_weights(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether to compute from the GGUF's Q4_1 blocks: weights is 'dense' or 'compact'."""
+def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
+    """A clear error where the weight format cannot be used for this checkpoint, dtype and device."""
     if weights not in WEIGHT_FORMATS:
         raise ModelLoadError(f"unknown weight format '{weights}' (choose from {', '.join(WEIGHT_FORMATS)})")
-    if weights == "compact" and not (
-        checkpoint.gguf is not None and torch.device(device).type == "cpu" and dtype == torch.float32
-    ):
+    on_cpu_in_float32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    if weights == "compact" and not (checkpoint.gguf is not None and on_cpu_in_float32):
         raise ModelLoadError("compact weights need a GGUF checkpoint, the CPU and float32")
-    return weights == "compact"
+    if weights == "half" and not (on_cpu_in_float32 and half_weights_available()):
+        raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
 
 
 def load_model(
@@ -208,14 +211,16 @@ def load_model(
     shared_from: the target, when loading a drafter; a drafter written by `triforce distill` borrows its
     embedding and output layer (see borrow_shared_weights).
 
-    weights: 'dense' computes from float weights, 'compact' from a GGUF's Q4_1 blocks (GGUF source, CPU,
-    float32): a quarter of the memory, but torch's CPU int4 kernel is slower than dense products here.
+    weights: 'dense' computes from float weights; 'half' (CPU, float32) rounds the weight matrices to float16
+    and reads them as such, half the bytes per step (half_weights.py); 'compact' computes from a GGUF's Q4_1
+    blocks (GGUF source, CPU, float32): a quarter of the memory, but torch's CPU int4 kernel is slower than
+    dense products here.
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
     """
     checkpoint = resolve_checkpoint(spec, status)
     name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files
-    compact = use_compact_weights(weights, checkpoint, dtype, device)
+    check_weight_format(weights, checkpoint, dtype, device)
     try:
         hf_config = AutoConfig.from_pretrained(folder)
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -251,6 +256,8 @@ def load_model(
     output_ids = (getattr(hf_config, DRAFTER_METADATA, None) or {}).get("output_ids")
     if output_ids:
         model.restrict_output(torch.tensor(output_ids, device=device))
-    if compact:
+    if weights == "compact":
         use_q4_1_weights(model, checkpoint.gguf, hf_config)
-    return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf)
+    elif weights == "half":
+        use_half_weights(model)
+    return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)

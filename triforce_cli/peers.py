@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
+from triforce_cli.half_weights import round_to_half
 from triforce_cli.loading import DRAFTER_METADATA
 from triforce_cli.sampling import SamplingConfig
 
@@ -48,11 +49,13 @@ def load_hf_model(
     dtype: torch.dtype,
     target: PreTrainedModel | None = None,
     config: PretrainedConfig | None = None,
+    half_weights: bool = False,
 ) -> PreTrainedModel:
     """A checkpoint folder as a transformers model; a drafter written by `triforce distill` gets target's
     embedding and output layer (transformers computes its output over the whole vocabulary).
 
     config: the runtime's config of the same model (its context window), instead of the folder's.
+    half_weights: round the weight matrices to float16 values, as the runtime's 'half' weights hold them.
     """
     from transformers.utils import logging as hf_logging
 
@@ -64,6 +67,8 @@ def load_hf_model(
     if target is not None and getattr(model.config, DRAFTER_METADATA, None):
         model.model.embed_tokens = target.model.embed_tokens
         model.lm_head = target.lm_head
+    if half_weights:
+        round_to_half(model)
     return model
 
 

@@ -57,6 +57,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def drafter_weights(weights: str) -> str:
+    """A 'half' target gets a 'half' drafter; 'compact' applies to the target alone (a drafter has no GGUF)."""
+    return "half" if weights == "half" else "dense"
+
+
 @dataclass
 class Pipeline:
     target: LoadedModel
@@ -77,7 +82,8 @@ class Pipeline:
     ) -> "Pipeline":
         """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
 
-        weights: 'dense' or 'compact' (compute the target from a GGUF's Q4_1 blocks; see loading.load_model).
+        weights: 'dense', 'half' (float16 weight matrices for target and drafter) or 'compact' (the target from a
+        GGUF's Q4_1 blocks); see loading.load_model.
         context_window: positions both models accept, YaRN-scaled beyond their trained context.
         """
         config = config or EngineConfig()
@@ -88,7 +94,13 @@ class Pipeline:
         drafter = None
         if draft is not None:
             drafter = load_model(
-                draft, torch_dtype, torch_device, status, shared_from=target_model, context_window=context_window
+                draft,
+                torch_dtype,
+                torch_device,
+                status,
+                weights=drafter_weights(weights),
+                shared_from=target_model,
+                context_window=context_window,
             )
         return cls(target_model, drafter, Engine(target_model, config, drafter))
 
@@ -113,7 +125,7 @@ class Pipeline:
         """Generate after token ids; with prompt_cache, reuse a saved prefill of them or save this one there."""
         if prompt_cache is None:
             return self.engine.generate(prompt_ids, on_prefill, on_tokens)
-        path = prompt_cache_file(prompt_cache, self.target.source, self.target.dtype, prompt_ids)
+        path = prompt_cache_file(prompt_cache, self.target.source, self.target.dtype, self.target.weights, prompt_ids)
         state = PromptState.load(path, self.target.device) if path.is_file() else None
         if state is not None and state.matches(prompt_ids):
             return self.engine.generate(prompt_ids, on_prefill, on_tokens, prompt_state=state)

@@ -2,7 +2,7 @@
 
 Prefill of a long prompt dominates end-to-end time on a CPU, so ``Engine.prefill`` captures it once; every mode
 of a benchmark, every repeat, and later runs through ``--prompt-cache`` restore it instead of recomputing.
-Files are safetensors, named by a hash of the model's source, the dtype and the prompt's token ids.
+Files are safetensors, named by a hash of the model's source, dtype and weight format and the prompt's token ids.
 """
 
 import hashlib
@@ -64,7 +64,7 @@ class PromptState:
             raise PromptError(f"cannot read prompt cache {path}: {err}") from None
 
 
-def prompt_cache_file(folder: Path, model_source: str, dtype: torch.dtype, prompt_ids: list[int]) -> Path:
-    digest = hashlib.sha256(f"{model_source}|{dtype}|".encode())
+def prompt_cache_file(folder: Path, model_source: str, dtype: torch.dtype, weights: str, prompt_ids: list[int]) -> Path:
+    digest = hashlib.sha256(f"{model_source}|{dtype}|{weights}|".encode())
     digest.update(torch.tensor(prompt_ids, dtype=torch.long).numpy().tobytes())
     return folder / f"prompt-{digest.hexdigest()[:16]}.safetensors"

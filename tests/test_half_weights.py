@@ -1,0 +1,111 @@
+"""Half weights (`--weights half`): float16-rounded weight matrices computed in float32.
+
+The runtime with half weights must compute what transformers computes on the same rounded weights, every
+speculative mode must still reproduce its own autoregressive output, and the option must reach the target and
+the drafter, the prompt cache and the transformers peers of `triforce bench`.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import full_cache_for, make_model, random_prompt, reference_logits, save_checkpoint
+from torch import nn
+
+from kernels import half_weights_available
+from triforce_cli.config import EngineConfig
+from triforce_cli.engine import Engine
+from triforce_cli.errors import ModelLoadError
+from triforce_cli.half_weights import HalfLinear, round_to_half, use_half_weights
+from triforce_cli.loading import load_model
+from triforce_cli.peers import load_hf_model
+from triforce_cli.pipeline import Pipeline
+from triforce_cli.prompt_state import prompt_cache_file
+from triforce_cli.sampling import SamplingConfig
+
+pytestmark = pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
+
+GREEDY = SamplingConfig(temperature=0)
+
+
+def half_tiny_model(seed: int, **config):
+    """A fresh tiny model (transformers reference and runtime) whose runtime copy now uses half weights."""
+    tiny = make_model(seed=seed, initializer_range=0.3, tie_word_embeddings=False, **config)
+    use_half_weights(tiny.model)
+    return tiny
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_every_linear_is_replaced_and_holds_rounded_values(tied):
+    tiny = make_model(seed=3, tie_word_embeddings=tied)
+    dense = {name: m.weight.detach().clone() for name, m in tiny.model.named_modules() if isinstance(m, nn.Linear)}
+    embedding = tiny.model.model.embed_tokens.weight.detach().clone()
+    assert use_half_weights(tiny.model) == len(dense) == 7 * 2 + 1
+    modules = dict(tiny.model.named_modules())
+    assert not any(isinstance(m, nn.Linear) for m in modules.values())
+    for name, weight in dense.items():
+        assert isinstance(modules[name], HalfLinear)
+        assert torch.equal(modules[name].weight, weight.half().float()), name
+    assert torch.equal(tiny.model.model.embed_tokens.weight, embedding.half().float())
+    assert not torch.equal(embedding, embedding.half().float())  # the rounding did change values
+
+
+def test_logits_match_transformers_on_the_same_rounded_weights():
+    tiny = half_tiny_model(seed=4)
+    round_to_half(tiny.ref)
+    ids = random_prompt(64, 32, seed=5)
+    cache = full_cache_for(tiny.model, 64)
+    ours = tiny.model(torch.tensor(ids), 0, cache)
+    torch.testing.assert_close(ours, reference_logits(tiny.ref, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_speculative_modes_equal_autoregressive_with_half_weights(seed):
+    target = half_tiny_model(seed)
+    drafter = half_tiny_model(seed + 50, num_layers=1)
+    prompt = random_prompt(200, 32, seed=100 + seed)
+    settings = {"chunk_size": 8, "budget": 32, "sink_tokens": 4, "draft_window": 16, "gamma1": 2, "gamma2": 6,
+                "max_new_tokens": 60, "prefill_chunk": 16, "sampling": GREEDY}  # fmt: skip
+    expected = Engine(target.loaded, EngineConfig(mode="autoregressive", **settings)).generate(prompt).token_ids
+    assert len(set(expected)) > 5
+    for mode in ("retrieval", "streaming", "triforce"):
+        result = Engine(target.loaded, EngineConfig(mode=mode, **settings), drafter=drafter.loaded).generate(prompt)
+        assert result.token_ids == expected, mode
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "tiny-half"
+    save_checkpoint(folder, seed=6, tie_word_embeddings=False)
+    return folder
+
+
+def test_load_model_with_half_weights(checkpoint):
+    loaded = load_model(str(checkpoint), weights="half")
+    assert loaded.weights == "half" and loaded.dtype == torch.float32
+    assert isinstance(loaded.model.lm_head, HalfLinear)
+    hf = load_hf_model(str(checkpoint), torch.float32, half_weights=True)
+    assert torch.equal(hf.lm_head.weight, loaded.model.lm_head.weight)
+    assert torch.equal(hf.model.embed_tokens.weight, loaded.model.model.embed_tokens.weight)
+    ids = random_prompt(40, 31, seed=7)
+    ours = loaded.model(torch.tensor(ids), 0, full_cache_for(loaded.model, 40))
+    torch.testing.assert_close(ours, reference_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    dense_hf = load_hf_model(str(checkpoint), torch.float32)
+    assert not torch.equal(dense_hf.lm_head.weight, hf.lm_head.weight)
+
+
+def test_half_weights_need_float32_on_the_cpu(checkpoint):
+    with pytest.raises(ModelLoadError, match="half weights need the CPU, float32"):
+        load_model(str(checkpoint), dtype=torch.bfloat16, weights="half")
+
+
+def test_pipeline_gives_the_drafter_half_weights_too(checkpoint):
+    config = EngineConfig(mode="triforce", budget=32, chunk_size=8, draft_window=16, sink_tokens=4)
+    pipe = Pipeline.load(str(checkpoint), draft=str(checkpoint), config=config, weights="half")
+    assert pipe.target.weights == pipe.drafter.weights == "half"
+    assert isinstance(pipe.drafter.model.lm_head, HalfLinear)
+
+
+def test_prompt_cache_files_differ_by_weight_format():
+    names = {prompt_cache_file(Path("."), "model", torch.float32, weights, [1, 2, 3]) for weights in ("dense", "half")}
+    assert len(names) == 2
