@@ -3,12 +3,15 @@
 A forward over new tokens at positions [start, start + T) first calls ``prepare(start, T)`` once, then
 ``update(layer, q, k, v)`` in every layer, which stores the new keys/values and returns the view attention
 reads: ``[context | the T new tokens]`` (see kernels/attention.py). ``length`` is the number of leading
-sequence positions the cache holds; rolling back is setting it.
+sequence positions the cache holds; rolling back is setting it. ``packed_prefix(layer)`` may offer a packed
+float16 copy of the view's first positions for attention to read instead.
 """
 
 from abc import ABC, abstractmethod
 
 import torch
+
+from kernels.attention import PackedPrefix
 
 
 class CacheCapacityError(RuntimeError):
@@ -27,6 +30,10 @@ class KVCache(ABC):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (Hkv, T, D) of the prepared positions; return the (Hkv, L, D) views attention reads."""
+
+    def packed_prefix(self, layer: int) -> PackedPrefix | None:
+        """A packed float16 copy of the first positions of layer's view, if this cache keeps one."""
+        return None
 
     def rollback(self, length: int) -> None:
         """Forget every position from ``length`` on."""

@@ -3,6 +3,7 @@
 import torch
 
 from cache.base import CacheCapacityError, KVCache
+from kernels.attention import PackedPrefix, pack_prefix
 
 
 class FullCache(KVCache):
@@ -25,12 +26,38 @@ class FullCache(KVCache):
         self.queries: list[torch.Tensor | None] = [None] * num_layers
         self.query_start = 0
         self._write = slice(0, 0)
+        self._packed: list[PackedPrefix] | None = None  # see pack_prefix
+
+    def pack_prefix(self) -> None:
+        """Keep a float16 copy of every position held now, packed for attention to read instead (CPU only).
+
+        Attention then reads these positions at half the bytes; positions written later stay float32. The copy
+        is dropped when a rollback or reset reaches into it.
+        """
+        held = slice(0, self.length)
+        self._packed = [pack_prefix(keys[:, held], values[:, held]) for keys, values in zip(self.keys, self.values)]
+
+    def packed_prefix(self, layer: int) -> PackedPrefix | None:
+        return None if self._packed is None else self._packed[layer]
+
+    def _drop_packed_beyond(self, length: int) -> None:
+        if self._packed is not None and self._packed[0].length > length:
+            self._packed = None
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self._drop_packed_beyond(self.length)
+
+    def reset(self) -> None:
+        super().reset()
+        self._packed = None
 
     def prepare(self, start: int, num_tokens: int) -> None:
         self._check_start(start)
         end = start + num_tokens
         if end > self.capacity:
             raise CacheCapacityError(f"full cache holds {self.capacity} positions, {end} requested")
+        self._drop_packed_beyond(start)
         self._write = slice(start, end)
         self.query_start = start
         self.length = end

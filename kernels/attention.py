@@ -8,9 +8,12 @@ Shapes: q (Hq, T, D); k, v (Hkv, L, D) with L >= T and Hq a multiple of Hkv (gro
 query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kernels.linear import half_weight_linear, pack_half_weight
 from kernels.optional import flash_attn_func
 
 FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here
@@ -60,6 +63,48 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.reshape(num_q_heads, num_queries, head_dim)
 
 
+@dataclass(frozen=True)
+class PackedPrefix:
+    """The first ``length`` keys and values of one layer, rounded to float16 and packed for half_weight_linear:
+    per KV head, the keys (length, D) and the transposed values (D, length) as the weights of a linear."""
+
+    length: int
+    keys: tuple[torch.ScriptObject, ...]
+    values: tuple[torch.ScriptObject, ...]
+
+
+def pack_prefix(k: torch.Tensor, v: torch.Tensor) -> PackedPrefix:
+    """k, v (Hkv, L, D) float32 -> their packed float16 copies."""
+    keys = tuple(pack_half_weight(head, None) for head in k)
+    values = tuple(pack_half_weight(head.t(), None) for head in v)
+    return PackedPrefix(k.shape[1], keys, values)
+
+
+def packed_prefix_attention(
+    q: torch.Tensor, prefix: PackedPrefix, k_tail: torch.Tensor, v_tail: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention against [packed prefix | tail], the tail (Hkv, Lt, D) ending with the T new keys.
+
+    The prefix is read as float16 by fbgemm's GEMM (half the bytes, float32 arithmetic); the tail is float32.
+    The two parts share one softmax: both are exponentiated against the larger of their row maxima.
+    """
+    num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads, tail_keys, _ = k_tail.shape
+    group = num_q_heads // num_kv_heads
+    qg = q.reshape(num_kv_heads, group * num_queries, head_dim) * scale  # (Hkv, G*T, D)
+    prefix_scores = torch.stack([half_weight_linear(qg[h], prefix.keys[h]) for h in range(num_kv_heads)])
+    tail_scores = torch.bmm(qg, k_tail.transpose(1, 2))  # (Hkv, G*T, Lt)
+    future = ~new_token_mask(num_queries, num_queries, q.device).repeat(group, 1)  # (G*T, T)
+    tail_scores[:, :, tail_keys - num_queries :].masked_fill_(future, float("-inf"))
+    top = torch.maximum(prefix_scores.amax(-1, keepdim=True), tail_scores.amax(-1, keepdim=True))
+    prefix_weights = prefix_scores.sub_(top).exp_()  # (Hkv, G*T, Lp)
+    tail_weights = tail_scores.sub_(top).exp_()
+    total = prefix_weights.sum(-1, keepdim=True) + tail_weights.sum(-1, keepdim=True)
+    prefix_out = torch.stack([half_weight_linear(prefix_weights[h], prefix.values[h]) for h in range(num_kv_heads)])
+    out = (prefix_out + torch.bmm(tail_weights, v_tail)) / total  # (Hkv, G*T, D)
+    return out.reshape(num_q_heads, num_queries, head_dim)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """torch scaled_dot_product_attention with an explicit bottom-right mask (SDPA's is_causal is top-left)."""
     mask = None if q.shape[1] == 1 else new_token_mask(q.shape[1], k.shape[1], q.device)
@@ -75,8 +120,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out[0].transpose(0, 1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: PackedPrefix | None = None
+) -> torch.Tensor:
     """Dispatch to the fastest available kernel for the device, dtype and number of queries.
+
+    prefix: a packed float16 copy of the first keys and values of k and v (a CPU cache's prompt); they are then
+    read from it instead. 30 layers of one query against 32,000 packed keys took 47 ms against 128 for
+    grouped_attention (7,680 keys: 13.0 against 26.7; 4 queries: 84 against 166 and 22 against 41).
 
     CPU, 2 threads, 9 query / 3 KV heads of 64, 30 layers of distinct caches (medians of 7 interleaved rounds,
     ms for all 30 layers; grouped / SDPA): T = 2, 4, 8 queries against 7,680 keys 28.5 / 41.0, 45.9 / 62.6,
@@ -89,6 +140,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
             return flash_attention(q, k, v, scale)
         return sdpa_attention(q, k, v, scale)
+    if prefix is not None:
+        return packed_prefix_attention(q, prefix, k[:, prefix.length :], v[:, prefix.length :], scale)
     if q.shape[1] <= FEW_QUERIES:
         return grouped_attention(q, k, v, scale)
     return sdpa_attention(q, k, v, scale)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
+from kernels import half_weights_available, unpack_half_weight
 
 LAYERS, Q_HEADS, KV_HEADS, DIM = 2, 4, 2, 4
 
@@ -68,6 +69,33 @@ def test_full_cache_write_view_and_rollback():
     assert positions_of(keys[0]) == [0, 1, 2, 3.25, 4.25]
     cache.reset()
     assert cache.length == 0
+
+
+@pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
+def test_full_cache_packed_prefix_holds_the_prompt_until_a_write_reaches_into_it():
+    cache = full_cache(16)
+    write(cache, 0, 6)
+    assert cache.packed_prefix(0) is None
+    cache.pack_prefix()
+    for layer in range(LAYERS):
+        prefix = cache.packed_prefix(layer)
+        assert prefix.length == 6
+        keys, _ = unpack_half_weight(prefix.keys[1])
+        values, _ = unpack_half_weight(prefix.values[1])
+        assert torch.equal(keys, cache.keys[layer, 1, :6].half().float())  # the float16-rounded keys
+        assert torch.equal(values.t(), -keys)
+    assert positions_of(unpack_half_weight(cache.packed_prefix(0).keys[1])[0], 0, 1) == list(range(6))
+    write(cache, 6, 3)
+    cache.rollback(6)  # back to the prompt: still packed
+    assert cache.packed_prefix(1).length == 6
+    cache.rollback(5)
+    assert cache.packed_prefix(0) is None
+    cache.pack_prefix()
+    cache.prepare(4, 1)  # overwriting a packed position without a rollback
+    assert cache.packed_prefix(0) is None
+    cache.pack_prefix()
+    cache.reset()
+    assert cache.packed_prefix(0) is None
 
 
 def test_full_cache_capacity_and_gaps():

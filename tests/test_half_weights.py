@@ -1,10 +1,11 @@
-"""Half weights (`--weights half`): float16-rounded weight matrices computed in float32.
+"""Half weights (`--weights half`): float16-rounded weight matrices (and prompt KV cache) computed in float32.
 
 The runtime with half weights must compute what transformers computes on the same rounded weights, every
 speculative mode must still reproduce its own autoregressive output, and the option must reach the target and
 the drafter, the prompt cache and the transformers peers of `triforce bench`.
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine
 from triforce_cli.errors import ModelLoadError
 from triforce_cli.half_weights import HalfLinear, round_to_half, use_half_weights
-from triforce_cli.loading import load_model
+from triforce_cli.loading import LoadedModel, load_model
 from triforce_cli.peers import load_hf_model
 from triforce_cli.pipeline import Pipeline
 from triforce_cli.prompt_state import prompt_cache_file
@@ -28,11 +29,11 @@ pytestmark = pytest.mark.skipif(not half_weights_available(), reason="torch buil
 GREEDY = SamplingConfig(temperature=0)
 
 
-def half_tiny_model(seed: int, **config):
-    """A fresh tiny model (transformers reference and runtime) whose runtime copy now uses half weights."""
+def half_tiny_model(seed: int, **config) -> LoadedModel:
+    """A fresh tiny runtime model with half weights, as load_model(weights='half') returns it."""
     tiny = make_model(seed=seed, initializer_range=0.3, tie_word_embeddings=False, **config)
     use_half_weights(tiny.model)
-    return tiny
+    return dataclasses.replace(tiny.loaded, weights="half")
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -51,7 +52,8 @@ def test_every_linear_is_replaced_and_holds_rounded_values(tied):
 
 
 def test_logits_match_transformers_on_the_same_rounded_weights():
-    tiny = half_tiny_model(seed=4)
+    tiny = make_model(seed=4)
+    use_half_weights(tiny.model)
     round_to_half(tiny.ref)
     ids = random_prompt(64, 32, seed=5)
     cache = full_cache_for(tiny.model, 64)
@@ -66,10 +68,12 @@ def test_greedy_speculative_modes_equal_autoregressive_with_half_weights(seed):
     prompt = random_prompt(200, 32, seed=100 + seed)
     settings = {"chunk_size": 8, "budget": 32, "sink_tokens": 4, "draft_window": 16, "gamma1": 2, "gamma2": 6,
                 "max_new_tokens": 60, "prefill_chunk": 16, "sampling": GREEDY}  # fmt: skip
-    expected = Engine(target.loaded, EngineConfig(mode="autoregressive", **settings)).generate(prompt).token_ids
+    reference = Engine(target, EngineConfig(mode="autoregressive", **settings))
+    expected = reference.generate(prompt).token_ids
     assert len(set(expected)) > 5
+    assert reference._caches.full.packed_prefix(0).length == len(prompt)  # attention read the prompt as float16
     for mode in ("retrieval", "streaming", "triforce"):
-        result = Engine(target.loaded, EngineConfig(mode=mode, **settings), drafter=drafter.loaded).generate(prompt)
+        result = Engine(target, EngineConfig(mode=mode, **settings), drafter=drafter).generate(prompt)
         assert result.token_ids == expected, mode
 
 

@@ -24,6 +24,7 @@ from kernels.attention import (
     FEW_QUERIES,
     grouped_attention,
     new_token_mask,
+    pack_prefix,
     sdpa_attention,
 )
 from kernels.linear import FEW_ROWS, few_row_linear
@@ -279,3 +280,19 @@ def test_packed_half_weight_holds_the_rounded_values():
     assert unpacked.dtype == torch.float32 and torch.equal(unpacked, weight.half().float())
     assert not torch.equal(unpacked, weight)
     assert torch.equal(unpacked_bias, bias)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("num_queries, prefix_keys, tail_keys", [(1, 300, 1), (1, 40, 9), (3, 257, 3), (8, 100, 20)])
+@pytest.mark.parametrize("group", [1, 3])
+def test_packed_prefix_attention_matches_reference_on_rounded_prefix(num_queries, prefix_keys, tail_keys, group):
+    q, k, v = qkv(2 * group, 2, num_queries, prefix_keys + tail_keys, seed=prefix_keys)
+    prefix = pack_prefix(k[:, :prefix_keys], v[:, :prefix_keys])
+    assert prefix.length == prefix_keys
+    rounded_k, rounded_v = k.clone(), v.clone()
+    rounded_k[:, :prefix_keys] = k[:, :prefix_keys].half().float()
+    rounded_v[:, :prefix_keys] = v[:, :prefix_keys].half().float()
+    with torch.inference_mode():
+        out = attention(q, k, v, SCALE, prefix)
+    torch.testing.assert_close(out, attention_reference(q, rounded_k, rounded_v, SCALE), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, attention_reference(q, k, v, SCALE), atol=1e-6, rtol=1e-6)

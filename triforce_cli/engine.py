@@ -178,6 +178,8 @@ class Engine:
                 prompt_state.restore(caches.full)
                 logits = prompt_state.last_logits
                 stats.prompt_cached = True
+            if self.target.half_prompt_cache:
+                caches.full.pack_prefix()
             if caches.retrieval is not None:
                 caches.retrieval.select_chunks()
             if caches.streaming is not None:

@@ -60,6 +60,11 @@ class LoadedModel:
         return self.model.model.embed_tokens.weight.device
 
     @property
+    def half_prompt_cache(self) -> bool:
+        """Whether attention reads the prompt's keys and values as float16 too: with 'half' weights."""
+        return self.weights == "half"
+
+    @property
     def eos_token_ids(self) -> set[int]:
         ids = token_id_set(self.hf_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:

@@ -130,7 +130,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
-        out = attention(q, keys, values, self.scale)  # (Hq, T, D)
+        out = attention(q, keys, values, self.scale, cache.packed_prefix(self.layer))  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
 
 
