@@ -38,6 +38,18 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
+def mask_future_new_keys(scores: torch.Tensor, num_queries: int) -> None:
+    """Scores (Hkv, G*T, L) of grouped query rows: -inf, in place, where query t would read new key j > t.
+
+    Every query sees the context; only the last T columns (the new keys) need masking.
+    """
+    if num_queries == 1:
+        return
+    group = scores.shape[1] // num_queries
+    future = ~new_token_mask(num_queries, num_queries, scores.device).repeat(group, 1)  # (G*T, T)
+    scores[:, :, scores.shape[2] - num_queries :].masked_fill_(future, float("-inf"))
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """CPU path for few queries against a long cache: one batched matmul per KV head, no KV copies.
 
@@ -48,16 +60,14 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     effect on weights). For T > 1 queries the few-row shape measured faster.
     """
     num_q_heads, num_queries, head_dim = q.shape
-    num_kv_heads, num_keys, _ = k.shape
+    num_kv_heads = k.shape[0]
     group = num_q_heads // num_kv_heads
     qg = q.reshape(num_kv_heads, group * num_queries, head_dim) * scale  # (Hkv, G*T, D)
     if num_queries == 1:
         scores = torch.bmm(k, qg.transpose(1, 2)).transpose(1, 2)  # (Hkv, G, L) from an (Hkv, L, G) product
     else:
         scores = torch.bmm(qg, k.transpose(1, 2))  # (Hkv, G*T, L)
-        # every query sees the context; among the T new keys, query t sees keys 0..t
-        future = ~new_token_mask(num_queries, num_queries, q.device).repeat(group, 1)  # (G*T, T)
-        scores[:, :, num_keys - num_queries :].masked_fill_(future, float("-inf"))
+        mask_future_new_keys(scores, num_queries)
     probs = scores.float().softmax(dim=-1).to(v.dtype)  # contiguous
     out = torch.bmm(probs, v)  # (Hkv, G*T, D)
     return out.reshape(num_q_heads, num_queries, head_dim)
@@ -89,13 +99,12 @@ def packed_prefix_attention(
     The two parts share one softmax: both are exponentiated against the larger of their row maxima.
     """
     num_q_heads, num_queries, head_dim = q.shape
-    num_kv_heads, tail_keys, _ = k_tail.shape
+    num_kv_heads = k_tail.shape[0]
     group = num_q_heads // num_kv_heads
     qg = q.reshape(num_kv_heads, group * num_queries, head_dim) * scale  # (Hkv, G*T, D)
     prefix_scores = torch.stack([half_weight_linear(qg[h], prefix.keys[h]) for h in range(num_kv_heads)])
     tail_scores = torch.bmm(qg, k_tail.transpose(1, 2))  # (Hkv, G*T, Lt)
-    future = ~new_token_mask(num_queries, num_queries, q.device).repeat(group, 1)  # (G*T, T)
-    tail_scores[:, :, tail_keys - num_queries :].masked_fill_(future, float("-inf"))
+    mask_future_new_keys(tail_scores, num_queries)
     top = torch.maximum(prefix_scores.amax(-1, keepdim=True), tail_scores.amax(-1, keepdim=True))
     prefix_weights = prefix_scores.sub_(top).exp_()  # (Hkv, G*T, Lp)
     tail_weights = tail_scores.sub_(top).exp_()

@@ -72,7 +72,8 @@ ContextWindow = Annotated[
 Weights = Annotated[
     str,
     typer.Option(
-        help="dense; half: weight matrices rounded to float16 and read as such (CPU, faster); "
+        help="dense; half: weight matrices and the prompt's KV cache rounded to float16 and read as such "
+        "(CPU, faster); "
         "compact: compute the target from a GGUF's Q4_1 blocks (less memory)."
     ),
 ]

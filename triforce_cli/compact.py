@@ -48,7 +48,6 @@ def use_q4_1_weights(model: nn.Module, gguf: Path, hf_config: PretrainedConfig) 
             continue
         raw = torch.from_numpy(np.array(tensor.data))  # (N, K/32*20) uint8, rows in GGUF order
         row_order = processor.process(np.arange(raw.shape[0])[:, None], tensor.name).weights[:, 0]
-        parent_path, _, attribute = path.rpartition(".")
-        setattr(modules[parent_path], attribute, Q4Linear(*pack_q4_1(raw[torch.from_numpy(row_order)])))
+        model.set_submodule(path, Q4Linear(*pack_q4_1(raw[torch.from_numpy(row_order)])))
         replaced += 1
     return replaced

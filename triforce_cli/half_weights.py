@@ -42,6 +42,5 @@ def use_half_weights(model: nn.Module) -> int:
     round_to_half(model)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in linears:
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, HalfLinear(module))
+        model.set_submodule(name, HalfLinear(module))
     return len(linears)

@@ -217,7 +217,8 @@ def load_model(
     embedding and output layer (see borrow_shared_weights).
 
     weights: 'dense' computes from float weights; 'half' (CPU, float32) rounds the weight matrices to float16
-    and reads them as such, half the bytes per step (half_weights.py); 'compact' computes from a GGUF's Q4_1
+    and reads them as such, half the bytes per step (half_weights.py; the engine then also packs the prompt's
+    KV cache, see half_prompt_cache); 'compact' computes from a GGUF's Q4_1
     blocks (GGUF source, CPU, float32): a quarter of the memory, but torch's CPU int4 kernel is slower than
     dense products here.
 
