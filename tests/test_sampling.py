@@ -56,9 +56,13 @@ def test_top_p_keeps_the_minimal_nucleus():
         torch.testing.assert_close(probs, expected)
 
 
-def test_top_p_random_rows_are_minimal_and_sufficient():
+@pytest.mark.parametrize(
+    "vocab, scale",
+    [(12, 2.0), (5000, 0.5)],  # 5000 flat tokens: nuclei of thousands, beyond the first top-k probes
+)
+def test_top_p_random_rows_are_minimal_and_sufficient(vocab, scale):
     g = torch.Generator().manual_seed(0)
-    logits = 2 * torch.randn(50, 12, generator=g)
+    logits = scale * torch.randn(50, vocab, generator=g)
     full = logits.softmax(dim=-1)
     for top_p in (0.3, 0.6, 0.9):
         probs = probabilities(logits, SamplingConfig(temperature=1.0, top_p=top_p))
@@ -87,6 +91,16 @@ def test_sample_follows_rows():
     g = torch.Generator().manual_seed(0)
     probs = torch.eye(5)[[3, 0, 4]]
     assert sample(probs, g).tolist() == [3, 0, 4]
+
+
+def test_sample_frequencies_follow_the_distribution():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    draws = sample(probs.expand(20_000, -1), g)
+    counts = torch.bincount(draws, minlength=len(probs))
+    assert counts[probs == 0].sum() == 0  # zero-probability tokens are never drawn
+    support = probs > 0
+    assert chisquare(counts[support].numpy(), 20_000 * probs[support].numpy()).pvalue > P_THRESHOLD
 
 
 # --- verify_draft with stub distributions ----------------------------------------------------------------------
