@@ -80,12 +80,18 @@ class TinyModel:
         return self.loaded.model
 
 
-def wrap(ref: torch.nn.Module, cfg, name: str = "tiny", eos_token_id: int | None = None) -> LoadedModel:
-    """Our Transformer with the weights of a transformers model, as a LoadedModel with a stub tokenizer."""
+def wrap(
+    ref: torch.nn.Module, cfg, name: str = "tiny", eos_token_id: int | None = None, fused: bool = True
+) -> LoadedModel:
+    """Our Transformer with the weights of a transformers model, as a LoadedModel with a stub tokenizer.
+
+    fused: merge its projections as load_model does for dense and half weights."""
     model = Transformer.from_hf_config(cfg)
     missing, unexpected = model.load_state_dict(ref.state_dict(), strict=False)
     assert not unexpected, unexpected
     assert set(missing) <= {"lm_head.weight"}, missing
+    if fused:
+        model.fuse_projections()
     cfg.eos_token_id = eos_token_id
     return LoadedModel(name, model.eval(), StubTokenizer(cfg.vocab_size, eos_token_id), cfg)
 

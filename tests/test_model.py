@@ -31,19 +31,21 @@ def our_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor(ids), 0, full_cache_for(model))
 
 
-def random_llama(seed: int = 0, **config):
+def random_llama(seed: int = 0, fused: bool = True, **config):
     cfg = llama_config(initializer_range=0.2, **config)
     torch.manual_seed(seed)
     ref = LlamaForCausalLM(cfg).eval()
-    return ref, wrap(ref, cfg).model
+    return ref, wrap(ref, cfg, fused=fused).model
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_logits_match_transformers(rope, num_kv_heads, tied):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_logits_match_transformers(rope, num_kv_heads, tied, fused):
     extra = {} if ROPES[rope] is None else {"rope_parameters": dict(ROPES[rope])}
-    ref, model = random_llama(num_kv_heads=num_kv_heads, tie_word_embeddings=tied, **extra)
+    ref, model = random_llama(fused=fused, num_kv_heads=num_kv_heads, tie_word_embeddings=tied, **extra)
+    assert (model.model.layers[0].self_attn.qkv_proj is not None) == fused
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     else:
@@ -112,9 +114,9 @@ def test_qwen2_biases_match_transformers():
     assert model.config.attention_bias
     ids = random_prompt(SEQ, 32, seed=5)
     torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
-    # the biases are really used: dropping them changes the output
+    # the biases are really used: dropping the query biases changes the output
     with torch.no_grad():
-        model.model.layers[0].self_attn.q_proj.bias.zero_()
+        model.model.layers[0].self_attn.qkv_proj.bias[: cfg.num_attention_heads * model.config.head_dim].zero_()
     assert not torch.allclose(our_logits(model, ids), reference_logits(ref, ids), atol=1e-3)
 
 
@@ -167,6 +169,9 @@ def test_load_model_from_saved_folder(tmp_path, tied):
     assert not model.training
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     assert all(p.device.type == "cpu" for p in model.parameters())
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv_proj is not None and attn.q_proj is None  # the projections were fused after loading
+    assert mlp.gate_up_proj is not None and mlp.gate_proj is None
     ids = random_prompt(SEQ, 31, seed=6)
     torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
 

@@ -263,7 +263,9 @@ def load_model(
     if output_ids:
         model.restrict_output(torch.tensor(output_ids, device=device))
     if weights == "compact":
-        use_q4_1_weights(model, checkpoint.gguf, hf_config)
-    elif weights == "half":
+        use_q4_1_weights(model, checkpoint.gguf, hf_config)  # by checkpoint names, so the projections stay apart
+    else:
+        model.fuse_projections()
+    if weights == "half":
         use_half_weights(model)
     return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
