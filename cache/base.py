@@ -31,6 +31,11 @@ class KVCache(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (Hkv, T, D) of the prepared positions; return the (Hkv, L, D) views attention reads."""
 
+    @property
+    def max_write(self) -> int | None:
+        """Most positions one forward may write (None: as many as fit)."""
+        return None
+
     def packed_prefix(self, layer: int) -> PackedPrefix | None:
         """A packed float16 copy of the first positions of layer's view, if this cache keeps one."""
         return None

@@ -35,6 +35,10 @@ class StreamingCache(KVCache):
         self.window_start = sink_tokens
         self._write = slice(0, 0)
 
+    @property
+    def max_write(self) -> int:
+        return self.max_step
+
     def reset(self) -> None:
         self.length = 0
         self.window_start = self.sink_tokens

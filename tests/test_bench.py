@@ -67,6 +67,9 @@ def test_every_mode_and_transformers_peer_matches_greedy_autoregressive(pipe):
     assert by_mode["autoregressive"].acceptance == []
     tiers = [(a["proposer"], a["verifier"]) for a in by_mode["triforce"].acceptance]
     assert tiers == [("retrieval", "target"), ("drafter", "retrieval")]
+    # this pipeline has no separate drafter, so the *-ngram modes draft with the n-gram alone (test_ngram.py has
+    # the n-gram before a model drafter)
+    assert [(a["proposer"], a["verifier"]) for a in by_mode["streaming-ngram"].acceptance] == [("ngram", "target")]
     assert by_mode["triforce"].budget == 16 and by_mode["triforce"].chunk_size == 4
 
 

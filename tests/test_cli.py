@@ -592,7 +592,7 @@ class TestOptionsReachBackend:
         assert (target_call.weights, drafter_call.weights) == ("compact", "dense")  # compact applies to the target
         assert drafter_call.shared_from is tiny["models"]["tiny"] and target_call.shared_from is None
         assert data["mode"] == "streaming" and data["new_tokens"] == 7
-        assert data["drafter"].startswith("drafter")
+        assert data["drafter"] == "n-gram prompt lookup (training-free), else drafter"  # --ngram with --draft
 
     def test_defaults_match_library_defaults(self, prompt_file, captured_load):
         result = invoke("-p", prompt_file, "--json")

@@ -1,12 +1,14 @@
 """The training-free n-gram proposer: what it proposes, how it follows a changing sequence, and exactness."""
 
 import torch
-from conftest import random_prompt, rich_model
+from conftest import full_cache_for, random_prompt, rich_model
 
+from cache import StreamingCache
 from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine
 from triforce_cli.ngram import NGramProposer
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.sampling import SamplingConfig, probabilities
+from triforce_cli.speculative import FallbackProposer, ModelTier, Proposal
 
 
 def test_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -60,3 +62,71 @@ def test_greedy_ngram_modes_equal_autoregressive_and_accept_drafts():
         assert result.token_ids == expected
         ngram_stats = next(a for a in result.stats.acceptance if a.proposer == "ngram")
         assert ngram_stats.drafted > 0 and ngram_stats.accepted > 0
+
+
+# --- the n-gram first, a model drafter where it finds nothing ------------------------------------------------------
+
+
+class StubProposer:
+    def __init__(self, name: str, tokens: list[int], vocab: int = 12):
+        self.name, self.tokens, self.vocab = name, tokens, vocab
+        self.calls: list[tuple[int, int]] = []
+        self.rolled_back_to: int | None = None
+
+    def propose(self, prefix: list[int], n: int) -> Proposal:
+        self.calls.append((len(prefix), n))
+        tokens = self.tokens[:n]
+        return Proposal(tokens, torch.full((len(tokens), self.vocab), 1 / self.vocab), [self.name] * len(tokens))
+
+    def rollback(self, length: int) -> None:
+        self.rolled_back_to = length
+
+
+def test_fallback_proposer_asks_the_model_only_where_the_first_finds_nothing():
+    model = StubProposer("drafter", [7, 8, 9])
+    found = FallbackProposer(StubProposer("ngram", [4, 5]), model)
+    assert found.name == "ngram/drafter"
+    assert found.propose([1, 2, 3], 3).tokens == [4, 5]
+    assert model.calls == []
+    nothing = FallbackProposer(StubProposer("ngram", []), model)
+    proposal = nothing.propose([1, 2, 3], 2)
+    assert (proposal.tokens, proposal.origins) == ([7, 8], ["drafter", "drafter"])
+    assert model.calls == [(3, 2)]
+    nothing.rollback(5)
+    assert model.rolled_back_to == 5 and nothing.first.rolled_back_to == 5
+
+
+def test_greedy_ngram_with_a_model_drafter_equals_autoregressive_and_uses_both():
+    # The drafter has the target's weights, so its drafts pass; a vocabulary of 64 leaves the n-gram without a
+    # match now and then (with 32 it nearly always finds one, and then the drafter is never asked).
+    model, drafter = rich_model(3, vocab_size=64), rich_model(3, vocab_size=64, name="drafter")
+    prompt = random_prompt(60, 64, seed=3) * 2
+    greedy = SamplingConfig(temperature=0)
+    reference = Engine(model.loaded, EngineConfig(mode="autoregressive", max_new_tokens=60, sampling=greedy))
+    expected = reference.generate(prompt).token_ids
+    for mode in ("streaming", "triforce"):
+        # prefill_chunk 16 bounds the drafter's writes, so catching up after n-gram drafts takes several forwards
+        config = EngineConfig(
+            mode=mode, ngram=True, budget=64, chunk_size=8, max_new_tokens=60, prefill_chunk=16, sampling=greedy
+        )
+        engine = Engine(model.loaded, config, drafter=drafter.loaded)
+        assert engine.drafter_description == "n-gram prompt lookup (training-free), else drafter"
+        origins: list[str] = []
+        result = engine.generate(prompt, on_tokens=lambda tokens, tiers, seen=origins: seen.extend(tiers))
+        assert result.token_ids == expected
+        assert {"ngram", "drafter"} <= set(origins), mode
+        stats = next(a for a in result.stats.acceptance if a.proposer == "ngram/drafter")
+        assert stats.accepted > 0
+
+
+def test_a_tier_catches_up_in_writes_its_cache_takes():
+    model = rich_model(3).loaded.model
+    cfg = model.config
+    ids = random_prompt(40, 32, seed=7)
+    cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 64, 4, torch.float32)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0)
+    tier = ModelTier("drafter", model, cache, sampling, torch.Generator().manual_seed(0))
+    tier.step(ids[:10])  # 10 unseen tokens, at most 4 per write
+    probs = tier.step(ids).probs  # 30 more
+    reference = model(torch.tensor(ids), 0, full_cache_for(model))[-1:]
+    torch.testing.assert_close(probs, probabilities(reference, sampling), atol=1e-5, rtol=1e-4)

@@ -31,12 +31,14 @@ OUR_MODES = {
     "streaming": {"mode": "streaming"},
     "triforce": {"mode": "triforce"},
     "ngram": {"mode": "streaming", "ngram": True},
+    "streaming-ngram": {"mode": "streaming", "ngram": True},
     "triforce-ngram": {"mode": "triforce", "ngram": True},
 }
 ALL_MODES = (*OUR_MODES, *HF_PEERS, LLAMA_CPP_PEER)
 DEFAULT_MODES = ("autoregressive", "retrieval", "streaming", "triforce", "ngram", "triforce-ngram", "hf", "hf-lookup")
 RETRIEVAL_MODES = ("retrieval", "triforce", "triforce-ngram")
-MODEL_DRAFTER_MODES = ("streaming", "triforce", "triforce-ngram")  # "ngram" drafts with the n-gram proposer alone
+# "ngram" drafts with the n-gram proposer alone; the *-ngram modes with it first and the drafter where it finds nothing
+MODEL_DRAFTER_MODES = ("streaming", "triforce", "streaming-ngram", "triforce-ngram")
 SPECULATIVE_MODES = tuple(mode for mode in OUR_MODES if mode != "autoregressive")  # swept over gamma policies
 
 

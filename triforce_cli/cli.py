@@ -183,7 +183,11 @@ def generate(
     gamma2: Gamma2 = DEFAULTS.gamma2,
     gamma_policy: Annotated[str, typer.Option(help=GAMMA_POLICY_HELP)] = DEFAULTS.gamma_policy,
     ngram: Annotated[
-        bool, typer.Option("--ngram", help="Training-free n-gram (prompt lookup) proposer at the bottom tier.")
+        bool,
+        typer.Option(
+            "--ngram",
+            help="Draft with the training-free n-gram (prompt lookup) proposer: alone, or before --draft's model.",
+        ),
     ] = DEFAULTS.ngram,
     refresh_interval: RefreshInterval = DEFAULTS.refresh_interval,
     max_new_tokens: MaxNewTokens = DEFAULTS.max_new_tokens,

@@ -25,8 +25,8 @@ class EngineConfig:
     ``throughput``: most expected tokens per second), with gamma1/gamma2 as ceilings (speculation_length.py);
     ``auto`` is throughput, except for seeded sampling (see speculation_policy).
     refresh_interval: full verifications between two chunk selections of the retrieval cache.
-    ngram: put the training-free n-gram proposer at the bottom of the hierarchy (alone as the drafter tier, or
-    under the model drafter when one is given); ngram_max is the longest suffix it matches.
+    ngram: draft with the training-free n-gram proposer: alone, or first with the model drafter drafting where it
+    finds no continuation (speculative.FallbackProposer); ngram_max is the longest suffix it matches.
     """
 
     mode: str = "triforce"

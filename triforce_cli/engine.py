@@ -19,7 +19,7 @@ from triforce_cli.model import Transformer
 from triforce_cli.ngram import NGramProposer
 from triforce_cli.prompt_state import PromptState
 from triforce_cli.sampling import probabilities, sample
-from triforce_cli.speculative import ModelTier
+from triforce_cli.speculative import FallbackProposer, ModelTier
 from triforce_cli.stats import GenerationResult, GenerationStats
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
@@ -60,7 +60,7 @@ class Engine:
             return ngram
         if self.drafter is None:
             return f"{self.target.name} itself on a StreamingLLM cache (self-speculation: no distilled drafter)"
-        return f"{self.drafter.name} with {ngram} under it" if self.config.ngram else self.drafter.name
+        return f"{ngram}, else {self.drafter.name}" if self.config.ngram else self.drafter.name
 
     @property
     def _drafter_model(self) -> Transformer:
@@ -103,11 +103,12 @@ class Engine:
         sampling = cfg.sampling
         model = self.target.model
         policy = cfg.speculation_policy
-        drafter = NGramProposer(model.config.vocab_size, cfg.ngram_max) if cfg.ngram else None
+        drafter = None
         if caches.streaming is not None:
-            drafter = ModelTier(
-                "drafter", self._drafter_model, caches.streaming, sampling, generator, drafter, cfg.gamma1, policy
-            )
+            drafter = ModelTier("drafter", self._drafter_model, caches.streaming, sampling, generator)
+        if cfg.ngram:
+            ngram = NGramProposer(model.config.vocab_size, cfg.ngram_max)
+            drafter = ngram if drafter is None else FallbackProposer(ngram, drafter)
         if cfg.mode == "autoregressive":
             return ModelTier("target", model, caches.full, sampling, generator)
         if cfg.mode == "streaming":

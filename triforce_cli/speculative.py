@@ -73,6 +73,31 @@ class Proposer(Protocol):
 
 
 @dataclass
+class FallbackProposer:
+    """Drafts from ``first`` where it offers any token, else from ``fallback``, for the same tier above.
+
+    The n-gram proposer costs microseconds but finds a continuation only where the text repeats itself; a model
+    drafter costs a forward per token but always drafts. Which one drafts depends on the prefix alone, so the
+    tier above still verifies exactly against the distribution the tokens were drawn from.
+    """
+
+    first: Proposer
+    fallback: Proposer
+
+    @property
+    def name(self) -> str:
+        return f"{self.first.name}/{self.fallback.name}"
+
+    def propose(self, prefix: list[int], n: int) -> Proposal:
+        proposal = self.first.propose(prefix, n)
+        return proposal if proposal.tokens else self.fallback.propose(prefix, n)
+
+    def rollback(self, length: int) -> None:
+        self.first.rollback(length)
+        self.fallback.rollback(length)
+
+
+@dataclass
 class ModelTier:
     name: str
     model: Transformer
@@ -107,10 +132,18 @@ class ModelTier:
         return Proposal(tokens[:n], torch.cat(probs)[:n], origins[:n])
 
     def _forward(self, prefix: list[int], drafts: list[int]) -> torch.Tensor:
-        """Distributions (len(drafts) + 1, V) at the positions after prefix[-1] and after each draft."""
+        """Distributions (len(drafts) + 1, V) at the positions after prefix[-1] and after each draft.
+
+        Committed tokens the cache has not seen yet (drafted by a proposer beside this tier) are fed first, in
+        writes no larger than the cache takes.
+        """
         start = min(self.cache.length, len(prefix) - 1)
         self.cache.rollback(start)
         device = self.model.inv_freq.device
+        step = self.cache.max_write
+        while step is not None and len(prefix) - start + len(drafts) > step:
+            self.model(torch.tensor(prefix[start : start + step], device=device), start, self.cache, num_logits=1)
+            start += step
         tokens = torch.tensor(prefix[start:] + drafts, dtype=torch.long, device=device)
         logits = self.model(tokens, start, self.cache, num_logits=len(drafts) + 1)
         return probabilities(logits, self.sampling)
