@@ -28,14 +28,20 @@ class FullCache(KVCache):
         self._write = slice(0, 0)
         self._packed: list[PackedPrefix] | None = None  # see pack_prefix
 
-    def pack_prefix(self) -> None:
+    def pack_prefix(self, packed: list[PackedPrefix] | None = None) -> list[PackedPrefix]:
         """Keep a float16 copy of every position held now, packed for attention to read instead (CPU only).
 
         Attention then reads these positions at half the bytes; positions written later stay float32. The copy
-        is dropped when a rollback or reset reaches into it.
+        is dropped when a rollback or reset reaches into it. packed: a copy made earlier of these same positions
+        and values, to use instead of packing again. Returns the copy in use.
         """
-        held = slice(0, self.length)
-        self._packed = [pack_prefix(keys[:, held], values[:, held]) for keys, values in zip(self.keys, self.values)]
+        if packed is None:
+            held = slice(0, self.length)
+            packed = [pack_prefix(keys[:, held], values[:, held]) for keys, values in zip(self.keys, self.values)]
+        elif packed[0].length != self.length:
+            raise ValueError(f"packed copy of {packed[0].length} positions for a cache holding {self.length}")
+        self._packed = packed
+        return packed
 
     def packed_prefix(self, layer: int) -> PackedPrefix | None:
         return None if self._packed is None else self._packed[layer]

@@ -98,6 +98,19 @@ def test_full_cache_packed_prefix_holds_the_prompt_until_a_write_reaches_into_it
     assert cache.packed_prefix(0) is None
 
 
+@pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
+def test_full_cache_reuses_a_packed_copy_of_the_same_positions():
+    cache = full_cache(16)
+    write(cache, 0, 6)
+    packed = cache.pack_prefix()
+    cache.reset()
+    write(cache, 0, 6)
+    assert cache.pack_prefix(packed) is packed and cache.packed_prefix(1) is packed[1]
+    write(cache, 6, 2)
+    with pytest.raises(ValueError, match="packed copy of 6 positions for a cache holding 8"):
+        cache.pack_prefix(packed)
+
+
 def test_full_cache_capacity_and_gaps():
     cache = full_cache(8)
     write(cache, 0, 6)

@@ -77,6 +77,24 @@ def test_greedy_speculative_modes_equal_autoregressive_with_half_weights(seed):
         assert result.token_ids == expected, mode
 
 
+def test_generations_from_one_prompt_state_share_its_packed_copy():
+    target = half_tiny_model(2)
+    prompt = random_prompt(120, 32, seed=7)
+    settings = {"chunk_size": 8, "budget": 32, "max_new_tokens": 30, "sampling": GREEDY}
+    engine = Engine(target, EngineConfig(mode="retrieval", **settings))
+    expected = engine.generate(prompt).token_ids
+    state = engine.prefill(prompt)
+    assert state.packed is None
+    first = engine.generate(prompt, prompt_state=state)
+    packed = state.packed
+    assert packed is not None and packed[0].length == len(prompt)
+    autoregressive = Engine(target, EngineConfig(mode="autoregressive", **settings))
+    second = autoregressive.generate(prompt, prompt_state=state)
+    assert state.packed is packed  # packed once, reused
+    assert autoregressive._caches.full.packed_prefix(0) is packed[0]
+    assert first.token_ids == second.token_ids == expected
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models") / "tiny-half"

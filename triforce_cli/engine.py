@@ -180,7 +180,10 @@ class Engine:
                 logits = prompt_state.last_logits
                 stats.prompt_cached = True
             if self.target.half_prompt_cache:
-                caches.full.pack_prefix()
+                reused = prompt_state.packed if prompt_state is not None else None
+                packed = caches.full.pack_prefix(reused)
+                if prompt_state is not None:
+                    prompt_state.packed = packed  # for the next generation from this state
             if caches.retrieval is not None:
                 caches.retrieval.select_chunks()
             if caches.streaming is not None:

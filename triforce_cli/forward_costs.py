@@ -67,7 +67,7 @@ def measure_forward_costs(
     full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context + most, target.dtype, target.device)
     state.restore(full)
     if target.half_prompt_cache:
-        full.pack_prefix()
+        state.packed = full.pack_prefix(state.packed)
     retrieval = RetrievalCache(full, budget, chunk_size, chunk_size + most)
     retrieval.select_chunks()
     new_ids = state.prompt_ids[-most:].to(target.device)  # any tokens: only the cost is measured

@@ -6,7 +6,7 @@ Files are safetensors, named by a hash of the model's source, dtype and weight f
 """
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cache import FullCache
+from kernels import PackedPrefix
 from triforce_cli.errors import PromptError
 
 
@@ -24,6 +25,7 @@ class PromptState:
     values: torch.Tensor  # (layers, Hkv, P, D)
     last_queries: torch.Tensor  # (layers, Hq, D): queries at the last prompt position
     last_logits: torch.Tensor  # (1, V): logits after the last prompt token
+    packed: list[PackedPrefix] | None = field(default=None, compare=False)  # FullCache.pack_prefix's copy, not saved
 
     @classmethod
     def capture(cls, full: FullCache, prompt_ids: list[int], last_logits: torch.Tensor) -> "PromptState":
@@ -53,7 +55,8 @@ class PromptState:
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")
-        save_file({name: t.contiguous() for name, t in vars(self).items()}, partial)
+        tensors = {name: t for name, t in vars(self).items() if isinstance(t, torch.Tensor)}
+        save_file({name: t.contiguous() for name, t in tensors.items()}, partial)
         partial.rename(path)
 
     @classmethod
