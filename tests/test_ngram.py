@@ -130,3 +130,16 @@ def test_a_tier_catches_up_in_writes_its_cache_takes():
     probs = tier.step(ids).probs  # 30 more
     reference = model(torch.tensor(ids), 0, full_cache_for(model))[-1:]
     torch.testing.assert_close(probs, probabilities(reference, sampling), atol=1e-5, rtol=1e-4)
+
+
+def test_catching_up_leaves_room_for_the_drafts():
+    model = rich_model(3).loaded.model
+    cfg = model.config
+    ids = random_prompt(12, 32, seed=8)
+    cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 64, 4, torch.float32)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0)
+    tier = ModelTier("retrieval", model, cache, sampling, torch.Generator().manual_seed(0))
+    tier.step(ids[:7])
+    probs = tier._forward(ids[:10], ids[10:12])  # 3 unseen tokens and 2 drafts: more than one write of 4 takes
+    reference = model(torch.tensor(ids), 0, full_cache_for(model))[-3:]
+    torch.testing.assert_close(probs, probabilities(reference, sampling), atol=1e-5, rtol=1e-4)

@@ -157,7 +157,8 @@ class Engine:
     ) -> GenerationResult:
         """Generate after prompt_ids, restoring prompt_state instead of prefilling when it is given.
 
-        on_prompt_state receives the freshly prefilled prompt (to save it). Ctrl-C stops early and still returns
+        on_prompt_state receives the freshly prefilled prompt (to save it). A target with half weights packs the
+        prompt's float16 copy once per prompt_state and keeps it there. Ctrl-C stops early and still returns
         what was generated.
         """
         self.check_prompt(prompt_ids)

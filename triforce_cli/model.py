@@ -90,18 +90,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 def concatenated_linear(parts: list[nn.Linear]) -> "Linear":
     """One Linear computing the outputs of parts side by side: (T, K) -> (T, sum of their N)."""
     first = parts[0]
-    fused = Linear(
-        first.in_features,
-        sum(p.out_features for p in parts),
-        bias=first.bias is not None,
-        device=first.weight.device,
-        dtype=first.weight.dtype,
-    )
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if first.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-    fused.requires_grad_(False)
+    biased = first.bias is not None
+    fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=biased, device="meta")  # no init
+    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+    if biased:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
     return fused
 
 
@@ -154,10 +147,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         num_tokens = x.shape[0]
-        heads = self.num_heads + self.num_kv_heads  # heads that get rotary embeddings: queries, then keys
-        qkv = self.project(x).view(num_tokens, heads + self.num_kv_heads, self.head_dim).transpose(0, 1)
-        qk = rotate(qkv[:heads], cos, sin)  # (Hq + Hkv, T, D)
-        q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[heads:]
+        rotated_heads = self.num_heads + self.num_kv_heads  # queries, then keys
+        qkv = self.project(x).view(num_tokens, rotated_heads + self.num_kv_heads, self.head_dim).transpose(0, 1)
+        qk = rotate(qkv[:rotated_heads], cos, sin)  # (Hq + Hkv, T, D)
+        q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[rotated_heads:]
         keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
         out = attention(q, keys, values, self.scale, cache.packed_prefix(self.layer))  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
@@ -232,8 +225,8 @@ class Transformer(nn.Module):
     def fuse_projections(self) -> None:
         """Compute each layer's q, k and v projections as one product, and its gate and up projections as one.
 
-        The outputs are the same; a decode step makes 90 fewer calls into the weight kernels, each of which
-        has a fixed cost. Call it after the checkpoint's weights are loaded (the fused linears replace the
+        The outputs are the same; a decode step makes three fewer calls per layer into the weight kernels, each
+        of which has a fixed cost. Call it after the checkpoint's weights are loaded (the fused linears replace the
         checkpoint-named ones) and before any change of weight format.
         """
         for layer in self.model.layers:

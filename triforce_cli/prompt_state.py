@@ -25,7 +25,7 @@ class PromptState:
     values: torch.Tensor  # (layers, Hkv, P, D)
     last_queries: torch.Tensor  # (layers, Hq, D): queries at the last prompt position
     last_logits: torch.Tensor  # (1, V): logits after the last prompt token
-    packed: list[PackedPrefix] | None = field(default=None, compare=False)  # FullCache.pack_prefix's copy, not saved
+    packed: list[PackedPrefix] | None = field(default=None, compare=False, repr=False)  # pack_prefix's, not saved
 
     @classmethod
     def capture(cls, full: FullCache, prompt_ids: list[int], last_logits: torch.Tensor) -> "PromptState":

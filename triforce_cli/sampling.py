@@ -54,8 +54,10 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         mass_before = ranked.cumsum(dim=-1) - ranked
         if k == vocab or bool((mass_before[:, -1] >= top_p).all()):
             break
-        k = min(vocab, k * 8)
-    kept = ranked.masked_fill(mass_before >= top_p, 0.0)
+        k = vocab if k * 8 > vocab // 8 else k * 8  # a nucleus of thousands: rank the whole vocabulary at once
+    outside = mass_before >= top_p
+    outside[:, 0] = False  # the top token stays, however small top_p is
+    kept = ranked.masked_fill(outside, 0.0)
     probs = torch.zeros_like(probs).scatter_(-1, order, kept)
     return probs / probs.sum(dim=-1, keepdim=True)
 

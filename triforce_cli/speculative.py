@@ -135,15 +135,17 @@ class ModelTier:
         """Distributions (len(drafts) + 1, V) at the positions after prefix[-1] and after each draft.
 
         Committed tokens the cache has not seen yet (drafted by a proposer beside this tier) are fed first, in
-        writes no larger than the cache takes.
+        writes no larger than the cache takes; the last prefix token always stays with the drafts. Under the
+        throughput policy that catching up counts as drafting time of the tier it serves.
         """
         start = min(self.cache.length, len(prefix) - 1)
         self.cache.rollback(start)
         device = self.model.inv_freq.device
         step = self.cache.max_write
-        while step is not None and len(prefix) - start + len(drafts) > step:
-            self.model(torch.tensor(prefix[start : start + step], device=device), start, self.cache, num_logits=1)
-            start += step
+        while step is not None and len(prefix) - start + len(drafts) > step and len(prefix) - start > 1:
+            unseen = prefix[start : start + min(step, len(prefix) - 1 - start)]
+            self.model(torch.tensor(unseen, dtype=torch.long, device=device), start, self.cache, num_logits=1)
+            start += len(unseen)
         tokens = torch.tensor(prefix[start:] + drafts, dtype=torch.long, device=device)
         logits = self.model(tokens, start, self.cache, num_logits=len(drafts) + 1)
         return probabilities(logits, self.sampling)
