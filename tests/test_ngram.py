@@ -119,27 +119,34 @@ def test_greedy_ngram_with_a_model_drafter_equals_autoregressive_and_uses_both()
         assert stats.accepted > 0
 
 
+UNSCALED = SamplingConfig(temperature=1.0, top_p=1.0)
+
+
+def tier_writing_at_most_4(model) -> ModelTier:
+    """A tier whose StreamingLLM cache (4 sinks, a window of 64) takes at most 4 positions per forward."""
+    cfg = model.config
+    cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 64, 4, torch.float32)
+    return ModelTier("drafter", model, cache, UNSCALED, torch.Generator().manual_seed(0))
+
+
+def assert_matches_one_forward(model, ids: list[int], probs: torch.Tensor) -> None:
+    """probs are the distributions after the last len(probs) tokens of ids, as one forward over ids gives them."""
+    reference = model(torch.tensor(ids), 0, full_cache_for(model))[-len(probs) :]
+    torch.testing.assert_close(probs, probabilities(reference, UNSCALED), atol=1e-5, rtol=1e-4)
+
+
 def test_a_tier_catches_up_in_writes_its_cache_takes():
     model = rich_model(3).loaded.model
-    cfg = model.config
     ids = random_prompt(40, 32, seed=7)
-    cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 64, 4, torch.float32)
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0)
-    tier = ModelTier("drafter", model, cache, sampling, torch.Generator().manual_seed(0))
-    tier.step(ids[:10])  # 10 unseen tokens, at most 4 per write
-    probs = tier.step(ids).probs  # 30 more
-    reference = model(torch.tensor(ids), 0, full_cache_for(model))[-1:]
-    torch.testing.assert_close(probs, probabilities(reference, sampling), atol=1e-5, rtol=1e-4)
+    tier = tier_writing_at_most_4(model)
+    tier.step(ids[:10])  # 10 unseen tokens
+    assert_matches_one_forward(model, ids, tier.step(ids).probs)  # 30 more
 
 
 def test_catching_up_leaves_room_for_the_drafts():
     model = rich_model(3).loaded.model
-    cfg = model.config
     ids = random_prompt(12, 32, seed=8)
-    cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 64, 4, torch.float32)
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0)
-    tier = ModelTier("retrieval", model, cache, sampling, torch.Generator().manual_seed(0))
+    tier = tier_writing_at_most_4(model)
     tier.step(ids[:7])
-    probs = tier._forward(ids[:10], ids[10:12])  # 3 unseen tokens and 2 drafts: more than one write of 4 takes
-    reference = model(torch.tensor(ids), 0, full_cache_for(model))[-3:]
-    torch.testing.assert_close(probs, probabilities(reference, sampling), atol=1e-5, rtol=1e-4)
+    # 3 unseen tokens and 2 drafts: more than one write of 4 takes, but the last prefix token stays with the drafts
+    assert_matches_one_forward(model, ids, tier._forward(ids[:10], ids[10:12]))
