@@ -1,5 +1,6 @@
 """Attention and retrieval kernels against plain-torch references and explicit formulas."""
 
+import importlib
 import sys
 
 import pytest
@@ -285,7 +286,13 @@ def test_packed_half_weight_holds_the_rounded_values():
 @needs_fbgemm
 @pytest.mark.parametrize("num_queries, prefix_keys, tail_keys", [(1, 300, 1), (1, 40, 9), (3, 257, 3), (8, 100, 20)])
 @pytest.mark.parametrize("group", [1, 3])
-def test_packed_prefix_attention_matches_reference_on_rounded_prefix(num_queries, prefix_keys, tail_keys, group):
+@pytest.mark.parametrize("heads_alone", [False, True], ids=["heads-together", "heads-alone"])
+def test_packed_prefix_attention_matches_reference_on_rounded_prefix(
+    num_queries, prefix_keys, tail_keys, group, heads_alone, monkeypatch
+):
+    if heads_alone:  # the path long prompts take: every KV head's scores on their own
+        # the module, not kernels.attention, which kernels/__init__ rebinds to the function
+        monkeypatch.setattr(importlib.import_module("kernels.attention"), "HEAD_AT_A_TIME_SCORES", 0)
     q, k, v = qkv(2 * group, 2, num_queries, prefix_keys + tail_keys, seed=prefix_keys)
     prefix = pack_prefix(k[:, :prefix_keys], v[:, :prefix_keys])
     assert prefix.length == prefix_keys
