@@ -176,15 +176,12 @@ class Engine:
                 logits = self._prefill(self.target.name, self.target.model, caches.full, prompt_ids, on_prefill)
                 if on_prompt_state is not None:
                     on_prompt_state(PromptState.capture(caches.full, prompt_ids, logits))
+                if self.target.half_prompt_cache:
+                    caches.full.pack_prefix()
             else:
-                prompt_state.restore(caches.full)
+                prompt_state.restore(caches.full, pack=self.target.half_prompt_cache)
                 logits = prompt_state.last_logits
                 stats.prompt_cached = True
-            if self.target.half_prompt_cache:
-                reused = prompt_state.packed if prompt_state is not None else None
-                packed = caches.full.pack_prefix(reused)
-                if prompt_state is not None:
-                    prompt_state.packed = packed  # for the next generation from this state
             if caches.retrieval is not None:
                 caches.retrieval.select_chunks()
             if caches.streaming is not None:

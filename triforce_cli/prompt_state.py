@@ -42,8 +42,12 @@ class PromptState:
     def matches(self, prompt_ids: list[int]) -> bool:
         return self.prompt_ids.tolist() == list(prompt_ids)
 
-    def restore(self, full: FullCache) -> None:
-        """Put the prompt into a full cache as if it had just been prefilled."""
+    def restore(self, full: FullCache, pack: bool = False) -> None:
+        """Put the prompt into a full cache as if it had just been prefilled.
+
+        pack: also give the cache the prompt's packed float16 copy (FullCache.pack_prefix), made on the first
+        restore and kept here for the next.
+        """
         length = self.keys.shape[2]
         full.reset()
         full.prepare(0, length)
@@ -51,6 +55,8 @@ class PromptState:
         full.values[:, :, :length] = self.values
         full.queries = [q[:, None, :] for q in self.last_queries]  # (Hq, 1, D) per layer
         full.query_start = length - 1
+        if pack:
+            self.packed = full.pack_prefix(self.packed)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
