@@ -66,7 +66,8 @@ def test_every_mode_and_transformers_peer_matches_greedy_autoregressive(pipe):
     assert all(row.median_ms > 0 and row.context == CONTEXT for row in rows)
     assert by_mode["autoregressive"].acceptance == []
     tiers = [(a["proposer"], a["verifier"]) for a in by_mode["triforce"].acceptance]
-    assert tiers == [("retrieval", "target"), ("drafter", "retrieval")]
+    # the throughput policy (bench's default) also tries the drafter's tokens against the target directly
+    assert tiers == [("retrieval", "target"), ("drafter", "retrieval"), ("drafter", "target")]
     # this pipeline has no separate drafter, so the *-ngram modes draft with the n-gram alone (test_ngram.py has
     # the n-gram before a model drafter)
     assert [(a["proposer"], a["verifier"]) for a in by_mode["streaming-ngram"].acceptance] == [("ngram", "target")]

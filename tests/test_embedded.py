@@ -208,8 +208,10 @@ def test_greedy_equals_autoregressive_on_4k_tokens_of_real_text(docs_runs, mode)
 def test_triforce_acceptance_is_non_trivial(greedy_runs):
     stats = greedy_runs["triforce"].stats
     tiers = {(a.proposer, a.verifier): a for a in stats.acceptance}
-    assert set(tiers) == {("retrieval", "target"), ("drafter", "retrieval")}
-    for a in tiers.values():
+    # the throughput policy also weighs the drafter's tokens against the target's directly (tried at least once)
+    assert set(tiers) == {("retrieval", "target"), ("drafter", "retrieval"), ("drafter", "target")}
+    assert tiers["drafter", "target"].verifications > 0
+    for a in (tiers["retrieval", "target"], tiers["drafter", "retrieval"]):
         assert a.verifications > 0 and 0 < a.accepted <= a.drafted
     # Measured: the retrieval tier (256 of ~2,000 tokens) gets about 40% of its drafts through target@full (the
     # day numbers and litres it cannot see), all of them once the budget holds the prompt; the self-drafter on a

@@ -1,24 +1,31 @@
 """Adaptive speculation lengths: the policies as pure functions, and the pipeline staying exact under them."""
 
+import random
+
 import pytest
 from conftest import rich_model
 from test_speculative import (
     COMBOS,
     MIDDLE_TRIALS,
     P_THRESHOLD,
+    PIPELINE_TRIALS,
     TEMPERATURE_1,
     MiddleTier,
     autoregressive_tokens,
     engine_config,
     joint_chi_square,
+    pipeline_pairs,
     prompt_for,
+    target_joint,
 )
 
+from triforce_cli import speculative
 from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine
 from triforce_cli.errors import ConfigError
 from triforce_cli.sampling import SamplingConfig
 from triforce_cli.speculation_length import (
+    SHORTCUT_RETRY,
     SpeculationLength,
     expected_tokens,
     heuristic_length,
@@ -68,6 +75,72 @@ def test_throughput_policy_learns_costs_per_length():
     assert length.current == 2
 
 
+def run_policy(length: SpeculationLength, rounds: int, sources: dict) -> list[bool]:
+    """Feed `rounds` verifications costing 1 s each; sources maps use_shortcut to (whether drafts are accepted,
+    seconds per draft). Returns the source of each verification."""
+    used = []
+    for _ in range(rounds):
+        n, shortcut = length.current, length.use_shortcut
+        accepted, draft_seconds = sources[shortcut]
+        length.record(n, n if accepted else 0, draft_seconds * n, 1.0)
+        used.append(shortcut)
+    return used
+
+
+def test_throughput_policy_takes_the_shortcut_when_it_pays():
+    """A middle tier whose drafts cost more than they save is skipped, and retried every SHORTCUT_RETRY rounds."""
+    length = SpeculationLength("throughput", ceiling=4, has_shortcut=True)
+    costly_middle, cheap_drafter = (True, 1.0), (True, 0.01)
+    used = run_policy(length, 5 + 3 * SHORTCUT_RETRY, {False: costly_middle, True: cheap_drafter})
+    assert used[:4] == [False] * 4  # every length tried once, through the middle tier
+    assert used[4] is True  # then the shortcut, unmeasured so far
+    later = used[5:]
+    assert later.count(False) == 3 and later.count(True) == len(later) - 3  # the middle tier only on retries
+
+
+def test_throughput_policy_keeps_the_middle_tier_when_it_pays():
+    length = SpeculationLength("throughput", ceiling=4, has_shortcut=True)
+    cheap_middle, poor_drafter = (True, 0.05), (False, 0.01)
+    used = run_policy(length, 5 + 3 * SHORTCUT_RETRY, {False: cheap_middle, True: poor_drafter})
+    assert used[4] is True and used[5:].count(True) == 3  # the drafter alone only on retries
+
+
+def test_an_empty_shortcut_proposal_returns_to_the_proposer():
+    length = SpeculationLength("throughput", ceiling=2, has_shortcut=True)
+    for n in (2, 1):
+        length.record(n, n, 0.0, 1.0)
+    assert length.use_shortcut
+    length.record(0, 0, 0.0, 1.0)  # the shortcut (an n-gram, say) found nothing
+    assert not length.use_shortcut
+
+
+def test_without_a_shortcut_the_source_never_changes():
+    length = SpeculationLength("throughput", ceiling=3)
+    assert not any(run_policy(length, 3 * SHORTCUT_RETRY, {False: (True, 0.1)}))
+
+
+class CoinFlipSource(SpeculationLength):
+    """The throughput lengths, with every verification's source (where there are two) drawn at random."""
+
+    @property
+    def use_shortcut(self) -> bool:
+        return self.has_shortcut and random.random() < 0.5
+
+    @use_shortcut.setter
+    def use_shortcut(self, value: bool) -> None:
+        pass
+
+
+def test_pipeline_is_exact_when_the_top_tier_switches_sources(monkeypatch):
+    """Target@full verifying drafts from the retrieval tier or straight from the drafter, chosen anew for each
+    verification, still samples from its own distribution."""
+    monkeypatch.setattr(speculative, "SpeculationLength", CoinFlipSource)
+    random.seed(0)
+    pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="throughput")
+    first, second = target_joint()
+    assert joint_chi_square(pairs, first, second) > P_THRESHOLD
+
+
 def test_fixed_policy_never_moves():
     length = SpeculationLength("fixed", ceiling=3)
     length.record(3, 0, 1.0, 1.0)
@@ -97,7 +170,11 @@ def test_greedy_with_adaptive_lengths_equals_autoregressive(seed, mode, policy):
     result = engine.generate(prompt_for(seed))
     assert result.token_ids == list(autoregressive_tokens(seed))
     ceilings = {"retrieval": 3, "target": 4 if mode != "streaming" else 3}
-    for stats in result.stats.acceptance:
+    tiers = result.stats.acceptance
+    if mode == "triforce" and policy == "throughput":
+        *tiers, shortcut = tiers  # drafter -> target, tried at least once
+        assert (shortcut.proposer, shortcut.verifier) == ("drafter", "target") and shortcut.verifications >= 1
+    for stats in tiers:
         # the length moved: below the ceiling on average, yet above 1
         assert 1 < stats.mean_drafted < ceilings[stats.verifier], stats
 

@@ -381,8 +381,9 @@ def target_joint() -> tuple[torch.Tensor, torch.Tensor]:
     return first, second
 
 
-def pipeline_pairs(mode: str, trials: int) -> list[tuple[int, int]]:
+def pipeline_pairs(mode: str, trials: int, gamma_policy: str = "auto") -> list[tuple[int, int]]:
     base = EngineConfig(
+        gamma_policy=gamma_policy,
         mode=mode,
         chunk_size=4,
         budget=8,  # 2 of the prompt's 6 chunks: the middle tier's distribution differs from the target's

@@ -23,7 +23,9 @@ class EngineConfig:
     in ``triforce`` and ``retrieval`` modes.
     gamma_policy: ``fixed`` gammas, or adapted after every verification (``heuristic``: +2/-1;
     ``throughput``: most expected tokens per second), with gamma1/gamma2 as ceilings (speculation_length.py);
-    ``auto`` is throughput, except for seeded sampling (see speculation_policy).
+    ``auto`` is throughput, except for seeded sampling (see speculation_policy). Under throughput, target@full
+    in ``triforce`` mode also chooses, by the same measure, between the retrieval tier's tokens and the drafter's
+    own (the middle tier skipped where it does not pay); ``fixed`` and ``heuristic`` keep all three tiers.
     refresh_interval: full verifications between two chunk selections of the retrieval cache.
     ngram: draft with the training-free n-gram proposer: alone, or first with the model drafter drafting where it
     finds no continuation (speculative.FallbackProposer); ngram_max is the longest suffix it matches.

@@ -114,7 +114,9 @@ class Engine:
         if cfg.mode == "streaming":
             return ModelTier("target", model, caches.full, sampling, generator, drafter, cfg.gamma1, policy)
         middle = ModelTier("retrieval", model, caches.retrieval, sampling, generator, drafter, cfg.gamma1, policy)
-        return ModelTier("target", model, caches.full, sampling, generator, middle, cfg.gamma2, policy)
+        # the throughput policy may skip the middle tier where verifying at it does not pay (speculation_length.py)
+        shortcut = drafter if policy == "throughput" and caches.streaming is not None else None
+        return ModelTier("target", model, caches.full, sampling, generator, middle, cfg.gamma2, policy, shortcut)
 
     def _prefill(self, name: str, model: Transformer, cache, ids: list[int], on_prefill) -> torch.Tensor:
         """Run the prompt through model in chunks; return the logits (1, V) after its last token."""
@@ -195,7 +197,9 @@ class Engine:
             if on_tokens is not None:
                 on_tokens([first], ["target"])
             top = self._build_tiers(caches, generator)
-            stats.acceptance = [t.stats for t in self._tier_chain(top) if t.stats is not None]
+            chain = self._tier_chain(top)
+            stats.acceptance = [t.stats for t in chain if t.stats is not None]
+            stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]
             self._decode(top, caches, prompt_ids, generated, stats, on_tokens)
         except KeyboardInterrupt:
             stats.stop_reason = "interrupted"

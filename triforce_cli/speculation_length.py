@@ -13,12 +13,21 @@ between 1 and that ceiling. None of them changes what is generated, only how muc
   verification cost is kept per s, since verifying more tokens costs more on a CPU, so every s is tried once
   first, longest first. Its choices follow the clock, so a seeded sampled run may draft differently from one run
   to the next (the output distribution stays exact; greedy output is unchanged).
+
+  A tier may also have a shortcut: its proposer's own proposer (the drafter under the retrieval tier). Under the
+  throughput policy the tier then keeps acceptance and drafting cost for both sources, the verification cost by
+  length being shared, and drafts from whichever promises more tokens per second: the middle tier of TriForce is
+  skipped where verifying at it costs more than it saves (short contexts, where a retrieval forward costs most of
+  a full one) and kept where it pays. The source not in use is tried again every SHORTCUT_RETRY verifications,
+  so its averages follow the generation. Which source drafts depends only on what came before, so every
+  verification stays exact.
 """
 
 from dataclasses import dataclass, field
 
 POLICIES = ("fixed", "heuristic", "throughput")
 SMOOTHING = 0.3  # weight of the newest measurement in the running averages
+SHORTCUT_RETRY = 16  # verifications between two tries of the draft source not in use
 
 
 def heuristic_length(current: int, all_accepted: bool, ceiling: int) -> int:
@@ -35,17 +44,18 @@ def expected_tokens(acceptance: float, length: int) -> float:
     return (1.0 - acceptance ** (length + 1)) / (1.0 - acceptance)
 
 
+def throughput_rate(acceptance: float, draft_seconds: float, verify_seconds: float, length: int) -> float:
+    """Expected tokens per second of verifications of `length` drafts."""
+    seconds = length * draft_seconds + verify_seconds
+    return expected_tokens(acceptance, length) / seconds if seconds > 0 else float("inf")
+
+
 def throughput_length(acceptance: float, draft_seconds: float, verify_seconds: dict[int, float], ceiling: int) -> int:
     """The length in 1..ceiling with the most expected tokens per second.
 
     draft_seconds: cost of one drafted token; verify_seconds: cost of a verification, by length.
     """
-
-    def rate(length: int) -> float:
-        seconds = length * draft_seconds + verify_seconds[length]
-        return expected_tokens(acceptance, length) / seconds if seconds > 0 else float("inf")
-
-    return max(range(1, ceiling + 1), key=rate)
+    return max(range(1, ceiling + 1), key=lambda n: throughput_rate(acceptance, draft_seconds, verify_seconds[n], n))
 
 
 def _smooth(average: float | None, value: float) -> float:
@@ -53,15 +63,30 @@ def _smooth(average: float | None, value: float) -> float:
 
 
 @dataclass
+class DraftSource:
+    """Running averages of one way of drafting for a tier."""
+
+    acceptance: float | None = None
+    draft_seconds: float | None = None  # per drafted token
+
+    def record(self, drafted: int, accepted: int, draft_seconds: float) -> None:
+        self.acceptance = _smooth(self.acceptance, accepted / drafted)
+        self.draft_seconds = _smooth(self.draft_seconds, draft_seconds / drafted)
+
+
+@dataclass
 class SpeculationLength:
-    """A tier's current speculation length and what its policy has measured so far."""
+    """A tier's current speculation length, its draft source, and what its policy has measured so far."""
 
     policy: str
     ceiling: int
+    has_shortcut: bool = False  # the tier can draft from its proposer's proposer instead (throughput policy only)
     current: int = field(init=False)  # starts at the ceiling
-    acceptance: float | None = None
-    draft_seconds: float | None = None  # per drafted token
+    use_shortcut: bool = field(init=False, default=False)  # where the next drafts come from
+    proposer: DraftSource = field(default_factory=DraftSource)
+    shortcut: DraftSource = field(default_factory=DraftSource)
     verify_seconds: dict[int, float] = field(default_factory=dict)  # per verification, by length
+    since_retry: int = SHORTCUT_RETRY - 1  # verifications since the other source was tried; the first is at once
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -69,21 +94,39 @@ class SpeculationLength:
         self.current = self.ceiling
 
     def record(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        """Account for one verification of `drafted` tokens, `accepted` of them accepted, and pick the next length.
+        """Account for one verification of `drafted` tokens, `accepted` of them accepted, and pick the next length
+        (and, with a shortcut, the next source).
 
         A proposer may offer fewer tokens than asked (the n-gram proposer: none when nothing matches); a
-        verification of no drafts tells nothing about acceptance and changes nothing.
+        verification of no drafts tells nothing about acceptance and changes only the source, back to the proposer.
         """
         if drafted == 0:
+            self.use_shortcut = False  # a shortcut that found nothing waits for its next retry
             return
         if self.policy == "heuristic":
             self.current = heuristic_length(self.current, accepted == drafted, self.ceiling)
         elif self.policy == "throughput":
-            self.acceptance = _smooth(self.acceptance, accepted / drafted)
-            self.draft_seconds = _smooth(self.draft_seconds, draft_seconds / drafted)
+            (self.shortcut if self.use_shortcut else self.proposer).record(drafted, accepted, draft_seconds)
             self.verify_seconds[drafted] = _smooth(self.verify_seconds.get(drafted), verify_seconds)
-            untried = [n for n in range(self.ceiling, 0, -1) if n not in self.verify_seconds]
-            if untried:
-                self.current = untried[0]
-            else:
-                self.current = throughput_length(self.acceptance, self.draft_seconds, self.verify_seconds, self.ceiling)
+            self._choose()
+
+    def _choose(self) -> None:
+        untried = [n for n in range(self.ceiling, 0, -1) if n not in self.verify_seconds]
+        if untried:
+            self.current, self.use_shortcut = untried[0], False
+            return
+        best = {False: self._best(self.proposer)}
+        if self.has_shortcut and self.shortcut.acceptance is not None:
+            best[True] = self._best(self.shortcut)
+        winner = max(best, key=lambda source: best[source][0])
+        self.since_retry += 1
+        if self.has_shortcut and self.since_retry >= SHORTCUT_RETRY:
+            self.since_retry = 0
+            winner = not winner  # the source not in use (unmeasured the first time)
+        self.use_shortcut = winner
+        self.current = best[winner][1] if winner in best else best[not winner][1]
+
+    def _best(self, source: DraftSource) -> tuple[float, int]:
+        """(tokens per second, length) of the best length for drafts from source."""
+        length = throughput_length(source.acceptance, source.draft_seconds, self.verify_seconds, self.ceiling)
+        return throughput_rate(source.acceptance, source.draft_seconds, self.verify_seconds[length], length), length

@@ -107,18 +107,23 @@ class ModelTier:
     proposer: Proposer | None = None
     gamma: int = 1  # tokens asked of the proposer per verification; the ceiling under an adaptive policy
     gamma_policy: str = "fixed"  # see speculation_length.py
+    shortcut: Proposer | None = None  # the proposer's own proposer, drafting here directly when that pays more
     stats: AcceptanceStats | None = field(default=None)
+    shortcut_stats: AcceptanceStats | None = field(default=None)
     length: SpeculationLength = field(init=False)
 
     def __post_init__(self) -> None:
         if self.proposer is not None and self.stats is None:
             self.stats = AcceptanceStats(self.proposer.name, self.name)
-        self.length = SpeculationLength(self.gamma_policy, self.gamma)
+        if self.shortcut is not None and self.shortcut_stats is None:
+            self.shortcut_stats = AcceptanceStats(self.shortcut.name, self.name)
+        self.length = SpeculationLength(self.gamma_policy, self.gamma, has_shortcut=self.shortcut is not None)
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
-        if self.proposer is not None:
-            self.proposer.rollback(length)
+        for proposer in (self.proposer, self.shortcut):
+            if proposer is not None:
+                proposer.rollback(length)
 
     def propose(self, prefix: list[int], n: int) -> Proposal:
         tokens: list[int] = []
@@ -156,16 +161,19 @@ class ModelTier:
             probs = self._forward(prefix, [])
             return Proposal([int(sample(probs, self.generator))], probs, [self.name])
         started = time.perf_counter()
-        draft = self.proposer.propose(prefix, self.length.current)
+        proposer, stats = self.proposer, self.stats
+        if self.length.use_shortcut:
+            proposer, stats = self.shortcut, self.shortcut_stats
+        draft = proposer.propose(prefix, self.length.current)
         drafted = time.perf_counter()
         probs = self._forward(prefix, draft.tokens)  # (len(draft.tokens) + 1, V)
         device = probs.device
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
         verdict = verify_draft(draft_tokens, draft.probs.to(device), probs, self.generator)
         verified = time.perf_counter()
-        self.stats.drafted += len(draft.tokens)
-        self.stats.accepted += verdict.accepted
-        self.stats.verifications += 1
+        stats.drafted += len(draft.tokens)
+        stats.accepted += verdict.accepted
+        stats.verifications += 1
         self.length.record(len(draft.tokens), verdict.accepted, drafted - started, verified - drafted)
         kept = len(prefix) + verdict.accepted
         self.rollback(kept)
