@@ -465,7 +465,7 @@ class TestOutput:
         result = invoke(*args)
         assert result.exit_code == 0, result.output
         assert result.stdout == data["text"] + "\n"
-        assert "stopped by" in result.stderr and "acceptance per tier" in result.stderr
+        assert "stopped by" in result.stderr and "acceptance per tier" in result.stderr and "passes" in result.stderr
         assert "Traceback" not in result.output
 
     def test_stdin_prompt(self, tiny):

@@ -140,12 +140,23 @@ def acceptance_table(stats: GenerationStats) -> Table | None:
     if not stats.acceptance:
         return None
     table = Table(title="acceptance per tier", title_justify="left")
-    for column in ("proposer", "verifier", "drafted", "accepted", "rate", "drafts per pass", "mean accepted length"):
+    columns = (
+        "proposer",
+        "verifier",
+        "passes",
+        "drafted",
+        "accepted",
+        "rate",
+        "drafts per pass",
+        "mean accepted length",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column in ("proposer", "verifier") else "right")
     for a in stats.acceptance:
         table.add_row(
             Text(a.proposer, style=TIER_STYLES.get(a.proposer)),
             Text(a.verifier, style=TIER_STYLES.get(a.verifier)),
+            str(a.verifications),
             str(a.drafted),
             str(a.accepted),
             f"{a.acceptance_rate:.1%}",
