@@ -655,10 +655,9 @@ class TestGreedyModesAgree:
 
     def test_drafts_are_both_accepted_and_rejected(self, prompt_file):
         """The exactness checks above exercise the rejection path of every tier, not only all-accepted rounds."""
-        data = run_json("-p", prompt_file, *self.ARGS, "--mode", "triforce")
-        *tiers, shortcut = data["acceptance"]  # the throughput policy also tries the drafter against the target
+        data = run_json("-p", prompt_file, *self.ARGS, "--mode", "triforce", "--gamma-policy", "fixed")
+        tiers = data["acceptance"]  # the fixed policy passes every draft through all three tiers
         assert [(a["proposer"], a["verifier"]) for a in tiers] == [("retrieval", "target"), ("drafter", "retrieval")]
-        assert (shortcut["proposer"], shortcut["verifier"]) == ("drafter", "target") and shortcut["verifications"]
         for stats in tiers:
             assert 0 < stats["accepted"] < stats["drafted"], stats
 

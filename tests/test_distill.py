@@ -187,7 +187,8 @@ def test_draft_vocabulary_restricts_proposals_and_greedy_output_stays_exact(targ
         pipe = Pipeline.load(str(target_folder), draft=str(out), config=config)
         result = pipe.generate_ids(prompt)
         assert result.token_ids == expected, mode
-        assert result.stats.acceptance[-1].drafted > 0
+        drafter_rows = [a for a in result.stats.acceptance if a.proposer == "drafter"]
+        assert drafter_rows[0].drafted > 0  # drafter -> retrieval (triforce) or drafter -> target (streaming)
 
 
 def test_interrupted_run_resumes_to_the_same_weights(target_folder, text_file, tmp_path):

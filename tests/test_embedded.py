@@ -133,6 +133,7 @@ def greedy_runs(embedded, long_prompt) -> dict:
         refresh_interval=2,
         max_new_tokens=NEW_TOKENS,
         sampling=SamplingConfig(temperature=0),
+        gamma_policy="heuristic",  # adaptive lengths through all three tiers, whatever the clock says
     )
     pipe = Pipeline(embedded, None, Engine(embedded, config))
     runs = {}
@@ -208,10 +209,8 @@ def test_greedy_equals_autoregressive_on_4k_tokens_of_real_text(docs_runs, mode)
 def test_triforce_acceptance_is_non_trivial(greedy_runs):
     stats = greedy_runs["triforce"].stats
     tiers = {(a.proposer, a.verifier): a for a in stats.acceptance}
-    # the throughput policy also weighs the drafter's tokens against the target's directly (tried at least once)
-    assert set(tiers) == {("retrieval", "target"), ("drafter", "retrieval"), ("drafter", "target")}
-    assert tiers["drafter", "target"].verifications > 0
-    for a in (tiers["retrieval", "target"], tiers["drafter", "retrieval"]):
+    assert set(tiers) == {("retrieval", "target"), ("drafter", "retrieval")}  # heuristic: no shortcut
+    for a in tiers.values():
         assert a.verifications > 0 and 0 < a.accepted <= a.drafted
     # Measured: the retrieval tier (256 of ~2,000 tokens) gets about 40% of its drafts through target@full (the
     # day numbers and litres it cannot see), all of them once the budget holds the prompt; the self-drafter on a

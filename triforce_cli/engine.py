@@ -114,8 +114,9 @@ class Engine:
         if cfg.mode == "streaming":
             return ModelTier("target", model, caches.full, sampling, generator, drafter, cfg.gamma1, policy)
         middle = ModelTier("retrieval", model, caches.retrieval, sampling, generator, drafter, cfg.gamma1, policy)
-        # the throughput policy may skip the middle tier where verifying at it does not pay (speculation_length.py)
-        shortcut = drafter if policy == "throughput" and caches.streaming is not None else None
+        # the throughput policy may skip the middle tier where verifying at it does not pay (speculation_length.py);
+        # only a model drafter, which always drafts, makes a shortcut (an n-gram alone often finds nothing)
+        shortcut = drafter if policy == "throughput" and self.uses_model_drafter else None
         return ModelTier("target", model, caches.full, sampling, generator, middle, cfg.gamma2, policy, shortcut)
 
     def _prefill(self, name: str, model: Transformer, cache, ids: list[int], on_prefill) -> torch.Tensor:

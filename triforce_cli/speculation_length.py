@@ -62,6 +62,20 @@ def _smooth(average: float | None, value: float) -> float:
     return value if average is None else (1 - SMOOTHING) * average + SMOOTHING * value
 
 
+def choose_source(rates: dict[bool, float], since_retry: int) -> tuple[bool, int]:
+    """(use the shortcut?, verifications since the last retry) for the next verification.
+
+    rates: expected tokens per second by source (True: the shortcut), for the sources measured so far. The faster
+    source drafts, except every SHORTCUT_RETRY-th verification, which goes to the other one (the first of them
+    to the shortcut while it is unmeasured).
+    """
+    faster = max(rates, key=rates.get)
+    since_retry += 1
+    if since_retry >= SHORTCUT_RETRY:
+        return not faster, 0
+    return faster, since_retry
+
+
 @dataclass
 class DraftSource:
     """Running averages of one way of drafting for a tier."""
@@ -83,10 +97,10 @@ class SpeculationLength:
     has_shortcut: bool = False  # the tier can draft from its proposer's proposer instead (throughput policy only)
     current: int = field(init=False)  # starts at the ceiling
     use_shortcut: bool = field(init=False, default=False)  # where the next drafts come from
-    proposer: DraftSource = field(default_factory=DraftSource)
-    shortcut: DraftSource = field(default_factory=DraftSource)
+    proposer_averages: DraftSource = field(default_factory=DraftSource)
+    shortcut_averages: DraftSource = field(default_factory=DraftSource)
     verify_seconds: dict[int, float] = field(default_factory=dict)  # per verification, by length
-    since_retry: int = SHORTCUT_RETRY - 1  # verifications since the other source was tried; the first is at once
+    since_retry: int = SHORTCUT_RETRY - 1  # verifications since the last forced retry; the first comes at once
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -106,7 +120,8 @@ class SpeculationLength:
         if self.policy == "heuristic":
             self.current = heuristic_length(self.current, accepted == drafted, self.ceiling)
         elif self.policy == "throughput":
-            (self.shortcut if self.use_shortcut else self.proposer).record(drafted, accepted, draft_seconds)
+            averages = self.shortcut_averages if self.use_shortcut else self.proposer_averages
+            averages.record(drafted, accepted, draft_seconds)
             self.verify_seconds[drafted] = _smooth(self.verify_seconds.get(drafted), verify_seconds)
             self._choose()
 
@@ -115,16 +130,13 @@ class SpeculationLength:
         if untried:
             self.current, self.use_shortcut = untried[0], False
             return
-        best = {False: self._best(self.proposer)}
-        if self.has_shortcut and self.shortcut.acceptance is not None:
-            best[True] = self._best(self.shortcut)
-        winner = max(best, key=lambda source: best[source][0])
-        self.since_retry += 1
-        if self.has_shortcut and self.since_retry >= SHORTCUT_RETRY:
-            self.since_retry = 0
-            winner = not winner  # the source not in use (unmeasured the first time)
-        self.use_shortcut = winner
-        self.current = best[winner][1] if winner in best else best[not winner][1]
+        best = {False: self._best(self.proposer_averages)}
+        if self.has_shortcut and self.shortcut_averages.acceptance is not None:
+            best[True] = self._best(self.shortcut_averages)
+        if self.has_shortcut:
+            rates = {source: rate for source, (rate, _) in best.items()}
+            self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
+        _, self.current = best.get(self.use_shortcut, best[False])  # an unmeasured shortcut: the proposer's length
 
     def _best(self, source: DraftSource) -> tuple[float, int]:
         """(tokens per second, length) of the best length for drafts from source."""
