@@ -715,9 +715,9 @@ def test_ctrl_c_in_a_real_process(tiny_folder, tmp_path):
         "generate",
         "-p", str(prompt),
         "--target", str(tiny_folder),
-        "--max-new-tokens", "4000",
+        "--max-new-tokens", "60000",  # far more than a few seconds of work, even at 2,000 tokens/s
+        "--context-window", "64k",
         "--temperature", "0",
-        "--gamma-policy", "fixed",  # all three tiers every pass: the tiny model's 4,000 tokens take seconds
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # cwd=tmp_path: `python -c` puts the working directory first on sys.path.
