@@ -711,11 +711,13 @@ def test_ctrl_c_in_a_real_process(tiny_folder, tmp_path):
     command = [
         sys.executable,
         "-c",
-        "from triforce_cli.cli import app; app()",
+        # A shell starts background jobs with SIGINT ignored, and Python keeps an inherited SIG_IGN: restore the
+        # KeyboardInterrupt handler, as a terminal user has it, whoever started the tests.
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from triforce_cli.cli import app; app()",
         "generate",
         "-p", str(prompt),
         "--target", str(tiny_folder),
-        "--max-new-tokens", "60000",  # far more than a few seconds of work, even at 2,000 tokens/s
+        "--max-new-tokens", "60000",  # half a minute or more of work, so the signal lands mid-generation
         "--context-window", "64k",
         "--temperature", "0",
     ]  # fmt: skip
