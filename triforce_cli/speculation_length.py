@@ -131,9 +131,9 @@ class SpeculationLength:
             self.current, self.use_shortcut = untried[0], False
             return
         best = {False: self._best(self.proposer_averages)}
-        if self.has_shortcut and self.shortcut_averages.acceptance is not None:
-            best[True] = self._best(self.shortcut_averages)
         if self.has_shortcut:
+            if self.shortcut_averages.acceptance is not None:
+                best[True] = self._best(self.shortcut_averages)
             rates = {source: rate for source, (rate, _) in best.items()}
             self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
         _, self.current = best.get(self.use_shortcut, best[False])  # an unmeasured shortcut: the proposer's length
