@@ -26,6 +26,7 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.sampling import SamplingConfig
 from triforce_cli.speculation_length import (
     SHORTCUT_RETRY,
+    DraftSource,
     SpeculationLength,
     expected_tokens,
     heuristic_length,
@@ -73,6 +74,31 @@ def test_throughput_policy_learns_costs_per_length():
         length.record(n, round(0.8 * n), 0.0, 1.0 if n <= 2 else 2.0)
     assert length.verify_seconds[4] == pytest.approx(2.0) and length.verify_seconds[2] == pytest.approx(1.0)
     assert length.current == 2
+
+
+def test_a_draft_source_weighs_every_draft_alike():
+    source = DraftSource()
+    assert source.acceptance is None and source.draft_seconds is None
+    source.record(drafted=1, accepted=0, draft_seconds=0.5)
+    source.record(drafted=6, accepted=6, draft_seconds=0.6)
+    # six accepted drafts outweigh one earlier rejection: 6 / (0.9 * 1 + 6)
+    assert source.acceptance == pytest.approx(6 / 6.9)
+    assert source.draft_seconds == pytest.approx((0.9 * 0.5 + 0.6) / 6.9)
+
+
+def test_acceptance_estimate_of_single_drafts_stays_near_the_truth():
+    """One draft per verification, each accepted with probability 0.4: the estimate the policy acts on stays
+    within about 0.1 of 0.4 (a running average per verification with weight 0.3 wanders by about 0.2)."""
+    rng = random.Random(0)
+    source = DraftSource()
+    estimates = []
+    for i in range(2000):
+        source.record(1, int(rng.random() < 0.4), 0.0)
+        if i >= 50:
+            estimates.append(source.acceptance)
+    mean = sum(estimates) / len(estimates)
+    spread = (sum((e - mean) ** 2 for e in estimates) / len(estimates)) ** 0.5
+    assert abs(mean - 0.4) < 0.02 and spread < 0.13
 
 
 def run_policy(length: SpeculationLength, rounds: int, sources: dict) -> list[bool]:

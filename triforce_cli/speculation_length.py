@@ -9,9 +9,9 @@ between 1 and that ceiling. None of them changes what is generated, only how muc
 - ``throughput``: the expected-tokens-per-second stride scheduler of RaLMSpec (Zhang et al., 2024,
   arXiv 2401.14021). With acceptance rate a per draft, a verification of s drafts yields
   (1 - a^(s+1)) / (1 - a) tokens (Leviathan et al., 2023) and costs s draft steps plus one verification; it picks
-  the s with the highest rate. Acceptance and costs are running averages of what this generation measured. The
-  verification cost is kept per s, since verifying more tokens costs more on a CPU, so every s is tried once
-  first, longest first. Its choices follow the clock, so a seeded sampled run may draft differently from one run
+  the s with the highest rate. Acceptance and drafting cost are averages over the drafts of this generation in
+  which older verifications fade (see DraftSource); the verification cost is a running average kept per s, since
+  verifying more tokens costs more on a CPU, so every s is tried once first, longest first. Its choices follow the clock, so a seeded sampled run may draft differently from one run
   to the next (the output distribution stays exact; greedy output is unchanged).
 
   A tier may also have a shortcut: its proposer's own proposer (the drafter under the retrieval tier). Under the
@@ -26,8 +26,9 @@ between 1 and that ceiling. None of them changes what is generated, only how muc
 from dataclasses import dataclass, field
 
 POLICIES = ("fixed", "heuristic", "throughput")
-SMOOTHING = 0.3  # weight of the newest measurement in the running averages
-SHORTCUT_RETRY = 16  # verifications between two tries of the draft source not in use
+SMOOTHING = 0.3  # weight of the newest measurement in the running verification costs
+MEMORY = 0.9  # weight a draft source keeps for its earlier drafts at each of its verifications
+SHORTCUT_RETRY = 8  # verifications between two tries of the draft source not in use
 
 
 def heuristic_length(current: int, all_accepted: bool, ceiling: int) -> int:
@@ -78,14 +79,31 @@ def choose_source(rates: dict[bool, float], since_retry: int) -> tuple[bool, int
 
 @dataclass
 class DraftSource:
-    """Running averages of one way of drafting for a tier."""
+    """Acceptance and cost per draft of one way of drafting for a tier.
 
-    acceptance: float | None = None
-    draft_seconds: float | None = None  # per drafted token
+    Sums over the source's verifications, each earlier one's weight multiplied by MEMORY at every new one, so the
+    averages follow the generation while counting every draft alike: a running average per verification weighed
+    a verification of one draft, whose acceptance is 0 or 1, like one of six, and its estimate of a 40% acceptance
+    swung by about 0.2 from one verification to the next.
+    """
+
+    drafted: float = 0.0
+    accepted: float = 0.0
+    seconds: float = 0.0  # spent drafting
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def draft_seconds(self) -> float | None:
+        """Seconds per drafted token."""
+        return self.seconds / self.drafted if self.drafted else None
 
     def record(self, drafted: int, accepted: int, draft_seconds: float) -> None:
-        self.acceptance = _smooth(self.acceptance, accepted / drafted)
-        self.draft_seconds = _smooth(self.draft_seconds, draft_seconds / drafted)
+        self.drafted = MEMORY * self.drafted + drafted
+        self.accepted = MEMORY * self.accepted + accepted
+        self.seconds = MEMORY * self.seconds + draft_seconds
 
 
 @dataclass
