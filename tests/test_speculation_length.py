@@ -19,6 +19,7 @@ from test_speculative import (
     target_joint,
 )
 
+from cache import RetrievalCache
 from triforce_cli import speculative
 from triforce_cli.config import EngineConfig
 from triforce_cli.engine import Engine
@@ -165,6 +166,42 @@ def test_pipeline_is_exact_when_the_top_tier_switches_sources(monkeypatch):
     pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="throughput")
     first, second = target_joint()
     assert joint_chi_square(pairs, first, second) > P_THRESHOLD
+
+
+class AlwaysShortcut(SpeculationLength):
+    """Every verification (where there is a shortcut) drafts from the shortcut, as many tokens as the ceiling."""
+
+    @property
+    def use_shortcut(self) -> bool:
+        return self.has_shortcut
+
+    @use_shortcut.setter
+    def use_shortcut(self, value: bool) -> None:
+        pass
+
+    def _choose(self) -> None:
+        pass
+
+
+def test_an_idle_retrieval_tier_is_not_refreshed(monkeypatch):
+    """While target@full drafts straight from the drafter, the retrieval cache keeps the view of the prefill:
+    no chunk selection or recent-token copy beyond it, and the greedy output is unchanged."""
+    monkeypatch.setattr(speculative, "SpeculationLength", AlwaysShortcut)
+    calls = {"select_chunks": 0, "sync_recent": 0}
+    for name in calls:
+        original = getattr(RetrievalCache, name)
+
+        def counted(self, original=original, name=name):
+            calls[name] += 1
+            return original(self)
+
+        monkeypatch.setattr(RetrievalCache, name, counted)
+    engine = Engine(rich_model(0).loaded, engine_config("triforce", gamma_policy="throughput"))
+    result = engine.generate(prompt_for(0))
+    assert result.token_ids == list(autoregressive_tokens(0))
+    assert calls == {"select_chunks": 1, "sync_recent": 1}  # the selection after prefill, which syncs once
+    *middle, shortcut = result.stats.acceptance
+    assert shortcut.verifications > 1 and all(stats.verifications == 0 for stats in middle)
 
 
 def test_fixed_policy_never_moves():

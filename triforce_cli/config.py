@@ -26,7 +26,8 @@ class EngineConfig:
     ``auto`` is throughput, except for seeded sampling (see speculation_policy). Under throughput, target@full
     in ``triforce`` mode also chooses, by the same measure, between the retrieval tier's tokens and the drafter's
     own (the middle tier skipped where it does not pay); ``fixed`` and ``heuristic`` keep all three tiers.
-    refresh_interval: full verifications between two chunk selections of the retrieval cache.
+    refresh_interval: full verifications between two chunk selections of the retrieval cache; a selection falls
+        due while the full tier drafts straight from the drafter waits until the retrieval tier drafts again.
     ngram: draft with the training-free n-gram proposer: alone, or first with the model drafter drafting where it
     finds no continuation (speculative.FallbackProposer); ngram_max is the longest suffix it matches.
     """

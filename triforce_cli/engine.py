@@ -225,8 +225,10 @@ class Engine:
         while len(generated) < cfg.max_new_tokens:
             started = time.perf_counter()
             step = top.step(committed)
-            if caches.retrieval is not None:
-                rounds_since_selection += 1
+            rounds_since_selection += 1
+            if caches.retrieval is not None and not top.uses_shortcut_next:
+                # the retrieval tier drafts the next round: bring its view up to date (left as it is while the
+                # full tier drafts straight from the drafter, which keeps the retrieval tier idle)
                 if rounds_since_selection >= cfg.refresh_interval:
                     caches.retrieval.select_chunks()
                     rounds_since_selection = 0

@@ -119,6 +119,11 @@ class ModelTier:
             self.shortcut_stats = AcceptanceStats(self.shortcut.name, self.name)
         self.length = SpeculationLength(self.gamma_policy, self.gamma, has_shortcut=self.shortcut is not None)
 
+    @property
+    def uses_shortcut_next(self) -> bool:
+        """Whether the next verification drafts from the shortcut, leaving the proposer idle."""
+        return self.shortcut is not None and self.length.use_shortcut
+
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
         for proposer in (self.proposer, self.shortcut):
