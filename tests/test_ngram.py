@@ -56,7 +56,11 @@ def test_greedy_ngram_modes_equal_autoregressive_and_accept_drafts():
     reference = Engine(model.loaded, EngineConfig(mode="autoregressive", max_new_tokens=60, sampling=greedy))
     expected = reference.generate(prompt).token_ids
     for mode in ("streaming", "triforce"):
-        config = EngineConfig(mode=mode, ngram=True, budget=64, chunk_size=8, max_new_tokens=60, sampling=greedy)
+        # fixed lengths: under throughput the clock decides how many drafts each tier asks for, and a tier drafts
+        # no more than the tokens still wanted, so the n-gram's few drafts on random weights could all miss
+        config = EngineConfig(
+            mode=mode, ngram=True, budget=64, chunk_size=8, max_new_tokens=60, sampling=greedy, gamma_policy="fixed"
+        )
         engine = Engine(model.loaded, config)
         result = engine.generate(prompt)
         assert result.token_ids == expected
@@ -150,3 +154,21 @@ def test_catching_up_leaves_room_for_the_drafts():
     tier.step(ids[:7])
     # 3 unseen tokens and 2 drafts: more than one write of 4 takes, but the last prefix token stays with the drafts
     assert_matches_one_forward(model, ids, tier._forward(ids[:10], ids[10:12]))
+
+
+def test_a_tier_drafts_no_more_than_the_tokens_still_wanted():
+    """Asked for `wanted` tokens, a tier asks its proposer for at most the tokens still wanted less one (its own
+    verification adds one), and for one last token samples its own forward: nothing is computed to be dropped."""
+    model = rich_model(3).loaded.model
+    ids = random_prompt(12, 32, seed=9)
+    proposer = StubProposer("stub", [1, 2, 3, 4, 5, 6], vocab=32)
+    generator = torch.Generator().manual_seed(0)
+    tier = ModelTier("target", model, full_cache_for(model), UNSCALED, generator, proposer, gamma=6)
+    for wanted in (1, 2, 3, 5, 8):
+        tier.rollback(len(ids))
+        proposer.calls.clear()
+        assert len(tier.propose(ids, wanted).tokens) == wanted
+        for prefix_length, asked in proposer.calls:
+            still_wanted = wanted - (prefix_length - len(ids))
+            assert asked == min(6, still_wanted - 1) >= 1, (wanted, proposer.calls)
+        assert wanted > 1 or proposer.calls == []

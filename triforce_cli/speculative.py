@@ -135,7 +135,7 @@ class ModelTier:
         probs: list[torch.Tensor] = []
         origins: list[str] = []
         while len(tokens) < n:
-            step = self.step(prefix + tokens)
+            step = self.step(prefix + tokens, limit=n - len(tokens))
             tokens += step.tokens
             probs.append(step.probs)
             origins += step.origins
@@ -160,16 +160,23 @@ class ModelTier:
         logits = self.model(tokens, start, self.cache, num_logits=len(drafts) + 1)
         return probabilities(logits, self.sampling)
 
-    def step(self, prefix: list[int]) -> Proposal:
-        """The next tokens of this tier after prefix: one sampled token, or verified drafts plus one."""
-        if self.proposer is None:
+    def step(self, prefix: list[int], limit: int | None = None) -> Proposal:
+        """The next tokens of this tier after prefix: one sampled token, or verified drafts plus one.
+
+        limit: the most tokens the caller will use. Drafts are asked for no more than limit - 1, since a
+        verification adds a token of its own, and a limit of 1 samples from this tier's own forward: tokens
+        beyond it would be computed and thrown away (in a 7.5K bench the middle tier had produced 15% more
+        tokens than the full tier asked of it).
+        """
+        if self.proposer is None or limit == 1:
             probs = self._forward(prefix, [])
             return Proposal([int(sample(probs, self.generator))], probs, [self.name])
         started = time.perf_counter()
         proposer, stats = self.proposer, self.stats
         if self.length.use_shortcut:
             proposer, stats = self.shortcut, self.shortcut_stats
-        draft = proposer.propose(prefix, self.length.current)
+        asked = self.length.current if limit is None else min(self.length.current, limit - 1)
+        draft = proposer.propose(prefix, asked)
         drafted = time.perf_counter()
         probs = self._forward(prefix, draft.tokens)  # (len(draft.tokens) + 1, V)
         device = probs.device
