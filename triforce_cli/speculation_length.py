@@ -1,7 +1,8 @@
 """How many tokens a tier asks of its proposer per verification: fixed, or adapted after every verification.
 
 The configured gamma is the ceiling in every policy (it also sizes the caches' headroom); adaptive policies move
-between 1 and that ceiling. None of them changes what is generated, only how much is drafted:
+between 1 and that ceiling. None of them changes what is generated, only how much is drafted. A tier drafting for
+the tier above it asks for fewer where that tier wants fewer tokens (see ModelTier.step).
 
 - ``fixed``: always gamma.
 - ``heuristic``: the rule of transformers' assisted generation (``num_assistant_tokens_schedule="heuristic"``):
@@ -9,10 +10,13 @@ between 1 and that ceiling. None of them changes what is generated, only how muc
 - ``throughput``: the expected-tokens-per-second stride scheduler of RaLMSpec (Zhang et al., 2024,
   arXiv 2401.14021). With acceptance rate a per draft, a verification of s drafts yields
   (1 - a^(s+1)) / (1 - a) tokens (Leviathan et al., 2023) and costs s draft steps plus one verification; it picks
-  the s with the highest rate. Acceptance and drafting cost are averages over the drafts of this generation in
-  which older verifications fade (see DraftSource); the verification cost is a running average kept per s, since
-  verifying more tokens costs more on a CPU, so every s is tried once first, longest first. Its choices follow the clock, so a seeded sampled run may draft differently from one run
-  to the next (the output distribution stays exact; greedy output is unchanged).
+  the s with the highest rate. Acceptance and drafting cost are averages over this generation's drafts in which
+  older verifications fade (see DraftSource); the verification cost is a running average kept per s, since
+  verifying more tokens costs more on a CPU, so the first verifications try every s once, longest first. A tier
+  whose caller wants fewer tokens drafts fewer (ModelTier.step); a length not measured yet is costed like the
+  nearest measured one below it, so it is still tried where acceptance promises it pays. Its choices follow the
+  clock, so a seeded sampled run may draft differently from one run to the next (the output
+  distribution stays exact; greedy output is unchanged).
 
   A tier may also have a shortcut: its proposer's own proposer (the drafter under the retrieval tier). Under the
   throughput policy the tier then keeps acceptance and drafting cost for both sources, the verification cost by
@@ -51,12 +55,24 @@ def throughput_rate(acceptance: float, draft_seconds: float, verify_seconds: flo
     return expected_tokens(acceptance, length) / seconds if seconds > 0 else float("inf")
 
 
+def verification_cost(verify_seconds: dict[int, float], length: int) -> float:
+    """Seconds to verify `length` drafts: as measured, else as the longest measured length below it (the shortest
+    measured one where there is none below)."""
+    if length in verify_seconds:
+        return verify_seconds[length]
+    below = [n for n in verify_seconds if n < length]
+    return verify_seconds[max(below) if below else min(verify_seconds)]
+
+
 def throughput_length(acceptance: float, draft_seconds: float, verify_seconds: dict[int, float], ceiling: int) -> int:
     """The length in 1..ceiling with the most expected tokens per second.
 
-    draft_seconds: cost of one drafted token; verify_seconds: cost of a verification, by length.
+    draft_seconds: cost of one drafted token; verify_seconds: cost of a verification, by the lengths measured.
     """
-    return max(range(1, ceiling + 1), key=lambda n: throughput_rate(acceptance, draft_seconds, verify_seconds[n], n))
+    return max(
+        range(1, ceiling + 1),
+        key=lambda n: throughput_rate(acceptance, draft_seconds, verification_cost(verify_seconds, n), n),
+    )
 
 
 def _smooth(average: float | None, value: float) -> float:
@@ -82,18 +98,21 @@ class DraftSource:
     """Acceptance and cost per draft of one way of drafting for a tier.
 
     Sums over the source's verifications, each earlier one's weight multiplied by MEMORY at every new one, so the
-    averages follow the generation while counting every draft alike: a running average per verification weighed
-    a verification of one draft, whose acceptance is 0 or 1, like one of six, and its estimate of a 40% acceptance
-    swung by about 0.2 from one verification to the next.
+    averages follow the generation and count every draft alike. (A running average per verification with weight
+    0.3 remembered about three verifications: at one draft each, its estimate of a 40% acceptance wandered by
+    about 0.2.) The acceptance is that of the drafts the verifier decided on: the accepted ones and the first
+    rejected one. Drafts after a rejection are never judged, and counting them as rejected would bias the
+    per-draft rate that expected_tokens assumes towards short lengths.
     """
 
     drafted: float = 0.0
+    judged: float = 0.0  # accepted drafts plus the rejected one, where there was one
     accepted: float = 0.0
     seconds: float = 0.0  # spent drafting
 
     @property
     def acceptance(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
+        return self.accepted / self.judged if self.judged else None
 
     @property
     def draft_seconds(self) -> float | None:
@@ -102,6 +121,7 @@ class DraftSource:
 
     def record(self, drafted: int, accepted: int, draft_seconds: float) -> None:
         self.drafted = MEMORY * self.drafted + drafted
+        self.judged = MEMORY * self.judged + accepted + (accepted < drafted)
         self.accepted = MEMORY * self.accepted + accepted
         self.seconds = MEMORY * self.seconds + draft_seconds
 
@@ -141,10 +161,10 @@ class SpeculationLength:
             averages = self.shortcut_averages if self.use_shortcut else self.proposer_averages
             averages.record(drafted, accepted, draft_seconds)
             self.verify_seconds[drafted] = _smooth(self.verify_seconds.get(drafted), verify_seconds)
-            self._choose()
+            self._choose(drafted)
 
-    def _choose(self) -> None:
-        untried = [n for n in range(self.ceiling, 0, -1) if n not in self.verify_seconds]
+    def _choose(self, drafted: int) -> None:
+        untried = [n for n in range(drafted - 1, 0, -1) if n not in self.verify_seconds]  # shorter than the last
         if untried:
             self.current, self.use_shortcut = untried[0], False
             return
@@ -159,4 +179,5 @@ class SpeculationLength:
     def _best(self, source: DraftSource) -> tuple[float, int]:
         """(tokens per second, length) of the best length for drafts from source."""
         length = throughput_length(source.acceptance, source.draft_seconds, self.verify_seconds, self.ceiling)
-        return throughput_rate(source.acceptance, source.draft_seconds, self.verify_seconds[length], length), length
+        seconds = verification_cost(self.verify_seconds, length)
+        return throughput_rate(source.acceptance, source.draft_seconds, seconds, length), length
