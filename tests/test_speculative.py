@@ -83,8 +83,10 @@ def check_caches_were_exercised(engine: Engine):
     if caches.retrieval is not None:
         # chunks were re-selected while generating, well past the prompt
         assert caches.retrieval.selected_until > PROMPT_TOKENS + NEW_TOKENS // 2
-    if caches.streaming is not None:
-        # the drafter's window slid far past the prompt
+    wants_drafts = not (engine.config.mode == "triforce" and engine.config.gamma2 == 1)
+    if caches.streaming is not None and wants_drafts:
+        # the drafter's window slid far past the prompt (unless target@full asks one token at a time of the
+        # retrieval tier, which then samples it from its own forward, leaving the drafter nothing to draft)
         assert caches.streaming.window_start > PROMPT_TOKENS
         assert len(caches.streaming.cached_positions()) <= caches.streaming.capacity
 
@@ -94,7 +96,9 @@ def check_caches_were_exercised(engine: Engine):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_speculative_equals_autoregressive(seed, mode, combo):
     target = rich_model(seed)
-    engine = Engine(target.loaded, engine_config(mode, **COMBOS[combo]))
+    # fixed lengths: under throughput the full tier may draft straight from the drafter for long stretches, and
+    # the retrieval cache is re-selected only when the retrieval tier drafts (adaptive lengths: their own tests)
+    engine = Engine(target.loaded, engine_config(mode, gamma_policy="fixed", **COMBOS[combo]))
     result = engine.generate(prompt_for(seed))
     assert result.token_ids == list(autoregressive_tokens(seed))
     assert result.stats.stop_reason == "max_new_tokens"
@@ -107,7 +111,7 @@ def test_greedy_speculative_equals_autoregressive(seed, mode, combo):
 def test_greedy_with_separate_drafter_equals_autoregressive(seed, mode, combo):
     target = rich_model(seed)
     drafter = rich_model(seed + 50, num_layers=1, name="drafter")
-    engine = Engine(target.loaded, engine_config(mode, **COMBOS[combo]), drafter=drafter.loaded)
+    engine = Engine(target.loaded, engine_config(mode, gamma_policy="fixed", **COMBOS[combo]), drafter=drafter.loaded)
     assert engine.drafter_description == "drafter"
     result = engine.generate(prompt_for(seed))
     assert result.token_ids == list(autoregressive_tokens(seed))
@@ -182,7 +186,7 @@ def test_stats_are_consistent(mode, tiny_target, tiny_drafter):
         if a.verifier == "target":
             assert a.drafted == gamma * a.verifications
         else:  # the retrieval tier drafts fewer where the full tier wants fewer tokens than gamma1 + 1
-            assert a.verifications < a.drafted <= gamma * a.verifications
+            assert a.verifications < a.drafted < gamma * a.verifications
         assert 0 <= a.accepted <= a.drafted
         assert 0 < a.accepted < a.drafted  # peaky models: some drafts accepted, some rejected
         assert 1 <= a.mean_accepted_length <= gamma + 1

@@ -20,14 +20,15 @@ class EngineConfig:
     (drafter@StreamingLLM -> target@full) or ``triforce`` (all three tiers).
     budget: tokens of prompt chunks the retrieval cache keeps; None picks min(1024, the prompt's whole chunks).
     gamma1: drafter tokens per verification by the tier above it; gamma2: tokens target@full verifies per pass
-    in ``triforce`` and ``retrieval`` modes.
+    in ``triforce`` and ``retrieval`` modes. The retrieval tier drafts fewer than gamma1 where target@full wants
+    fewer tokens than gamma1 + 1.
     gamma_policy: ``fixed`` gammas, or adapted after every verification (``heuristic``: +2/-1;
     ``throughput``: most expected tokens per second), with gamma1/gamma2 as ceilings (speculation_length.py);
     ``auto`` is throughput, except for seeded sampling (see speculation_policy). Under throughput, target@full
     in ``triforce`` mode also chooses, by the same measure, between the retrieval tier's tokens and the drafter's
     own (the middle tier skipped where it does not pay); ``fixed`` and ``heuristic`` keep all three tiers.
-    refresh_interval: full verifications between two chunk selections of the retrieval cache; a selection falls
-        due while the full tier drafts straight from the drafter waits until the retrieval tier drafts again.
+    refresh_interval: full verifications between two chunk selections of the retrieval cache; a selection that
+        falls due while the full tier drafts straight from the drafter waits until the retrieval tier drafts again.
     ngram: draft with the training-free n-gram proposer: alone, or first with the model drafter drafting where it
     finds no continuation (speculative.FallbackProposer); ngram_max is the longest suffix it matches.
     """
