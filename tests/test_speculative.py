@@ -191,6 +191,9 @@ def test_stats_are_consistent(mode, tiny_target, tiny_drafter):
         assert 0 < a.accepted < a.drafted  # peaky models: some drafts accepted, some rejected
         assert 1 <= a.mean_accepted_length <= gamma + 1
         assert a.acceptance_rate == pytest.approx(a.accepted / a.drafted)
+        # each pass rejects at most one draft, after which nothing is judged
+        assert 0 < a.rejections <= a.verifications and a.accepted + a.rejections < a.drafted
+        assert a.judged_acceptance_rate == pytest.approx(a.accepted / (a.accepted + a.rejections))
     if stats.acceptance:
         top = stats.acceptance[0]
         assert top.verifications == len(stats.round_tokens)

@@ -30,7 +30,7 @@ def machine_description() -> dict:
 def _acceptance_text(row: BenchRow) -> str:
     return ", ".join(
         f"{a['proposer']}→{a['verifier']} {a['acceptance_rate']:.0%} of {a['mean_drafted']:.1f}"
-        f" (len {a['mean_accepted_length']:.2f}, {a['verifications']} passes)"
+        f" (α {a['judged_acceptance_rate']:.0%}, len {a['mean_accepted_length']:.2f}, {a['verifications']} passes)"
         if a["verifications"]
         else f"{a['proposer']}→{a['verifier']} no passes"
         for a in row.acceptance

@@ -147,6 +147,7 @@ def acceptance_table(stats: GenerationStats) -> Table | None:
         "drafted",
         "accepted",
         "rate",
+        "per judged draft",
         "drafts per pass",
         "mean accepted length",
     )
@@ -160,6 +161,7 @@ def acceptance_table(stats: GenerationStats) -> Table | None:
             str(a.drafted),
             str(a.accepted),
             f"{a.acceptance_rate:.1%}",
+            f"{a.judged_acceptance_rate:.1%}",
             f"{a.mean_drafted:.2f}",
             f"{a.mean_accepted_length:.2f}",
         )

@@ -36,10 +36,19 @@ class AcceptanceStats:
     drafted: int = 0
     accepted: int = 0
     verifications: int = 0
+    rejections: int = 0  # verifications that rejected a draft
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def judged_acceptance_rate(self) -> float:
+        """Accepted drafts among those the verifier decided on: the accepted ones and the rejected one. Drafts
+        after a rejection are never decided on, so this, not acceptance_rate, estimates the per-draft acceptance
+        (alpha of Leviathan et al., 2023) where a pass drafts more than one token."""
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else 0.0
 
     @property
     def mean_drafted(self) -> float:
@@ -60,6 +69,8 @@ class AcceptanceStats:
             "accepted": self.accepted,
             "verifications": self.verifications,
             "acceptance_rate": self.acceptance_rate,
+            "rejections": self.rejections,
+            "judged_acceptance_rate": self.judged_acceptance_rate,
             "mean_drafted": self.mean_drafted,
             "mean_accepted_length": self.mean_accepted_length,
         }
@@ -186,6 +197,7 @@ class ModelTier:
         stats.drafted += len(draft.tokens)
         stats.accepted += verdict.accepted
         stats.verifications += 1
+        stats.rejections += verdict.accepted < len(draft.tokens)
         self.length.record(len(draft.tokens), verdict.accepted, drafted - started, verified - drafted)
         kept = len(prefix) + verdict.accepted
         self.rollback(kept)
