@@ -240,8 +240,8 @@ def test_an_idle_retrieval_tier_is_not_refreshed(monkeypatch):
     result = engine.generate(prompt_for(0))
     assert result.token_ids == list(autoregressive_tokens(0))
     assert calls == {"select_chunks": 1, "sync_recent": 1}  # the selection after prefill, which syncs once
-    *middle, shortcut = result.stats.acceptance
-    assert shortcut.verifications > 1 and all(stats.verifications == 0 for stats in middle)
+    *through_the_middle, shortcut = result.stats.acceptance  # retrieval -> target, drafter -> retrieval
+    assert shortcut.verifications > 1 and all(stats.verifications == 0 for stats in through_the_middle)
 
 
 class ThreeShortcutsThenTheMiddle(SpeculationLength):
