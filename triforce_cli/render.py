@@ -147,7 +147,7 @@ def acceptance_table(stats: GenerationStats) -> Table | None:
         "drafted",
         "accepted",
         "rate",
-        "per judged draft",
+        "α",  # per judged draft, see AcceptanceStats.judged_acceptance_rate
         "drafts per pass",
         "mean accepted length",
     )
