@@ -15,8 +15,8 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   verifying more tokens costs more on a CPU, so the first verifications try every s once, longest first. A tier
   whose caller wants fewer tokens drafts fewer (ModelTier.step); a length not measured yet is costed like the
   nearest measured one below it, so it is still tried where acceptance promises it pays. Its choices follow the
-  clock, so a seeded sampled run may draft differently from one run to the next (the output
-  distribution stays exact; greedy output is unchanged).
+  clock, so a seeded sampled run may draft differently from one run to the next (the output distribution stays
+  exact; greedy output is unchanged).
 
   A tier may also have a shortcut: its proposer's own proposer (the drafter under the retrieval tier). Under the
   throughput policy the tier then keeps acceptance and drafting cost for both sources, the verification cost by
