@@ -186,16 +186,27 @@ def test_without_a_shortcut_the_source_never_changes():
     assert not any(run_policy(length, 3 * SHORTCUT_RETRY, {False: (True, 0.1)}))
 
 
-class CoinFlipSource(SpeculationLength):
-    """The throughput lengths, with every verification's source (where there are two) drawn at random."""
+class ScriptedSource(SpeculationLength):
+    """The throughput lengths, with the source of every verification (where there are two) set by the test's
+    `shortcut_now` instead of the policy."""
+
+    def shortcut_now(self) -> bool:
+        raise NotImplementedError
 
     @property
     def use_shortcut(self) -> bool:
-        return self.has_shortcut and random.random() < 0.5
+        return self.has_shortcut and self.shortcut_now()
 
     @use_shortcut.setter
     def use_shortcut(self, value: bool) -> None:
         pass
+
+
+class CoinFlipSource(ScriptedSource):
+    """Every verification's source drawn at random."""
+
+    def shortcut_now(self) -> bool:
+        return random.random() < 0.5
 
 
 def test_pipeline_is_exact_when_the_top_tier_switches_sources(monkeypatch):
@@ -208,55 +219,51 @@ def test_pipeline_is_exact_when_the_top_tier_switches_sources(monkeypatch):
     assert joint_chi_square(pairs, first, second) > P_THRESHOLD
 
 
-class AlwaysShortcut(SpeculationLength):
-    """Every verification (where there is a shortcut) drafts from the shortcut, as many tokens as the ceiling."""
+class AlwaysShortcut(ScriptedSource):
+    """Every verification drafts from the shortcut, as many tokens as the ceiling."""
 
-    @property
-    def use_shortcut(self) -> bool:
-        return self.has_shortcut
-
-    @use_shortcut.setter
-    def use_shortcut(self, value: bool) -> None:
-        pass
+    def shortcut_now(self) -> bool:
+        return True
 
     def _choose(self, drafted: int) -> None:
         pass
+
+
+def full_lengths_at_calls(monkeypatch, method: str) -> list[int]:
+    """The full cache's length at every call of RetrievalCache.<method> from now on (the method still runs)."""
+    lengths: list[int] = []
+    original = getattr(RetrievalCache, method)
+
+    def recorded(self):
+        lengths.append(self.full.length)
+        return original(self)
+
+    monkeypatch.setattr(RetrievalCache, method, recorded)
+    return lengths
 
 
 def test_an_idle_retrieval_tier_is_not_refreshed(monkeypatch):
     """While target@full drafts straight from the drafter, the retrieval cache keeps the view of the prefill:
     no chunk selection or recent-token copy beyond it, and the greedy output is unchanged."""
     monkeypatch.setattr(speculative, "SpeculationLength", AlwaysShortcut)
-    calls = {"select_chunks": 0, "sync_recent": 0}
-    for name in calls:
-        original = getattr(RetrievalCache, name)
-
-        def counted(self, original=original, name=name):
-            calls[name] += 1
-            return original(self)
-
-        monkeypatch.setattr(RetrievalCache, name, counted)
+    selections = full_lengths_at_calls(monkeypatch, "select_chunks")
+    syncs = full_lengths_at_calls(monkeypatch, "sync_recent")
     engine = Engine(rich_model(0).loaded, engine_config("triforce", gamma_policy="throughput"))
     result = engine.generate(prompt_for(0))
     assert result.token_ids == list(autoregressive_tokens(0))
-    assert calls == {"select_chunks": 1, "sync_recent": 1}  # the selection after prefill, which syncs once
+    assert (len(selections), len(syncs)) == (1, 1)  # the selection after prefill, which syncs once
     *through_the_middle, shortcut = result.stats.acceptance  # retrieval -> target, drafter -> retrieval
     assert shortcut.verifications > 1 and all(stats.verifications == 0 for stats in through_the_middle)
 
 
-class ThreeShortcutsThenTheMiddle(SpeculationLength):
-    """Where there is a shortcut, three verifications drafted straight from the drafter, then one through the
-    middle tier, over and over; every length at the ceiling."""
+class ThreeShortcutsThenTheMiddle(ScriptedSource):
+    """Three verifications drafted straight from the drafter, then one through the middle tier, over and over;
+    every length at the ceiling."""
 
     rounds = 0
 
-    @property
-    def use_shortcut(self) -> bool:
-        return self.has_shortcut and self.rounds % 4 != 3
-
-    @use_shortcut.setter
-    def use_shortcut(self, value: bool) -> None:
-        pass
+    def shortcut_now(self) -> bool:
+        return self.rounds % 4 != 3
 
     def record(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         self.rounds += 1
@@ -267,14 +274,7 @@ def test_the_retrieval_tier_catches_up_after_shortcut_rounds(monkeypatch):
     three rounds of recent tokens, once after a selection: exact, within its recent region, with a selection
     before every second turn."""
     monkeypatch.setattr(speculative, "SpeculationLength", ThreeShortcutsThenTheMiddle)
-    selections = []
-    original = RetrievalCache.select_chunks
-
-    def counted(self):
-        selections.append(self.full.length)
-        return original(self)
-
-    monkeypatch.setattr(RetrievalCache, "select_chunks", counted)
+    selections = full_lengths_at_calls(monkeypatch, "select_chunks")
     config = engine_config("triforce", gamma_policy="throughput", refresh_interval=8)
     result = Engine(rich_model(0).loaded, config).generate(prompt_for(0))
     assert result.token_ids == list(autoregressive_tokens(0))
