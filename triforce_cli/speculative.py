@@ -184,7 +184,7 @@ class ModelTier:
             return Proposal([int(sample(probs, self.generator))], probs, [self.name])
         started = time.perf_counter()
         proposer, stats = self.proposer, self.stats
-        if self.length.use_shortcut:
+        if self.uses_shortcut_next:
             proposer, stats = self.shortcut, self.shortcut_stats
         asked = self.length.current if limit is None else min(self.length.current, limit - 1)
         draft = proposer.propose(prefix, asked)
