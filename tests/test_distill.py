@@ -2,6 +2,7 @@
 (loaded beside its target, refused beside another), greedy equality with it as the drafter, and CLI errors."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -239,6 +240,47 @@ def test_max_minutes_zero_stops_before_training_and_resumes(target_folder, text_
     assert resumed.finished
 
 
+def test_init_from_starts_from_an_earlier_drafter_with_its_vocabulary(target_folder, text_file, tmp_path):
+    first = tmp_path / "first"
+    distill(target_folder, first, tiny_config(text_file, draft_vocab=12))
+    other_text = tmp_path / "other.txt"  # other words, so a vocabulary chosen afresh from it would differ
+    other_text.write_text(" ".join(f"w{20 + i % 10}" for i in range(600)))
+    again = tmp_path / "again"
+    negligible = {"max_steps": 1, "warmup_steps": 1, "learning_rate": 1e-12}
+    distill(target_folder, again, tiny_config(other_text, draft_vocab=12, init_from=str(first), **negligible))
+    before, after = load_file(first / "model.safetensors"), load_file(again / "model.safetensors")
+    assert before.keys() == after.keys()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], msg=name)
+    metadata = [json.loads((folder / "config.json").read_text())[DRAFTER_METADATA] for folder in (first, again)]
+    assert metadata[1]["output_ids"] == metadata[0]["output_ids"]
+    assert metadata[1]["distill"]["init_from"] == "first"
+    fresh = tmp_path / "fresh"
+    distill(target_folder, fresh, tiny_config(other_text, draft_vocab=12, **negligible))
+    assert json.loads((fresh / "config.json").read_text())[DRAFTER_METADATA]["output_ids"] != metadata[0]["output_ids"]
+
+
+def test_init_from_refuses_what_does_not_fit(target_folder, text_file, tmp_path):
+    first = tmp_path / "first"
+    distill(target_folder, first, tiny_config(text_file, draft_vocab=12))
+    foreign = tmp_path / "foreign"
+    shutil.copytree(first, foreign)
+    settings = json.loads((foreign / "config.json").read_text())
+    settings[DRAFTER_METADATA] |= {"target": "another-target", "embedding_sha256": "0" * 64}
+    (foreign / "config.json").write_text(json.dumps(settings))
+    checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
+    cases = [
+        ({"init_from": str(tmp_path / "missing")}, "no readable config.json"),
+        ({"init_from": str(target_folder)}, "is not a drafter folder written by triforce distill"),
+        ({"init_from": str(foreign)}, "distilled for another-target, not for tiny-target"),
+        ({"init_from": str(first), "init_layers": (0, 1, 2)}, "has 2 layers; --init-layers names 3"),
+        ({"init_from": str(first)}, "covers 12 output tokens; pass --draft-vocab 12"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            Distiller(tiny_config(text_file, **changes), teacher, tokenizer, checkpoint, tmp_path / "out")
+
+
 def test_default_drafter_choice(tmp_path, monkeypatch):
     import triforce_cli.pipeline
 
@@ -285,8 +327,17 @@ def test_cli_writes_a_drafter_that_generate_uses(target_folder, text_file, tmp_p
         (("--builtin", "novel"), "unknown name 'novel'"),
         (("--resume",), "nothing to resume"),
         (("--data", "/nonexistent/text.txt", "--builtin", ""), "does not exist"),
+        (("--init-from", "/nonexistent/drafter"), "no readable config.json"),
     ],
-    ids=["no-data", "bad-layers", "layer-out-of-range", "unknown-builtin", "nothing-to-resume", "missing-file"],
+    ids=[
+        "no-data",
+        "bad-layers",
+        "layer-out-of-range",
+        "unknown-builtin",
+        "nothing-to-resume",
+        "missing-file",
+        "missing-init-drafter",
+    ],
 )
 def test_cli_errors_are_one_line(target_folder, tmp_path, args, message):
     result = run_cli("--target", target_folder, "--out", tmp_path / "d", *args)

@@ -388,6 +388,10 @@ def distill(
     init_layers: Annotated[
         str, typer.Option(help="Target layers the drafter starts from, in order (its depth).")
     ] = ",".join(map(str, DISTILL_DEFAULTS.init_layers)),
+    init_from: Annotated[
+        Path | None,
+        typer.Option(help="Start from this drafter folder (distilled for the same target) instead of target layers."),
+    ] = None,
     draft_vocab: Annotated[
         int, typer.Option(help="Tokens the drafter's output layer covers (the most frequent in the data); 0: all.")
     ] = DISTILL_DEFAULTS.draft_vocab,
@@ -431,6 +435,7 @@ def distill(
             data=tuple(str(path) for path in data or ()),
             builtin=parse_names(builtin, BUILTIN_NAMES),
             init_layers=parse_layers(init_layers),
+            init_from=str(init_from) if init_from is not None else None,
             draft_vocab=draft_vocab,
             self_generate=self_generate,
             self_temperature=self_temperature,

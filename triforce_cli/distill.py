@@ -9,8 +9,12 @@ frozen, and are not written out: loading the drafter beside its target borrows t
 HASS's second idea, context alignment, trains a feature-level drafter on the features it will see while drafting
 (its own). A token-level drafter sees accepted tokens while drafting, which follow the target's distribution;
 `self_generate` aligns its training context the same way, with windows the target writes itself.
+
+`init_from` starts from an earlier drafter of the same target instead of the target's layers: more steps on a
+drafter already shipped, with a learning-rate schedule of their own.
 """
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -18,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from triforce_cli.distill_data import TeacherTargets, self_generated_windows, text_windows, training_texts
@@ -46,6 +50,7 @@ class DistillConfig:
     data: tuple[str, ...] = ()  # text files
     builtin: tuple[str, ...] = ()  # built-in documents (corpus.BUILTIN_NAMES)
     init_layers: tuple[int, ...] = (0, 1, 2)  # target layers the drafter starts from, in order
+    init_from: str | None = None  # a drafter folder written by distill for this target: start from its weights
     draft_vocab: int = 8192  # tokens the drafter's output layer covers, the most frequent in the data; 0: all
     self_generate: int = 0  # extra training windows the target writes itself
     seq_len: int = 256
@@ -168,6 +173,40 @@ def build_drafter(
     return drafter
 
 
+@dataclass(frozen=True)
+class DrafterStart:
+    """The trained weights (without the borrowed embeddings) and output vocabulary of an earlier drafter."""
+
+    weights: dict[str, torch.Tensor]
+    output_ids: torch.Tensor | None
+
+
+def read_drafter_start(config: DistillConfig, target: Checkpoint, vocab_size: int) -> DrafterStart:
+    """The drafter folder config.init_from, checked against the target and the drafter shape config asks for."""
+    folder = Path(config.init_from)
+    name = f"--init-from {folder}"
+    try:
+        settings = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"{name}: no readable config.json there") from None
+    metadata = settings.get(DRAFTER_METADATA)
+    if not metadata or not (folder / "model.safetensors").is_file():
+        raise ConfigError(f"{name} is not a drafter folder written by triforce distill")
+    if metadata["embedding_sha256"] != embedding_digest(target.weight_files):
+        raise ConfigError(f"{name} was distilled for {metadata['target']}, not for {target.name}")
+    layers = settings["num_hidden_layers"]
+    if layers != len(config.init_layers):
+        raise ConfigError(
+            f"{name} has {layers} layers; --init-layers names {len(config.init_layers)}: give it {layers}"
+        )
+    output_ids = metadata.get("output_ids")
+    covered = len(output_ids) if output_ids else 0
+    if covered != (config.draft_vocab if config.draft_vocab < vocab_size else 0):
+        raise ConfigError(f"{name} covers {covered or 'all'} output tokens; pass --draft-vocab {covered}")
+    weights = {key: tensor.float() for key, tensor in load_file(folder / "model.safetensors").items()}
+    return DrafterStart(weights, torch.tensor(output_ids) if output_ids else None)
+
+
 def learning_rate(config: DistillConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to a tenth over max_steps."""
     if step < config.warmup_steps:
@@ -202,6 +241,8 @@ class Distiller:
         available = teacher.config.num_hidden_layers
         if max(config.init_layers) >= available:
             raise ConfigError(f"--init-layers names layer {max(config.init_layers)}, but the target has {available}")
+        vocab_size = teacher.config.vocab_size
+        self.start = read_drafter_start(config, target, vocab_size) if config.init_from else None
         self.work.mkdir(parents=True, exist_ok=True)
         self.checkpoint = torch.load(checkpoint_path, weights_only=False) if resume else None
         if self.checkpoint is not None and self.checkpoint["config"] != asdict(config):
@@ -239,11 +280,17 @@ class Distiller:
         """The drafter and optimizer, restored from the checkpoint when resuming."""
         cfg = self.config
         vocab_size = self.teacher.config.vocab_size
-        if 0 < cfg.draft_vocab < vocab_size:
+        if self.start is not None:
+            self.output_ids = self.start.output_ids
+        elif 0 < cfg.draft_vocab < vocab_size:
             always = token_id_set(self.teacher.generation_config.eos_token_id)
             self.output_ids = frequent_tokens(train, vocab_size, cfg.draft_vocab, always)
         torch.manual_seed(cfg.seed)
         self.drafter = build_drafter(self.teacher, cfg.init_layers, self.output_ids)
+        if self.start is not None:
+            loaded = self.drafter.load_state_dict(self.start.weights, strict=False)
+            if loaded.unexpected_keys or set(loaded.missing_keys) - set(SHARED_WEIGHTS):
+                raise ConfigError(f"--init-from {cfg.init_from}: its weights do not fit a drafter of this target")
         trainable = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
         if self.checkpoint is not None and self.checkpoint["step"]:
@@ -353,12 +400,13 @@ class Distiller:
         }
         save_file(tensors, self.out / "model.safetensors")
         config = drafter_config(self.teacher.config, self.config.init_layers)
+        start = Path(self.config.init_from).name if self.config.init_from else None
         metadata = {
             "target": self.target.name,
             "embedding_sha256": embedding_digest(self.target.weight_files),
             "steps": self.step,
             "seconds": round(seconds, 1),
-            "distill": asdict(self.config) | {"data": [Path(f).name for f in self.config.data]},
+            "distill": asdict(self.config) | {"data": [Path(f).name for f in self.config.data], "init_from": start},
             "held_out": self.history[-1] if self.history else None,
         }
         if self.output_ids is not None:
