@@ -183,8 +183,8 @@ def test_stats_are_consistent(mode, tiny_target, tiny_drafter):
     gammas = {"target": cfg.gamma2 if mode != "streaming" else cfg.gamma1, "retrieval": cfg.gamma1}
     for a in stats.acceptance:
         gamma = gammas[a.verifier]
-        if a.verifier == "target":
-            assert a.drafted == gamma * a.verifications
+        if a.verifier == "target":  # gamma per pass, fewer in the last passes, which ask only for what is wanted
+            assert gamma * (a.verifications - gamma) < a.drafted <= gamma * a.verifications
         else:  # the retrieval tier drafts fewer where the full tier wants fewer tokens than gamma1 + 1
             assert a.verifications < a.drafted < gamma * a.verifications
         assert 0 <= a.accepted <= a.drafted
@@ -196,10 +196,10 @@ def test_stats_are_consistent(mode, tiny_target, tiny_drafter):
         assert a.judged_acceptance_rate == pytest.approx(a.accepted / (a.accepted + a.rejections))
     if stats.acceptance:
         top = stats.acceptance[0]
-        assert top.verifications == len(stats.round_tokens)
-        # every round commits the accepted drafts plus one token; only the last round may be cut short
-        assert stats.decoded_tokens <= top.accepted + top.verifications
-        assert stats.decoded_tokens > top.accepted + top.verifications - (gammas["target"] + 1)
+        # a last round that wants one token samples it without drafting
+        assert len(stats.round_tokens) - 1 <= top.verifications <= len(stats.round_tokens)
+        # every round commits its accepted drafts plus one token, none cut off
+        assert stats.decoded_tokens == top.accepted + len(stats.round_tokens)
     as_dict = stats.as_dict()
     assert as_dict["new_tokens"] == NEW_TOKENS and len(as_dict["acceptance"]) == len(expected_pairs)
     assert result.text == " ".join(map(str, result.token_ids))
@@ -220,6 +220,9 @@ def test_max_new_tokens_is_exact(mode, max_new_tokens, tiny_target):
     result = Engine(tiny_target.loaded, cfg).generate(prompt_for(1))
     assert len(result.token_ids) == result.stats.new_tokens == max_new_tokens
     assert result.stats.stop_reason == "max_new_tokens"
+    if result.stats.acceptance:  # the last round asks for no more than the tokens still wanted
+        top = result.stats.acceptance[0]
+        assert top.accepted + len(result.stats.round_tokens) == result.stats.decoded_tokens
 
 
 @pytest.mark.parametrize("where", ["config", "tokenizer"])
@@ -403,7 +406,7 @@ def pipeline_pairs(mode: str, trials: int, gamma_policy: str = "auto") -> list[t
         draft_window=8,
         gamma1=2,
         gamma2=3,
-        max_new_tokens=2,
+        max_new_tokens=4,  # the first round wants 3 tokens: the full tier asks for 2, the middle tier drafts 1
         refresh_interval=1,
         prefill_chunk=8,
         sampling=TEMPERATURE_1,

@@ -224,7 +224,7 @@ class Engine:
             return
         while len(generated) < cfg.max_new_tokens:
             started = time.perf_counter()
-            step = top.step(committed)
+            step = top.step(committed, limit=cfg.max_new_tokens - len(generated))
             rounds_since_selection += 1
             if caches.retrieval is not None and not top.uses_shortcut_next:
                 # the retrieval tier drafts the next round: bring its view up to date (left as it is while the
