@@ -272,13 +272,45 @@ def test_init_from_refuses_what_does_not_fit(target_folder, text_file, tmp_path)
     cases = [
         ({"init_from": str(tmp_path / "missing")}, "no readable config.json"),
         ({"init_from": str(target_folder)}, "is not a drafter folder written by triforce distill"),
-        ({"init_from": str(foreign)}, "distilled for another-target, not for tiny-target"),
-        ({"init_from": str(first), "init_layers": (0, 1, 2)}, "has 2 layers; --init-layers names 3"),
+        ({"init_from": str(foreign)}, "distilled for another-target; its embeddings are not those of tiny-target"),
+        (
+            {"init_from": str(first), "init_layers": (0, 1)},
+            "started from target layers 0,2; pass --init-layers 0,2",
+        ),
         ({"init_from": str(first)}, "covers 12 output tokens; pass --draft-vocab 12"),
     ]
     for changes, message in cases:
         with pytest.raises(ConfigError, match=message):
             Distiller(tiny_config(text_file, **changes), teacher, tokenizer, checkpoint, tmp_path / "out")
+
+
+def test_init_from_run_resumes_from_its_checkpoint_alone(target_folder, text_file, tmp_path):
+    """A resumed --init-from run takes weights and vocabulary from its checkpoint, even with the start gone."""
+    first = tmp_path / "first"
+    distill(target_folder, first, tiny_config(text_file, draft_vocab=12))
+    start = tmp_path / "start"
+    shutil.copytree(first, start)
+    config = tiny_config(text_file, draft_vocab=12, init_from=str(start))
+    distill(target_folder, tmp_path / "straight", config)
+
+    def interrupt_at_step_6(event: DistillProgress):
+        if event.phase == "train" and event.done == 6:
+            raise KeyboardInterrupt
+
+    checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
+    out = tmp_path / "resumed"
+    distiller = Distiller(config, teacher, tokenizer, checkpoint, out)
+    with pytest.raises(KeyboardInterrupt):
+        distiller.run(interrupt_at_step_6)
+    distiller.stop(interrupted=True)
+    shutil.rmtree(start)
+    _, resumed = distill(target_folder, out, config, resume=True)
+    assert resumed.finished and resumed.steps == 12
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name)
+    output_ids = [json.loads((f / "config.json").read_text())[DRAFTER_METADATA]["output_ids"] for f in (first, out)]
+    assert output_ids[0] == output_ids[1]
 
 
 def test_default_drafter_choice(tmp_path, monkeypatch):

@@ -189,16 +189,18 @@ def read_drafter_start(config: DistillConfig, target: Checkpoint, vocab_size: in
         settings = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         raise ConfigError(f"{name}: no readable config.json there") from None
-    metadata = settings.get(DRAFTER_METADATA)
-    if not metadata or not (folder / "model.safetensors").is_file():
+    metadata = settings.get(DRAFTER_METADATA) or {}
+    recorded = ("target", "embedding_sha256", "distill")
+    if not all(key in metadata for key in recorded) or not (folder / "model.safetensors").is_file():
         raise ConfigError(f"{name} is not a drafter folder written by triforce distill")
     if metadata["embedding_sha256"] != embedding_digest(target.weight_files):
-        raise ConfigError(f"{name} was distilled for {metadata['target']}, not for {target.name}")
-    layers = settings["num_hidden_layers"]
-    if layers != len(config.init_layers):
         raise ConfigError(
-            f"{name} has {layers} layers; --init-layers names {len(config.init_layers)}: give it {layers}"
+            f"{name} was distilled for {metadata['target']}; its embeddings are not those of {target.name}"
         )
+    layers = tuple(metadata["distill"].get("init_layers", ()))
+    if layers != config.init_layers:
+        named = ",".join(map(str, layers))
+        raise ConfigError(f"{name} started from target layers {named}; pass --init-layers {named}")
     output_ids = metadata.get("output_ids")
     covered = len(output_ids) if output_ids else 0
     if covered != (config.draft_vocab if config.draft_vocab < vocab_size else 0):
@@ -241,12 +243,13 @@ class Distiller:
         available = teacher.config.num_hidden_layers
         if max(config.init_layers) >= available:
             raise ConfigError(f"--init-layers names layer {max(config.init_layers)}, but the target has {available}")
-        vocab_size = teacher.config.vocab_size
-        self.start = read_drafter_start(config, target, vocab_size) if config.init_from else None
         self.work.mkdir(parents=True, exist_ok=True)
         self.checkpoint = torch.load(checkpoint_path, weights_only=False) if resume else None
         if self.checkpoint is not None and self.checkpoint["config"] != asdict(config):
             raise ConfigError(f"{out} was started with other settings; resume with the same flags")
+        self.start: DrafterStart | None = None  # read only before training: a checkpoint has what it gave
+        if config.init_from and not (self.checkpoint is not None and self.checkpoint["step"]):
+            self.start = read_drafter_start(config, target, teacher.config.vocab_size)
         self.drafter: PreTrainedModel | None = None  # built once the data (and so the draft vocabulary) is known
         self.optimizer: torch.optim.Optimizer | None = None
         self.output_ids: torch.Tensor | None = None
@@ -280,7 +283,9 @@ class Distiller:
         """The drafter and optimizer, restored from the checkpoint when resuming."""
         cfg = self.config
         vocab_size = self.teacher.config.vocab_size
-        if self.start is not None:
+        if self.checkpoint is not None and self.checkpoint["step"] and "output_ids" in self.checkpoint:
+            self.output_ids = self.checkpoint["output_ids"]  # whatever --init-from holds by now
+        elif self.start is not None:
             self.output_ids = self.start.output_ids
         elif 0 < cfg.draft_vocab < vocab_size:
             always = token_id_set(self.teacher.generation_config.eos_token_id)
@@ -288,8 +293,11 @@ class Distiller:
         torch.manual_seed(cfg.seed)
         self.drafter = build_drafter(self.teacher, cfg.init_layers, self.output_ids)
         if self.start is not None:
-            loaded = self.drafter.load_state_dict(self.start.weights, strict=False)
-            if loaded.unexpected_keys or set(loaded.missing_keys) - set(SHARED_WEIGHTS):
+            try:
+                loaded = self.drafter.load_state_dict(self.start.weights, strict=False)
+            except RuntimeError:  # a tensor of another shape
+                loaded = None
+            if loaded is None or loaded.unexpected_keys or set(loaded.missing_keys) - set(SHARED_WEIGHTS):
                 raise ConfigError(f"--init-from {cfg.init_from}: its weights do not fit a drafter of this target")
         trainable = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
@@ -371,6 +379,7 @@ class Distiller:
             "config": asdict(self.config),
             "drafter": trained,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "output_ids": self.output_ids,
             "step": self.step,
             "seconds": self.seconds + time.monotonic() - self._started,
             "history": self.history,
@@ -400,7 +409,7 @@ class Distiller:
         }
         save_file(tensors, self.out / "model.safetensors")
         config = drafter_config(self.teacher.config, self.config.init_layers)
-        start = Path(self.config.init_from).name if self.config.init_from else None
+        start = Path(self.config.init_from).resolve().name if self.config.init_from else None
         metadata = {
             "target": self.target.name,
             "embedding_sha256": embedding_digest(self.target.weight_files),
