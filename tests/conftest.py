@@ -112,6 +112,13 @@ def reference_logits(ref: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     return ref(torch.tensor([ids])).logits[0].float()
 
 
+def fixed_drafts_at_least(gamma: int, verifications: int) -> int:
+    """The fewest drafts a top tier with a fixed gamma makes in this many verifications: every pass drafts gamma,
+    except the last ones, which draft only the tokens still wanted less one; each of those commits at least one
+    token, so together they draft at most 1 + 2 + ... + (gamma - 1) fewer."""
+    return gamma * verifications - gamma * (gamma - 1) // 2
+
+
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=g).tolist()

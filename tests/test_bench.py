@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
-from conftest import random_prompt, save_checkpoint
+from conftest import fixed_drafts_at_least, random_prompt, save_checkpoint
 from typer.testing import CliRunner
 
 import triforce_cli.bench
@@ -100,8 +100,10 @@ def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
         ("hf", None),
     ]
     assert all(row.matches_autoregressive for row in rows)
-    fixed_top = rows[1].acceptance[0]
-    assert fixed_top["mean_drafted"] == 4  # gamma2 of the pipe, every pass
+    fixed_top = rows[1].acceptance[0]  # gamma2 of the pipe (4) every pass, but the last ones
+    assert (
+        fixed_drafts_at_least(4, fixed_top["verifications"]) <= fixed_top["drafted"] <= 4 * fixed_top["verifications"]
+    )
     assert rows[1].as_dict()["gamma_policy"] == "fixed"
 
 

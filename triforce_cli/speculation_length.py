@@ -168,13 +168,15 @@ class SpeculationLength:
         if untried:
             self.current, self.use_shortcut = untried[0], False
             return
-        best = {False: self._best(self.proposer_averages)}
+        sources = {False: self.proposer_averages}
         if self.has_shortcut:
-            if self.shortcut_averages.acceptance is not None:
-                best[True] = self._best(self.shortcut_averages)
-            rates = {source: rate for source, (rate, _) in best.items()}
+            sources[True] = self.shortcut_averages
+        best = {shortcut: self._best(source) for shortcut, source in sources.items() if source.acceptance is not None}
+        if self.has_shortcut:
+            rates = {shortcut: rate for shortcut, (rate, _) in best.items()}
             self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
-        _, self.current = best.get(self.use_shortcut, best[False])  # an unmeasured shortcut: the proposer's length
+        # the source just recorded is measured; one not measured yet drafts the measured one's length
+        _, self.current = best.get(self.use_shortcut, next(iter(best.values())))
 
     def _best(self, source: DraftSource) -> tuple[float, int]:
         """(tokens per second, length) of the best length for drafts from source."""
