@@ -17,6 +17,7 @@ from triforce_cli.distill import (
     DistillConfig,
     Distiller,
     DistillProgress,
+    DistillResult,
     frequent_tokens,
     load_teacher,
     topk_distillation_loss,
@@ -192,20 +193,33 @@ def test_draft_vocabulary_restricts_proposals_and_greedy_output_stays_exact(targ
         assert drafter_rows[0].drafted > 0  # drafter -> retrieval (triforce) or drafter -> target (streaming)
 
 
-def test_interrupted_run_resumes_to_the_same_weights(target_folder, text_file, tmp_path):
-    config = tiny_config(text_file)
-    distill(target_folder, tmp_path / "straight", config)
+def interrupted_at_step_6(target_folder, out, config) -> DistillResult:
+    """A run stopped by Ctrl-C after its sixth step, as the CLI stops it."""
 
     def interrupt_at_step_6(event: DistillProgress):
         if event.phase == "train" and event.done == 6:
             raise KeyboardInterrupt
 
     checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
-    out = tmp_path / "resumed"
     distiller = Distiller(config, teacher, tokenizer, checkpoint, out)
     with pytest.raises(KeyboardInterrupt):
         distiller.run(interrupt_at_step_6)
-    stopped = distiller.stop(interrupted=True)
+    return distiller.stop(interrupted=True)
+
+
+def assert_same_weights(folder_a, folder_b):
+    a, b = load_file(folder_a / "model.safetensors"), load_file(folder_b / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name)
+
+
+def test_interrupted_run_resumes_to_the_same_weights(target_folder, text_file, tmp_path):
+    config = tiny_config(text_file)
+    distill(target_folder, tmp_path / "straight", config)
+    out = tmp_path / "resumed"
+    stopped = interrupted_at_step_6(target_folder, out, config)
+    checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
     assert (stopped.steps, stopped.finished, stopped.interrupted) == (6, False, True)
     assert (out / CHECKPOINT_NAME).is_file() and (out / "model.safetensors").is_file()
     with pytest.raises(ConfigError, match="--resume"):
@@ -214,10 +228,7 @@ def test_interrupted_run_resumes_to_the_same_weights(target_folder, text_file, t
         Distiller(tiny_config(text_file, top_k=3), teacher, tokenizer, checkpoint, out, resume=True)
     _, resumed = distill(target_folder, out, config, resume=True)
     assert resumed.finished and resumed.steps == 12
-    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], msg=name)
+    assert_same_weights(tmp_path / "straight", out)
 
 
 def test_self_generated_windows_join_the_training_data(target_folder, text_file, tmp_path):
@@ -248,10 +259,7 @@ def test_init_from_starts_from_an_earlier_drafter_with_its_vocabulary(target_fol
     again = tmp_path / "again"
     negligible = {"max_steps": 1, "warmup_steps": 1, "learning_rate": 1e-12}
     distill(target_folder, again, tiny_config(other_text, draft_vocab=12, init_from=str(first), **negligible))
-    before, after = load_file(first / "model.safetensors"), load_file(again / "model.safetensors")
-    assert before.keys() == after.keys()
-    for name in before:
-        torch.testing.assert_close(after[name], before[name], msg=name)
+    assert_same_weights(first, again)
     metadata = [json.loads((folder / "config.json").read_text())[DRAFTER_METADATA] for folder in (first, again)]
     assert metadata[1]["output_ids"] == metadata[0]["output_ids"]
     assert metadata[1]["distill"]["init_from"] == "first"
@@ -292,23 +300,12 @@ def test_init_from_run_resumes_from_its_checkpoint_alone(target_folder, text_fil
     shutil.copytree(first, start)
     config = tiny_config(text_file, draft_vocab=12, init_from=str(start))
     distill(target_folder, tmp_path / "straight", config)
-
-    def interrupt_at_step_6(event: DistillProgress):
-        if event.phase == "train" and event.done == 6:
-            raise KeyboardInterrupt
-
-    checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
     out = tmp_path / "resumed"
-    distiller = Distiller(config, teacher, tokenizer, checkpoint, out)
-    with pytest.raises(KeyboardInterrupt):
-        distiller.run(interrupt_at_step_6)
-    distiller.stop(interrupted=True)
+    interrupted_at_step_6(target_folder, out, config)
     shutil.rmtree(start)
     _, resumed = distill(target_folder, out, config, resume=True)
     assert resumed.finished and resumed.steps == 12
-    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], msg=name)
+    assert_same_weights(tmp_path / "straight", out)
     output_ids = [json.loads((f / "config.json").read_text())[DRAFTER_METADATA]["output_ids"] for f in (first, out)]
     assert output_ids[0] == output_ids[1]
 
