@@ -248,7 +248,7 @@ class Distiller:
         if self.checkpoint is not None and self.checkpoint["config"] != asdict(config):
             raise ConfigError(f"{out} was started with other settings; resume with the same flags")
         self.start: DrafterStart | None = None  # read only before training: a checkpoint has what it gave
-        if config.init_from and not (self.checkpoint is not None and self.checkpoint["step"]):
+        if config.init_from and not self._resumes_training:
             self.start = read_drafter_start(config, target, teacher.config.vocab_size)
         self.drafter: PreTrainedModel | None = None  # built once the data (and so the draft vocabulary) is known
         self.optimizer: torch.optim.Optimizer | None = None
@@ -257,6 +257,11 @@ class Distiller:
         self.seconds = 0.0  # training time of earlier runs of this checkpoint
         self.history: list[dict] = []
         self._started = time.monotonic()
+
+    @property
+    def _resumes_training(self) -> bool:
+        """Whether a checkpoint with trained steps is resumed: it then holds the weights and the vocabulary."""
+        return self.checkpoint is not None and bool(self.checkpoint["step"])
 
     def _windows(self, on_progress: Callable[[DistillProgress], None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Training and held-out windows (N, L); held-out ones are real text only."""
@@ -283,7 +288,7 @@ class Distiller:
         """The drafter and optimizer, restored from the checkpoint when resuming."""
         cfg = self.config
         vocab_size = self.teacher.config.vocab_size
-        if self.checkpoint is not None and self.checkpoint["step"] and "output_ids" in self.checkpoint:
+        if self._resumes_training and "output_ids" in self.checkpoint:
             self.output_ids = self.checkpoint["output_ids"]  # whatever --init-from holds by now
         elif self.start is not None:
             self.output_ids = self.start.output_ids
@@ -301,7 +306,7 @@ class Distiller:
                 raise ConfigError(f"--init-from {cfg.init_from}: its weights do not fit a drafter of this target")
         trainable = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
-        if self.checkpoint is not None and self.checkpoint["step"]:
+        if self._resumes_training:
             self.drafter.load_state_dict(self.checkpoint["drafter"], strict=False)
             self.optimizer.load_state_dict(self.checkpoint["optimizer"])
             self.step, self.seconds, self.history = (

@@ -224,7 +224,7 @@ class Engine:
             return
         while len(generated) < cfg.max_new_tokens:
             started = time.perf_counter()
-            step = top.step(committed, limit=cfg.max_new_tokens - len(generated))
+            step = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more tokens than wanted
             rounds_since_selection += 1
             if caches.retrieval is not None and not top.uses_shortcut_next:
                 # the retrieval tier drafts the next round: bring its view up to date (left as it is while the
@@ -234,7 +234,7 @@ class Engine:
                     rounds_since_selection = 0
                 else:
                     caches.retrieval.sync_recent()
-            tokens = step.tokens[: cfg.max_new_tokens - len(generated)]
+            tokens = step.tokens
             stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
