@@ -22,6 +22,7 @@ from triforce_cli.distill import (
     load_teacher,
     topk_distillation_loss,
 )
+from triforce_cli.distill_data import text_windows
 from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.loading import DRAFTER_METADATA, load_model
 from triforce_cli.pipeline import Pipeline, drafter_spec
@@ -241,6 +242,31 @@ def test_self_generated_windows_join_the_training_data(target_folder, text_file,
     assert [e.done for e in events if e.phase == "self-generate"] == [3]
 
 
+def test_held_out_text_measures_acceptance_apart_from_the_training_text(target_folder, text_file, tmp_path):
+    falling = tmp_path / "falling.txt"  # runs of falling word numbers: unlike anything in the training text
+    starts = torch.randint(8, 28, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    falling.write_text(" ".join(f"w{start - step}" for start in starts for step in range(8)))
+    checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
+    config = tiny_config(text_file, held_out=(str(falling),), max_steps=40, eval_every=40)
+    distiller = Distiller(config, teacher, tokenizer, checkpoint, tmp_path / "apart")
+    train, held_out = distiller._windows(lambda event: None)
+    assert torch.equal(train, text_windows(tokenizer, [text_file.read_text()], 16))  # every window is trained on
+    pool = text_windows(tokenizer, [falling.read_text()], 16, minimum=1)
+    assert len(held_out) == 4 and all((pool == window).all(dim=1).any() for window in held_out)
+    apart = distiller.run(lambda event: None).history[-1]["acceptance"]
+    _, mixed = distill(target_folder, tmp_path / "mixed", tiny_config(text_file, max_steps=40, eval_every=40))
+    assert apart < mixed.history[-1]["acceptance"] - 0.03  # the training text's own windows flatter the drafter
+
+
+def test_held_out_text_must_not_be_training_text(text_file, tmp_path):
+    with pytest.raises(ConfigError, match="--held-out stdlib-train is also training text"):
+        DistillConfig(builtin=("stdlib-train",), held_out=("stdlib-a", "stdlib-train"))
+    same_file = f"{text_file.parent}/../{text_file.parent.name}/{text_file.name}"
+    with pytest.raises(ConfigError, match="is also training text"):
+        tiny_config(text_file, held_out=(same_file,))
+    assert tiny_config(text_file, held_out=("stdlib-a",)).held_out == ("stdlib-a",)
+
+
 def test_max_minutes_zero_stops_before_training_and_resumes(target_folder, text_file, tmp_path):
     checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
     out = tmp_path / "d"
@@ -357,6 +383,7 @@ def test_cli_writes_a_drafter_that_generate_uses(target_folder, text_file, tmp_p
         (("--resume",), "nothing to resume"),
         (("--data", "/nonexistent/text.txt", "--builtin", ""), "does not exist"),
         (("--init-from", "/nonexistent/drafter"), "no readable config.json"),
+        (("--held-out", "/nonexistent/held.txt"), "does not exist"),
     ],
     ids=[
         "no-data",
@@ -366,6 +393,7 @@ def test_cli_writes_a_drafter_that_generate_uses(target_folder, text_file, tmp_p
         "nothing-to-resume",
         "missing-file",
         "missing-init-drafter",
+        "missing-held-out-file",
     ],
 )
 def test_cli_errors_are_one_line(target_folder, tmp_path, args, message):

@@ -417,6 +417,13 @@ def distill(
     held_out_windows: Annotated[int, typer.Option(help="Windows of real text kept out of training.")] = (
         DISTILL_DEFAULTS.held_out_windows
     ),
+    held_out: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Measure the held-out acceptance on this text (a file or a built-in name; repeat for several) "
+            "rather than on windows cut from the training text, which share its documents."
+        ),
+    ] = None,
     acceptance_temperature: Annotated[float, typer.Option(help="Temperature of the held-out acceptance.")] = (
         DISTILL_DEFAULTS.acceptance_temperature
     ),
@@ -445,6 +452,7 @@ def distill(
             learning_rate=learning_rate,
             max_steps=max_steps,
             held_out_windows=held_out_windows,
+            held_out=tuple(held_out or ()),
             eval_every=eval_every,
             acceptance_temperature=acceptance_temperature,
             save_dtype=save_dtype,

@@ -25,7 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from triforce_cli.distill_data import TeacherTargets, self_generated_windows, text_windows, training_texts
+from triforce_cli.corpus import BUILTIN_NAMES
+from triforce_cli.distill_data import (
+    TeacherTargets,
+    held_out_texts,
+    self_generated_windows,
+    text_windows,
+    training_texts,
+)
 from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.loading import (
     DRAFTER_METADATA,
@@ -60,6 +67,7 @@ class DistillConfig:
     warmup_steps: int = 20
     max_steps: int = 1000
     held_out_windows: int = 8
+    held_out: tuple[str, ...] = ()  # built-in names or files to take them from; () draws them from the training text
     eval_every: int = 50
     acceptance_temperature: float = 0.6  # held-out acceptance is reported at this temperature and at 0
     self_temperature: float = 0.6
@@ -81,6 +89,10 @@ class DistillConfig:
             raise ConfigError("--held-out-windows and --eval-every must be at least 1, --self-generate not negative")
         if self.learning_rate <= 0 or self.acceptance_temperature <= 0 or self.self_temperature <= 0:
             raise ConfigError("the learning rate and temperatures must be positive")
+        trained_on = {*self.builtin, *(str(Path(file).resolve()) for file in self.data)}
+        for name in self.held_out:
+            if (name if name in BUILTIN_NAMES else str(Path(name).resolve())) in trained_on:
+                raise ConfigError(f"--held-out {name} is also training text: hold out text the drafter does not see")
         if self.save_dtype not in SAVE_DTYPES:
             raise ConfigError(f"unknown --save-dtype '{self.save_dtype}' (choose from {', '.join(SAVE_DTYPES)})")
 
@@ -264,12 +276,17 @@ class Distiller:
         return self.checkpoint is not None and bool(self.checkpoint["step"])
 
     def _windows(self, on_progress: Callable[[DistillProgress], None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training and held-out windows (N, L); held-out ones are real text only."""
+        """Training and held-out windows (N, L); held-out ones are real text only, from --held-out where given."""
         cfg = self.config
         real = text_windows(self.tokenizer, training_texts(cfg.data, cfg.builtin), cfg.seq_len)
-        order = torch.randperm(len(real), generator=torch.Generator().manual_seed(cfg.seed))
-        held = min(cfg.held_out_windows, len(real) // 2)
-        held_out, train = real[order[:held]], real[order[held:]]
+        generator = torch.Generator().manual_seed(cfg.seed)
+        if cfg.held_out:
+            pool = text_windows(self.tokenizer, held_out_texts(cfg.held_out), cfg.seq_len, minimum=1, kind="held-out")
+            held_out, train = pool[torch.randperm(len(pool), generator=generator)[: cfg.held_out_windows]], real
+        else:
+            order = torch.randperm(len(real), generator=generator)
+            held = min(cfg.held_out_windows, len(real) // 2)
+            held_out, train = real[order[:held]], real[order[held:]]
         if cfg.self_generate:
             path = self.work / "self-generated.pt"
             saved = torch.load(path) if path.is_file() else None
@@ -420,7 +437,12 @@ class Distiller:
             "embedding_sha256": embedding_digest(self.target.weight_files),
             "steps": self.step,
             "seconds": round(seconds, 1),
-            "distill": asdict(self.config) | {"data": [Path(f).name for f in self.config.data], "init_from": start},
+            "distill": asdict(self.config)
+            | {
+                "data": [Path(f).name for f in self.config.data],
+                "init_from": start,
+                "held_out": [Path(name).name for name in self.config.held_out],
+            },
             "held_out": self.history[-1] if self.history else None,
         }
         if self.output_ids is not None:

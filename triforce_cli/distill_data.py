@@ -24,17 +24,24 @@ def training_texts(files: tuple[str, ...], builtin: tuple[str, ...]) -> list[str
     return [read_prompt(file) for file in files] + [builtin_document(name) for name in builtin]
 
 
-def text_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int) -> torch.Tensor:
-    """The texts' tokens, each text followed by EOS, cut into non-overlapping windows: (N, seq_len)."""
+def held_out_texts(names: tuple[str, ...]) -> list[str]:
+    """The text of each --held-out entry: a built-in document's name (see corpus.py) or a file."""
+    return [builtin_document(name) if name in BUILTIN_NAMES else read_prompt(name) for name in names]
+
+
+def text_windows(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int, minimum: int = 2, kind: str = "training"
+) -> torch.Tensor:
+    """The texts' tokens, each text followed by EOS, cut into non-overlapping windows: (N, seq_len), N >= minimum."""
     ids: list[int] = []
     for text in texts:
         ids += tokenizer(text).input_ids
         if tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)
     count = len(ids) // seq_len
-    if count < 2:
+    if count < minimum:
         raise ConfigError(
-            f"the training text has {len(ids)} tokens: at least {2 * seq_len} are needed for --seq-len {seq_len}"
+            f"the {kind} text has {len(ids)} tokens: at least {minimum * seq_len} are needed for --seq-len {seq_len}"
         )
     return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
 
