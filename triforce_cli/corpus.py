@@ -1,10 +1,12 @@
 """Built-in text: documentation of the Python standard library, for benchmark prompts and drafter training.
 
-Real prose and reference text written by the Python developers (PSF licence), present wherever Python runs, so
-benchmarks and `triforce distill` need no download and no text written by us. Each module document is the
-docstrings of a fixed list of modules and their public members, in a fixed order; "python-reference" is the
+Real prose, reference text and code written by the Python developers (PSF licence), present wherever Python runs,
+so benchmarks and `triforce distill` need no download and no text written by us. Each module document is the
+docstrings of a fixed list of modules and their public members, in a fixed order; "stdlib-train-source" is the
+Python source code of the stdlib-train modules (code, comments and the same docstrings); "python-reference" is the
 language reference topics pydoc shows. The benchmark prompts (stdlib-a, stdlib-b) share no module with the
-training text (stdlib-train, python-reference), so a drafter trained on the latter is measured on held-out text.
+training text (stdlib-train, stdlib-train-source, python-reference), so a drafter trained on the latter is measured
+on held-out text.
 """
 
 import importlib
@@ -36,9 +38,10 @@ DOCUMENTS = {
         "wsgiref.handlers", "xml.dom.minidom", "xml.sax.handler", "xmlrpc.client", "xmlrpc.server", "zipapp",
         "zipimport", "zoneinfo",
     ),
-}
+}  # fmt: skip
+SOURCES = {"stdlib-train-source": "stdlib-train"}  # the Python source code of another document's modules
 REFERENCE = "python-reference"
-BUILTIN_NAMES = (*DOCUMENTS, REFERENCE)
+BUILTIN_NAMES = (*DOCUMENTS, *SOURCES, REFERENCE)
 
 
 def module_text(name: str) -> str:
@@ -53,8 +56,23 @@ def module_text(name: str) -> str:
     return "\n\n".join(parts)
 
 
+def module_source(name: str) -> str:
+    """The module's Python source; empty for a module built from C."""
+    try:
+        return inspect.getsource(importlib.import_module(name))
+    except (OSError, TypeError):
+        return ""
+
+
+def same_text(name: str) -> str:
+    """The document a built-in name's text comes from: a source document's docstrings are those of its modules."""
+    return SOURCES.get(name, name)
+
+
 def builtin_document(name: str) -> str:
     """The named built-in document (one of BUILTIN_NAMES)."""
     if name == REFERENCE:
         return "\n\n".join(topics[key] for key in sorted(topics))
+    if name in SOURCES:
+        return "\n\n".join(source for module in DOCUMENTS[SOURCES[name]] if (source := module_source(module)))
     return "\n\n".join(module_text(module) for module in DOCUMENTS[name])
