@@ -247,7 +247,7 @@ def test_held_out_text_measures_acceptance_apart_from_the_training_text(target_f
     starts = torch.randint(8, 28, (120,), generator=torch.Generator().manual_seed(1)).tolist()
     falling.write_text(" ".join(f"w{start - step}" for start in starts for step in range(8)))
     checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
-    config = tiny_config(text_file, held_out=(str(falling),), max_steps=40, eval_every=40)
+    config = tiny_config(text_file, held_out_text=(str(falling),), max_steps=40, eval_every=40)
     distiller = Distiller(config, teacher, tokenizer, checkpoint, tmp_path / "apart")
     train, held_out = distiller._windows(lambda event: None)
     assert torch.equal(train, text_windows(tokenizer, [text_file.read_text()], 16))  # every window is trained on
@@ -260,11 +260,17 @@ def test_held_out_text_measures_acceptance_apart_from_the_training_text(target_f
 
 def test_held_out_text_must_not_be_training_text(text_file, tmp_path):
     with pytest.raises(ConfigError, match="--held-out stdlib-train is also training text"):
-        DistillConfig(builtin=("stdlib-train",), held_out=("stdlib-a", "stdlib-train"))
+        DistillConfig(builtin=("stdlib-train",), held_out_text=("stdlib-a", "stdlib-train"))
     same_file = f"{text_file.parent}/../{text_file.parent.name}/{text_file.name}"
     with pytest.raises(ConfigError, match="is also training text"):
-        tiny_config(text_file, held_out=(same_file,))
-    assert tiny_config(text_file, held_out=("stdlib-a",)).held_out == ("stdlib-a",)
+        tiny_config(text_file, held_out_text=(same_file,))
+    with pytest.raises(ConfigError, match="--held-out stdlib-train-source is also training text"):
+        DistillConfig(builtin=("stdlib-train",), held_out_text=("stdlib-train-source",))  # the same docstrings
+    with pytest.raises(ConfigError, match="--held-out stdlib-train is also training text"):
+        DistillConfig(builtin=("stdlib-train-source",), held_out_text=("stdlib-train",))
+    with pytest.raises(ConfigError, match="neither a file nor a built-in text"):
+        tiny_config(text_file, held_out_text=("stdlib-c",))
+    assert tiny_config(text_file, held_out_text=("stdlib-a",)).held_out_text == ("stdlib-a",)
 
 
 def test_max_minutes_zero_stops_before_training_and_resumes(target_folder, text_file, tmp_path):
@@ -383,7 +389,7 @@ def test_cli_writes_a_drafter_that_generate_uses(target_folder, text_file, tmp_p
         (("--resume",), "nothing to resume"),
         (("--data", "/nonexistent/text.txt", "--builtin", ""), "does not exist"),
         (("--init-from", "/nonexistent/drafter"), "no readable config.json"),
-        (("--held-out", "/nonexistent/held.txt"), "does not exist"),
+        (("--held-out", "/nonexistent/held.txt"), "neither a file nor a built-in text"),
     ],
     ids=[
         "no-data",

@@ -414,14 +414,14 @@ def distill(
     eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = (
         DISTILL_DEFAULTS.eval_every
     ),
-    held_out_windows: Annotated[int, typer.Option(help="Windows of real text kept out of training.")] = (
-        DISTILL_DEFAULTS.held_out_windows
-    ),
+    held_out_windows: Annotated[
+        int, typer.Option(help="Windows of real text the held-out acceptance is measured on (kept out of training).")
+    ] = (DISTILL_DEFAULTS.held_out_windows),
     held_out: Annotated[
         list[str] | None,
         typer.Option(
-            help="Measure the held-out acceptance on this text (a file or a built-in name; repeat for several) "
-            "rather than on windows cut from the training text, which share its documents."
+            help="Measure the held-out acceptance on this text (a file, or a built-in name as for --builtin; repeat "
+            "for several) rather than on windows cut from the training text, which share its documents."
         ),
     ] = None,
     acceptance_temperature: Annotated[float, typer.Option(help="Temperature of the held-out acceptance.")] = (
@@ -452,7 +452,7 @@ def distill(
             learning_rate=learning_rate,
             max_steps=max_steps,
             held_out_windows=held_out_windows,
-            held_out=tuple(held_out or ()),
+            held_out_text=tuple(held_out or ()),
             eval_every=eval_every,
             acceptance_temperature=acceptance_temperature,
             save_dtype=save_dtype,

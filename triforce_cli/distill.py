@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from triforce_cli.corpus import BUILTIN_NAMES
+from triforce_cli.corpus import BUILTIN_NAMES, same_text
 from triforce_cli.distill_data import (
     TeacherTargets,
     held_out_texts,
@@ -67,7 +67,7 @@ class DistillConfig:
     warmup_steps: int = 20
     max_steps: int = 1000
     held_out_windows: int = 8
-    held_out: tuple[str, ...] = ()  # built-in names or files to take them from; () draws them from the training text
+    held_out_text: tuple[str, ...] = ()  # built-in names or files to take them from; (): the training text
     eval_every: int = 50
     acceptance_temperature: float = 0.6  # held-out acceptance is reported at this temperature and at 0
     self_temperature: float = 0.6
@@ -89,12 +89,21 @@ class DistillConfig:
             raise ConfigError("--held-out-windows and --eval-every must be at least 1, --self-generate not negative")
         if self.learning_rate <= 0 or self.acceptance_temperature <= 0 or self.self_temperature <= 0:
             raise ConfigError("the learning rate and temperatures must be positive")
-        trained_on = {*self.builtin, *(str(Path(file).resolve()) for file in self.data)}
-        for name in self.held_out:
-            if (name if name in BUILTIN_NAMES else str(Path(name).resolve())) in trained_on:
+        trained_on = {*map(same_text, self.builtin), *map(text_file_key, self.data)}
+        for name in self.held_out_text:
+            if name not in BUILTIN_NAMES and not Path(name).expanduser().is_file():
+                raise ConfigError(
+                    f"--held-out {name} is neither a file nor a built-in text ({', '.join(BUILTIN_NAMES)})"
+                )
+            if (same_text(name) if name in BUILTIN_NAMES else text_file_key(name)) in trained_on:
                 raise ConfigError(f"--held-out {name} is also training text: hold out text the drafter does not see")
         if self.save_dtype not in SAVE_DTYPES:
             raise ConfigError(f"unknown --save-dtype '{self.save_dtype}' (choose from {', '.join(SAVE_DTYPES)})")
+
+
+def text_file_key(path: str) -> str:
+    """One spelling of a text file's path, to tell whether two flags name the same file."""
+    return str(Path(path).expanduser().resolve())
 
 
 @dataclass
@@ -257,7 +266,8 @@ class Distiller:
             raise ConfigError(f"--init-layers names layer {max(config.init_layers)}, but the target has {available}")
         self.work.mkdir(parents=True, exist_ok=True)
         self.checkpoint = torch.load(checkpoint_path, weights_only=False) if resume else None
-        if self.checkpoint is not None and self.checkpoint["config"] != asdict(config):
+        started_with = {"held_out_text": (), **self.checkpoint["config"]} if self.checkpoint is not None else None
+        if started_with is not None and started_with != asdict(config):  # checkpoints before --held-out lack it
             raise ConfigError(f"{out} was started with other settings; resume with the same flags")
         self.start: DrafterStart | None = None  # read only before training: a checkpoint has what it gave
         if config.init_from and not self._resumes_training:
@@ -280,8 +290,9 @@ class Distiller:
         cfg = self.config
         real = text_windows(self.tokenizer, training_texts(cfg.data, cfg.builtin), cfg.seq_len)
         generator = torch.Generator().manual_seed(cfg.seed)
-        if cfg.held_out:
-            pool = text_windows(self.tokenizer, held_out_texts(cfg.held_out), cfg.seq_len, minimum=1, kind="held-out")
+        if cfg.held_out_text:
+            texts = held_out_texts(cfg.held_out_text)
+            pool = text_windows(self.tokenizer, texts, cfg.seq_len, minimum=1, kind="held-out")
             held_out, train = pool[torch.randperm(len(pool), generator=generator)[: cfg.held_out_windows]], real
         else:
             order = torch.randperm(len(real), generator=generator)
@@ -441,7 +452,7 @@ class Distiller:
             | {
                 "data": [Path(f).name for f in self.config.data],
                 "init_from": start,
-                "held_out": [Path(name).name for name in self.config.held_out],
+                "held_out_text": [Path(name).name for name in self.config.held_out_text],
             },
             "held_out": self.history[-1] if self.history else None,
         }
