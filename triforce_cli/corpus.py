@@ -1,16 +1,18 @@
 """Built-in text: documentation of the Python standard library, for benchmark prompts and drafter training.
 
-Real prose, reference text and code written by the Python developers (PSF licence), present wherever Python runs,
-so benchmarks and `triforce distill` need no download and no text written by us. Each module document is the
-docstrings of a fixed list of modules and their public members, in a fixed order; "stdlib-train-source" is the
-Python source code of the stdlib-train modules (code, comments and the same docstrings); "python-reference" is the
-language reference topics pydoc shows. The benchmark prompts (stdlib-a, stdlib-b) share no module with the
-training text (stdlib-train, stdlib-train-source, python-reference), so a drafter trained on the latter is measured
-on held-out text.
+Real prose, reference text and code written by the Python developers (PSF licence), present wherever Python runs, so
+benchmarks and `triforce distill` need no download and no text written by us. Each module document is the docstrings
+of a fixed list of modules and their public members, in a fixed order; "stdlib-train-source" is the Python source
+code of the stdlib-train modules (code, comments and the same docstrings), and "stdlib-source" that of the whole
+standard library but the benchmark prompts' modules; "python-reference" is the language reference topics pydoc
+shows. The benchmark prompts (stdlib-a, stdlib-b) share no module with the training text (stdlib-train, the two
+source documents, python-reference), so a drafter trained on the latter is measured on held-out text.
 """
 
 import importlib
 import inspect
+import sysconfig
+from pathlib import Path
 from pydoc_data.topics import topics
 
 DOCUMENTS = {
@@ -40,8 +42,15 @@ DOCUMENTS = {
     ),
 }  # fmt: skip
 SOURCES = {"stdlib-train-source": "stdlib-train"}  # the Python source code of another document's modules
+LIBRARY_SOURCE = "stdlib-source"
 REFERENCE = "python-reference"
-BUILTIN_NAMES = (*DOCUMENTS, *SOURCES, REFERENCE)
+BUILTIN_NAMES = (*DOCUMENTS, *SOURCES, LIBRARY_SOURCE, REFERENCE)
+# Built-in texts that hold the text of others: a module's source holds its docstrings.
+HOLDS = {"stdlib-train-source": {"stdlib-train"}, LIBRARY_SOURCE: {"stdlib-train", "stdlib-train-source"}}
+# Parts of the standard library's folder that LIBRARY_SOURCE leaves out: tests, GUI and packaging tools, pydoc_data
+# (the python-reference text) and distutils (deprecated; it repeats shutil's archive functions).
+NOT_LIBRARY = {"site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3",
+               "ensurepip", "pydoc_data", "distutils", "__pycache__"}  # fmt: skip
 
 
 def module_text(name: str) -> str:
@@ -64,15 +73,36 @@ def module_source(name: str) -> str:
         return ""
 
 
-def same_text(name: str) -> str:
-    """The document a built-in name's text comes from: a source document's docstrings are those of its modules."""
-    return SOURCES.get(name, name)
+def shared_texts(name: str) -> set[str]:
+    """The built-in texts that share text with the named one: itself, those it holds and those that hold it."""
+    return {name, *HOLDS.get(name, ()), *(other for other, held in HOLDS.items() if name in held)}
+
+
+def library_source_files() -> list[Path]:
+    """The standard library's Python files in path order, less NOT_LIBRARY and the benchmark prompts' modules
+    (whose docstrings are those prompts): their files, and the whole folder of those that are packages."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    benchmark = [
+        Path(module.__file__).resolve()
+        for name in (*DOCUMENTS["stdlib-a"], *DOCUMENTS["stdlib-b"])
+        if getattr(module := importlib.import_module(name), "__file__", None)
+    ]
+    packages = [file.parent for file in benchmark if file.name == "__init__.py"]
+    return [
+        path
+        for path in sorted(root.rglob("*.py"))
+        if not any(part in NOT_LIBRARY or part.startswith("config-") for part in path.relative_to(root).parts[:-1])
+        and path.resolve() not in benchmark
+        and not any(path.resolve().is_relative_to(package) for package in packages)
+    ]
 
 
 def builtin_document(name: str) -> str:
     """The named built-in document (one of BUILTIN_NAMES)."""
     if name == REFERENCE:
         return "\n\n".join(topics[key] for key in sorted(topics))
+    if name == LIBRARY_SOURCE:
+        return "\n\n".join(path.read_text(encoding="utf-8") for path in library_source_files())
     if name in SOURCES:
         return "\n\n".join(source for module in DOCUMENTS[SOURCES[name]] if (source := module_source(module)))
     return "\n\n".join(module_text(module) for module in DOCUMENTS[name])

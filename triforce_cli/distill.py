@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from triforce_cli.corpus import BUILTIN_NAMES, same_text
+from triforce_cli.corpus import BUILTIN_NAMES, shared_texts
 from triforce_cli.distill_data import (
     TeacherTargets,
     held_out_texts,
@@ -89,13 +89,13 @@ class DistillConfig:
             raise ConfigError("--held-out-windows and --eval-every must be at least 1, --self-generate not negative")
         if self.learning_rate <= 0 or self.acceptance_temperature <= 0 or self.self_temperature <= 0:
             raise ConfigError("the learning rate and temperatures must be positive")
-        trained_on = {*map(same_text, self.builtin), *map(text_file_key, self.data)}
+        trained_on = {*(text for name in self.builtin for text in shared_texts(name)), *map(text_file_key, self.data)}
         for name in self.held_out_text:
             if name not in BUILTIN_NAMES and not Path(name).expanduser().is_file():
                 raise ConfigError(
                     f"--held-out {name} is neither a file nor a built-in text ({', '.join(BUILTIN_NAMES)})"
                 )
-            if (same_text(name) if name in BUILTIN_NAMES else text_file_key(name)) in trained_on:
+            if (shared_texts(name) if name in BUILTIN_NAMES else {text_file_key(name)}) & trained_on:
                 raise ConfigError(f"--held-out {name} is also training text: hold out text the drafter does not see")
         if self.save_dtype not in SAVE_DTYPES:
             raise ConfigError(f"unknown --save-dtype '{self.save_dtype}' (choose from {', '.join(SAVE_DTYPES)})")
