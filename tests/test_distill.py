@@ -22,13 +22,14 @@ from triforce_cli.distill import (
     load_teacher,
     topk_distillation_loss,
 )
-from triforce_cli.distill_data import text_windows
+from triforce_cli.distill_data import TeacherTargets, text_windows
 from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.loading import DRAFTER_METADATA, load_model
 from triforce_cli.pipeline import Pipeline, drafter_spec
 from triforce_cli.sampling import SamplingConfig
 
 VOCAB = 32  # w0..w29, <unk>, <eos>
+real_save = torch.save
 
 
 def test_topk_loss_is_the_weighted_log_likelihood_of_the_targets_top_tokens():
@@ -271,6 +272,28 @@ def test_held_out_text_must_not_be_training_text(text_file, tmp_path):
     with pytest.raises(ConfigError, match="neither a file nor a built-in text"):
         tiny_config(text_file, held_out_text=("stdlib-c",))
     assert tiny_config(text_file, held_out_text=("stdlib-a",)).held_out_text == ("stdlib-a",)
+
+
+def test_teacher_targets_are_saved_on_leaving_not_per_batch(target_folder, text_file, tmp_path, monkeypatch):
+    _, teacher, tokenizer = load_teacher(str(target_folder))
+    windows = text_windows(tokenizer, [text_file.read_text()], 16)[:20]
+    path = tmp_path / "teacher-top-k.pt"
+    saves = []
+    monkeypatch.setattr(torch, "save", lambda state, file: saves.append(state["done"]) or real_save(state, file))
+
+    def interrupt_after_3_batches(done, total):
+        if done == 12:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        TeacherTargets(windows, 5, path).fill(teacher, 4, interrupt_after_3_batches)
+    assert saves == [12]  # once, on leaving: no rewrite of the file per batch
+    resumed = TeacherTargets(windows, 5, path)
+    assert resumed.done == 12
+    resumed.fill(teacher, 4)
+    whole = TeacherTargets(windows, 5, tmp_path / "whole.pt")
+    whole.fill(teacher, 4)
+    assert saves == [12, 20, 20] and torch.equal(resumed.ids, whole.ids) and torch.equal(resumed.logp, whole.logp)
 
 
 def test_max_minutes_zero_stops_before_training_and_resumes(target_folder, text_file, tmp_path):

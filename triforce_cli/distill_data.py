@@ -80,8 +80,12 @@ def self_generated_windows(
 class TeacherTargets:
     """The target's top-K next-token ids and log-probabilities for every window position.
 
-    Filled batch by batch and saved after each, so an interrupted run picks up where it stopped.
+    Filled batch by batch and saved every SAVE_SECONDS and on leaving fill, so an interrupted run picks up where
+    it stopped. Each save rewrites the whole file, tens of MB for a few MB of text: a save per batch would spend
+    more time writing than computing.
     """
+
+    SAVE_SECONDS = 60.0
 
     def __init__(self, windows: torch.Tensor, top_k: int, path: Path):
         self.windows = windows  # (N, L)
@@ -109,14 +113,24 @@ class TeacherTargets:
         deadline: float = math.inf,
     ) -> None:
         """Compute the missing batches, stopping early (saved) once time.monotonic() passes deadline."""
-        while not self.complete and time.monotonic() < deadline:
-            batch = self.windows[self.done : self.done + batch_size]
-            logp = torch.log_softmax(teacher(batch).logits.float(), dim=-1)  # (B, L, V)
-            top_logp, top_ids = logp.topk(self.top_k, dim=-1)
-            end = self.done + len(batch)
-            self.ids[self.done : end] = top_ids.to(torch.int32)
-            self.logp[self.done : end] = top_logp.to(torch.float16)
-            self.done = end
-            torch.save({"windows": self.windows, "ids": self.ids, "logp": self.logp, "done": self.done}, self.path)
-            if on_progress is not None:
-                on_progress(self.done, len(self.windows))
+        saved_done, saved_at = self.done, time.monotonic()
+        try:
+            while not self.complete and time.monotonic() < deadline:
+                batch = self.windows[self.done : self.done + batch_size]
+                logp = torch.log_softmax(teacher(batch).logits.float(), dim=-1)  # (B, L, V)
+                top_logp, top_ids = logp.topk(self.top_k, dim=-1)
+                end = self.done + len(batch)
+                self.ids[self.done : end] = top_ids.to(torch.int32)
+                self.logp[self.done : end] = top_logp.to(torch.float16)
+                self.done = end
+                if time.monotonic() - saved_at >= self.SAVE_SECONDS:
+                    self._save()
+                    saved_done, saved_at = self.done, time.monotonic()
+                if on_progress is not None:
+                    on_progress(self.done, len(self.windows))
+        finally:  # also on Ctrl-C: the batches done so far are kept
+            if self.done != saved_done:
+                self._save()
+
+    def _save(self) -> None:
+        torch.save({"windows": self.windows, "ids": self.ids, "logp": self.logp, "done": self.done}, self.path)
