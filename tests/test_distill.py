@@ -251,7 +251,9 @@ def test_held_out_text_measures_acceptance_apart_from_the_training_text(target_f
     config = tiny_config(text_file, held_out_text=(str(falling),), max_steps=40, eval_every=40)
     distiller = Distiller(config, teacher, tokenizer, checkpoint, tmp_path / "apart")
     train, held_out = distiller._windows(lambda event: None)
-    assert torch.equal(train, text_windows(tokenizer, [text_file.read_text()], 16))  # every window is trained on
+    real = text_windows(tokenizer, [text_file.read_text()], 16)
+    assert sorted(map(tuple, train.tolist())) == sorted(map(tuple, real.tolist()))  # every window is trained on
+    assert not torch.equal(train, real)  # shuffled: --self-generate seeds come from all over the text
     pool = text_windows(tokenizer, [falling.read_text()], 16, minimum=1)
     assert len(held_out) == 4 and all((pool == window).all(dim=1).any() for window in held_out)
     apart = distiller.run(lambda event: None).history[-1]["acceptance"]
@@ -294,6 +296,9 @@ def test_teacher_targets_are_saved_on_leaving_not_per_batch(target_folder, text_
     whole = TeacherTargets(windows, 5, tmp_path / "whole.pt")
     whole.fill(teacher, 4)
     assert saves == [12, 20, 20] and torch.equal(resumed.ids, whole.ids) and torch.equal(resumed.logp, whole.logp)
+    monkeypatch.setattr(TeacherTargets, "SAVE_SECONDS", 0.0)
+    TeacherTargets(windows, 5, tmp_path / "each.pt").fill(teacher, 8)
+    assert saves[3:] == [8, 16, 20] and not list(tmp_path.glob("*.partial"))  # due at every batch now
 
 
 def test_max_minutes_zero_stops_before_training_and_resumes(target_folder, text_file, tmp_path):

@@ -416,7 +416,7 @@ def distill(
     ),
     held_out_windows: Annotated[
         int, typer.Option(help="Windows of real text the held-out acceptance is measured on (kept out of training).")
-    ] = (DISTILL_DEFAULTS.held_out_windows),
+    ] = DISTILL_DEFAULTS.held_out_windows,
     held_out: Annotated[
         list[str] | None,
         typer.Option(

@@ -11,6 +11,7 @@ source documents, python-reference), so a drafter trained on the latter is measu
 
 import importlib
 import inspect
+import os
 import sysconfig
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -47,8 +48,8 @@ REFERENCE = "python-reference"
 BUILTIN_NAMES = (*DOCUMENTS, *SOURCES, LIBRARY_SOURCE, REFERENCE)
 # Built-in texts that hold the text of others: a module's source holds its docstrings.
 HOLDS = {"stdlib-train-source": {"stdlib-train"}, LIBRARY_SOURCE: {"stdlib-train", "stdlib-train-source"}}
-# Parts of the standard library's folder that LIBRARY_SOURCE leaves out: tests, GUI and packaging tools, pydoc_data
-# (the python-reference text) and distutils (deprecated; it repeats shutil's archive functions).
+# Folders of the standard library that LIBRARY_SOURCE leaves out (and config-* ones): tests, GUI and packaging
+# tools, pydoc_data (the python-reference text) and distutils (deprecated; it repeats shutil's archive functions).
 NOT_LIBRARY = {"site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3",
                "ensurepip", "pydoc_data", "distutils", "__pycache__"}  # fmt: skip
 
@@ -87,14 +88,16 @@ def library_source_files() -> list[Path]:
         for name in (*DOCUMENTS["stdlib-a"], *DOCUMENTS["stdlib-b"])
         if getattr(module := importlib.import_module(name), "__file__", None)
     ]
-    packages = [file.parent for file in benchmark if file.name == "__init__.py"]
-    return [
-        path
-        for path in sorted(root.rglob("*.py"))
-        if not any(part in NOT_LIBRARY or part.startswith("config-") for part in path.relative_to(root).parts[:-1])
-        and path.resolve() not in benchmark
-        and not any(path.resolve().is_relative_to(package) for package in packages)
-    ]
+    left_out = {file.parent for file in benchmark if file.name == "__init__.py"}  # benchmark packages
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [
+            name
+            for name in subfolders
+            if name not in NOT_LIBRARY and not name.startswith("config-") and Path(folder, name) not in left_out
+        ]
+        files += [Path(folder, name) for name in names if name.endswith(".py") and Path(folder, name) not in benchmark]
+    return sorted(files)
 
 
 def builtin_document(name: str) -> str:

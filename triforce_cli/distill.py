@@ -293,7 +293,8 @@ class Distiller:
         if cfg.held_out_text:
             texts = held_out_texts(cfg.held_out_text)
             pool = text_windows(self.tokenizer, texts, cfg.seq_len, minimum=1, kind="held-out")
-            held_out, train = pool[torch.randperm(len(pool), generator=generator)[: cfg.held_out_windows]], real
+            held_out = pool[torch.randperm(len(pool), generator=generator)[: cfg.held_out_windows]]
+            train = real[torch.randperm(len(real), generator=generator)]  # shuffled, as --self-generate seeds
         else:
             order = torch.randperm(len(real), generator=generator)
             held = min(cfg.held_out_windows, len(real) // 2)

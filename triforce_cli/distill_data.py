@@ -2,6 +2,7 @@
 target's top-K next-token distributions over them, computed once and kept on disk so a run can resume."""
 
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,4 +134,7 @@ class TeacherTargets:
                 self._save()
 
     def _save(self) -> None:
-        torch.save({"windows": self.windows, "ids": self.ids, "logp": self.logp, "done": self.done}, self.path)
+        """Write a new file, then put it in place: a second Ctrl-C while writing leaves the last save whole."""
+        partial = self.path.with_name(self.path.name + ".partial")
+        torch.save({"windows": self.windows, "ids": self.ids, "logp": self.logp, "done": self.done}, partial)
+        os.replace(partial, self.path)
