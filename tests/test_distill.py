@@ -29,7 +29,6 @@ from triforce_cli.pipeline import Pipeline, drafter_spec
 from triforce_cli.sampling import SamplingConfig
 
 VOCAB = 32  # w0..w29, <unk>, <eos>
-real_save = torch.save
 
 
 def test_topk_loss_is_the_weighted_log_likelihood_of_the_targets_top_tokens():
@@ -280,7 +279,7 @@ def test_teacher_targets_are_saved_on_leaving_not_per_batch(target_folder, text_
     _, teacher, tokenizer = load_teacher(str(target_folder))
     windows = text_windows(tokenizer, [text_file.read_text()], 16)[:20]
     path = tmp_path / "teacher-top-k.pt"
-    saves = []
+    saves, real_save = [], torch.save
     monkeypatch.setattr(torch, "save", lambda state, file: saves.append(state["done"]) or real_save(state, file))
 
     def interrupt_after_3_batches(done, total):

@@ -47,7 +47,7 @@ LIBRARY_SOURCE = "stdlib-source"
 REFERENCE = "python-reference"
 BUILTIN_NAMES = (*DOCUMENTS, *SOURCES, LIBRARY_SOURCE, REFERENCE)
 # Built-in texts that hold the text of others: a module's source holds its docstrings.
-HOLDS = {"stdlib-train-source": {"stdlib-train"}, LIBRARY_SOURCE: {"stdlib-train", "stdlib-train-source"}}
+HOLDS = {**{name: {of} for name, of in SOURCES.items()}, LIBRARY_SOURCE: {*SOURCES.values(), *SOURCES}}
 # Folders of the standard library that LIBRARY_SOURCE leaves out (and config-* ones): tests, GUI and packaging
 # tools, pydoc_data (the python-reference text) and distutils (deprecated; it repeats shutil's archive functions).
 NOT_LIBRARY = {"site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3",
@@ -83,11 +83,11 @@ def library_source_files() -> list[Path]:
     """The standard library's Python files in path order, less NOT_LIBRARY and the benchmark prompts' modules
     (whose docstrings are those prompts): their files, and the whole folder of those that are packages."""
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    benchmark = [
+    benchmark = {
         Path(module.__file__).resolve()
         for name in (*DOCUMENTS["stdlib-a"], *DOCUMENTS["stdlib-b"])
         if getattr(module := importlib.import_module(name), "__file__", None)
-    ]
+    }
     left_out = {file.parent for file in benchmark if file.name == "__init__.py"}  # benchmark packages
     files = []
     for folder, subfolders, names in os.walk(root):

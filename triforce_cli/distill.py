@@ -266,8 +266,8 @@ class Distiller:
             raise ConfigError(f"--init-layers names layer {max(config.init_layers)}, but the target has {available}")
         self.work.mkdir(parents=True, exist_ok=True)
         self.checkpoint = torch.load(checkpoint_path, weights_only=False) if resume else None
-        started_with = {"held_out_text": (), **self.checkpoint["config"]} if self.checkpoint is not None else None
-        if started_with is not None and started_with != asdict(config):  # checkpoints before --held-out lack it
+        # a checkpoint written before --held-out existed lacks its field
+        if self.checkpoint is not None and {"held_out_text": (), **self.checkpoint["config"]} != asdict(config):
             raise ConfigError(f"{out} was started with other settings; resume with the same flags")
         self.start: DrafterStart | None = None  # read only before training: a checkpoint has what it gave
         if config.init_from and not self._resumes_training:
