@@ -493,7 +493,7 @@ class TestOutput:
         monkeypatch.setitem(tiny["models"], "v2", named)
         result = invoke("-p", prompt_file, "--draft", "v2", "--mode", "streaming", "--max-new-tokens", 3)
         assert result.exit_code == 0, result.output
-        assert "drafter: drafter[v2]" in result.stderr
+        assert "drafter: n-gram prompt lookup (training-free), else drafter[v2]" in result.stderr
 
     @pytest.mark.parametrize("name", ["notes[/x].txt", "notes[bold].txt"])
     def test_error_message_keeps_brackets(self, tmp_path, name):
@@ -593,6 +593,11 @@ class TestOptionsReachBackend:
         assert drafter_call.shared_from is tiny["models"]["tiny"] and target_call.shared_from is None
         assert data["mode"] == "streaming" and data["new_tokens"] == 7
         assert data["drafter"] == "n-gram prompt lookup (training-free), else drafter"  # --ngram with --draft
+
+    def test_no_ngram_leaves_the_model_drafter_alone(self, prompt_file, captured_load):
+        data = run_json("-p", prompt_file, "--draft", "drafter", "--no-ngram", "--max-new-tokens", 3)
+        assert captured_load["config"].ngram is False
+        assert data["drafter"] == "drafter"
 
     def test_defaults_match_library_defaults(self, prompt_file, captured_load):
         result = invoke("-p", prompt_file, "--json")

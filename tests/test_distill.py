@@ -186,7 +186,7 @@ def test_draft_vocabulary_restricts_proposals_and_greedy_output_stays_exact(targ
     expected = reference.generate_ids(prompt).token_ids
     for mode in ("triforce", "streaming"):
         config = EngineConfig(mode=mode, sampling=greedy, max_new_tokens=24, budget=32, chunk_size=8, draft_window=16,
-                              sink_tokens=4)  # fmt: skip
+                              sink_tokens=4, ngram=False)  # fmt: skip
         pipe = Pipeline.load(str(target_folder), draft=str(out), config=config)
         result = pipe.generate_ids(prompt)
         assert result.token_ids == expected, mode
@@ -376,11 +376,10 @@ def test_default_drafter_choice(tmp_path, monkeypatch):
     shipped.mkdir()
     (shipped / "config.json").write_text("{}")
     monkeypatch.setattr(triforce_cli.pipeline, "EMBEDDED_DRAFTER", shipped)
-    assert drafter_spec(None, None, EngineConfig()) == str(shipped)
-    assert drafter_spec(None, "self", EngineConfig()) is None
-    assert drafter_spec(None, None, EngineConfig(ngram=True)) is None  # n-gram alone, as asked
-    assert drafter_spec("some/model", None, EngineConfig()) is None
-    assert drafter_spec(None, "mine", EngineConfig()) == "mine"
+    assert drafter_spec(None, None) == str(shipped)  # with or without the n-gram before it
+    assert drafter_spec(None, "self") is None
+    assert drafter_spec("some/model", None) is None
+    assert drafter_spec(None, "mine") == "mine"
 
 
 # --- the command line ---------------------------------------------------------------------------------------------
@@ -403,7 +402,7 @@ def test_cli_writes_a_drafter_that_generate_uses(target_folder, text_file, tmp_p
                                          str(out), "--budget", "16", "--chunk-size", "8", "--max-new-tokens", "6",
                                          "--temperature", "0", "--json"])  # fmt: skip
     assert generated.exit_code == 0, generated.output
-    assert json.loads(generated.stdout)["drafter"] == "cli-drafter"
+    assert json.loads(generated.stdout)["drafter"] == "n-gram prompt lookup (training-free), else cli-drafter"
 
 
 @pytest.mark.parametrize(

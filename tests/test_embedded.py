@@ -163,8 +163,8 @@ def test_greedy_speculative_equals_autoregressive(greedy_runs, mode):
 DOCS_TOKENS = 4096  # several thousand tokens of real text nobody here wrote
 DOCS_MODES = {
     "retrieval": {"mode": "retrieval"},
-    "streaming": {"mode": "streaming"},
-    "triforce": {"mode": "triforce"},
+    "streaming": {"mode": "streaming", "ngram": False},
+    "triforce": {"mode": "triforce", "ngram": False},
     "triforce-ngram": {"mode": "triforce", "ngram": True},
 }
 
@@ -228,7 +228,7 @@ def test_shipped_drafter_is_small_borrows_the_embedding_and_is_the_default(embed
     assert shipped.model.config.num_layers == 3 and len(shipped.model.output_ids) == 8192
     pipe = Pipeline.load(config=EngineConfig(max_new_tokens=4))
     assert pipe.drafter is not None and pipe.drafter.source == str(EMBEDDED_DRAFTER)
-    assert pipe.engine.drafter_description == EMBEDDED_DRAFTER.name
+    assert pipe.engine.drafter_description == f"n-gram prompt lookup (training-free), else {EMBEDDED_DRAFTER.name}"
     assert Pipeline.load(draft="self").drafter is None
 
 

@@ -172,3 +172,23 @@ def test_a_tier_drafts_no_more_than_the_tokens_still_wanted():
             still_wanted = wanted - (prefix_length - len(ids))
             assert asked == min(6, still_wanted - 1) >= 1, (wanted, proposer.calls)
         assert wanted > 1 or proposer.calls == []
+
+
+def test_by_default_the_ngram_goes_first_only_where_a_model_drafter_can_follow():
+    target, drafter = rich_model(3, vocab_size=64), rich_model(4, vocab_size=64, name="drafter")
+    ngram = "n-gram prompt lookup (training-free)"
+    self_speculation = f"{target.loaded.name} itself on a StreamingLLM cache (self-speculation: no distilled drafter)"
+    cases = [  # (mode, ngram setting, drafter given) -> (n-gram drafts, a model drafts, description)
+        ("triforce", None, True, True, True, f"{ngram}, else drafter"),
+        ("streaming", None, True, True, True, f"{ngram}, else drafter"),
+        ("triforce", None, False, False, True, self_speculation),  # --draft self: the target drafts, as asked
+        ("triforce", False, True, False, True, "drafter"),
+        ("triforce", True, False, True, False, ngram),  # --draft self --ngram: the n-gram alone
+        ("retrieval", None, True, False, False, None),
+        ("autoregressive", None, True, False, False, None),
+    ]
+    for mode, setting, with_drafter, uses_ngram, uses_model, description in cases:
+        engine = Engine(target.loaded, EngineConfig(mode=mode, ngram=setting), drafter.loaded if with_drafter else None)
+        case = (mode, setting, with_drafter)
+        assert (engine.uses_ngram, engine.uses_model_drafter) == (uses_ngram, uses_model), case
+        assert engine.drafter_description == description, case

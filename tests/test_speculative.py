@@ -50,6 +50,7 @@ def engine_config(mode: str = "triforce", **overrides) -> EngineConfig:
         "refresh_interval": 1,
         "prefill_chunk": 16,  # also bounds the drafter's step slots, so its small window really evicts
         "sampling": GREEDY,
+        "ngram": False,  # the model drafter alone; tests of the n-gram ask for it
     }
     settings.update(overrides)
     return EngineConfig(**settings)

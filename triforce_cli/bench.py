@@ -28,8 +28,8 @@ from triforce_cli.sampling import SamplingConfig
 OUR_MODES = {
     "autoregressive": {"mode": "autoregressive"},
     "retrieval": {"mode": "retrieval"},
-    "streaming": {"mode": "streaming"},
-    "triforce": {"mode": "triforce"},
+    "streaming": {"mode": "streaming", "ngram": False},
+    "triforce": {"mode": "triforce", "ngram": False},
     "ngram": {"mode": "streaming", "ngram": True},
     "streaming-ngram": {"mode": "streaming", "ngram": True},
     "triforce-ngram": {"mode": "triforce", "ngram": True},

@@ -183,10 +183,15 @@ def generate(
     gamma2: Gamma2 = DEFAULTS.gamma2,
     gamma_policy: Annotated[str, typer.Option(help=GAMMA_POLICY_HELP)] = DEFAULTS.gamma_policy,
     ngram: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--ngram",
-            help="Draft with the training-free n-gram (prompt lookup) proposer: alone, or before --draft's model.",
+            "--ngram/--no-ngram",
+            help=(
+                "Draft with the training-free n-gram (prompt lookup) proposer first and the model drafter where it"
+                " finds nothing; with no model drafter (--draft self, or another target without --draft), the"
+                " n-gram alone. [default: on wherever there is a model drafter]"
+            ),
+            show_default=False,
         ),
     ] = DEFAULTS.ngram,
     refresh_interval: RefreshInterval = DEFAULTS.refresh_interval,

@@ -30,7 +30,8 @@ class EngineConfig:
     refresh_interval: full verifications between two chunk selections of the retrieval cache; a selection that
         falls due while the full tier drafts straight from the drafter waits until the retrieval tier drafts again.
     ngram: draft with the training-free n-gram proposer: alone, or first with the model drafter drafting where it
-    finds no continuation (speculative.FallbackProposer); ngram_max is the longest suffix it matches.
+    finds no continuation (speculative.FallbackProposer); None (the default) puts it first wherever a model
+    drafter is given, and leaves it out otherwise (Engine.uses_ngram). ngram_max is the longest suffix it matches.
     """
 
     mode: str = "triforce"
@@ -44,7 +45,7 @@ class EngineConfig:
     max_new_tokens: int = 256
     refresh_interval: int = 4
     prefill_chunk: int = 512
-    ngram: bool = False
+    ngram: bool | None = None
     ngram_max: int = 3
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 

@@ -47,9 +47,16 @@ class Engine:
         self._caches: _Caches | None = None
 
     @property
+    def uses_ngram(self) -> bool:
+        """The n-gram drafts: as asked, or by default wherever a model drafter is there to fall back on."""
+        if self.config.ngram is None:
+            return self.config.uses_drafter and self.drafter is not None
+        return self.config.ngram
+
+    @property
     def uses_model_drafter(self) -> bool:
         """A model tier drafts: the given drafter, or the target itself when neither drafter nor n-gram is set."""
-        return self.config.uses_drafter and (self.drafter is not None or not self.config.ngram)
+        return self.config.uses_drafter and (self.drafter is not None or not self.uses_ngram)
 
     @property
     def drafter_description(self) -> str | None:
@@ -60,7 +67,7 @@ class Engine:
             return ngram
         if self.drafter is None:
             return f"{self.target.name} itself on a StreamingLLM cache (self-speculation: no distilled drafter)"
-        return f"{ngram}, else {self.drafter.name}" if self.config.ngram else self.drafter.name
+        return f"{ngram}, else {self.drafter.name}" if self.uses_ngram else self.drafter.name
 
     @property
     def _drafter_model(self) -> Transformer:
@@ -106,7 +113,7 @@ class Engine:
         drafter = None
         if caches.streaming is not None:
             drafter = ModelTier("drafter", self._drafter_model, caches.streaming, sampling, generator)
-        if cfg.ngram:
+        if self.uses_ngram:
             ngram = NGramProposer(model.config.vocab_size, cfg.ngram_max)
             drafter = ngram if drafter is None else FallbackProposer(ngram, drafter)
         if cfg.mode == "autoregressive":

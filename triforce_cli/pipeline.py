@@ -25,12 +25,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SELF_DRAFT = "self"  # --draft value: the target drafts for itself on a StreamingLLM cache
 
 
-def drafter_spec(target: str | None, draft: str | None, config: EngineConfig) -> str | None:
+def drafter_spec(target: str | None, draft: str | None) -> str | None:
     """The drafter to load: --draft as given, none for 'self', and for the embedded default target without
-    --draft or --ngram its shipped distilled drafter."""
+    --draft its shipped distilled drafter (after the n-gram, unless --no-ngram)."""
     if draft == SELF_DRAFT:
         return None
-    if draft is None and target is None and not config.ngram and (EMBEDDED_DRAFTER / "config.json").is_file():
+    if draft is None and target is None and (EMBEDDED_DRAFTER / "config.json").is_file():
         return str(EMBEDDED_DRAFTER)
     return draft
 
@@ -90,7 +90,7 @@ class Pipeline:
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
-        draft = drafter_spec(target, draft, config)
+        draft = drafter_spec(target, draft)
         drafter = None
         if draft is not None:
             drafter = load_model(
