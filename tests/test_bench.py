@@ -74,6 +74,24 @@ def test_every_mode_and_transformers_peer_matches_greedy_autoregressive(pipe):
     assert by_mode["triforce"].budget == 16 and by_mode["triforce"].chunk_size == 4
 
 
+def test_with_a_separate_drafter_only_the_ngram_modes_put_the_ngram_first(checkpoint, tmp_path):
+    drafter = tmp_path / "drafter"
+    save_checkpoint(drafter, seed=6, max_position_embeddings=128, num_layers=1)
+    config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS)
+    pipe = Pipeline.load(str(checkpoint), draft=str(drafter), config=config, dtype="float32", device="cpu")
+    modes = ("streaming", "triforce", "ngram", "streaming-ngram", "triforce-ngram")
+    config = BenchConfig(modes=modes, contexts=(CONTEXT,), gamma_policies=("fixed",), **FAST)
+    rows = Bench(pipe, config).run_context("p", random_prompt(CONTEXT, 30, seed=1))
+    proposers = {row.mode: {a["proposer"] for a in row.acceptance} for row in rows}
+    assert proposers == {
+        "streaming": {"drafter"},
+        "triforce": {"retrieval", "drafter"},
+        "ngram": {"ngram"},
+        "streaming-ngram": {"ngram/drafter"},
+        "triforce-ngram": {"retrieval", "ngram/drafter"},
+    }
+
+
 def test_repeats_and_sweeps_make_one_row_per_setting(pipe):
     config = BenchConfig(
         modes=("autoregressive", "retrieval"), contexts=(CONTEXT,), **{**FAST, "budgets": (8, 16), "repeats": 2}

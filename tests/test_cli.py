@@ -647,9 +647,10 @@ class TestGreedyModesAgree:
 
     @pytest.mark.parametrize(
         "extra",
-        [("--mode", "triforce"), ("--mode", "retrieval"), ("--mode", "streaming", "--draft", "drafter"),
-         ("--mode", "triforce", "--draft", "drafter", "--gamma1", 3), ("--mode", "triforce", "--ngram")],
-        ids=["triforce", "retrieval", "streaming-drafter", "triforce-drafter", "triforce-ngram"],
+        [("--mode", "triforce"), ("--mode", "retrieval"), ("--mode", "streaming", "--draft", "drafter", "--no-ngram"),
+         ("--mode", "triforce", "--draft", "drafter", "--gamma1", 3, "--no-ngram"), ("--mode", "triforce", "--ngram"),
+         ("--mode", "triforce", "--draft", "drafter")],
+        ids=["triforce", "retrieval", "streaming-drafter", "triforce-drafter", "triforce-ngram", "ngram-drafter"],
     )  # fmt: skip
     def test_speculative_text_equals_autoregressive(self, prompt_file, reference, extra):
         data = run_json("-p", prompt_file, *self.ARGS, *extra)

@@ -187,9 +187,10 @@ def generate(
         typer.Option(
             "--ngram/--no-ngram",
             help=(
-                "Draft with the training-free n-gram (prompt lookup) proposer first and the model drafter where it"
-                " finds nothing; with no model drafter (--draft self, or another target without --draft), the"
-                " n-gram alone. [default: on wherever there is a model drafter]"
+                "Streaming and triforce modes: the training-free n-gram (prompt lookup) proposer drafts first and the"
+                " separate drafter where it finds nothing (the default wherever there is one; --no-ngram: the"
+                " drafter alone). Without one (--draft self, or another target without --draft) the target drafts"
+                " for itself, unless --ngram is given: then the n-gram drafts alone."
             ),
             show_default=False,
         ),
