@@ -50,7 +50,7 @@ class Engine:
     def uses_ngram(self) -> bool:
         """The n-gram drafts: as asked, or by default wherever a model drafter is there to fall back on."""
         if self.config.ngram is None:
-            return self.config.uses_drafter and self.drafter is not None
+            return self.drafter is not None  # kept only by modes with a drafter tier (__init__)
         return self.config.ngram
 
     @property
