@@ -10,6 +10,8 @@ from triforce_cli.engine import Engine
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.loading import load_model
 from triforce_cli.peers import load_hf_model
+from triforce_cli.pipeline import Pipeline
+from triforce_cli.sampling import SamplingConfig
 
 TRAINED = 64
 
@@ -72,3 +74,22 @@ def test_engine_accepts_prompts_up_to_the_window(tmp_path):
     result = Engine(extended, config).generate(prompt)
     assert len(result.token_ids) == 4
     assert result.stats.stop_reason == "max_new_tokens"
+
+
+def test_prompt_cache_is_not_shared_across_context_windows(tmp_path):
+    """YaRN rescales RoPE at every position, so a prefill saved without --context-window must not serve a run
+    with it: that run prefills for itself and equals an uncached run with the window."""
+    save_checkpoint(tmp_path / "ckpt", max_position_embeddings=TRAINED)
+    config = EngineConfig(mode="autoregressive", max_new_tokens=6, sampling=SamplingConfig(temperature=0))
+    prompt = random_prompt(TRAINED // 2, 31, seed=5)
+    folder = tmp_path / "prompts"
+    plain = Pipeline.load(str(tmp_path / "ckpt"), config=config, dtype="float32", device="cpu")
+    assert not plain.generate_ids(prompt, prompt_cache=folder).stats.prompt_cached
+    assert plain.generate_ids(prompt, prompt_cache=folder).stats.prompt_cached
+    extended = Pipeline.load(
+        str(tmp_path / "ckpt"), config=config, dtype="float32", device="cpu", context_window=4 * TRAINED
+    )
+    windowed = extended.generate_ids(prompt, prompt_cache=folder)
+    assert not windowed.stats.prompt_cached
+    assert windowed.token_ids == extended.generate_ids(prompt).token_ids
+    assert len(list(folder.glob("*.safetensors"))) == 2

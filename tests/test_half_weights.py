@@ -128,6 +128,7 @@ def test_pipeline_gives_the_drafter_half_weights_too(checkpoint):
     assert isinstance(pipe.drafter.model.lm_head, HalfLinear)
 
 
-def test_prompt_cache_files_differ_by_weight_format():
-    names = {prompt_cache_file(Path("."), "model", torch.float32, weights, [1, 2, 3]) for weights in ("dense", "half")}
-    assert len(names) == 2
+def test_prompt_cache_files_differ_by_weight_format(checkpoint):
+    loaded = load_model(str(checkpoint))
+    variants = [dataclasses.replace(loaded, weights=weights) for weights in ("dense", "half")]
+    assert len({prompt_cache_file(Path("."), v, [1, 2, 3]) for v in variants}) == 2

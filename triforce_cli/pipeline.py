@@ -17,7 +17,7 @@ from triforce_cli.embedded import EMBEDDED_DRAFTER
 from triforce_cli.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.errors import ConfigError
 from triforce_cli.loading import LoadedModel, StatusCallback, load_model
-from triforce_cli.prompt_state import PromptState, prompt_cache_file
+from triforce_cli.prompt_state import find_prompt_state
 from triforce_cli.prompts import encode_prompt
 from triforce_cli.stats import GenerationResult
 
@@ -125,9 +125,8 @@ class Pipeline:
         """Generate after token ids; with prompt_cache, reuse a saved prefill of them or save this one there."""
         if prompt_cache is None:
             return self.engine.generate(prompt_ids, on_prefill, on_tokens)
-        path = prompt_cache_file(prompt_cache, self.target.source, self.target.dtype, self.target.weights, prompt_ids)
-        state = PromptState.load(path, self.target.device) if path.is_file() else None
-        if state is not None and state.matches(prompt_ids):
+        path, state = find_prompt_state(prompt_cache, self.target, prompt_ids)
+        if state is not None:
             return self.engine.generate(prompt_ids, on_prefill, on_tokens, prompt_state=state)
         return self.engine.generate(prompt_ids, on_prefill, on_tokens, on_prompt_state=lambda st: st.save(path))
 

@@ -2,10 +2,12 @@
 
 Prefill of a long prompt dominates end-to-end time on a CPU, so ``Engine.prefill`` captures it once; every mode
 of a benchmark, every repeat, and later runs through ``--prompt-cache`` restore it instead of recomputing.
-Files are safetensors, named by a hash of the model's source, dtype and weight format and the prompt's token ids.
+Files are safetensors, named by a hash of the model's source, dtype, weight format and rotary setting and the
+prompt's token ids.
 """
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from cache import FullCache
 from kernels import PackedPrefix
 from triforce_cli.errors import PromptError
+from triforce_cli.loading import LoadedModel
 
 
 @dataclass
@@ -73,7 +76,23 @@ class PromptState:
             raise PromptError(f"cannot read prompt cache {path}: {err}") from None
 
 
-def prompt_cache_file(folder: Path, model_source: str, dtype: torch.dtype, weights: str, prompt_ids: list[int]) -> Path:
-    digest = hashlib.sha256(f"{model_source}|{dtype}|{weights}|".encode())
+def prompt_cache_file(folder: Path, target: LoadedModel, prompt_ids: list[int]) -> Path:
+    """The file in folder for prompt_ids, named by a hash of what decides their keys and values: the checkpoint,
+    dtype, weight format, rotary setting (--context-window rescales RoPE at every position) and the token ids."""
+    rotary = json.dumps(
+        [getattr(target.hf_config, "rope_parameters", None), target.hf_config.max_position_embeddings],
+        sort_keys=True,
+        default=str,
+    )
+    digest = hashlib.sha256(f"{target.source}|{target.dtype}|{target.weights}|{rotary}|".encode())
     digest.update(torch.tensor(prompt_ids, dtype=torch.long).numpy().tobytes())
     return folder / f"prompt-{digest.hexdigest()[:16]}.safetensors"
+
+
+def find_prompt_state(folder: Path, target: LoadedModel, prompt_ids: list[int]) -> tuple[Path, PromptState | None]:
+    """Where the prefill of prompt_ids by target is kept in folder, and the state saved there, if any."""
+    path = prompt_cache_file(folder, target, prompt_ids)
+    if not path.is_file():
+        return path, None
+    state = PromptState.load(path, target.device)
+    return path, state if state.matches(prompt_ids) else None
