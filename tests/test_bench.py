@@ -101,6 +101,24 @@ def test_repeats_and_sweeps_make_one_row_per_setting(pipe):
     assert all(len(r.ms_per_token) == 2 for r in rows)
 
 
+def test_prompt_cache_saves_the_prefill_once_and_later_runs_restore_it(pipe, tmp_path):
+    config = BenchConfig(modes=("autoregressive", "triforce-ngram", "hf"), contexts=(CONTEXT,), **FAST)
+    prompt = random_prompt(CONTEXT, 30, seed=4)
+    cold = Bench(pipe, replace(config, prompt_cache=tmp_path)).run_context("p", prompt)
+    assert len(list(tmp_path.glob("prompt-*.safetensors"))) == 1
+    warm = Bench(pipe, replace(config, prompt_cache=tmp_path)).run_context("p", prompt)
+    assert [r.prompt_cached for r in cold] == [False, False, False]
+    assert [r.prompt_cached for r in warm] == [True, True, False]  # the peers prefill for themselves
+    uncached = Bench(pipe, config).run_context("p", prompt)
+    for rows in (cold, warm):
+        assert [r.matches_autoregressive for r in rows] == [True, True, True]
+        assert rows[0].speedup_vs_hf is not None
+    assert not any(r.prompt_cached for r in uncached)
+    other = Bench(pipe, replace(config, prompt_cache=tmp_path)).run_context("p", random_prompt(CONTEXT, 30, seed=5))
+    assert not any(r.prompt_cached for r in other)  # another prompt misses and is saved beside the first
+    assert len(list(tmp_path.glob("prompt-*.safetensors"))) == 2
+
+
 def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
     config = BenchConfig(
         modes=("autoregressive", "triforce", "ngram", "hf"),
@@ -268,6 +286,18 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     result = invoke_bench(*common, "--out", tmp_path / "rows.csv")
     assert result.exit_code == 0, result.output
     assert (tmp_path / "rows.csv").read_text().splitlines()[0].startswith("prompt,mode,context")
+
+
+def test_bench_command_reuses_the_prompt_cache(checkpoint, prompt_file, tmp_path):
+    args = ["--target", checkpoint, "-p", prompt_file, "--context", CONTEXT, "--max-new-tokens", 4, "--repeats", 1]
+    args += ["--warmup", 0, "--modes", "autoregressive", "--prompt-cache", tmp_path / "prompts"]
+    cached = []
+    for run in ("first", "second"):
+        result = invoke_bench(*args, "--out", tmp_path / f"{run}.json")
+        assert result.exit_code == 0, result.output
+        cached.append(json.loads((tmp_path / f"{run}.json").read_text())["rows"][0]["prompt_cached"])
+    assert cached == [False, True]
+    assert "(cached)" in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -23,6 +24,7 @@ from triforce_cli.llama_cpp_peer import LLAMA_CPP_PEER, LlamaCppPeer, llama_cpp_
 from triforce_cli.loading import LoadedModel
 from triforce_cli.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate, load_hf_model
 from triforce_cli.pipeline import Pipeline
+from triforce_cli.prompt_state import PromptState, find_prompt_state
 from triforce_cli.sampling import SamplingConfig
 
 OUR_MODES = {
@@ -60,6 +62,7 @@ class BenchConfig:
     chunk_sizes: tuple[int, ...] = (16,)
     gamma_policies: tuple[str, ...] = ("throughput",)  # what generate runs by default (no --seed)
     forward_tokens: tuple[int, ...] = ()  # also time single forwards of these many tokens (forward_costs.py)
+    prompt_cache: Path | None = None  # folder of saved prefills (prompt_state.py): reused, or written on a miss
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0))
 
     def __post_init__(self) -> None:
@@ -88,13 +91,14 @@ class BenchRow:
     context: int
     budget: int | None
     chunk_size: int | None
-    prefill_seconds: float
+    prefill_seconds: float  # where prompt_cached, the time to load the saved prefill
     ms_per_token: list[float]  # one per repeat
     gamma_policy: str | None = None
     acceptance: list[dict] = field(default_factory=list)
     matches_autoregressive: bool | None = None
     speedup_vs_autoregressive: float | None = None
     speedup_vs_hf: float | None = None
+    prompt_cached: bool = False
 
     @property
     def median_ms(self) -> float:
@@ -113,6 +117,7 @@ class BenchRow:
             "chunk_size": self.chunk_size,
             "gamma_policy": self.gamma_policy,
             "prefill_seconds": self.prefill_seconds,
+            "prompt_cached": self.prompt_cached,
             "median_ms_per_token": self.median_ms,
             "min_ms_per_token": min(self.ms_per_token),
             "max_ms_per_token": max(self.ms_per_token),
@@ -213,9 +218,10 @@ class Bench:
         variants = _variants(self.config)
         state = None
         prefill_seconds = 0.0
+        cached = False
         if any(v.mode in OUR_MODES for v in variants) or self.config.forward_tokens:
             started = time.perf_counter()
-            state = self._engine().prefill(prompt_ids)
+            state, cached = self._prompt_state(prompt_ids)
             prefill_seconds = time.perf_counter() - started
         if self.config.forward_tokens:
             retrieval = EngineConfig(budget=self.config.budgets[0], chunk_size=self.config.chunk_sizes[0])
@@ -238,7 +244,21 @@ class Bench:
                     run = self._run_peer(variant.mode, prompt_ids)
                 if repeat >= 0:
                     variant.runs.append(run)
-        return self._rows(prompt, len(prompt_ids), variants, prefill_seconds)
+        rows = self._rows(prompt, len(prompt_ids), variants, prefill_seconds)
+        for row in rows:
+            row.prompt_cached = cached and row.mode in OUR_MODES
+        return rows
+
+    def _prompt_state(self, prompt_ids: list[int]) -> tuple[PromptState, bool]:
+        """The prefilled prompt, and whether it came from the prompt cache (a miss prefills and saves it there)."""
+        if self.config.prompt_cache is None:
+            return self._engine().prefill(prompt_ids), False
+        path, state = find_prompt_state(self.config.prompt_cache, self.pipe.target, prompt_ids)
+        if state is not None:
+            return state, True
+        state = self._engine().prefill(prompt_ids)
+        state.save(path)
+        return state, False
 
     def _rows(self, prompt: str, context: int, variants: list[_Variant], prefill_seconds: float) -> list[BenchRow]:
         rows = []

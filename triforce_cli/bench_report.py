@@ -66,7 +66,7 @@ def bench_table(rows: list[BenchRow]) -> Table:
             row.mode,
             f"{row.budget or 'auto'}/{row.chunk_size}" if row.chunk_size else "-",
             row.gamma_policy or "-",
-            f"{row.prefill_seconds:.1f}",
+            f"{row.prefill_seconds:.1f}" + (" (cached)" if row.prompt_cached else ""),
             f"{row.median_ms:.1f} [{min(row.ms_per_token):.1f}-{max(row.ms_per_token):.1f}]",
             f"{row.tokens_per_second:.1f}",
             _ratio(row.speedup_vs_autoregressive),

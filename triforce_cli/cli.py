@@ -313,6 +313,10 @@ def bench(
             help="Also time one target forward of T new tokens per context, e.g. 1,2,4,8 (verification cost)."
         ),
     ] = None,
+    prompt_cache: Annotated[
+        Path | None,
+        typer.Option(help="Folder to keep prefilled prompts in and reuse them from (prefill then shows the load)."),
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Write results to a .json or .csv file.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
 ) -> None:
@@ -330,6 +334,7 @@ def bench(
             gamma_policies=parse_names(gamma_policy, GAMMA_POLICIES),
             forward_tokens=parse_sizes(forward_costs) if forward_costs else (),
             sampling=sampling,
+            prompt_cache=prompt_cache,
         )
         check_results_path(out)
         engine_config = EngineConfig(
