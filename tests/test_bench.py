@@ -288,6 +288,14 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     assert (tmp_path / "rows.csv").read_text().splitlines()[0].startswith("prompt,mode,context")
 
 
+def test_bench_plot_without_matplotlib_fails_before_loading_anything(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    result = invoke_bench("--target", tmp_path / "never-loaded", "--plot", tmp_path / "latency.png")
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --plot needs matplotlib: pip install matplotlib"], result.output
+
+
 def test_bench_command_reuses_the_prompt_cache(checkpoint, prompt_file, tmp_path):
     args = ["--target", checkpoint, "-p", prompt_file, "--context", CONTEXT, "--max-new-tokens", 4, "--repeats", 1]
     args += ["--warmup", 0, "--modes", "autoregressive", "--prompt-cache", tmp_path / "prompts"]

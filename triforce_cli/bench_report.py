@@ -124,8 +124,8 @@ def write_results(rows: list[BenchRow], path: Path, command: str, forward_costs:
             writer.writerows(flat)
 
 
-def plot_latency(rows: list[BenchRow], path: Path) -> None:
-    """PNG of median per-token latency against context length, one line per mode."""
+def pyplot():
+    """matplotlib's pyplot drawing to files; asked for before a bench runs, so a missing package fails early."""
     try:
         import matplotlib
 
@@ -133,6 +133,12 @@ def plot_latency(rows: list[BenchRow], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def plot_latency(rows: list[BenchRow], path: Path) -> None:
+    """PNG of median per-token latency against context length, one line per mode."""
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for mode in dict.fromkeys(r.mode for r in rows):
         points = sorted((r.context, r.median_ms) for r in rows if r.mode == mode)

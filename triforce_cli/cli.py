@@ -14,7 +14,14 @@ from rich.console import Console
 from rich.text import Text
 
 from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
-from triforce_cli.bench_report import bench_table, check_results_path, forward_cost_table, plot_latency, write_results
+from triforce_cli.bench_report import (
+    bench_table,
+    check_results_path,
+    forward_cost_table,
+    plot_latency,
+    pyplot,
+    write_results,
+)
 from triforce_cli.config import GAMMA_POLICIES, MODES, EngineConfig
 from triforce_cli.corpus import BUILTIN_NAMES, DOCUMENTS, builtin_document
 from triforce_cli.distill import DistillConfig, Distiller, load_teacher
@@ -337,6 +344,8 @@ def bench(
             prompt_cache=prompt_cache,
         )
         check_results_path(out)
+        if plot is not None:
+            pyplot()
         engine_config = EngineConfig(
             sink_tokens=sink_tokens,
             draft_window=draft_window,
