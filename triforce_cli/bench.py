@@ -91,7 +91,7 @@ class BenchRow:
     context: int
     budget: int | None
     chunk_size: int | None
-    prefill_seconds: float  # where prompt_cached, the time to load the saved prefill
+    prefill_seconds: float  # where prompt_cached, the time to open the saved prefill
     ms_per_token: list[float]  # one per repeat
     gamma_policy: str | None = None
     acceptance: list[dict] = field(default_factory=list)
