@@ -244,10 +244,7 @@ class Bench:
                     run = self._run_peer(variant.mode, prompt_ids)
                 if repeat >= 0:
                     variant.runs.append(run)
-        rows = self._rows(prompt, len(prompt_ids), variants, prefill_seconds)
-        for row in rows:
-            row.prompt_cached = cached and row.mode in OUR_MODES
-        return rows
+        return self._rows(prompt, len(prompt_ids), variants, prefill_seconds, cached)
 
     def _prompt_state(self, prompt_ids: list[int]) -> tuple[PromptState, bool]:
         """The prefilled prompt, and whether it came from the prompt cache (a miss prefills and saves it there)."""
@@ -260,7 +257,9 @@ class Bench:
         state.save(path)
         return state, False
 
-    def _rows(self, prompt: str, context: int, variants: list[_Variant], prefill_seconds: float) -> list[BenchRow]:
+    def _rows(
+        self, prompt: str, context: int, variants: list[_Variant], prefill_seconds: float, cached: bool
+    ) -> list[BenchRow]:
         rows = []
         reference = next((v.runs[0].token_ids for v in variants if v.mode == "autoregressive"), None)
         for v in variants:
@@ -269,6 +268,7 @@ class Bench:
                 ms = [s.ms_per_token for s in stats]
                 row = BenchRow(prompt, v.mode, context, v.budget, v.chunk_size, prefill_seconds, ms, v.gamma_policy)
                 row.acceptance = [a.as_dict() for a in stats[-1].acceptance]
+                row.prompt_cached = cached
             else:
                 peer_prefill = statistics.median(r.prefill_seconds for r in v.runs)
                 row = BenchRow(prompt, v.mode, context, None, None, peer_prefill, [r.ms_per_token for r in v.runs])

@@ -322,7 +322,9 @@ def bench(
     ] = None,
     prompt_cache: Annotated[
         Path | None,
-        typer.Option(help="Folder to keep prefilled prompts in and reuse them from (prefill then shows the load)."),
+        typer.Option(
+            help="Folder to keep prefilled prompts in and reuse them from (prefill then shows the time to open one)."
+        ),
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Write results to a .json or .csv file.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
