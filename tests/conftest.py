@@ -14,8 +14,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from cache import FullCache
-from triforce_cli.loading import LoadedModel
-from triforce_cli.model import Transformer
+from triforce_cli.runtime.loading import LoadedModel
+from triforce_cli.runtime.model import Transformer
 
 # Tiny models: intra-op threads only add synchronisation overhead (and stall badly on a busy 2-core machine).
 torch.set_num_threads(1)

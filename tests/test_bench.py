@@ -12,21 +12,21 @@ import pytest
 from conftest import fixed_drafts_at_least, random_prompt, save_checkpoint
 from typer.testing import CliRunner
 
-import triforce_cli.bench
-import triforce_cli.llama_cpp_peer
-from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
-from triforce_cli.cli import app
-from triforce_cli.config import EngineConfig
-from triforce_cli.context_window import extend_context
-from triforce_cli.errors import ConfigError
-from triforce_cli.llama_cpp_peer import (
+import triforce_cli.bench.llama_cpp
+import triforce_cli.bench.runner
+from triforce_cli.bench.llama_cpp import (
     LLAMA_CPP_PEER,
     LlamaCppPeer,
     llama_cpp_rope_kwargs,
     llama_cpp_sampling_kwargs,
 )
-from triforce_cli.pipeline import Pipeline
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.bench.runner import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
+from triforce_cli.cli.app import app
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.context_window import extend_context
 
 CONTEXT = 48
 NEW_TOKENS = 6
@@ -145,9 +145,9 @@ def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
 
 def test_auto_policy_is_resolved_for_the_bench_sampling():
     greedy = BenchConfig(modes=("triforce",), gamma_policies=("auto", "throughput"))
-    assert triforce_cli.bench._resolved_policies(greedy) == ("throughput",)
+    assert triforce_cli.bench.runner._resolved_policies(greedy) == ("throughput",)
     seeded = replace(greedy, sampling=SamplingConfig(temperature=0.6, seed=0))
-    assert triforce_cli.bench._resolved_policies(seeded) == ("fixed", "throughput")
+    assert triforce_cli.bench.runner._resolved_policies(seeded) == ("fixed", "throughput")
 
 
 def test_forward_costs_time_each_token_count_on_both_caches(pipe):
@@ -182,18 +182,18 @@ def test_inconsistent_settings_are_refused(changes, message):
 
 def test_llama_cpp_joins_the_default_modes_only_where_it_can_run(monkeypatch, pipe):
     gguf_target = SimpleNamespace(gguf=Path("model.gguf"))
-    monkeypatch.setattr(triforce_cli.bench, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(triforce_cli.bench.runner, "llama_cpp_available", lambda: True)
     assert default_modes(gguf_target) == (*DEFAULT_MODES, LLAMA_CPP_PEER)
     assert default_modes(pipe.target) == DEFAULT_MODES  # a safetensors target
-    monkeypatch.setattr(triforce_cli.bench, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(triforce_cli.bench.runner, "llama_cpp_available", lambda: False)
     assert default_modes(gguf_target) == DEFAULT_MODES
 
 
 def test_llama_cpp_peer_needs_the_package_and_a_gguf_file(monkeypatch, pipe):
-    monkeypatch.setattr(triforce_cli.llama_cpp_peer, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(triforce_cli.bench.llama_cpp, "llama_cpp_available", lambda: False)
     with pytest.raises(ConfigError, match="pip install llama-cpp-python"):
         LlamaCppPeer(Path("model.gguf"), pipe.target.hf_config, 2)
-    monkeypatch.setattr(triforce_cli.llama_cpp_peer, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(triforce_cli.bench.llama_cpp, "llama_cpp_available", lambda: True)
     with pytest.raises(ConfigError, match="GGUF target"):
         LlamaCppPeer(None, pipe.target.hf_config, 2)
 
@@ -242,7 +242,7 @@ class FakeLlama:
 
 def test_llama_cpp_peer_stops_at_eos_and_reuses_the_prompt(monkeypatch, pipe):
     monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(Llama=FakeLlama, LLAMA_ROPE_SCALING_TYPE_YARN=2))
-    monkeypatch.setattr(triforce_cli.llama_cpp_peer, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(triforce_cli.bench.llama_cpp, "llama_cpp_available", lambda: True)
     peer = LlamaCppPeer(Path("model.gguf"), pipe.target.hf_config, threads=2)
     llm = FakeLlama.instances[-1]
     assert llm.kwargs["n_threads"] == 2 and llm.kwargs["n_ctx"] == 128

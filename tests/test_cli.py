@@ -1,6 +1,6 @@
 """The `triforce generate` command: errors as one line, --json, options reaching the backend, Ctrl-C.
 
-Most tests swap the loader (``triforce_cli.pipeline.load_model``) for tiny random Llama models wrapped into the
+Most tests swap the loader (``triforce_cli.decoding.pipeline.load_model``) for tiny random Llama models wrapped into the
 runtime with a character-level stub tokenizer, so ``Pipeline.load`` and ``Engine`` still run for real.
 ``TestRealLoader`` and the Ctrl-C subprocess test use the real loader on a tiny checkpoint saved to a temporary
 folder; no test here touches the embedded model (see test_embedded.py).
@@ -22,14 +22,14 @@ from conftest import llama_config
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
-import triforce_cli.pipeline
-from triforce_cli.cli import INTERRUPTED_EXIT_CODE, app
-from triforce_cli.config import EngineConfig
-from triforce_cli.engine import Engine
-from triforce_cli.loading import LoadedModel
-from triforce_cli.model import Transformer
-from triforce_cli.pipeline import Pipeline
-from triforce_cli.sampling import SamplingConfig
+import triforce_cli.decoding.pipeline
+from triforce_cli.cli.app import INTERRUPTED_EXIT_CODE, app
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.runtime.loading import LoadedModel
+from triforce_cli.runtime.model import Transformer
 
 LIBRARY_WEIGHTS_DEFAULT = inspect.signature(Pipeline.load).parameters["weights"].default
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,!?'"  # 32 pieces, none of them Rich markup or emoji codes
@@ -109,9 +109,9 @@ def tiny(monkeypatch, tiny_models) -> dict:
         )
         return tiny_models.get(spec, tiny_models["tiny"])
 
-    monkeypatch.setattr(triforce_cli.pipeline, "load_model", fake_load_model)
+    monkeypatch.setattr(triforce_cli.decoding.pipeline, "load_model", fake_load_model)
     # The embedded default's shipped drafter is not one of the tiny models: without --draft the target drafts.
-    monkeypatch.setattr(triforce_cli.pipeline, "EMBEDDED_DRAFTER", Path("/nonexistent/drafter"))
+    monkeypatch.setattr(triforce_cli.decoding.pipeline, "EMBEDDED_DRAFTER", Path("/nonexistent/drafter"))
     return {"models": tiny_models, "calls": calls}
 
 
@@ -719,7 +719,7 @@ def test_ctrl_c_in_a_real_process(tiny_folder, tmp_path):
         "-c",
         # A shell starts background jobs with SIGINT ignored, and Python keeps an inherited SIG_IGN: restore the
         # KeyboardInterrupt handler, as a terminal user has it, whoever started the tests.
-        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from triforce_cli.cli import app; app()",
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from triforce_cli.cli.app import app; app()",
         "generate",
         "-p", str(prompt),
         "--target", str(tiny_folder),

@@ -4,14 +4,13 @@ import pytest
 import torch
 from conftest import full_cache_for, llama_config, random_prompt, save_checkpoint, with_eos
 
-from triforce_cli.config import EngineConfig
-from triforce_cli.context_window import extend_context, trained_context
-from triforce_cli.engine import Engine
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError, PromptError
-from triforce_cli.loading import load_model
-from triforce_cli.peers import load_hf_model
-from triforce_cli.pipeline import Pipeline
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.runtime.context_window import extend_context, trained_context
+from triforce_cli.runtime.loading import load_hf_model, load_model
 
 TRAINED = 64
 

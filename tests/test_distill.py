@@ -10,9 +10,12 @@ from conftest import full_cache_for, save_checkpoint
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from triforce_cli.cli import app
-from triforce_cli.config import EngineConfig
-from triforce_cli.distill import (
+from triforce_cli.cli.app import app
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.pipeline import Pipeline, drafter_spec
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.distill.data import TeacherTargets, text_windows
+from triforce_cli.distill.trainer import (
     CHECKPOINT_NAME,
     DistillConfig,
     Distiller,
@@ -22,11 +25,8 @@ from triforce_cli.distill import (
     load_teacher,
     topk_distillation_loss,
 )
-from triforce_cli.distill_data import TeacherTargets, text_windows
 from triforce_cli.errors import ConfigError, ModelLoadError
-from triforce_cli.loading import DRAFTER_METADATA, load_model
-from triforce_cli.pipeline import Pipeline, drafter_spec
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.runtime.loading import DRAFTER_METADATA, load_model
 
 VOCAB = 32  # w0..w29, <unk>, <eos>
 
@@ -370,12 +370,12 @@ def test_init_from_run_resumes_from_its_checkpoint_alone(target_folder, text_fil
 
 
 def test_default_drafter_choice(tmp_path, monkeypatch):
-    import triforce_cli.pipeline
+    import triforce_cli.decoding.pipeline
 
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "config.json").write_text("{}")
-    monkeypatch.setattr(triforce_cli.pipeline, "EMBEDDED_DRAFTER", shipped)
+    monkeypatch.setattr(triforce_cli.decoding.pipeline, "EMBEDDED_DRAFTER", shipped)
     assert drafter_spec(None, None) == str(shipped)  # with or without the n-gram before it
     assert drafter_spec(None, "self") is None
     assert drafter_spec("some/model", None) is None

@@ -25,14 +25,14 @@ import torch
 from conftest import full_cache_for
 from typer.testing import CliRunner
 
-from triforce_cli.cli import app
-from triforce_cli.config import EngineConfig
+from triforce_cli.cli.app import app
 from triforce_cli.corpus import builtin_document
-from triforce_cli.embedded import EMBEDDED_DRAFTER, EMBEDDED_NAME
-from triforce_cli.engine import Engine
-from triforce_cli.loading import LoadedModel, load_model, resolve_checkpoint
-from triforce_cli.pipeline import Pipeline
-from triforce_cli.sampling import SamplingConfig, acceptance_probability, probabilities
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.sampling import SamplingConfig, acceptance_probability, probabilities
+from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, EMBEDDED_NAME
+from triforce_cli.runtime.loading import LoadedModel, load_model, resolve_checkpoint
 
 pytestmark = pytest.mark.embedded
 
@@ -110,7 +110,7 @@ def test_logits_match_transformers(embedded, logbook_text):
 
 def test_compact_weights_match_dense(embedded, logbook_text):
     """Computing from the GGUF's Q4_1 blocks: the same weight values, only the products are rounded apart."""
-    from triforce_cli.compact import Q4Linear
+    from triforce_cli.runtime.compact import Q4Linear
 
     compact = load_model(None, weights="compact")
     assert sum(isinstance(m, Q4Linear) for m in compact.model.modules()) > 0
@@ -258,7 +258,7 @@ def test_cli_with_embedded_default(tmp_path):
 
 def test_llama_cpp_peer_decodes_the_embedded_gguf(embedded):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional peer (it builds from source)")
-    from triforce_cli.llama_cpp_peer import LlamaCppPeer
+    from triforce_cli.bench.llama_cpp import LlamaCppPeer
 
     prompt = embedded.tokenizer(builtin_document("stdlib-b"))["input_ids"][:300]
     peer = LlamaCppPeer(embedded.gguf, embedded.hf_config, threads=1)

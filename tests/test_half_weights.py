@@ -14,15 +14,14 @@ from conftest import full_cache_for, make_model, random_prompt, reference_logits
 from torch import nn
 
 from kernels import half_weights_available
-from triforce_cli.config import EngineConfig
-from triforce_cli.engine import Engine
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.prompt_state import prompt_cache_file
+from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ModelLoadError
-from triforce_cli.half_weights import HalfLinear, round_to_half, use_half_weights
-from triforce_cli.loading import LoadedModel, load_model
-from triforce_cli.peers import load_hf_model
-from triforce_cli.pipeline import Pipeline
-from triforce_cli.prompt_state import prompt_cache_file
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.runtime.half_weights import HalfLinear, round_to_half, use_half_weights
+from triforce_cli.runtime.loading import LoadedModel, load_hf_model, load_model
 
 pytestmark = pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
 

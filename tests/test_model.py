@@ -7,8 +7,8 @@ import torch
 from conftest import full_cache_for, llama_config, random_prompt, reference_logits, save_checkpoint, wrap
 from transformers import GPT2Config, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from triforce_cli.loading import load_model
-from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError
+from triforce_cli.runtime.loading import load_model
+from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError
 
 SEQ = 96
 ATOL = 1e-5

@@ -4,11 +4,11 @@ import torch
 from conftest import full_cache_for, random_prompt, rich_model
 
 from cache import StreamingCache
-from triforce_cli.config import EngineConfig
-from triforce_cli.engine import Engine
-from triforce_cli.ngram import NGramProposer
-from triforce_cli.sampling import SamplingConfig, probabilities
-from triforce_cli.speculative import FallbackProposer, ModelTier, Proposal
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.ngram import NGramProposer
+from triforce_cli.decoding.sampling import SamplingConfig, probabilities
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposal
 
 
 def test_continues_the_latest_earlier_occurrence_of_the_longest_suffix():

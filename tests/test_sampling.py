@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from triforce_cli.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
+from triforce_cli.decoding.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
 
 P_THRESHOLD = 1e-3
 

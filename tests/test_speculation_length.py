@@ -21,11 +21,10 @@ from test_speculative import (
 
 from cache import RetrievalCache
 from triforce_cli import speculative
-from triforce_cli.config import EngineConfig
-from triforce_cli.engine import Engine
-from triforce_cli.errors import ConfigError
-from triforce_cli.sampling import SamplingConfig
-from triforce_cli.speculation_length import (
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.speculation_length import (
     SHORTCUT_RETRY,
     DraftSource,
     SpeculationLength,
@@ -34,6 +33,7 @@ from triforce_cli.speculation_length import (
     throughput_length,
     verification_cost,
 )
+from triforce_cli.errors import ConfigError
 
 
 def test_heuristic_grows_by_two_and_shrinks_by_one_within_bounds():

@@ -25,12 +25,12 @@ from scipy.stats import chisquare
 
 from cache import FullCache, RetrievalCache, StreamingCache
 from triforce_cli import speculative
-from triforce_cli.config import EngineConfig
-from triforce_cli.engine import Engine
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
+from triforce_cli.decoding.speculative import ModelTier
 from triforce_cli.errors import ConfigError, PromptError
-from triforce_cli.loading import LoadedModel
-from triforce_cli.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
-from triforce_cli.speculative import ModelTier
+from triforce_cli.runtime.loading import LoadedModel
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPT_TOKENS, NEW_TOKENS = 200, 80

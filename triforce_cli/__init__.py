@@ -1,8 +1,23 @@
-"""triforce-cli: lossless long-context speculative generation (TriForce, arXiv 2404.11912)."""
+"""triforce-cli: lossless long-context speculative generation (TriForce, arXiv 2404.11912).
 
-from triforce_cli.config import EngineConfig
-from triforce_cli.pipeline import Pipeline
-from triforce_cli.sampling import SamplingConfig
-from triforce_cli.stats import GenerationResult, GenerationStats
+The library API, imported on first use so that the command line starts (and answers Ctrl-C) before torch loads:
 
+    from triforce_cli import EngineConfig, Pipeline, SamplingConfig
+"""
+
+import importlib
+
+_EXPORTS = {
+    "EngineConfig": "triforce_cli.decoding.config",
+    "GenerationResult": "triforce_cli.decoding.stats",
+    "GenerationStats": "triforce_cli.decoding.stats",
+    "Pipeline": "triforce_cli.decoding.pipeline",
+    "SamplingConfig": "triforce_cli.decoding.sampling",
+}
 __all__ = ["EngineConfig", "GenerationResult", "GenerationStats", "Pipeline", "SamplingConfig"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'triforce_cli' has no attribute '{name}'")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

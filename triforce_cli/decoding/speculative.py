@@ -15,9 +15,9 @@ from typing import Protocol
 import torch
 
 from cache import KVCache
-from triforce_cli.model import Transformer
-from triforce_cli.sampling import SamplingConfig, probabilities, sample, verify_draft
-from triforce_cli.speculation_length import SpeculationLength
+from triforce_cli.decoding.sampling import SamplingConfig, probabilities, sample, verify_draft
+from triforce_cli.decoding.speculation_length import SpeculationLength
+from triforce_cli.runtime.model import Transformer
 
 
 @dataclass

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from cache import FullCache, RetrievalCache, StreamingCache
-from triforce_cli.config import EngineConfig
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.ngram import NGramProposer
+from triforce_cli.decoding.prompt_state import PromptState
+from triforce_cli.decoding.sampling import probabilities, sample
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier
+from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
-from triforce_cli.loading import LoadedModel
-from triforce_cli.model import Transformer
-from triforce_cli.ngram import NGramProposer
-from triforce_cli.prompt_state import PromptState
-from triforce_cli.sampling import probabilities, sample
-from triforce_cli.speculative import FallbackProposer, ModelTier
-from triforce_cli.stats import GenerationResult, GenerationStats
+from triforce_cli.runtime.loading import LoadedModel
+from triforce_cli.runtime.model import Transformer
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)

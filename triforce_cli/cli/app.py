@@ -13,8 +13,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from triforce_cli.bench import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
-from triforce_cli.bench_report import (
+from triforce_cli.bench.llama_cpp import LLAMA_CPP_PEER
+from triforce_cli.bench.report import (
     bench_table,
     check_results_path,
     forward_cost_table,
@@ -22,15 +22,15 @@ from triforce_cli.bench_report import (
     pyplot,
     write_results,
 )
-from triforce_cli.config import GAMMA_POLICIES, MODES, EngineConfig
+from triforce_cli.bench.runner import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
+from triforce_cli.cli.render import DistillBar, PrefillProgress, TokenStream, print_summary, tier_legend
 from triforce_cli.corpus import BUILTIN_NAMES, DOCUMENTS, builtin_document
-from triforce_cli.distill import DistillConfig, Distiller, load_teacher
+from triforce_cli.decoding.config import GAMMA_POLICIES, MODES, EngineConfig
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.distill.trainer import DistillConfig, Distiller, load_teacher
 from triforce_cli.errors import ConfigError, PromptError, TriforceError
-from triforce_cli.llama_cpp_peer import LLAMA_CPP_PEER
-from triforce_cli.pipeline import Pipeline
-from triforce_cli.prompts import read_prompt
-from triforce_cli.render import DistillBar, PrefillProgress, TokenStream, print_summary, tier_legend
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.runtime.prompts import read_prompt
 
 app = typer.Typer(
     help="Lossless long-context speculative generation (TriForce: drafter -> retrieval cache -> full cache).",

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from triforce_cli.config import EngineConfig
-from triforce_cli.embedded import EMBEDDED_DRAFTER
-from triforce_cli.engine import Engine, PrefillCallback, TokenCallback
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
+from triforce_cli.decoding.prompt_state import find_prompt_state
+from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.errors import ConfigError
-from triforce_cli.loading import LoadedModel, StatusCallback, load_model
-from triforce_cli.prompt_state import find_prompt_state
-from triforce_cli.prompts import encode_prompt
-from triforce_cli.stats import GenerationResult
+from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
+from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model
+from triforce_cli.runtime.prompts import encode_prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SELF_DRAFT = "self"  # --draft value: the target drafts for itself on a StreamingLLM cache

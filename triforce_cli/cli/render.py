@@ -8,8 +8,8 @@ from rich.table import Table
 from rich.text import Text
 from transformers import PreTrainedTokenizerBase
 
-from triforce_cli.distill import DistillProgress
-from triforce_cli.stats import GenerationStats
+from triforce_cli.decoding.stats import GenerationStats
+from triforce_cli.distill.trainer import DistillProgress
 
 TIER_STYLES = {"ngram": "magenta", "drafter": "green", "retrieval": "yellow", "target": "cyan"}
 

@@ -11,9 +11,9 @@ import torch
 from rich.table import Table
 from rich.text import Text
 
-from triforce_cli.bench import BenchRow
+from triforce_cli.bench.forward_costs import ForwardCost
+from triforce_cli.bench.runner import BenchRow
 from triforce_cli.errors import ConfigError
-from triforce_cli.forward_costs import ForwardCost
 
 
 def machine_description() -> dict:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from triforce_cli.speculative import Proposal
+from triforce_cli.decoding.speculative import Proposal
 
 TAIL_RECHECK = 64  # positions compared to find where the sequence diverged from the indexed one
 

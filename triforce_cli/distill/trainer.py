@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from triforce_cli.corpus import BUILTIN_NAMES, shared_texts
-from triforce_cli.distill_data import (
+from triforce_cli.decoding.sampling import SamplingConfig, acceptance_probability, probabilities
+from triforce_cli.distill.data import (
     TeacherTargets,
     held_out_texts,
     self_generated_windows,
@@ -34,18 +35,17 @@ from triforce_cli.distill_data import (
     training_texts,
 )
 from triforce_cli.errors import ConfigError, ModelLoadError
-from triforce_cli.loading import (
+from triforce_cli.runtime.loading import (
     DRAFTER_METADATA,
     SHARED_WEIGHTS,
     Checkpoint,
     StatusCallback,
     embedding_digest,
+    load_hf_model,
     resolve_checkpoint,
     token_id_set,
 )
-from triforce_cli.model import ModelConfig, UnsupportedModelError, spread_over_vocabulary
-from triforce_cli.peers import load_hf_model
-from triforce_cli.sampling import SamplingConfig, acceptance_probability, probabilities
+from triforce_cli.runtime.model import ModelConfig, UnsupportedModelError, spread_over_vocabulary
 
 CHECKPOINT_NAME = "distill-checkpoint.pt"
 WORK_FOLDER = "distill-work"  # teacher targets and self-generated windows, kept for --resume

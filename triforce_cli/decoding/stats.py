@@ -3,7 +3,7 @@
 import statistics
 from dataclasses import dataclass, field
 
-from triforce_cli.speculative import AcceptanceStats
+from triforce_cli.decoding.speculative import AcceptanceStats
 
 
 @dataclass

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from cache import FullCache, RetrievalCache
-from triforce_cli.loading import LoadedModel
-from triforce_cli.prompt_state import PromptState
+from triforce_cli.decoding.prompt_state import PromptState
+from triforce_cli.runtime.loading import LoadedModel
 
 
 @dataclass

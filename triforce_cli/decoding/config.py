@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass, field
 
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.speculation_length import POLICIES
 from triforce_cli.errors import ConfigError
-from triforce_cli.sampling import SamplingConfig
-from triforce_cli.speculation_length import POLICIES
 
 GAMMA_POLICIES = ("auto", *POLICIES)
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from triforce_cli.config import EngineConfig
-from triforce_cli.engine import Engine
+from triforce_cli.bench.forward_costs import ForwardCost, measure_forward_costs
+from triforce_cli.bench.llama_cpp import LLAMA_CPP_PEER, LlamaCppPeer, llama_cpp_available
+from triforce_cli.bench.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.prompt_state import PromptState, find_prompt_state
+from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
-from triforce_cli.forward_costs import ForwardCost, measure_forward_costs
-from triforce_cli.llama_cpp_peer import LLAMA_CPP_PEER, LlamaCppPeer, llama_cpp_available
-from triforce_cli.loading import LoadedModel
-from triforce_cli.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate, load_hf_model
-from triforce_cli.pipeline import Pipeline
-from triforce_cli.prompt_state import PromptState, find_prompt_state
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.runtime.loading import LoadedModel, load_hf_model
 
 OUR_MODES = {
     "autoregressive": {"mode": "autoregressive"},

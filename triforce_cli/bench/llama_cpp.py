@@ -11,10 +11,10 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
-from triforce_cli.context_window import trained_context
+from triforce_cli.bench.peers import TimedRun
+from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
-from triforce_cli.peers import TimedRun
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.runtime.context_window import trained_context
 
 LLAMA_CPP_PEER = "llama.cpp"
 INSTALL_HINT = "pip install llama-cpp-python (it builds from source, about ten minutes on 2 cores)"

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from cache import FullCache
 from kernels import PackedPrefix
 from triforce_cli.errors import PromptError
-from triforce_cli.loading import LoadedModel
+from triforce_cli.runtime.loading import LoadedModel
 
 
 @dataclass

@@ -5,12 +5,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from triforce_cli.half_weights import round_to_half
-from triforce_cli.loading import DRAFTER_METADATA
-from triforce_cli.sampling import SamplingConfig
+from triforce_cli.decoding.sampling import SamplingConfig
 
 HF_PEERS = ("hf", "hf-assisted", "hf-lookup")
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
@@ -42,34 +40,6 @@ class FirstTokenClock(BaseStreamer):
 
     def end(self) -> None:
         """Nothing to flush."""
-
-
-def load_hf_model(
-    source: str,
-    dtype: torch.dtype,
-    target: PreTrainedModel | None = None,
-    config: PretrainedConfig | None = None,
-    half_weights: bool = False,
-) -> PreTrainedModel:
-    """A checkpoint folder as a transformers model; a drafter written by `triforce distill` gets target's
-    embedding and output layer (transformers computes its output over the whole vocabulary).
-
-    config: the runtime's config of the same model (its context window), instead of the folder's.
-    half_weights: round the weight matrices to float16 values, as the runtime's 'half' weights hold them.
-    """
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, config=config).eval()
-    finally:
-        hf_logging.enable_progress_bar()
-    if target is not None and getattr(model.config, DRAFTER_METADATA, None):
-        model.model.embed_tokens = target.model.embed_tokens
-        model.lm_head = target.lm_head
-    if half_weights:
-        round_to_half(model)
-    return model
 
 
 def hf_sampling_kwargs(sampling: SamplingConfig) -> dict:

@@ -16,15 +16,22 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from kernels import half_weights_available
-from triforce_cli.compact import use_q4_1_weights
-from triforce_cli.context_window import extend_context
-from triforce_cli.embedded import EMBEDDED_NAME, embedded_gguf_path
 from triforce_cli.errors import ModelLoadError
-from triforce_cli.half_weights import use_half_weights
-from triforce_cli.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
+from triforce_cli.runtime.compact import use_q4_1_weights
+from triforce_cli.runtime.context_window import extend_context
+from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
+from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
+from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 
 StatusCallback = Callable[[str], None]
 WEIGHT_FORMATS = ("dense", "half", "compact")
@@ -269,3 +276,32 @@ def load_model(
     if weights == "half":
         use_half_weights(model)
     return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
+
+
+def load_hf_model(
+    source: str,
+    dtype: torch.dtype,
+    target: PreTrainedModel | None = None,
+    config: PretrainedConfig | None = None,
+    half_weights: bool = False,
+) -> PreTrainedModel:
+    """A checkpoint folder as a transformers model; a drafter written by `triforce distill` gets target's
+    embedding and output layer (transformers computes its output over the whole vocabulary).
+
+    config: the runtime's config of the same model (its context window), instead of the folder's.
+    half_weights: round the weight matrices to float16 values, as the runtime's 'half' weights hold them.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        # safetensors only: a pickled weights file beside them is never unpickled
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, config=config, use_safetensors=True).eval()
+    finally:
+        hf_logging.enable_progress_bar()
+    if target is not None and getattr(model.config, DRAFTER_METADATA, None):
+        model.model.embed_tokens = target.model.embed_tokens
+        model.lm_head = target.lm_head
+    if half_weights:
+        round_to_half(model)
+    return model

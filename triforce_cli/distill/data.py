@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from triforce_cli.corpus import BUILTIN_NAMES, builtin_document
 from triforce_cli.errors import ConfigError
-from triforce_cli.prompts import read_prompt
+from triforce_cli.runtime.prompts import read_prompt
 
 ProgressCallback = Callable[[int, int], None]  # (done, total)
 

@@ -1,0 +1,1 @@
+"""The decoding core: tiers and proposers, speculative sampling, speculation lengths, the engine and its API."""

@@ -1,0 +1,1 @@
+"""`triforce distill`: training a small drafter for a target with the top-K distillation loss (HASS)."""
