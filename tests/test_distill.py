@@ -1,34 +1,42 @@
 """`triforce distill`: the top-K loss, the draft vocabulary, training, checkpoints and resume, the written folder
-(loaded beside its target, refused beside another), greedy equality with it as the drafter, and CLI errors."""
+(loaded beside its target, refused beside another), greedy equality with it as the drafter, CLI errors, and files
+that are never unpickled."""
 
 import json
+import pathlib
+import pickle
+import re
 import shutil
 
 import pytest
 import torch
 from conftest import full_cache_for, save_checkpoint
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline, drafter_spec
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.distill.data import TeacherTargets, text_windows
+from triforce_cli.distill.data import RECORD_KEY, TeacherTargets, text_windows
 from triforce_cli.distill.trainer import (
     CHECKPOINT_NAME,
+    PICKLED_CHECKPOINT_NAME,
+    WORK_FOLDER,
     DistillConfig,
     Distiller,
     DistillProgress,
     DistillResult,
     frequent_tokens,
     load_teacher,
+    read_checkpoint,
     topk_distillation_loss,
 )
 from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.runtime.loading import DRAFTER_METADATA, load_model
 
 VOCAB = 32  # w0..w29, <unk>, <eos>
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_topk_loss_is_the_weighted_log_likelihood_of_the_targets_top_tokens():
@@ -194,8 +202,8 @@ def test_draft_vocabulary_restricts_proposals_and_greedy_output_stays_exact(targ
         assert drafter_rows[0].drafted > 0  # drafter -> retrieval (triforce) or drafter -> target (streaming)
 
 
-def interrupted_at_step_6(target_folder, out, config) -> DistillResult:
-    """A run stopped by Ctrl-C after its sixth step, as the CLI stops it."""
+def interrupted_at_step_6(target_folder, out, config) -> tuple[Distiller, DistillResult]:
+    """A run stopped by Ctrl-C after its sixth step, as the CLI stops it, and what stopping it reported."""
 
     def interrupt_at_step_6(event: DistillProgress):
         if event.phase == "train" and event.done == 6:
@@ -205,7 +213,7 @@ def interrupted_at_step_6(target_folder, out, config) -> DistillResult:
     distiller = Distiller(config, teacher, tokenizer, checkpoint, out)
     with pytest.raises(KeyboardInterrupt):
         distiller.run(interrupt_at_step_6)
-    return distiller.stop(interrupted=True)
+    return distiller, distiller.stop(interrupted=True)
 
 
 def assert_same_weights(folder_a, folder_b):
@@ -215,14 +223,39 @@ def assert_same_weights(folder_a, folder_b):
         torch.testing.assert_close(a[name], b[name], msg=name)
 
 
+def assert_identical(a, b, where="state"):
+    """a and b hold the same values of the same types, tensors equal in dtype, shape and every element."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_identical(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
 def test_interrupted_run_resumes_to_the_same_weights(target_folder, text_file, tmp_path):
     config = tiny_config(text_file)
     distill(target_folder, tmp_path / "straight", config)
     out = tmp_path / "resumed"
-    stopped = interrupted_at_step_6(target_folder, out, config)
+    interrupted, stopped = interrupted_at_step_6(target_folder, out, config)
     checkpoint, teacher, tokenizer = load_teacher(str(target_folder))
     assert (stopped.steps, stopped.finished, stopped.interrupted) == (6, False, True)
     assert (out / CHECKPOINT_NAME).is_file() and (out / "model.safetensors").is_file()
+    assert not list(out.rglob("*.pt")) and not list(out.rglob("*.partial"))
+
+    restored = Distiller(config, teacher, tokenizer, checkpoint, out, resume=True)
+    restored._build(restored._windows(lambda event: None)[0])  # what run() does before its first step
+    assert_identical(restored.optimizer.state_dict(), interrupted.optimizer.state_dict(), "optimizer")
+    assert_identical(restored.drafter.state_dict(), interrupted.drafter.state_dict(), "drafter")
+    assert (restored.step, restored.history, restored.output_ids) == (6, interrupted.history, None)
+    assert stopped.seconds <= restored.seconds <= stopped.seconds + 1  # saved just after the report
     with pytest.raises(ConfigError, match="--resume"):
         Distiller(config, teacher, tokenizer, checkpoint, out)
     with pytest.raises(ConfigError, match="other settings"):
@@ -237,7 +270,7 @@ def test_self_generated_windows_join_the_training_data(target_folder, text_file,
     distill(
         target_folder, tmp_path / "d", tiny_config(text_file, self_generate=3, max_steps=2), on_progress=events.append
     )
-    generated = torch.load(tmp_path / "d" / "distill-work" / "self-generated.pt")
+    generated = load_file(tmp_path / "d" / WORK_FOLDER / "self-generated.safetensors")["windows"]
     assert generated.shape == (3, 16)
     assert [e.done for e in events if e.phase == "self-generate"] == [3]
 
@@ -278,9 +311,9 @@ def test_held_out_text_must_not_be_training_text(text_file, tmp_path):
 def test_teacher_targets_are_saved_on_leaving_not_per_batch(target_folder, text_file, tmp_path, monkeypatch):
     _, teacher, tokenizer = load_teacher(str(target_folder))
     windows = text_windows(tokenizer, [text_file.read_text()], 16)[:20]
-    path = tmp_path / "teacher-top-k.pt"
-    saves, real_save = [], torch.save
-    monkeypatch.setattr(torch, "save", lambda state, file: saves.append(state["done"]) or real_save(state, file))
+    path = tmp_path / "teacher-top-k.safetensors"
+    saves, real_save = [], TeacherTargets._save
+    monkeypatch.setattr(TeacherTargets, "_save", lambda targets: saves.append(targets.done) or real_save(targets))
 
     def interrupt_after_3_batches(done, total):
         if done == 12:
@@ -292,11 +325,11 @@ def test_teacher_targets_are_saved_on_leaving_not_per_batch(target_folder, text_
     resumed = TeacherTargets(windows, 5, path)
     assert resumed.done == 12
     resumed.fill(teacher, 4)
-    whole = TeacherTargets(windows, 5, tmp_path / "whole.pt")
+    whole = TeacherTargets(windows, 5, tmp_path / "whole.safetensors")
     whole.fill(teacher, 4)
     assert saves == [12, 20, 20] and torch.equal(resumed.ids, whole.ids) and torch.equal(resumed.logp, whole.logp)
     monkeypatch.setattr(TeacherTargets, "SAVE_SECONDS", 0.0)
-    TeacherTargets(windows, 5, tmp_path / "each.pt").fill(teacher, 8)
+    TeacherTargets(windows, 5, tmp_path / "each.safetensors").fill(teacher, 8)
     assert saves[3:] == [8, 16, 20] and not list(tmp_path.glob("*.partial"))  # due at every batch now
 
 
@@ -360,7 +393,8 @@ def test_init_from_run_resumes_from_its_checkpoint_alone(target_folder, text_fil
     config = tiny_config(text_file, draft_vocab=12, init_from=str(start))
     distill(target_folder, tmp_path / "straight", config)
     out = tmp_path / "resumed"
-    interrupted_at_step_6(target_folder, out, config)
+    interrupted, _ = interrupted_at_step_6(target_folder, out, config)
+    assert_identical(read_checkpoint(out / CHECKPOINT_NAME)["output_ids"], interrupted.output_ids, "output_ids")
     shutil.rmtree(start)
     _, resumed = distill(target_folder, out, config, resume=True)
     assert resumed.finished and resumed.steps == 12
@@ -411,7 +445,7 @@ def test_cli_writes_a_drafter_that_generate_uses(target_folder, text_file, tmp_p
         (("--builtin", ""), "training text"),
         (("--init-layers", "0,x"), "layer numbers"),
         (("--init-layers", "0,7"), "the target has 3"),
-        (("--builtin", "novel"), "unknown name 'novel'"),
+        (("--builtin", "novel"), "'novel': choose from"),
         (("--resume",), "nothing to resume"),
         (("--data", "/nonexistent/text.txt", "--builtin", ""), "does not exist"),
         (("--init-from", "/nonexistent/drafter"), "no readable config.json"),
@@ -430,6 +464,142 @@ def test_cli_writes_a_drafter_that_generate_uses(target_folder, text_file, tmp_p
 )
 def test_cli_errors_are_one_line(target_folder, tmp_path, args, message):
     result = run_cli("--target", target_folder, "--out", tmp_path / "d", *args)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code in (1, 2), result.output  # 2: a usage error, a value the option cannot read
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def assert_one_error_line(result, message):
+    """The command failed with exit code 1 and one stderr line, an error naming message, not a traceback."""
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def cheap_run(target_folder, text_file, out, *args):
+    """A few steps of `triforce distill` on the tiny target: the CLI's result."""
+    return run_cli("--target", target_folder, "--data", text_file, "--builtin", "", "--out", out,
+                   "--init-layers", "0,1", "--seq-len", 16, "--batch-size", 4, "--max-steps", 4, "--eval-every", 2,
+                   "--held-out-windows", 2, "--draft-vocab", 0, *args)  # fmt: skip
+
+
+# --- files that are never unpickled -------------------------------------------------------------------------------
+
+
+class TouchOnUnpickling:
+    """An object whose unpickling creates its marker file: what a planted pickle could run instead."""
+
+    def __init__(self, marker: pathlib.Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (self.marker,)
+
+
+def plant_pickle(path: pathlib.Path, marker: pathlib.Path, saver: str = "torch") -> None:
+    """Write at path a pickle whose loading creates marker: torch.save's zip of pickles, or a bare pickle."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"step": 6, "payload": TouchOnUnpickling(marker)}
+    if saver == "torch":
+        torch.save(state, path)
+    else:
+        path.write_bytes(pickle.dumps(state))
+
+
+def test_a_planted_pickle_runs_its_payload_when_unpickled(tmp_path):
+    plant_pickle(tmp_path / "planted.pt", tmp_path / "ran")
+    torch.load(tmp_path / "planted.pt", weights_only=False)
+    plant_pickle(tmp_path / "bare.pkl", tmp_path / "ran-too", saver="pickle")
+    pickle.loads((tmp_path / "bare.pkl").read_bytes())
+    assert (tmp_path / "ran").is_file() and (tmp_path / "ran-too").is_file()  # so no marker below: nothing unpickled
+
+
+OLD_WORK_FILES = (f"{WORK_FOLDER}/self-generated.pt", f"{WORK_FOLDER}/teacher-top-k.pt")
+
+
+@pytest.mark.parametrize(
+    "planted, args, message",
+    [
+        ((PICKLED_CHECKPOINT_NAME, *OLD_WORK_FILES), ("--resume",), "written in an older format"),
+        ((PICKLED_CHECKPOINT_NAME,), (), "cannot be read safely: start again with a new --out"),
+        ((CHECKPOINT_NAME, *OLD_WORK_FILES), ("--resume",), "is not a file triforce distill wrote"),
+        ((f"{WORK_FOLDER}/teacher-top-k.safetensors",), (), "is not a file triforce distill wrote: delete it"),
+        ((f"{WORK_FOLDER}/self-generated.safetensors",), ("--self-generate", 2), "delete it to compute it again"),
+    ],
+    ids=["old-checkpoint-resumed", "old-checkpoint-started-over", "checkpoint", "teacher-targets", "self-generated"],
+)
+@pytest.mark.parametrize("saver", ["torch", "pickle"])
+def test_a_planted_pickle_is_refused_in_one_line_unread(
+    target_folder, text_file, tmp_path, planted, args, message, saver
+):
+    out, marker = tmp_path / "d", tmp_path / "ran"
+    for name in planted:
+        plant_pickle(out / name, marker, saver)
+    assert_one_error_line(cheap_run(target_folder, text_file, out, *args), message)
+    assert not marker.exists()
+
+
+def test_work_files_of_the_older_format_are_never_read(target_folder, text_file, tmp_path):
+    out, marker = tmp_path / "d", tmp_path / "ran"
+    for name in OLD_WORK_FILES:
+        plant_pickle(out / name, marker)
+    result = cheap_run(target_folder, text_file, out, "--self-generate", 2)
+    assert result.exit_code == 0, result.output
+    assert not marker.exists()
+    work = out / WORK_FOLDER
+    assert load_file(work / "self-generated.safetensors")["windows"].shape == (2, 16)
+    assert (work / "teacher-top-k.safetensors").is_file()
+
+
+def truncated(path: pathlib.Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def without_record(path: pathlib.Path) -> None:
+    save_file(load_file(path), path)
+
+
+def with_record(record: str):
+    """A change to a checkpoint: its tensors kept, its JSON record replaced by record."""
+    return lambda path: save_file(load_file(path), path, metadata={RECORD_KEY: record})
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (truncated, "is not a file triforce distill wrote"),
+        (lambda path: path.write_bytes(b"\x00" * 64), "is not a file triforce distill wrote"),
+        (lambda path: path.write_bytes(b""), "is not a file triforce distill wrote"),
+        (without_record, "is not a file triforce distill wrote"),
+        (with_record("{not json"), "is not a file triforce distill wrote"),
+        (with_record("[1, 2]"), "is not a file triforce distill wrote"),
+        (with_record('{"step": 6}'), "is not a checkpoint triforce distill wrote"),
+    ],
+    ids=["truncated", "zeros", "empty", "no-record", "record-not-json", "record-not-an-object", "record-incomplete"],
+)
+def test_an_unreadable_checkpoint_is_one_line(target_folder, text_file, tmp_path, damage, message):
+    out = tmp_path / "d"
+    stopped = cheap_run(target_folder, text_file, out, "--max-minutes", 0)
+    assert stopped.exit_code == 0 and (out / CHECKPOINT_NAME).is_file(), stopped.output
+    damage(out / CHECKPOINT_NAME)
+    assert_one_error_line(cheap_run(target_folder, text_file, out, "--max-minutes", 0, "--resume"), message)
+
+
+def test_no_module_loads_a_pickle():
+    """Nothing the tool reads may run code: no source file of it unpickles, however it is spelled."""
+    unpickling = re.compile(
+        r"\btorch\.load\b|\bpickle\.loads?\b|\bUnpickler\b|weights_only\s*=\s*False|allow_pickle\s*=\s*True"
+        r"|^\s*(import|from)\s+(c?pickle|dill|joblib)\b"
+    )
+    sources = [
+        path for folder in ("triforce_cli", "cache", "kernels", "offload") for path in (ROOT / folder).rglob("*.py")
+    ]
+    assert len(sources) > 20 and ROOT / "triforce_cli" / "distill" / "trainer.py" in sources
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sources
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if unpickling.search(line)
+    ]
+    assert not found, "\n".join(found)

@@ -1,6 +1,11 @@
 """Training data for `triforce distill`: token windows from text files or the target's own samples, and the
-target's top-K next-token distributions over them, computed once and kept on disk so a run can resume."""
+target's top-K next-token distributions over them, computed once and kept on disk so a run can resume.
 
+What a run keeps on disk is safetensors, tensors beside one JSON record in the file's metadata: reading it runs
+no code, unlike a pickle.
+"""
+
+import json
 import math
 import os
 import time
@@ -8,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from triforce_cli.corpus import BUILTIN_NAMES, builtin_document
@@ -15,6 +22,28 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.prompts import read_prompt
 
 ProgressCallback = Callable[[int, int], None]  # (done, total)
+RECORD_KEY = "triforce_distill"  # the safetensors metadata entry holding a saved file's JSON record
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], record: dict) -> None:
+    """Write tensors and a JSON record to a new file, then move it to path: an interrupted write keeps the last."""
+    partial = path.with_name(path.name + ".partial")
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    save_file(contiguous, partial, metadata={RECORD_KEY: json.dumps(record)})
+    os.replace(partial, path)
+
+
+def load_tensors(path: Path, remedy: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and JSON record save_tensors wrote to path; a ConfigError ending in remedy for any other file."""
+    try:
+        with safe_open(path, "pt") as file:
+            record = json.loads((file.metadata() or {})[RECORD_KEY])
+            tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not iterable)
+    except (SafetensorError, OSError, ValueError, KeyError):
+        record = None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path} is not a file triforce distill wrote: {remedy}")
+    return tensors, record
 
 
 def training_texts(files: tuple[str, ...], builtin: tuple[str, ...]) -> list[str]:
@@ -93,9 +122,15 @@ class TeacherTargets:
         self.top_k = top_k
         self.path = path
         n, length = windows.shape
-        saved = torch.load(path) if path.is_file() else None
-        if saved is not None and torch.equal(saved["windows"], windows) and saved["ids"].shape[-1] == top_k:
-            self.ids, self.logp, self.done = saved["ids"], saved["logp"], saved["done"]
+        saved, record = load_tensors(path, "delete it to compute it again") if path.is_file() else ({}, {})
+        if (
+            saved.keys() == {"windows", "ids", "logp"}
+            and isinstance(record.get("done"), int)
+            and 0 <= record["done"] <= n
+            and torch.equal(saved["windows"], windows)
+            and saved["ids"].shape == saved["logp"].shape == (n, length, top_k)
+        ):
+            self.ids, self.logp, self.done = saved["ids"], saved["logp"], record["done"]
         else:
             self.ids = torch.zeros(n, length, top_k, dtype=torch.int32)  # (N, L, K)
             self.logp = torch.zeros(n, length, top_k, dtype=torch.float16)  # (N, L, K)
@@ -134,7 +169,5 @@ class TeacherTargets:
                 self._save()
 
     def _save(self) -> None:
-        """Write a new file, then put it in place: a second Ctrl-C while writing leaves the last save whole."""
-        partial = self.path.with_name(self.path.name + ".partial")
-        torch.save({"windows": self.windows, "ids": self.ids, "logp": self.logp, "done": self.done}, partial)
-        os.replace(partial, self.path)
+        """Write the file whole, so that a second Ctrl-C while writing leaves the last save in place."""
+        save_tensors(self.path, {"windows": self.windows, "ids": self.ids, "logp": self.logp}, {"done": self.done})

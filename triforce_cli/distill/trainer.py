@@ -30,6 +30,8 @@ from triforce_cli.decoding.sampling import SamplingConfig, acceptance_probabilit
 from triforce_cli.distill.data import (
     TeacherTargets,
     held_out_texts,
+    load_tensors,
+    save_tensors,
     self_generated_windows,
     text_windows,
     training_texts,
@@ -47,7 +49,8 @@ from triforce_cli.runtime.loading import (
 )
 from triforce_cli.runtime.model import ModelConfig, UnsupportedModelError, spread_over_vocabulary
 
-CHECKPOINT_NAME = "distill-checkpoint.pt"
+CHECKPOINT_NAME = "distill-checkpoint.safetensors"
+PICKLED_CHECKPOINT_NAME = "distill-checkpoint.pt"  # the older, pickled format: refused, never read
 WORK_FOLDER = "distill-work"  # teacher targets and self-generated windows, kept for --resume
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -87,8 +90,9 @@ class DistillConfig:
             raise ConfigError("--draft-vocab must be 0 (the whole vocabulary) or a token count")
         if self.held_out_windows < 1 or self.eval_every < 1 or self.self_generate < 0:
             raise ConfigError("--held-out-windows and --eval-every must be at least 1, --self-generate not negative")
-        if self.learning_rate <= 0 or self.acceptance_temperature <= 0 or self.self_temperature <= 0:
-            raise ConfigError("the learning rate and temperatures must be positive")
+        rates = (self.learning_rate, self.acceptance_temperature, self.self_temperature)
+        if not all(0 < rate < math.inf for rate in rates):
+            raise ConfigError("the learning rate and temperatures must be positive finite numbers")
         trained_on = {*(text for name in self.builtin for text in shared_texts(name)), *map(text_file_key, self.data)}
         for name in self.held_out_text:
             if name not in BUILTIN_NAMES and not Path(name).expanduser().is_file():
@@ -230,6 +234,53 @@ def read_drafter_start(config: DistillConfig, target: Checkpoint, vocab_size: in
     return DrafterStart(weights, torch.tensor(output_ids) if output_ids else None)
 
 
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write a checkpoint's state (what Distiller._save_checkpoint gathers) to one safetensors file: drafter weights,
+    optimizer tensors and output ids as tensors, everything else as its JSON record."""
+    tensors = {f"drafter.{name}": tensor for name, tensor in state["drafter"].items()}
+    if state["output_ids"] is not None:
+        tensors["output_ids"] = state["output_ids"]
+    record = {key: state[key] for key in ("config", "step", "seconds", "history")}
+    record["optimizer"] = None
+    if state["optimizer"] is not None:
+        per_parameter = {}
+        for index, values in state["optimizer"]["state"].items():
+            per_parameter[str(index)] = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+            tensors |= {f"optimizer.{index}.{k}": v for k, v in values.items() if isinstance(v, torch.Tensor)}
+        record["optimizer"] = {"param_groups": state["optimizer"]["param_groups"], "state": per_parameter}
+    save_tensors(path, tensors, record)
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The state save_checkpoint wrote to path, as it was given; a ConfigError for any other file."""
+    remedy = "start again with a new --out"
+    tensors, record = load_tensors(path, remedy)
+    try:
+        state = {key: record[key] for key in ("config", "step", "seconds", "history")}
+        state["drafter"] = {
+            name.removeprefix("drafter."): tensor for name, tensor in tensors.items() if name.startswith("drafter.")
+        }
+        state["output_ids"] = tensors.get("output_ids")
+        state["optimizer"] = None
+        if record["optimizer"] is not None:
+            per_parameter = {int(index): values for index, values in record["optimizer"]["state"].items()}
+            for name, tensor in tensors.items():
+                if name.startswith("optimizer."):
+                    _, index, key = name.split(".", 2)
+                    per_parameter[int(index)][key] = tensor
+            groups = [
+                {
+                    key: tuple(value) if isinstance(value, list) and key != "params" else value
+                    for key, value in group.items()
+                }
+                for group in record["optimizer"]["param_groups"]
+            ]  # JSON turned tuples (AdamW's betas) into lists
+            state["optimizer"] = {"state": per_parameter, "param_groups": groups}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ConfigError(f"{path} is not a checkpoint triforce distill wrote: {remedy}") from None
+    return state
+
+
 def learning_rate(config: DistillConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to a tenth over max_steps."""
     if step < config.warmup_steps:
@@ -257,6 +308,11 @@ class Distiller:
         self.out = out
         self.work = out / WORK_FOLDER
         checkpoint_path = out / CHECKPOINT_NAME
+        if (out / PICKLED_CHECKPOINT_NAME).is_file() and not checkpoint_path.is_file():
+            raise ConfigError(
+                f"{out} holds a {PICKLED_CHECKPOINT_NAME} written in an older format that cannot be read safely: "
+                "start again with a new --out"
+            )
         if checkpoint_path.is_file() and not resume:
             raise ConfigError(f"{out} holds an unfinished distillation: pass --resume, or choose another --out")
         if resume and not checkpoint_path.is_file():
@@ -265,9 +321,9 @@ class Distiller:
         if max(config.init_layers) >= available:
             raise ConfigError(f"--init-layers names layer {max(config.init_layers)}, but the target has {available}")
         self.work.mkdir(parents=True, exist_ok=True)
-        self.checkpoint = torch.load(checkpoint_path, weights_only=False) if resume else None
-        # a checkpoint written before --held-out existed lacks its field
-        if self.checkpoint is not None and {"held_out_text": (), **self.checkpoint["config"]} != asdict(config):
+        self.checkpoint = read_checkpoint(checkpoint_path) if resume else None
+        # compared as the checkpoint's JSON record holds the settings: tuples as lists
+        if self.checkpoint is not None and self.checkpoint["config"] != json.loads(json.dumps(asdict(config))):
             raise ConfigError(f"{out} was started with other settings; resume with the same flags")
         self.start: DrafterStart | None = None  # read only before training: a checkpoint has what it gave
         if config.init_from and not self._resumes_training:
@@ -300,16 +356,16 @@ class Distiller:
             held = min(cfg.held_out_windows, len(real) // 2)
             held_out, train = real[order[:held]], real[order[held:]]
         if cfg.self_generate:
-            path = self.work / "self-generated.pt"
-            saved = torch.load(path) if path.is_file() else None
-            if saved is None or len(saved) != cfg.self_generate:
+            path = self.work / "self-generated.safetensors"
+            saved = load_tensors(path, "delete it to compute it again")[0].get("windows") if path.is_file() else None
+            if saved is None or saved.shape != (cfg.self_generate, cfg.seq_len):
                 torch.manual_seed(cfg.seed)
                 seeds = train[torch.arange(cfg.self_generate) % len(train)]
                 saved = self_generated_windows(
                     self.teacher, seeds, cfg.seq_len, cfg.self_temperature, cfg.batch_size,
                     lambda done, total: on_progress(DistillProgress("self-generate", done, total)),
                 )  # fmt: skip
-                torch.save(saved, path)
+                save_tensors(path, {"windows": saved}, {})
             train = torch.cat([train, saved])
         return train, held_out
 
@@ -317,7 +373,7 @@ class Distiller:
         """The drafter and optimizer, restored from the checkpoint when resuming."""
         cfg = self.config
         vocab_size = self.teacher.config.vocab_size
-        if self._resumes_training and "output_ids" in self.checkpoint:
+        if self._resumes_training:
             self.output_ids = self.checkpoint["output_ids"]  # whatever --init-from holds by now
         elif self.start is not None:
             self.output_ids = self.start.output_ids
@@ -363,7 +419,7 @@ class Distiller:
         self._started = time.monotonic()
         deadline = self._started + 60 * max_minutes if max_minutes is not None else math.inf
         train, held_out = self._windows(on_progress)
-        targets = TeacherTargets(train, cfg.top_k, self.work / "teacher-top-k.pt")
+        targets = TeacherTargets(train, cfg.top_k, self.work / "teacher-top-k.safetensors")
         targets.fill(
             self.teacher, cfg.batch_size, lambda done, total: on_progress(DistillProgress("teacher", done, total)),
             deadline=deadline,
@@ -406,6 +462,7 @@ class Distiller:
         return self.stop()
 
     def _save_checkpoint(self) -> None:
+        """Write what --resume needs to continue as if uninterrupted: weights, optimizer, vocabulary, progress."""
         trained = {}
         if self.drafter is not None:
             trained = {k: v for k, v in self.drafter.state_dict().items() if k not in SHARED_WEIGHTS}
@@ -418,7 +475,7 @@ class Distiller:
             "seconds": self.seconds + time.monotonic() - self._started,
             "history": self.history,
         }
-        torch.save(state, self.out / CHECKPOINT_NAME)
+        save_checkpoint(self.out / CHECKPOINT_NAME, state)
 
     def stop(self, interrupted: bool = False) -> DistillResult:
         """Write the drafter trained so far and report; keep a checkpoint until max_steps is reached."""
