@@ -3,7 +3,7 @@
 Every kernel here has a plain-torch reference beside it that the tests compare against.
 """
 
-from kernels.attention import PackedPrefix, attention, attention_reference
+from kernels.attention import PackedPrefix, attention, attention_backend, attention_reference
 from kernels.linear import (
     half_weight_linear,
     half_weight_linear_reference,
@@ -18,6 +18,7 @@ from kernels.retrieval import chunk_mean_keys, gather_chunks, score_chunks, top_
 __all__ = [
     "PackedPrefix",
     "attention",
+    "attention_backend",
     "attention_reference",
     "chunk_mean_keys",
     "gather_chunks",

@@ -151,6 +151,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out[0].transpose(0, 1)
 
 
+def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel family attention() uses for tensors on device in dtype: 'flash', 'sdpa' or 'cpu'."""
+    if device.type == "cuda":
+        return "flash" if flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16) else "sdpa"
+    return "cpu"
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: PackedPrefix | None = None
 ) -> torch.Tensor:
@@ -167,9 +174,10 @@ def attention(
     product: 34.5 ms at 7,680 keys and 93 at 32,000, against 38.5 and 113 with the queries @ keys product and
     45.5 and 172 for SDPA.
     """
-    if q.is_cuda:
-        if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
-            return flash_attention(q, k, v, scale)
+    backend = attention_backend(q.device, q.dtype)
+    if backend == "flash":
+        return flash_attention(q, k, v, scale)
+    if backend == "sdpa":
         return sdpa_attention(q, k, v, scale)
     if prefix is not None:
         return packed_prefix_attention(q, prefix, k[:, prefix.length :], v[:, prefix.length :], scale)

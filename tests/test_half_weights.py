@@ -17,7 +17,7 @@ from kernels import half_weights_available
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
-from triforce_cli.decoding.prompt_state import prompt_cache_file
+from triforce_cli.decoding.prompt_state import PromptCache
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ModelLoadError
 from triforce_cli.runtime.half_weights import HalfLinear, round_to_half, use_half_weights
@@ -130,4 +130,4 @@ def test_pipeline_gives_the_drafter_half_weights_too(checkpoint):
 def test_prompt_cache_files_differ_by_weight_format(checkpoint):
     loaded = load_model(str(checkpoint))
     variants = [dataclasses.replace(loaded, weights=weights) for weights in ("dense", "half")]
-    assert len({prompt_cache_file(Path("."), v, [1, 2, 3]) for v in variants}) == 2
+    assert len({PromptCache(Path("."), v).path_for([1, 2, 3]) for v in variants}) == 2

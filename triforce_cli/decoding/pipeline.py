@@ -1,10 +1,10 @@
 """The library API: load the models once, then generate for many prompts.
 
-    from triforce_cli import EngineConfig, Pipeline, SamplingConfig
+from triforce_cli import EngineConfig, Pipeline, SamplingConfig
 
-    pipe = Pipeline.load(config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
-    result = pipe.generate("Summarise this report: ...", chat=True)
-    print(result.text, result.stats.ms_per_token)
+pipe = Pipeline.load(config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
+result = pipe.generate("Summarise this report: ...", chat=True)
+print(result.text, result.stats.ms_per_token)
 """
 
 from dataclasses import dataclass, replace
@@ -14,11 +14,11 @@ import torch
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
-from triforce_cli.decoding.prompt_state import find_prompt_state
+from triforce_cli.decoding.prompt_state import PromptCache
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
-from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model
+from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model, resolve_weights
 from triforce_cli.runtime.prompts import encode_prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,6 +67,7 @@ class Pipeline:
     target: LoadedModel
     drafter: LoadedModel | None
     engine: Engine
+    status: StatusCallback | None = None  # one-line notes: what is loaded, a prompt-cache entry replaced
 
     @classmethod
     def load(
@@ -77,18 +78,20 @@ class Pipeline:
         dtype: str = "auto",
         device: str = "auto",
         status: StatusCallback | None = None,
-        weights: str = "dense",
+        weights: str = "auto",
         context_window: int | None = None,
     ) -> "Pipeline":
         """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
 
-        weights: 'dense', 'half' (float16 weight matrices for target and drafter) or 'compact' (the target from a
-        GGUF's Q4_1 blocks); see loading.load_model.
+        weights: 'auto' (the fastest exact form for the device, loading.resolve_weights), 'dense', 'half' (float16
+        weight matrices for target and drafter) or 'compact' (the target from a GGUF's Q4_1 blocks); see
+        loading.load_model. Output is exact with respect to the target in the form chosen.
         context_window: positions both models accept, YaRN-scaled beyond their trained context.
         """
         config = config or EngineConfig()
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        weights = resolve_weights(weights, torch_dtype, torch_device)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
         draft = drafter_spec(target, draft)
         drafter = None
@@ -102,7 +105,7 @@ class Pipeline:
                 shared_from=target_model,
                 context_window=context_window,
             )
-        return cls(target_model, drafter, Engine(target_model, config, drafter))
+        return cls(target_model, drafter, Engine(target_model, config, drafter), status)
 
     @property
     def config(self) -> EngineConfig:
@@ -115,6 +118,12 @@ class Pipeline:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt, chat)
 
+    def prompt_cache(self, folder: Path) -> PromptCache:
+        """The saved prefills of this target in folder, checked writable before any prefill."""
+        cache = PromptCache(folder, self.target, self.status)
+        cache.check_writable()
+        return cache
+
     def generate_ids(
         self,
         prompt_ids: list[int],
@@ -122,13 +131,16 @@ class Pipeline:
         on_tokens: TokenCallback | None = None,
         prompt_cache: Path | None = None,
     ) -> GenerationResult:
-        """Generate after token ids; with prompt_cache, reuse a saved prefill of them or save this one there."""
+        """Generate after token ids; with prompt_cache (a folder), reuse a saved prefill of them or save this one."""
         if prompt_cache is None:
             return self.engine.generate(prompt_ids, on_prefill, on_tokens)
-        path, state = find_prompt_state(prompt_cache, self.target, prompt_ids)
+        cache = self.prompt_cache(prompt_cache)
+        state = cache.load(prompt_ids)
         if state is not None:
             return self.engine.generate(prompt_ids, on_prefill, on_tokens, prompt_state=state)
-        return self.engine.generate(prompt_ids, on_prefill, on_tokens, on_prompt_state=lambda st: st.save(path))
+        return self.engine.generate(
+            prompt_ids, on_prefill, on_tokens, on_prompt_state=lambda fresh: cache.save(fresh, prompt_ids)
+        )
 
     def generate(
         self,

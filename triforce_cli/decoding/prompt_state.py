@@ -2,23 +2,31 @@
 
 Prefill of a long prompt dominates end-to-end time on a CPU, so ``Engine.prefill`` captures it once; every mode
 of a benchmark, every repeat, and later runs through ``--prompt-cache`` restore it instead of recomputing.
-Files are safetensors, named by a hash of the model's source, dtype, weight format and rotary setting and the
-prompt's token ids.
+
+A saved prefill must never serve a run it does not belong to. Its file is named by a hash of everything that
+shapes the prefilled state (``PromptCache.key``): the checkpoint's fingerprint (resolved paths, sizes, times and
+headers of its files, tokenizer included), dtype, weight format, rotary setting, attention kernel and the prompt's
+token ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
+match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
 """
 
 import hashlib
 import json
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from cache import FullCache
-from kernels import PackedPrefix
-from triforce_cli.errors import PromptError
-from triforce_cli.runtime.loading import LoadedModel
+from kernels import PackedPrefix, attention_backend
+from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.loading import LoadedModel, StatusCallback
+from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used
+
+TENSOR_NAMES = ("prompt_ids", "keys", "values", "last_queries", "last_logits")
 
 
 @dataclass
@@ -61,38 +69,115 @@ class PromptState:
         if pack:
             self.packed = full.pack_prefix(self.packed)
 
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        tensors = {name: t for name, t in vars(self).items() if isinstance(t, torch.Tensor)}
-        save_file({name: t.contiguous() for name, t in tensors.items()}, partial)
-        partial.rename(path)
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in TENSOR_NAMES}
 
-    @classmethod
-    def load(cls, path: Path, device: torch.device | str = "cpu") -> "PromptState":
+    def checksum(self) -> str:
+        """SHA-256 of every saved tensor's dtype, shape and bytes."""
+        digest = hashlib.sha256()
+        for name, tensor in self.tensors.items():
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+        return digest.hexdigest()
+
+
+def check_writable(folder: Path) -> None:
+    """A ConfigError now, before minutes of prefill, where nothing can be saved in folder."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=PARTIAL_SUFFIX):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise ConfigError(f"--prompt-cache {folder} is not a folder that can be written to: {reason}") from None
+
+
+class StaleEntry(Exception):
+    """A saved prefill that cannot serve this run; the message says why."""
+
+
+@dataclass
+class PromptCache:
+    """Saved prefills of one target in a folder, each checked against its key and checksum before use.
+
+    status: where the one-line notes go (a replaced entry, a save that failed).
+    """
+
+    folder: Path
+    target: LoadedModel
+    status: StatusCallback | None = None
+
+    def check_writable(self) -> None:
+        check_writable(self.folder)
+
+    def key(self, prompt_ids: list[int]) -> str:
+        """Everything that shapes the prefilled state, as one JSON string."""
+        target = self.target
+        config = target.hf_config
+        return json.dumps(
+            {
+                "model": target.fingerprint,
+                "dtype": str(target.dtype),
+                "weights": target.weights,
+                "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings],
+                "attention": attention_backend(target.device, target.dtype),
+                "prompt": hashlib.sha256(torch.tensor(prompt_ids, dtype=torch.long).numpy().tobytes()).hexdigest(),
+            },
+            sort_keys=True,
+            default=str,
+        )
+
+    def path_for(self, prompt_ids: list[int]) -> Path:
+        digest = hashlib.sha256(self.key(prompt_ids).encode()).hexdigest()[:24]
+        return self.folder / f"prompt-{digest}.safetensors"
+
+    def load(self, prompt_ids: list[int]) -> PromptState | None:
+        """The saved prefill of prompt_ids, or None; an entry that does not match is removed with a note."""
+        path = self.path_for(prompt_ids)
+        if not path.is_file():
+            return None
         try:
-            return cls(**load_file(path, device=str(device)))
-        except (OSError, SafetensorError, TypeError) as err:
-            raise PromptError(f"cannot read prompt cache {path}: {err}") from None
+            state = self._read(path, prompt_ids)
+        except StaleEntry as reason:
+            self._note(f"prompt cache entry {path.name} {reason}: prefilling again and replacing it")
+            path.unlink(missing_ok=True)
+            return None
+        mark_used(path)
+        return state
 
+    def _read(self, path: Path, prompt_ids: list[int]) -> PromptState:
+        try:
+            with safe_open(path, framework="pt", device=str(self.target.device)) as handle:
+                metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+        except (OSError, SafetensorError, ValueError, RuntimeError) as err:
+            raise StaleEntry(f"cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+        if metadata.get("key") != self.key(prompt_ids):
+            raise StaleEntry("was saved for another model, setting or prompt")
+        if set(tensors) != set(TENSOR_NAMES):
+            raise StaleEntry("lacks some of its tensors")
+        state = PromptState(**tensors)
+        if metadata.get("checksum") != state.checksum() or not state.matches(prompt_ids):
+            raise StaleEntry("was changed after it was saved (its checksum does not match)")
+        return state
 
-def prompt_cache_file(folder: Path, target: LoadedModel, prompt_ids: list[int]) -> Path:
-    """The file in folder for prompt_ids, named by a hash of what decides their keys and values: the checkpoint,
-    dtype, weight format, rotary setting (--context-window rescales RoPE at every position) and the token ids."""
-    rotary = json.dumps(
-        [getattr(target.hf_config, "rope_parameters", None), target.hf_config.max_position_embeddings],
-        sort_keys=True,
-        default=str,
-    )
-    digest = hashlib.sha256(f"{target.source}|{target.dtype}|{target.weights}|{rotary}|".encode())
-    digest.update(torch.tensor(prompt_ids, dtype=torch.long).numpy().tobytes())
-    return folder / f"prompt-{digest.hexdigest()[:16]}.safetensors"
+    def save(self, state: PromptState, prompt_ids: list[int]) -> None:
+        """Save state for prompt_ids, then evict the least recently used entries over the cache limit; a save that
+        fails is a note, never an error: the generation it belongs to goes on."""
+        path = self.path_for(prompt_ids)
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        metadata = {"key": self.key(prompt_ids), "checksum": state.checksum()}
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_file({name: t.contiguous() for name, t in state.tensors.items()}, partial, metadata=metadata)
+            partial.replace(path)
+        except (OSError, SafetensorError) as err:
+            partial.unlink(missing_ok=True)
+            self._note(f"could not save the prefill to --prompt-cache {self.folder} ({err}); generating on")
+            return
+        evict(self.folder, keep=path)
 
-
-def find_prompt_state(folder: Path, target: LoadedModel, prompt_ids: list[int]) -> tuple[Path, PromptState | None]:
-    """Where the prefill of prompt_ids by target is kept in folder, and the state saved there, if any."""
-    path = prompt_cache_file(folder, target, prompt_ids)
-    if not path.is_file():
-        return path, None
-    state = PromptState.load(path, target.device)
-    return path, state if state.matches(prompt_ids) else None
+    def _note(self, message: str) -> None:
+        if self.status is not None:
+            self.status(message)

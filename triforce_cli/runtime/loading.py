@@ -7,10 +7,11 @@ such a folder.
 """
 
 import hashlib
-import os
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -32,12 +33,16 @@ from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
 from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
+from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, models_folder
 
 StatusCallback = Callable[[str], None]
 WEIGHT_FORMATS = ("dense", "half", "compact")
+WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto: resolve_weights
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 SHARED_WEIGHTS = (EMBEDDING_WEIGHT, "lm_head.weight")  # what a distilled drafter borrows from its target
 DRAFTER_METADATA = "triforce_drafter"  # config.json key written by `triforce distill`
+CONVERSION_RECORD = "triforce-conversion.json"  # the sizes of a converted checkpoint's files, to check it whole
+HEADER_BYTES = 1 << 20  # of each weight file, hashed into a checkpoint's fingerprint
 
 
 def token_id_set(ids: int | list[int] | None) -> set[int]:
@@ -71,6 +76,26 @@ class LoadedModel:
         """Whether attention reads the prompt's keys and values as float16 too: with 'half' weights."""
         return self.weights == "half"
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash that changes with the checkpoint behind this model: each weight file's resolved path, size,
+        modification time and first megabyte (the safetensors header and more), the GGUF file it came from, and the
+        tokenizer's files; for a model built in memory (no files), its parameters' values."""
+        digest = hashlib.sha256()
+        files = [*self.weight_files, *([self.gguf] if self.gguf is not None else [])]
+        if self.source:
+            files += sorted(Path(self.source).glob("tokenizer*"))
+        for path in files:
+            stat = path.stat()
+            digest.update(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
+            with path.open("rb") as handle:
+                digest.update(handle.read(HEADER_BYTES))
+        if not files:
+            for name, tensor in self.model.state_dict().items():
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
     @property
     def eos_token_ids(self) -> set[int]:
         ids = token_id_set(self.hf_config.eos_token_id)
@@ -79,24 +104,22 @@ class LoadedModel:
         return ids
 
 
-def cache_root() -> Path:
-    """Where converted checkpoints live: $TRIFORCE_CACHE, else $XDG_CACHE_HOME/triforce-cli, else ~/.cache."""
-    if os.environ.get("TRIFORCE_CACHE"):
-        return Path(os.environ["TRIFORCE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "triforce-cli"
-
-
 def converted_folder(gguf: Path, status: StatusCallback | None = None) -> Path:
-    """The safetensors folder made from a GGUF file, converting it on first use."""
+    """The safetensors folder made from a GGUF file, converting it on first use (and again where the copy is no
+    longer whole); the least recently used conversions go when the models folder outgrows the cache limit."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_root() / "models" / f"{gguf.stem}-{key}"
+    target = models_folder() / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
-        return target
+        if _conversion_is_whole(target):
+            mark_used(target)
+            return target
+        if status is not None:
+            status(f"the converted copy {target} is incomplete or was changed: converting {gguf.name} again")
+        shutil.rmtree(target, ignore_errors=True)
     if status is not None:
         status(f"converting {gguf.name} to safetensors once, into {target}")
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(target.name + PARTIAL_SUFFIX)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -113,8 +136,20 @@ def converted_folder(gguf: Path, status: StatusCallback | None = None) -> Path:
     save_file({name: t.contiguous() for name, t in tensors.items()}, partial / "model.safetensors")
     config.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    sizes = {f.name: f.stat().st_size for f in partial.iterdir() if f.is_file()}
+    (partial / CONVERSION_RECORD).write_text(json.dumps(sizes, indent=1))
     partial.rename(target)
+    evict(models_folder(), keep=target)
     return target
+
+
+def _conversion_is_whole(folder: Path) -> bool:
+    """Whether every file of a converted checkpoint still has the size it was written with."""
+    try:
+        sizes = json.loads((folder / CONVERSION_RECORD).read_text())
+        return all((folder / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def download_folder(repo_id: str) -> Path:
@@ -198,6 +233,14 @@ def borrow_shared_weights(
         state["lm_head.weight"] = target.lm_head.weight
 
 
+def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device) -> str:
+    """'auto' as the fastest exact weight form for the device: 'half' on a CPU in float32 where fbgemm is there
+    (a decode step reads half the weight bytes), 'dense' elsewhere; any other choice as it is."""
+    if weights != "auto":
+        return weights
+    return "half" if device.type == "cpu" and dtype == torch.float32 and half_weights_available() else "dense"
+
+
 def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
     """A clear error where the weight format cannot be used for this checkpoint, dtype and device."""
     if weights not in WEIGHT_FORMATS:
@@ -256,7 +299,11 @@ def load_model(
             raise ModelLoadError(f"cannot read weights {file}: {err}") from None
         state.update({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
     borrow_shared_weights(name, hf_config, state, shared_from)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_hf_state(state, assign=True)
+    except RuntimeError as err:  # a tensor whose shape is not the one config.json implies
+        detail = next((line.strip() for line in str(err).splitlines() if "mismatch" in line), str(err).splitlines()[0])
+        raise ModelLoadError(f"{name}: its weights do not fit its config.json ({detail})") from None
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         missing = [k for k in missing if k != "lm_head.weight"]
@@ -270,9 +317,7 @@ def load_model(
     if output_ids:
         model.restrict_output(torch.tensor(output_ids, device=device))
     if weights == "compact":
-        use_q4_1_weights(model, checkpoint.gguf, hf_config)  # by checkpoint names, so the projections stay apart
-    else:
-        model.fuse_projections()
+        use_q4_1_weights(model, checkpoint.gguf, hf_config)
     if weights == "half":
         use_half_weights(model)
     return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)

@@ -1,0 +1,219 @@
+"""The prompt cache never serves a state that does not match its inputs, never loses a generation, and stays small.
+
+Two checkpoints given by the same relative name from two folders, a flipped byte, a truncated file, a folder that
+cannot be written to, a save that fails after the prefill, and the size limit with least-recently-used eviction;
+`triforce cache list|clear`.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import save_word_checkpoint
+from typer.testing import CliRunner
+
+from triforce_cli.cli.app import app
+from triforce_cli.decoding.prompt_state import PromptCache
+from triforce_cli.runtime import store
+
+GREEDY_SHORT = ("--max-new-tokens", 6, "--temperature", 0, "--mode", "autoregressive", "--json")
+
+
+def generate(*args, input=None):
+    return CliRunner().invoke(app, ["generate", *map(str, args)], input=input)
+
+
+def json_run(*args) -> dict:
+    result = generate(*args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    """Two different tiny checkpoints, each saved as a folder called 'model' in its own parent folder."""
+    first = save_word_checkpoint(tmp_path / "a" / "model", seed=0)
+    second = save_word_checkpoint(tmp_path / "b" / "model", seed=1)
+    return first, second
+
+
+@pytest.fixture
+def words(tmp_path):
+    path = tmp_path / "words.txt"
+    path.write_text(" ".join(f"w{i % 31}" for i in range(40)))
+    return path
+
+
+class TestEntriesMatchTheirInputs:
+    def test_same_relative_name_for_two_models_shares_no_entry(self, two_checkpoints, words, tmp_path, monkeypatch):
+        folder = tmp_path / "prompts"
+        uncached = []
+        for checkpoint in two_checkpoints:
+            uncached.append(json_run("-p", words, "--target", checkpoint, *GREEDY_SHORT)["token_ids"])
+        assert uncached[0] != uncached[1]  # the two models really differ
+        for checkpoint, expected in zip(two_checkpoints, uncached):
+            monkeypatch.chdir(checkpoint.parent)
+            data = json_run("-p", words, "--target", "model", "--prompt-cache", folder, *GREEDY_SHORT)
+            assert not data["prompt_cached"]  # the second model does not get the first one's prefill
+            assert data["token_ids"] == expected
+        assert len(list(folder.glob("*.safetensors"))) == 2
+
+    def test_weights_changed_in_place_miss_the_cache(self, two_checkpoints, words, tmp_path):
+        first, second = two_checkpoints
+        folder = tmp_path / "prompts"
+        json_run("-p", words, "--target", first, "--prompt-cache", folder, *GREEDY_SHORT)
+        (first / "model.safetensors").write_bytes((second / "model.safetensors").read_bytes())
+        data = json_run("-p", words, "--target", first, "--prompt-cache", folder, *GREEDY_SHORT)
+        assert not data["prompt_cached"]
+        assert data["token_ids"] == json_run("-p", words, "--target", second, *GREEDY_SHORT)["token_ids"]
+
+    @pytest.mark.parametrize("damage", ["flip a byte", "truncate", "garbage"])
+    def test_damaged_entry_is_prefilled_again_and_replaced(self, two_checkpoints, words, tmp_path, damage):
+        checkpoint = two_checkpoints[0]
+        folder = tmp_path / "prompts"
+        args = (
+            "-p",
+            words,
+            "--target",
+            checkpoint,
+            "--prompt-cache",
+            folder,
+            "--max-new-tokens",
+            6,
+            "--temperature",
+            0,
+        )
+        expected = json_run(*args, "--json")
+        (entry,) = folder.glob("*.safetensors")
+        data = bytearray(entry.read_bytes())
+        if damage == "flip a byte":
+            data[-100] ^= 0x01  # inside the tensors, past the header
+        elif damage == "truncate":
+            data = data[: len(data) // 2]
+        else:
+            data = bytearray(b"not a safetensors file")
+        entry.write_bytes(bytes(data))
+        result = generate(*args, "--mode", "autoregressive")
+        assert result.exit_code == 0, result.output
+        assert "Traceback" not in result.output
+        notes = [line for line in result.stderr.splitlines() if "prompt cache entry" in line]
+        assert len(notes) == 1 and "prefilling again" in notes[0], result.stderr
+        assert result.stdout.split() == expected["text"].split()
+        again = json_run(*args, "--json")
+        assert again["prompt_cached"] and again["token_ids"] == expected["token_ids"]  # the entry was replaced
+
+    def test_key_holds_every_setting_that_shapes_the_state(self, two_checkpoints):
+        from dataclasses import replace
+
+        from triforce_cli.runtime.loading import load_model
+
+        loaded = load_model(str(two_checkpoints[0]))
+        base = PromptCache(two_checkpoints[0], loaded).path_for([1, 2, 3])
+        assert PromptCache(two_checkpoints[0], loaded).path_for([1, 2, 4]) != base
+        assert PromptCache(two_checkpoints[0], replace(loaded, weights="half")).path_for([1, 2, 3]) != base
+        other = load_model(str(two_checkpoints[0]), context_window=8192)
+        assert PromptCache(two_checkpoints[0], other).path_for([1, 2, 3]) != base
+        bf16 = load_model(str(two_checkpoints[0]), dtype=torch.bfloat16)
+        assert PromptCache(two_checkpoints[0], bf16).path_for([1, 2, 3]) != base
+
+
+class TestNothingIsLost:
+    def test_folder_that_cannot_be_written_is_refused_before_loading(self, two_checkpoints, words, tmp_path):
+        blocker = tmp_path / "a-file"
+        blocker.write_text("x")
+        result = generate("-p", words, "--target", two_checkpoints[0], "--prompt-cache", blocker / "prompts")
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and "--prompt-cache" in lines[0], result.stderr
+        assert "converting" not in result.stderr and result.stdout == ""
+
+    @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+    def test_read_only_folder_is_refused(self, two_checkpoints, words, tmp_path):
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        result = generate("-p", words, "--target", two_checkpoints[0], "--prompt-cache", folder)
+        assert result.exit_code == 1 and "--prompt-cache" in result.stderr
+
+    def test_a_save_that_fails_after_the_prefill_warns_and_generates_on(
+        self, two_checkpoints, words, tmp_path, monkeypatch
+    ):
+        from triforce_cli.decoding import prompt_state
+
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(prompt_state, "save_file", full_disk)
+        folder = tmp_path / "prompts"
+        args = ("-p", words, "--target", two_checkpoints[0], "--max-new-tokens", 6, "--temperature", 0)
+        result = generate(*args, "--prompt-cache", folder)
+        assert result.exit_code == 0, result.output
+        warnings = [line for line in result.stderr.splitlines() if "could not save" in line]
+        assert len(warnings) == 1 and "No space left" in warnings[0]
+        assert result.stdout.split() == json_run(*args, "--json")["text"].split()
+        assert not list(folder.glob("*.safetensors")) and not list(folder.glob("*.partial"))
+
+
+class TestSizeLimit:
+    def test_least_recently_used_entries_go_first(self, tmp_path):
+        folder = tmp_path / "prompts"
+        folder.mkdir()
+        for age, name in enumerate(["newest", "middle", "oldest"]):
+            (folder / name).write_bytes(b"x" * 100)
+            os.utime(folder / name, (1_000_000 - age * 10, 1_000_000 - age * 10))
+        (folder / "written").write_bytes(b"x" * 100)
+        store.mark_used(folder / "written")
+        store.mark_used(folder / "oldest")  # used again: now the most recent but for the new entry
+        removed = store.evict(folder, keep=folder / "written", limit=250)
+        assert [e.path.name for e in removed] == ["middle", "newest"]
+        assert sorted(p.name for p in folder.iterdir()) == ["oldest", "written"]
+
+    def test_the_entry_just_written_stays_even_over_the_limit(self, tmp_path):
+        folder = tmp_path / "prompts"
+        folder.mkdir()
+        (folder / "big").write_bytes(b"x" * 1000)
+        assert store.evict(folder, keep=folder / "big", limit=10) == []
+        assert store.evict(folder, keep=folder / "big", limit=0) == []  # 0: no limit
+
+    def test_limit_from_the_environment(self, monkeypatch):
+        monkeypatch.setenv(store.LIMIT_VARIABLE, "1.5G")
+        assert store.cache_limit() == int(1.5 * 2**30)
+        monkeypatch.setenv(store.LIMIT_VARIABLE, "500M")
+        assert store.cache_limit() == 500 * 2**20
+        monkeypatch.delenv(store.LIMIT_VARIABLE)
+        assert store.cache_limit() == store.DEFAULT_LIMIT
+
+    @pytest.mark.parametrize("text", ["lots", "-1G", "infG", "nan"])
+    def test_unreadable_limit_is_one_line(self, monkeypatch, tmp_path, words, text):
+        monkeypatch.setenv(store.LIMIT_VARIABLE, text)
+        monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+        result = CliRunner().invoke(app, ["cache", "list"])
+        assert result.exit_code == 1 and store.LIMIT_VARIABLE in result.stderr and "Traceback" not in result.output
+
+    def test_generate_evicts_beyond_the_limit(self, two_checkpoints, words, tmp_path, monkeypatch):
+        folder = tmp_path / "prompts"
+        base = ("--target", two_checkpoints[0], "--prompt-cache", folder, *GREEDY_SHORT)
+        json_run("-p", words, *base)
+        (entry,) = folder.glob("*.safetensors")
+        monkeypatch.setenv(store.LIMIT_VARIABLE, str(entry.stat().st_size + 1))
+        other = tmp_path / "other.txt"
+        other.write_text(" ".join(f"w{(7 * i) % 31}" for i in range(40)))
+        json_run("-p", other, *base)
+        assert [p.name for p in folder.glob("*.safetensors")] != [entry.name]
+        assert len(list(folder.glob("*.safetensors"))) == 1
+
+
+class TestCacheCommand:
+    def test_list_and_clear(self, two_checkpoints, words, tmp_path, monkeypatch):
+        monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+        prompts = tmp_path / "cache" / "prompts"
+        other = tmp_path / "elsewhere"
+        for folder in (prompts, other):
+            json_run("-p", words, "--target", two_checkpoints[0], "--prompt-cache", folder, *GREEDY_SHORT)
+        listed = CliRunner().invoke(app, ["cache", "list", "--prompt-cache", str(other)], env={"COLUMNS": "200"})
+        assert listed.exit_code == 0, listed.output
+        assert listed.stdout.count("prompt-") == 2 and "KiB" in listed.stdout
+        cleared = CliRunner().invoke(app, ["cache", "clear", "--prompts"])
+        assert cleared.exit_code == 0 and "removed 1 entries" in cleared.stderr
+        assert not list(prompts.iterdir()) and len(list(other.iterdir())) == 1

@@ -1,0 +1,134 @@
+"""The folders the tool writes to: converted checkpoints and saved prefills, kept under a size limit.
+
+The cache root is ``$TRIFORCE_CACHE``, else ``$XDG_CACHE_HOME/triforce-cli``, else ``~/.cache/triforce-cli``. It
+holds ``models/`` (GGUF files converted to safetensors) and, by convention, ``prompts/`` (``--prompt-cache``
+may name any other folder). Each entry of such a folder (a file or a folder) counts its bytes; when a write
+takes a folder past the limit (``$TRIFORCE_CACHE_LIMIT``, e.g. ``4G``, ``500M``, ``0`` for none; default 4 GiB),
+the entries used least recently are removed until it fits again, never the one just written. Using an entry
+sets its modification time, so that time is when it was last used.
+"""
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from triforce_cli.errors import ConfigError
+
+LIMIT_VARIABLE = "TRIFORCE_CACHE_LIMIT"
+DEFAULT_LIMIT = 4 * 2**30
+PARTIAL_SUFFIX = ".partial"  # an entry still being written: never listed, never evicted
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints (and, by default, saved prefills) live."""
+    if os.environ.get("TRIFORCE_CACHE"):
+        return Path(os.environ["TRIFORCE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "triforce-cli"
+
+
+def models_folder() -> Path:
+    return cache_root() / "models"
+
+
+def prompts_folder() -> Path:
+    return cache_root() / "prompts"
+
+
+def parse_size(text: str) -> int:
+    """'4G' -> 4 GiB, '500M', '1.5G', '123' bytes; a ConfigError for anything else."""
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = cleaned[-1:] if cleaned[-1:] in UNITS else ""
+    try:
+        value = float(cleaned[: len(cleaned) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"cannot read '{text}' as a size (e.g. 4G, 500M or 0 for no limit)")
+    return int(value * UNITS[unit])
+
+
+def cache_limit() -> int:
+    """Bytes each cache folder is kept under; 0 means no limit."""
+    text = os.environ.get(LIMIT_VARIABLE)
+    if text is None:
+        return DEFAULT_LIMIT
+    try:
+        return parse_size(text)
+    except ConfigError as err:
+        raise ConfigError(f"{LIMIT_VARIABLE}: {err}") from None
+
+
+def human_size(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    size: int  # bytes, a folder's files added up
+    last_used: float  # seconds since the epoch
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def entries(folder: Path) -> list[Entry]:
+    """The finished entries of folder, least recently used first (none where the folder does not exist)."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        if path.name.endswith(PARTIAL_SUFFIX) or path.name.startswith("."):
+            continue
+        try:
+            found.append(Entry(path, _size(path), path.stat().st_mtime))
+        except OSError:  # removed meanwhile
+            continue
+    return sorted(found, key=lambda e: e.last_used)
+
+
+def mark_used(path: Path) -> None:
+    """Record that an entry was just used (its modification time; an entry that cannot be touched stays as is)."""
+    try:
+        now = time.time()
+        os.utime(path, (now, now))
+    except OSError:
+        pass
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def evict(folder: Path, keep: Path, limit: int | None = None) -> list[Entry]:
+    """Remove the least recently used entries of folder, never keep, until it holds at most limit bytes
+    (cache_limit() when None; 0: no limit). Returns what was removed."""
+    limit = cache_limit() if limit is None else limit
+    if limit <= 0:
+        return []
+    present = entries(folder)
+    total = sum(e.size for e in present)
+    removed = []
+    for entry in present:
+        if total <= limit:
+            break
+        if entry.path == keep:
+            continue
+        remove(entry.path)
+        total -= entry.size
+        removed.append(entry)
+    return removed
