@@ -25,6 +25,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.context_window import extend_context
 
@@ -140,7 +141,7 @@ def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
     assert (
         fixed_drafts_at_least(4, fixed_top["verifications"]) <= fixed_top["drafted"] <= 4 * fixed_top["verifications"]
     )
-    assert rows[1].as_dict()["gamma_policy"] == "fixed"
+    assert as_record(rows[1])["gamma_policy"] == "fixed"
 
 
 def test_auto_policy_is_resolved_for_the_bench_sampling():
@@ -305,7 +306,7 @@ def test_bench_command_reuses_the_prompt_cache(checkpoint, prompt_file, tmp_path
         assert result.exit_code == 0, result.output
         cached.append(json.loads((tmp_path / f"{run}.json").read_text())["rows"][0]["prompt_cached"])
     assert cached == [False, True]
-    assert "(cached)" in result.stdout
+    assert "* prefill restored from --prompt-cache" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -315,13 +316,13 @@ def test_bench_command_reuses_the_prompt_cache(checkpoint, prompt_file, tmp_path
         (["--context", CONTEXT, "--max-new-tokens", 100], ["context of", "--context-window"]),
         (["--context", CONTEXT, "--modes", "autoregressive,llama.cpp"], ["llama.cpp"]),
         (["--context", CONTEXT, "--out", "rows.txt"], [".json or .csv"]),
-        (["--context", CONTEXT, "--gamma-policy", "fixed,eager"], ["unknown name 'eager'"]),
+        (["--context", CONTEXT, "--gamma-policy", "fixed,eager"], ["'fixed,eager': choose from"]),
     ],
 )
 def test_bench_errors_are_one_line(checkpoint, prompt_file, monkeypatch, tmp_path, args, fragments):
     monkeypatch.chdir(tmp_path)
     result = invoke_bench("--target", checkpoint, "-p", prompt_file, "--repeats", 1, "--warmup", 0, *args)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code in (1, 2), result.output  # 2: a value the option cannot read
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     assert all(fragment in errors[0] for fragment in fragments), errors[0]

@@ -8,7 +8,14 @@ from conftest import full_cache_for, llama_config, random_prompt, reference_logi
 from transformers import GPT2Config, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from triforce_cli.runtime.loading import load_model
-from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError
+from triforce_cli.runtime.model import (
+    ConcatLinear,
+    Linear,
+    ModelConfig,
+    Transformer,
+    UnsupportedModelError,
+    replace_checkpoint_linears,
+)
 
 SEQ = 96
 ATOL = 1e-5
@@ -31,11 +38,22 @@ def our_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor(ids), 0, full_cache_for(model))
 
 
+# checkpoint linears computed by the reference's own modules in the "separate" variant: whole fused projections
+# (q, k, v), a part of one (gate, beside the fused weight's up rows) and an unfused one (o)
+SEPARATE = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
+
+
 def random_llama(seed: int = 0, fused: bool = True, **config):
+    """transformers' reference and our model with its weights; not fused: the checkpoint linears named in SEPARATE
+    computed part by part, as compact weights are."""
     cfg = llama_config(initializer_range=0.2, **config)
     torch.manual_seed(seed)
     ref = LlamaForCausalLM(cfg).eval()
-    return ref, wrap(ref, cfg, fused=fused).model
+    model = wrap(ref, cfg).model
+    if not fused:
+        parts = {name: module for name, module in ref.named_modules() if name.endswith(SEPARATE)}
+        assert replace_checkpoint_linears(model, parts) == len(parts) == len(SEPARATE) * cfg.num_hidden_layers
+    return ref, model
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
@@ -45,7 +63,11 @@ def random_llama(seed: int = 0, fused: bool = True, **config):
 def test_logits_match_transformers(rope, num_kv_heads, tied, fused):
     extra = {} if ROPES[rope] is None else {"rope_parameters": dict(ROPES[rope])}
     ref, model = random_llama(fused=fused, num_kv_heads=num_kv_heads, tie_word_embeddings=tied, **extra)
-    assert (model.model.layers[0].self_attn.qkv_proj is not None) == fused
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, ConcatLinear) != fused
+    assert isinstance(layer.mlp.gate_up_proj, ConcatLinear) != fused
+    if not fused:
+        assert [type(part) for part in layer.mlp.gate_up_proj.parts] == [torch.nn.Linear, Linear]  # gate, up rows
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     else:
@@ -152,6 +174,15 @@ def test_unsupported_configs_are_rejected():
         ModelConfig.from_hf(cfg)
 
 
+def test_a_projection_missing_from_the_checkpoint_is_named_as_the_checkpoint_names_it():
+    cfg = llama_config(tie_word_embeddings=False)
+    state = LlamaForCausalLM(cfg).state_dict()
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    missing, unexpected = Transformer.from_hf_config(cfg).load_hf_state(state)
+    assert missing == ["model.layers.1.self_attn.k_proj.weight"]
+    assert set(unexpected) == {"model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"}
+
+
 # --- loading from a saved folder --------------------------------------------------------------------------------
 
 
@@ -170,8 +201,8 @@ def test_load_model_from_saved_folder(tmp_path, tied):
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     assert all(p.device.type == "cpu" for p in model.parameters())
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert attn.qkv_proj is not None and attn.q_proj is None  # the projections were fused after loading
-    assert mlp.gate_up_proj is not None and mlp.gate_proj is None
+    assert isinstance(attn.qkv_proj, Linear) and isinstance(mlp.gate_up_proj, Linear)  # the projections are fused
+    assert attn.qkv_proj.out_features == (4 + 2 * 2) * 8 and mlp.gate_up_proj.out_features == 2 * 48
     ids = random_prompt(SEQ, 31, seed=6)
     torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
 

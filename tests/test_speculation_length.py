@@ -20,7 +20,7 @@ from test_speculative import (
 )
 
 from cache import RetrievalCache
-from triforce_cli import speculative
+from triforce_cli.decoding import speculative
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig

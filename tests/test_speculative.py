@@ -24,11 +24,12 @@ from conftest import (
 from scipy.stats import chisquare
 
 from cache import FullCache, RetrievalCache, StreamingCache
-from triforce_cli import speculative
+from triforce_cli.decoding import speculative
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
 from triforce_cli.decoding.speculative import ModelTier
+from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.loading import LoadedModel
 
@@ -209,8 +210,8 @@ def test_stats_are_consistent(mode, tiny_target, tiny_drafter):
         assert len(stats.round_tokens) - 1 <= top.verifications <= len(stats.round_tokens)
         # every round commits its accepted drafts plus one token, none cut off
         assert stats.decoded_tokens == top.accepted + len(stats.round_tokens)
-    as_dict = stats.as_dict()
-    assert as_dict["new_tokens"] == NEW_TOKENS and len(as_dict["acceptance"]) == len(expected_pairs)
+    record = as_record(stats)
+    assert record["new_tokens"] == NEW_TOKENS and len(record["acceptance"]) == len(expected_pairs)
     assert result.text == " ".join(map(str, result.token_ids))
 
 

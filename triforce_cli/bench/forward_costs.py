@@ -8,6 +8,7 @@ repeat, with the logits of all T positions as a verification needs them.
 import statistics
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -24,20 +25,19 @@ class ForwardCost:
     tokens: int
     ms: list[float]  # one per repeat
 
+    DERIVED: ClassVar[tuple[str, ...]] = ("median_ms", "min_ms", "max_ms")
+
     @property
     def median_ms(self) -> float:
         return statistics.median(self.ms)
 
-    def as_dict(self) -> dict:
-        return {
-            "prompt": self.prompt,
-            "context": self.context,
-            "cache": self.cache,
-            "tokens": self.tokens,
-            "median_ms": self.median_ms,
-            "min_ms": min(self.ms),
-            "max_ms": max(self.ms),
-        }
+    @property
+    def min_ms(self) -> float:
+        return min(self.ms)
+
+    @property
+    def max_ms(self) -> float:
+        return max(self.ms)
 
 
 def _time_forward(target: LoadedModel, cache, new_ids: torch.Tensor, start: int, repeats: int) -> list[float]:

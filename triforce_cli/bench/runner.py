@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from transformers import PreTrainedModel
@@ -19,29 +20,51 @@ from transformers import PreTrainedModel
 from triforce_cli.bench.forward_costs import ForwardCost, measure_forward_costs
 from triforce_cli.bench.llama_cpp import LLAMA_CPP_PEER, LlamaCppPeer, llama_cpp_available
 from triforce_cli.bench.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate
-from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.config import MODE_TIERS, EngineConfig, Tiers
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
-from triforce_cli.decoding.prompt_state import PromptState, find_prompt_state
+from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, load_hf_model
 
+
+@dataclass(frozen=True)
+class BenchMode:
+    """One of our modes as the bench spells it: an engine mode, its n-gram setting, and whether the engine gets the
+    pipeline's model drafter."""
+
+    engine_mode: str
+    ngram: bool | None  # EngineConfig.ngram; None leaves the pipeline's
+    model_drafter: bool
+
+    @property
+    def tiers(self) -> Tiers:
+        return MODE_TIERS[self.engine_mode]
+
+    @property
+    def engine_changes(self) -> dict:
+        """The changes of the pipeline's EngineConfig this mode runs with."""
+        return {"mode": self.engine_mode} | ({} if self.ngram is None else {"ngram": self.ngram})
+
+
 OUR_MODES = {
-    "autoregressive": {"mode": "autoregressive"},
-    "retrieval": {"mode": "retrieval"},
-    "streaming": {"mode": "streaming", "ngram": False},
-    "triforce": {"mode": "triforce", "ngram": False},
-    "ngram": {"mode": "streaming", "ngram": True},
-    "streaming-ngram": {"mode": "streaming", "ngram": True},
-    "triforce-ngram": {"mode": "triforce", "ngram": True},
+    "autoregressive": BenchMode("autoregressive", ngram=None, model_drafter=False),
+    "retrieval": BenchMode("retrieval", ngram=None, model_drafter=False),
+    "streaming": BenchMode("streaming", ngram=False, model_drafter=True),
+    "triforce": BenchMode("triforce", ngram=False, model_drafter=True),
+    # "ngram" drafts with the n-gram proposer alone; the *-ngram modes with it first, and with the drafter where it
+    # finds nothing
+    "ngram": BenchMode("streaming", ngram=True, model_drafter=False),
+    "streaming-ngram": BenchMode("streaming", ngram=True, model_drafter=True),
+    "triforce-ngram": BenchMode("triforce", ngram=True, model_drafter=True),
 }
 ALL_MODES = (*OUR_MODES, *HF_PEERS, LLAMA_CPP_PEER)
 DEFAULT_MODES = ("autoregressive", "retrieval", "streaming", "triforce", "ngram", "triforce-ngram", "hf", "hf-lookup")
-RETRIEVAL_MODES = ("retrieval", "triforce", "triforce-ngram")
-# "ngram" drafts with the n-gram proposer alone; the *-ngram modes with it first and the drafter where it finds nothing
-MODEL_DRAFTER_MODES = ("streaming", "triforce", "streaming-ngram", "triforce-ngram")
-SPECULATIVE_MODES = tuple(mode for mode in OUR_MODES if mode != "autoregressive")  # swept over gamma policies
+RETRIEVAL_MODES = tuple(name for name, mode in OUR_MODES.items() if mode.tiers.retrieval)
+# swept over gamma policies: the modes whose target@full verifies drafts
+SPECULATIVE_MODES = tuple(name for name, mode in OUR_MODES.items() if mode.tiers.speculative)
 
 
 def default_modes(target: LoadedModel) -> tuple[str, ...]:
@@ -100,34 +123,29 @@ class BenchRow:
     speedup_vs_hf: float | None = None
     prompt_cached: bool = False
 
+    DERIVED: ClassVar[tuple[str, ...]] = ("median_ms", "min_ms", "max_ms", "tokens_per_second")
+    RECORD_KEYS: ClassVar[dict[str, str]] = {  # in JSON and CSV, every latency says it is per token
+        "ms_per_token": "repeats_ms_per_token",
+        "median_ms": "median_ms_per_token",
+        "min_ms": "min_ms_per_token",
+        "max_ms": "max_ms_per_token",
+    }
+
     @property
     def median_ms(self) -> float:
         return statistics.median(self.ms_per_token)
 
     @property
+    def min_ms(self) -> float:
+        return min(self.ms_per_token)
+
+    @property
+    def max_ms(self) -> float:
+        return max(self.ms_per_token)
+
+    @property
     def tokens_per_second(self) -> float:
         return 1000 / self.median_ms if self.median_ms else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "prompt": self.prompt,
-            "mode": self.mode,
-            "context": self.context,
-            "budget": self.budget,
-            "chunk_size": self.chunk_size,
-            "gamma_policy": self.gamma_policy,
-            "prefill_seconds": self.prefill_seconds,
-            "prompt_cached": self.prompt_cached,
-            "median_ms_per_token": self.median_ms,
-            "min_ms_per_token": min(self.ms_per_token),
-            "max_ms_per_token": max(self.ms_per_token),
-            "tokens_per_second": self.tokens_per_second,
-            "speedup_vs_autoregressive": self.speedup_vs_autoregressive,
-            "speedup_vs_hf": self.speedup_vs_hf,
-            "matches_autoregressive": self.matches_autoregressive,
-            "acceptance": self.acceptance,
-            "repeats_ms_per_token": self.ms_per_token,
-        }
 
 
 @dataclass
@@ -200,8 +218,9 @@ class Bench:
         )
 
     def _engine(self, mode: str = "autoregressive", **changes) -> Engine:
-        drafter = self.pipe.drafter if mode in MODEL_DRAFTER_MODES else None
-        return Engine(self.pipe.target, replace(self.base_config, **OUR_MODES[mode], **changes), drafter)
+        bench_mode = OUR_MODES[mode]
+        drafter = self.pipe.drafter if bench_mode.model_drafter else None
+        return Engine(self.pipe.target, replace(self.base_config, **bench_mode.engine_changes, **changes), drafter)
 
     def _run_ours(self, variant: _Variant, prompt_ids: list[int], state):
         changes = {}
@@ -250,11 +269,12 @@ class Bench:
         """The prefilled prompt, and whether it came from the prompt cache (a miss prefills and saves it there)."""
         if self.config.prompt_cache is None:
             return self._engine().prefill(prompt_ids), False
-        path, state = find_prompt_state(self.config.prompt_cache, self.pipe.target, prompt_ids)
+        cache = self.pipe.prompt_cache(self.config.prompt_cache)
+        state = cache.load(prompt_ids)
         if state is not None:
             return state, True
         state = self._engine().prefill(prompt_ids)
-        state.save(path)
+        cache.save(state, prompt_ids)
         return state, False
 
     def _rows(
@@ -267,7 +287,7 @@ class Bench:
                 stats = [r.stats for r in v.runs]
                 ms = [s.ms_per_token for s in stats]
                 row = BenchRow(prompt, v.mode, context, v.budget, v.chunk_size, prefill_seconds, ms, v.gamma_policy)
-                row.acceptance = [a.as_dict() for a in stats[-1].acceptance]
+                row.acceptance = [as_record(a) for a in stats[-1].acceptance]
                 row.prompt_cached = cached
             else:
                 peer_prefill = statistics.median(r.prefill_seconds for r in v.runs)

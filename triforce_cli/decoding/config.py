@@ -1,5 +1,6 @@
 """Run-time settings of the speculative pipeline, validated in one place."""
 
+import math
 from dataclasses import dataclass, field
 
 from triforce_cli.decoding.sampling import SamplingConfig
@@ -8,8 +9,32 @@ from triforce_cli.errors import ConfigError
 
 GAMMA_POLICIES = ("auto", *POLICIES)
 
-MODES = ("autoregressive", "retrieval", "streaming", "triforce")
 DEFAULT_BUDGET = 1024
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """The tiers a mode runs below target@full, the tier every mode has."""
+
+    retrieval: bool  # target@retrieval: the target on the retrieval cache
+    drafter: bool  # a drafter tier: a model on a StreamingLLM cache and/or the n-gram proposer (EngineConfig.ngram)
+
+    @property
+    def speculative(self) -> bool:
+        """Whether target@full verifies drafts, instead of sampling every token itself."""
+        return self.retrieval or self.drafter
+
+
+MODE_TIERS = {
+    "autoregressive": Tiers(retrieval=False, drafter=False),
+    "retrieval": Tiers(retrieval=True, drafter=False),
+    "streaming": Tiers(retrieval=False, drafter=True),
+    "triforce": Tiers(retrieval=True, drafter=True),
+}
+MODES = tuple(MODE_TIERS)
+MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs more than it saves
+MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
+MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
 
 
 @dataclass(frozen=True)
@@ -47,11 +72,14 @@ class EngineConfig:
     prefill_chunk: int = 512
     ngram: bool | None = None
     ngram_max: int = 3
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
+        if self.mode not in MODE_TIERS:
+            raise ConfigError(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
+        drafter_modes = " or ".join(mode for mode, tiers in MODE_TIERS.items() if tiers.drafter)
         checks = [
-            (self.mode in MODES, f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})"),
             (self.chunk_size > 0, "chunk size must be positive"),
             (self.budget is None or self.budget > 0, "budget must be positive"),
             (
@@ -60,8 +88,8 @@ class EngineConfig:
             ),
             (self.sink_tokens >= 0, "sink tokens must not be negative"),
             (self.draft_window > 0, "draft window must be positive"),
-            (self.gamma1 > 0, "gamma1 must be positive"),
-            (self.gamma2 > 0, "gamma2 must be positive"),
+            (0 < self.gamma1 <= MAX_GAMMA, f"gamma1 must lie in 1..{MAX_GAMMA}"),
+            (0 < self.gamma2 <= MAX_GAMMA, f"gamma2 must lie in 1..{MAX_GAMMA}"),
             (
                 self.gamma_policy in GAMMA_POLICIES,
                 f"unknown gamma policy '{self.gamma_policy}' (choose from {', '.join(GAMMA_POLICIES)})",
@@ -74,14 +102,18 @@ class EngineConfig:
                     f" {self.speculation_depth} tokens, the most a verification can roll back"
                 ),
             ),
-            (self.refresh_interval > 0, "refresh interval must be positive"),
+            (
+                0 < self.refresh_interval <= MAX_REFRESH_INTERVAL,
+                f"refresh interval must lie in 1..{MAX_REFRESH_INTERVAL}",
+            ),
+            (
+                self.sink_tokens + self.draft_window <= MAX_DRAFT_CACHE,
+                f"sink tokens + draft window must not exceed {MAX_DRAFT_CACHE} positions",
+            ),
             (self.prefill_chunk > 0, "prefill chunk must be positive"),
             (self.ngram_max > 0, "n-gram length must be positive"),
-            (
-                not self.ngram or self.mode in ("streaming", "triforce"),
-                "--ngram needs a mode with a drafter tier (streaming or triforce)",
-            ),
-            (self.sampling.temperature >= 0, "temperature must not be negative"),
+            (not self.ngram or self.uses_drafter, f"--ngram needs a mode with a drafter tier ({drafter_modes})"),
+            (0 <= self.sampling.temperature < math.inf, "temperature must be a finite number, 0 or more"),
             (0 < self.sampling.top_p <= 1, "top-p must lie in (0, 1]"),
             (self.sampling.top_k >= 0, "top-k must not be negative"),
         ]
@@ -104,11 +136,11 @@ class EngineConfig:
 
     @property
     def uses_retrieval(self) -> bool:
-        return self.mode in ("retrieval", "triforce")
+        return MODE_TIERS[self.mode].retrieval
 
     @property
     def uses_drafter(self) -> bool:
-        return self.mode in ("streaming", "triforce")
+        return MODE_TIERS[self.mode].drafter
 
     def budget_for(self, prompt_tokens: int) -> int:
         """The retrieval budget for a prompt; an explicit budget must fit inside it."""

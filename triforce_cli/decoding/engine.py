@@ -1,6 +1,6 @@
 """The generation engine: load once, then generate for many prompts.
 
-Data path (DESIGN.md): chunked prefill of target@full -> retrieval cache selected with the last prompt token's
+Data path (docs/architecture.md): chunked prefill of target@full -> retrieval cache selected with the last prompt token's
 queries -> drafter StreamingLLM cache -> loop of top-tier steps, each rolling every cache back to the accepted
 length and refreshing the retrieval cache on its policy.
 """
@@ -43,7 +43,7 @@ class Engine:
             or self.drafter.model.config.vocab_size != target.model.config.vocab_size
         ):
             raise ConfigError(f"drafter {self.drafter.name} does not share the vocabulary of {target.name}")
-        self.eos_ids = target.eos_token_ids
+        self.eos_ids = set() if config.ignore_eos else target.eos_token_ids
         self._caches: _Caches | None = None
 
     @property
@@ -116,9 +116,8 @@ class Engine:
         if self.uses_ngram:
             ngram = NGramProposer(model.config.vocab_size, cfg.ngram_max)
             drafter = ngram if drafter is None else FallbackProposer(ngram, drafter)
-        if cfg.mode == "autoregressive":
-            return ModelTier("target", model, caches.full, sampling, generator)
-        if cfg.mode == "streaming":
+        # drafter is None without a drafter tier: then the tier it would draft for samples every token itself
+        if not cfg.uses_retrieval:
             return ModelTier("target", model, caches.full, sampling, generator, drafter, cfg.gamma1, policy)
         middle = ModelTier("retrieval", model, caches.retrieval, sampling, generator, drafter, cfg.gamma1, policy)
         # the throughput policy may skip the middle tier where verifying at it does not pay (speculation_length.py);
@@ -145,7 +144,8 @@ class Engine:
         if needed > context:
             raise PromptError(
                 f"prompt of {len(prompt_ids)} tokens plus {self.config.max_new_tokens} new tokens exceeds"
-                f" the {context}-token context of {self.target.name} (--context-window extends it with YaRN)"
+                f" the {context}-token context of {self.target.name}: use --context-window {-(-needed // 1024)}k"
+                " or more (RoPE scaled with YaRN), a shorter prompt or fewer --max-new-tokens"
             )
         if self.config.uses_retrieval:
             self.config.budget_for(len(prompt_ids))

@@ -48,9 +48,7 @@ class NGramProposer:
             return None
         if start + size < len(prefix) and tuple(prefix[start : start + size]) == suffix:
             return start
-        found = next(
-            (i for i in range(len(prefix) - size - 1, -1, -1) if tuple(prefix[i : i + size]) == suffix), None
-        )
+        found = next((i for i in range(len(prefix) - size - 1, -1, -1) if tuple(prefix[i : i + size]) == suffix), None)
         if found is None:
             del self._starts[suffix]
         else:

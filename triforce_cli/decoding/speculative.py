@@ -10,7 +10,7 @@ arXiv 2404.11912): drafter@StreamingLLM -> target@retrieval -> target@full.
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -38,6 +38,14 @@ class AcceptanceStats:
     verifications: int = 0
     rejections: int = 0  # verifications that rejected a draft
 
+    # the properties stats.as_record writes beside the counts
+    DERIVED: ClassVar[tuple[str, ...]] = (
+        "acceptance_rate",
+        "judged_acceptance_rate",
+        "mean_drafted",
+        "mean_accepted_length",
+    )
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -60,20 +68,6 @@ class AcceptanceStats:
     def mean_accepted_length(self) -> float:
         """Tokens gained per verification: accepted drafts plus the verifier's own token."""
         return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "proposer": self.proposer,
-            "verifier": self.verifier,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "verifications": self.verifications,
-            "acceptance_rate": self.acceptance_rate,
-            "rejections": self.rejections,
-            "judged_acceptance_rate": self.judged_acceptance_rate,
-            "mean_drafted": self.mean_drafted,
-            "mean_accepted_length": self.mean_accepted_length,
-        }
 
 
 class Proposer(Protocol):

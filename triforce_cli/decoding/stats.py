@@ -1,9 +1,31 @@
-"""What one generation returns: tokens, text and the measurements the CLI and bench render."""
+"""What one generation returns: tokens, text and the measurements the CLI and bench render, and as_record, which
+turns such measurements into the dicts written as JSON and CSV."""
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from triforce_cli.decoding.speculative import AcceptanceStats
+
+
+def as_record(measurement) -> dict[str, Any]:
+    """A dataclass instance as a plain dict, as dataclasses.asdict makes it, followed by the derived properties its
+    class names in DERIVED. A key is the attribute's name, unless the class's RECORD_KEYS renames it. Dataclasses
+    nested in it, also inside lists, tuples and dicts, become records too (with their derived properties)."""
+    keys = getattr(measurement, "RECORD_KEYS", {})
+    names = [f.name for f in dataclasses.fields(measurement)] + list(getattr(measurement, "DERIVED", ()))
+    return {keys.get(name, name): _record_value(getattr(measurement, name)) for name in names}
+
+
+def _record_value(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return as_record(value)
+    if isinstance(value, (list, tuple)):
+        return [_record_value(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _record_value(item) for key, item in value.items()}
+    return value
 
 
 @dataclass
@@ -19,6 +41,8 @@ class GenerationStats:
     acceptance: list[AcceptanceStats] = field(default_factory=list)
     stop_reason: str = "max_new_tokens"  # or "eos", "interrupted"
     prompt_cached: bool = False  # the prompt's KV cache was restored instead of prefilled
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("ms_per_token", "median_ms_per_token", "tokens_per_second")
 
     @property
     def decoded_tokens(self) -> int:
@@ -38,22 +62,6 @@ class GenerationStats:
         """Median over top-tier steps of that step's time divided by the tokens it committed."""
         per_token = [1000 * s / n for s, n in zip(self.round_seconds, self.round_tokens) if n]
         return statistics.median(per_token) if per_token else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "drafter": self.drafter,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "prefill_seconds": self.prefill_seconds,
-            "prompt_cached": self.prompt_cached,
-            "decode_seconds": self.decode_seconds,
-            "ms_per_token": self.ms_per_token,
-            "median_ms_per_token": self.median_ms_per_token,
-            "tokens_per_second": self.tokens_per_second,
-            "stop_reason": self.stop_reason,
-            "acceptance": [a.as_dict() for a in self.acceptance],
-        }
 
 
 @dataclass

