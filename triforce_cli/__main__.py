@@ -2,16 +2,19 @@
 
 import sys
 
-INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as shells report a Ctrl-C
+from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, InterruptWatch
 
 
 def main() -> None:
     """Run the command line; Ctrl-C while torch and transformers import (seconds) is one line, not a traceback."""
-    try:
-        from triforce_cli.cli.app import app
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(INTERRUPTED_EXIT_CODE)
+    with InterruptWatch() as watch:
+        try:
+            from triforce_cli.cli.app import app
+        except BaseException:
+            if not watch.seen:
+                raise
+            print("error: interrupted", file=sys.stderr)
+            sys.exit(INTERRUPTED_EXIT_CODE)
     app()
 
 

@@ -1,4 +1,7 @@
-"""Rich rendering for the CLI: prefill progress, tier-coloured token stream and the closing summary."""
+"""Rich rendering for the CLI: prefill progress, the tier-coloured token stream, summaries and bench tables.
+
+Every table fits an 80-column terminal.
+"""
 
 from typing import Self
 
@@ -8,6 +11,9 @@ from rich.table import Table
 from rich.text import Text
 from transformers import PreTrainedTokenizerBase
 
+from triforce_cli.bench.forward_costs import ForwardCost
+from triforce_cli.bench.report import acceptance_text
+from triforce_cli.bench.runner import BenchRow
 from triforce_cli.decoding.stats import GenerationStats
 from triforce_cli.distill.trainer import DistillProgress
 
@@ -136,33 +142,26 @@ def summary_table(stats: GenerationStats) -> Table:
     return table
 
 
+def tier_pair(proposer: str, verifier: str) -> Text:
+    """'drafter → retrieval', each tier in its colour."""
+    return Text.assemble((proposer, TIER_STYLES.get(proposer, "")), " → ", (verifier, TIER_STYLES.get(verifier, "")))
+
+
 def acceptance_table(stats: GenerationStats) -> Table | None:
+    """Per pair of tiers: verifications, drafts accepted, the rate, α (per judged draft, see
+    AcceptanceStats.judged_acceptance_rate) and the tokens each verification gained."""
     if not stats.acceptance:
         return None
     table = Table(title="acceptance per tier", title_justify="left")
-    columns = (
-        "proposer",
-        "verifier",
-        "passes",
-        "drafted",
-        "accepted",
-        "rate",
-        "α",  # per judged draft, see AcceptanceStats.judged_acceptance_rate
-        "drafts per pass",
-        "mean accepted length",
-    )
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("proposer", "verifier") else "right")
+    for column in ("proposer → verifier", "passes", "accepted", "rate", "α", "tokens/pass"):
+        table.add_column(column, justify="left" if column.startswith("proposer") else "right")
     for a in stats.acceptance:
         table.add_row(
-            Text(a.proposer, style=TIER_STYLES.get(a.proposer)),
-            Text(a.verifier, style=TIER_STYLES.get(a.verifier)),
+            tier_pair(a.proposer, a.verifier),
             str(a.verifications),
-            str(a.drafted),
-            str(a.accepted),
-            f"{a.acceptance_rate:.1%}",
-            f"{a.judged_acceptance_rate:.1%}",
-            f"{a.mean_drafted:.2f}",
+            f"{a.accepted} of {a.drafted}",
+            f"{a.acceptance_rate:.0%}",
+            f"{a.judged_acceptance_rate:.0%}",
             f"{a.mean_accepted_length:.2f}",
         )
     return table
@@ -173,3 +172,68 @@ def print_summary(console: Console, stats: GenerationStats) -> None:
     table = acceptance_table(stats)
     if table is not None:
         console.print(table)
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}×" if value is not None else "-"
+
+
+def bench_tables(rows: list[BenchRow]) -> list[Table]:
+    """One latency table per prompt and context (fits 80 columns), then one of the acceptance per mode."""
+    tables = []
+    swept = len({(r.budget, r.chunk_size, r.gamma_policy) for r in rows if r.chunk_size or r.gamma_policy}) > 1
+    for prompt, context in dict.fromkeys((r.prompt, r.context) for r in rows):
+        title = f"{prompt}, {context} tokens: ms per token, median [min-max] over repeats"
+        table = Table(title=Text(title), title_justify="left")
+        for column in ("mode", "prefill s", "ms/token", "[min-max]", "×AR", "×HF", "=AR"):
+            table.add_column(column, justify="left" if column == "mode" else "right")
+        for row in (r for r in rows if (r.prompt, r.context) == (prompt, context)):
+            table.add_row(
+                _mode_cell(row, swept),
+                f"{row.prefill_seconds:.1f}" + ("*" if row.prompt_cached else ""),
+                f"{row.median_ms:.1f}",
+                f"{min(row.ms_per_token):.1f}-{max(row.ms_per_token):.1f}",
+                _ratio(row.speedup_vs_autoregressive),
+                _ratio(row.speedup_vs_hf),
+                {True: "yes", False: Text("NO", style="red"), None: "-"}[row.matches_autoregressive],
+            )
+        if any(r.prompt_cached for r in rows):
+            table.caption = "* prefill restored from --prompt-cache: the time to open it"
+        tables.append(table)
+    accepted = [r for r in rows if r.acceptance]
+    if accepted:
+        table = Table(title="acceptance per tier (last repeat)", title_justify="left")
+        table.add_column("mode")
+        table.add_column("tiers: accepted of drafted per pass (α, tokens per pass)")
+        for row in accepted:
+            table.add_row(_mode_cell(row, swept), Text(acceptance_text(row)))
+        tables.append(table)
+    return tables
+
+
+def _mode_cell(row: BenchRow, swept: bool) -> Text:
+    """The mode, and where budgets, chunk sizes or policies are swept, which of them the row ran."""
+    if not swept or not (row.chunk_size or row.gamma_policy):
+        return Text(row.mode)
+    settings = [f"{row.budget or 'auto'}/{row.chunk_size}" if row.chunk_size else "", row.gamma_policy or ""]
+    return Text(f"{row.mode} {' '.join(s for s in settings if s)}")
+
+
+def forward_cost_table(costs: list[ForwardCost]) -> Table:
+    """One line per prompt, context and cache; the cost of T tokens also as a multiple of one token's."""
+    table = Table(title=Text("one target forward of T new tokens, ms (median [min-max])"), title_justify="left")
+    for column in ("prompt", "context", "cache", "T", "ms", "[min-max]", "×T=1"):
+        table.add_column(column, justify="left" if column in ("prompt", "cache") else "right")
+    single = {(c.prompt, c.context, c.cache): c.median_ms for c in costs if c.tokens == 1}
+    for cost in costs:
+        one = single.get((cost.prompt, cost.context, cost.cache))
+        table.add_row(
+            Text(cost.prompt),
+            str(cost.context),
+            cost.cache,
+            str(cost.tokens),
+            f"{cost.median_ms:.1f}",
+            f"{min(cost.ms):.1f}-{max(cost.ms):.1f}",
+            _ratio(cost.median_ms / one if one else None),
+        )
+    return table

@@ -1,0 +1,238 @@
+"""Whatever is typed, `generate` and `bench` end in their output or in one `error:` line with a non-zero exit.
+
+A fuzz test feeds unreadable, out-of-range and random values to every option of both commands through Typer's test
+runner (models swapped for tiny in-memory ones, see the `tiny` fixture); Ctrl-C while loading or prefilling; the
+JSON error object of `--json`; tables that fit 80 columns.
+"""
+
+import io
+import json
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+import triforce_cli.decoding.pipeline
+from triforce_cli.cli.app import app
+from triforce_cli.cli.render import bench_tables, print_summary
+from triforce_cli.decoding.engine import Engine
+
+NUMERIC = {
+    "generate": (
+        "--budget", "--chunk-size", "--draft-window", "--sink-tokens", "--gamma1", "--gamma2", "--refresh-interval",
+        "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--threads", "--context-window",
+    ),
+    "bench": (
+        "--context", "--budget", "--chunk-size", "--max-new-tokens", "--repeats", "--warmup", "--temperature",
+        "--top-p", "--top-k", "--seed", "--draft-window", "--sink-tokens", "--gamma1", "--gamma2",
+        "--refresh-interval", "--threads", "--context-window", "--forward-costs",
+    ),
+}  # fmt: skip
+CHOICES = {
+    "generate": ("--mode", "--gamma-policy", "--dtype", "--weights", "--device"),
+    "bench": ("--modes", "--gamma-policy", "--dtype", "--weights", "--device", "--builtin"),
+}
+NOT_A_NUMBER = ("nan", "inf", "-inf", "1e400", "1e400k", "infk", "abc", "", "-1", "-2.5k", "1,,2")
+NOT_A_CHOICE = ("abc", "", "-1", "cuda:x", "AUTOREGRESSIVE", "nan")
+QUICK = {
+    "generate": ("--max-new-tokens", "4", "--temperature", "0"),
+    "bench": (
+        "--context",
+        "96",
+        "--max-new-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--modes",
+        "autoregressive",
+    ),
+}
+
+
+def run(command: str, *args: str, prompt_file=None):
+    prompt = ("-p", str(prompt_file)) if prompt_file is not None else ()
+    return CliRunner().invoke(app, [command, *prompt, *args], env={"COLUMNS": "80"})
+
+
+def assert_clean(result, args) -> None:
+    """Either success, or a non-zero exit with exactly one stderr line, an `error:` one; never a traceback."""
+    assert "Traceback" not in result.output, (args, result.output)
+    assert isinstance(result.exception, SystemExit | None), (args, repr(result.exception))
+    if result.exit_code:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0] == lines[-1], (args, result.stderr)
+
+
+def assert_one_line_failure(result, args) -> None:
+    assert result.exit_code not in (0, None), (args, result.output)
+    assert_clean(result, args)
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, (args, result.stderr)
+
+
+@pytest.fixture
+def fast_bench_peers(monkeypatch):
+    """No transformers peers in bench runs: only our modes are fuzzed here."""
+    monkeypatch.setattr("triforce_cli.cli.bench.default_modes", lambda target: ("autoregressive",))
+
+
+@pytest.mark.usefixtures("tiny", "fast_bench_peers")
+class TestFuzz:
+    @pytest.mark.parametrize("command", ["generate", "bench"])
+    def test_unreadable_numbers_are_one_line(self, command, prompt_file, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        for option in NUMERIC[command]:
+            for value in NOT_A_NUMBER:
+                args = (*QUICK[command], f"{option}={value}")
+                assert_one_line_failure(run(command, *args, prompt_file=prompt_file), args)
+
+    @pytest.mark.parametrize("command", ["generate", "bench"])
+    def test_unknown_choices_are_one_line(self, command, prompt_file, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        for option in CHOICES[command]:
+            for value in NOT_A_CHOICE:
+                args = (*QUICK[command], f"{option}={value}")
+                assert_one_line_failure(run(command, *args, prompt_file=prompt_file), args)
+
+    @pytest.mark.parametrize("command", ["generate", "bench"])
+    def test_random_values_end_cleanly(self, command, prompt_file, tmp_path, monkeypatch):
+        """Random magnitudes and signs for every numeric option, and random text for every option: each run
+        succeeds or fails in one line."""
+        monkeypatch.chdir(tmp_path)
+        rng = random.Random(f"fuzz-{command}")
+        texts = ["x" * rng.randint(0, 20), "../" * 3, "~", "-", "--", "🙂", "[bold]x[/]", "1e-300", "0x10", "1_000"]
+        options = [*NUMERIC[command], *CHOICES[command], "--target", "--draft", "--prompt-cache"]
+        for option in options:
+            values = [str(rng.choice([-1, 1]) * 10 ** rng.randint(0, 30)), str(rng.uniform(-1e3, 1e3))]
+            values += rng.sample(texts, 3)
+            for value in values:
+                args = (*QUICK[command], f"{option}={value}")
+                assert_clean(run(command, *args, prompt_file=prompt_file), args)
+
+    def test_unknown_option_is_one_line(self, prompt_file):
+        result = run("generate", "--gamma", "3", prompt_file=prompt_file)
+        assert_one_line_failure(result, "--gamma")
+        assert "No such option" in result.stderr and "triforce generate --help" in result.stderr
+
+    def test_missing_prompt_file_option_is_one_line(self):
+        assert_one_line_failure(run("generate"), "no -p")
+
+
+@pytest.mark.usefixtures("tiny")
+class TestJsonErrors:
+    def test_domain_error_is_a_json_object_too(self, prompt_file):
+        result = run("generate", "--json", "--budget", "20", "--chunk-size", "16", prompt_file=prompt_file)
+        assert result.exit_code == 1
+        assert json.loads(result.stdout) == {"error": result.stderr.strip().removeprefix("error: ")}
+
+    def test_usage_error_is_a_json_object_too(self, prompt_file):
+        result = run("generate", "--json", "--gamma1", "x", prompt_file=prompt_file)
+        assert result.exit_code == 2
+        assert "--gamma1" in json.loads(result.stdout)["error"]
+
+    def test_no_json_without_the_flag(self, prompt_file):
+        result = run("generate", "--gamma1", "x", prompt_file=prompt_file)
+        assert result.stdout == ""
+
+
+@pytest.mark.usefixtures("tiny")
+class TestInterruptBeforeGeneration:
+    def test_while_loading(self, prompt_file, monkeypatch):
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(triforce_cli.decoding.pipeline, "load_model", interrupted)
+        for extra in ((), ("--json",)):
+            result = run("generate", *extra, prompt_file=prompt_file)
+            assert result.exit_code == 130 and "Traceback" not in result.output
+            assert result.stderr.strip() == "error: interrupted"
+            if extra:
+                assert json.loads(result.stdout) == {"error": "interrupted"}
+
+    def test_while_prefilling(self, prompt_file, tiny_models, monkeypatch):
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(tiny_models["tiny"].model, "forward", interrupted)
+        result = run("generate", "--json", prompt_file=prompt_file)
+        assert result.exit_code == 130 and "Traceback" not in result.output
+        data = json.loads(result.stdout)
+        assert data["stop_reason"] == "interrupted" and data["new_tokens"] == 0
+
+
+@pytest.mark.usefixtures("tiny")
+class TestMessages:
+    def test_context_message_suggests_a_window_that_fits(self, prompt_file):
+        result = run("generate", "--context-window", "256", "--max-new-tokens", "400", prompt_file=prompt_file)
+        # 224 prompt tokens + 400 > the 512 positions of the tiny model: 624 positions need 1k
+        assert result.exit_code == 1 and "--context-window 1k" in result.stderr, result.stderr
+
+    def test_cpu_allocation_failure_is_out_of_memory(self, prompt_file, monkeypatch):
+        def exhausted(self, *args, **kwargs):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+
+        monkeypatch.setattr(Engine, "generate", exhausted)
+        result = run("generate", "--json", prompt_file=prompt_file)
+        assert result.exit_code == 1 and json.loads(result.stdout) == {"error": result.stderr.strip()[7:]}
+        assert "out of memory" in result.stderr
+
+    def test_other_runtime_errors_are_not_hidden(self, prompt_file, monkeypatch):
+        def broken(self, *args, **kwargs):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(Engine, "generate", broken)
+        result = run("generate", prompt_file=prompt_file)
+        assert isinstance(result.exception, RuntimeError)
+
+
+@pytest.mark.usefixtures("tiny")
+class TestEightyColumns:
+    def test_generate_summary(self, prompt_file):
+        result = run("generate", "--max-new-tokens", "8", "--temperature", "0", prompt_file=prompt_file)
+        assert result.exit_code == 0, result.output
+        tables = [line for line in result.stderr.splitlines() if set(line) & set("│┃┏┗┡└┌")]
+        assert len(tables) > 10, result.stderr
+        for line in tables:
+            assert len(line) <= 80 and "…" not in line, line
+        assert "acceptance per tier" in result.stderr
+
+    def test_bench_tables(self, prompt_file, tiny, tmp_path):
+        from rich.console import Console
+
+        from triforce_cli.bench.runner import BenchRow
+
+        rows = [
+            BenchRow("a-long-prompt-name.txt", mode, 32768, 1024, 16, 412.5, [61.2, 70.1, 69.0], "throughput")
+            for mode in ("autoregressive", "triforce-ngram", "streaming-ngram", "hf-assisted")
+        ]
+        rows[1].acceptance = [
+            {"proposer": "ngram/drafter", "verifier": "retrieval", "acceptance_rate": 0.51, "mean_drafted": 2.0,
+             "judged_acceptance_rate": 0.55, "mean_accepted_length": 2.1, "verifications": 120},
+        ]  # fmt: skip
+        console = Console(width=80, record=True, file=io.StringIO())
+        for table in bench_tables(rows):
+            console.print(table)
+        text = console.export_text()
+        for line in text.splitlines():
+            assert len(line) <= 80 and "…" not in line, line
+        assert "triforce-ngram" in text and "ngram/drafter" in text
+
+    def test_print_summary_at_80(self, tmp_path):
+        from rich.console import Console
+
+        from triforce_cli.decoding.speculative import AcceptanceStats
+        from triforce_cli.decoding.stats import GenerationStats
+
+        stats = GenerationStats("triforce", "n-gram prompt lookup (training-free), else a-drafter", 32768, 256)
+        stats.acceptance = [AcceptanceStats("ngram/drafter", "retrieval", 300, 150, 120, 90)]
+        console = Console(width=80, record=True, file=io.StringIO())
+        print_summary(console, stats)
+        for line in console.export_text().splitlines():
+            assert len(line) <= 80 and "…" not in line, line
+
+
+def test_threads_must_be_positive(prompt_file):
+    for value in ("0", "-3"):
+        assert_one_line_failure(run("generate", "--threads", value, prompt_file=prompt_file), value)

@@ -1,0 +1,81 @@
+"""`triforce cache list|clear`: the converted checkpoints and saved prefills the tool keeps on disk."""
+
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from triforce_cli.cli.console import command_console, print_note
+from triforce_cli.runtime.store import (
+    LIMIT_VARIABLE,
+    cache_limit,
+    entries,
+    human_size,
+    models_folder,
+    prompts_folder,
+    remove,
+)
+
+cache_app = typer.Typer(
+    help="List or clear the converted models and saved prefills kept on disk.", no_args_is_help=True
+)
+
+PromptFolder = Annotated[
+    Path | None, typer.Option("--prompt-cache", help="Also this --prompt-cache folder [default: the cache's prompts/].")
+]
+
+
+def cache_folders(prompt_cache: Path | None) -> list[tuple[str, Path]]:
+    """Each folder of cached entries, with the kind of entry it holds."""
+    folders = [("model", models_folder()), ("prompt", prompts_folder())]
+    if prompt_cache is not None:
+        folders.append(("prompt", prompt_cache.expanduser()))
+    return folders
+
+
+@cache_app.command("list")
+def list_entries(prompt_cache: PromptFolder = None) -> None:
+    """What is cached, least recently used first, and the size limit each folder is kept under."""
+    with command_console() as err:
+        limit = cache_limit()
+        out = Console()
+        total = 0
+        for kind, folder in cache_folders(prompt_cache):
+            table = Table(title=Text(f"{kind}s in {folder}"), title_justify="left")
+            table.add_column("entry", overflow="fold")
+            table.add_column("size", justify="right")
+            table.add_column("last used")
+            for entry in entries(folder):
+                total += entry.size
+                table.add_row(Text(entry.path.name), human_size(entry.size), _when(entry.last_used))
+            if table.row_count:
+                out.print(table)
+        limit_text = human_size(limit) if limit else "none"
+        print_note(err, f"{human_size(total)} in all; each folder is kept under {limit_text} (${LIMIT_VARIABLE})")
+
+
+@cache_app.command("clear")
+def clear(
+    models: Annotated[bool, typer.Option("--models", help="Clear converted models only.")] = False,
+    prompts: Annotated[bool, typer.Option("--prompts", help="Clear saved prefills only.")] = False,
+    prompt_cache: PromptFolder = None,
+) -> None:
+    """Remove cached entries (all of them unless --models or --prompts narrows it)."""
+    with command_console() as err:
+        freed = removed = 0
+        for kind, folder in cache_folders(prompt_cache):
+            if (models or prompts) and not (models and kind == "model" or prompts and kind == "prompt"):
+                continue
+            for entry in entries(folder):
+                remove(entry.path)
+                freed += entry.size
+                removed += 1
+        print_note(err, f"removed {removed} entries, {human_size(freed)}")
+
+
+def _when(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M")

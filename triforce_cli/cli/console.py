@@ -1,0 +1,81 @@
+"""How commands speak to the terminal: dim status notes, and every failure as one line with a non-zero exit.
+
+Domain errors (TriforceError), running out of memory and Ctrl-C become one ``error:`` line on stderr here, at the
+command-line boundary only; with ``--json`` the same message also goes to stdout as ``{"error": ...}``, so a
+script reading stdout always gets one JSON object.
+"""
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from triforce_cli.errors import TriforceError
+from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, InterruptWatch
+
+OUT_OF_MEMORY = "out of memory: lower --max-new-tokens, use a shorter prompt or a smaller --dtype"
+INTERRUPTED = "interrupted"
+CPU_ALLOCATION_FAILURES = ("can't allocate memory", "Storage size calculation overflowed")
+
+
+def first_line(message: str) -> str:
+    return next((line.strip() for line in message.splitlines() if line.strip()), "unknown error")
+
+
+def print_note(console: Console, message: str) -> None:
+    """A dim status line, printed as it is (model names and paths may contain brackets)."""
+    console.print(Text(message, style="dim"), soft_wrap=True)
+
+
+def print_error(console: Console, message: str, json_output: bool = False) -> None:
+    """One line, printed as it is (no Rich markup or emoji codes are read from it); with json_output also a JSON
+    object on stdout."""
+    line = first_line(message)
+    console.print(Text.assemble(("error:", "bold red"), " ", line), soft_wrap=True)
+    if json_output:
+        print(json.dumps({"error": line}))
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """torch reports a failed CPU allocation as a plain RuntimeError."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in CPU_ALLOCATION_FAILURES)
+
+
+def quiet_libraries() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+@contextmanager
+def command_console(threads: int | None = None, json_output: bool = False) -> Iterator[Console]:
+    """A command's stderr console: libraries quieted, torch threads set, failures reported as one line.
+
+    Exit codes: 1 for a domain error or running out of memory, 130 for Ctrl-C (at any point: loading, prefill).
+    """
+    err = Console(stderr=True)
+    quiet_libraries()
+    with InterruptWatch() as watch:
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            yield err
+        except TriforceError as error:
+            print_error(err, str(error), json_output)
+            raise typer.Exit(1) from None
+        except typer.Exit:
+            raise
+        except BaseException as error:
+            if watch.seen or isinstance(error, KeyboardInterrupt):
+                print_error(err, INTERRUPTED, json_output)
+                raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
+            if not is_out_of_memory(error):
+                raise
+            print_error(err, OUT_OF_MEMORY, json_output)
+            raise typer.Exit(1) from None

@@ -1,0 +1,134 @@
+"""`triforce distill`: train a small drafter for a target; `--draft` loads the folder it writes."""
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from triforce_cli.cli import options as o
+from triforce_cli.cli.console import command_console, print_note
+from triforce_cli.cli.render import DistillBar
+from triforce_cli.corpus import BUILTIN_NAMES
+from triforce_cli.distill.trainer import SAVE_DTYPES, DistillConfig, Distiller, load_teacher
+from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
+
+
+def layer_numbers(value: str | tuple) -> tuple[int, ...]:
+    """Parser of '0,1,29' -> (0, 1, 29)."""
+    if isinstance(value, tuple):
+        return value
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"'{value}' is not a list of layer numbers (e.g. 0,1,2,3)") from None
+
+
+DISTILL_DEFAULTS = DistillConfig(builtin=("stdlib-train",))
+
+
+def distill(
+    out: Annotated[Path, typer.Option(help="Folder to write the drafter (and its checkpoint) to.")],
+    data: Annotated[
+        list[Path] | None, typer.Option("--data", "-d", help="Training text file; repeat for several.")
+    ] = None,
+    builtin: Annotated[
+        tuple,
+        typer.Option(
+            parser=o.names_of(BUILTIN_NAMES, allow_none=True),
+            metavar="NAME,...",
+            help=f"Built-in training text from: {', '.join(BUILTIN_NAMES)}; '' for none.",
+        ),
+    ] = ",".join(DISTILL_DEFAULTS.builtin),
+    target: o.Target = None,
+    init_layers: Annotated[
+        tuple,
+        typer.Option(parser=layer_numbers, metavar="N,...", help="Target layers the drafter starts from, in order."),
+    ] = ",".join(map(str, DISTILL_DEFAULTS.init_layers)),
+    init_from: Annotated[
+        Path | None,
+        typer.Option(help="Start from this drafter folder (distilled for the same target) instead of target layers."),
+    ] = None,
+    draft_vocab: Annotated[
+        int, typer.Option(help="Tokens the drafter's output layer covers (the most frequent in the data); 0: all.")
+    ] = DISTILL_DEFAULTS.draft_vocab,
+    self_generate: Annotated[
+        int, typer.Option(help="Extra training windows the target writes itself (aligns the drafter's context).")
+    ] = DISTILL_DEFAULTS.self_generate,
+    self_temperature: Annotated[float, typer.Option(help="Temperature of the target's own windows.")] = (
+        DISTILL_DEFAULTS.self_temperature
+    ),
+    top_k: Annotated[int, typer.Option(help="Target tokens per position in the top-K loss.")] = DISTILL_DEFAULTS.top_k,
+    seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = DISTILL_DEFAULTS.seq_len,
+    batch_size: Annotated[int, typer.Option(help="Windows per step.")] = DISTILL_DEFAULTS.batch_size,
+    learning_rate: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = DISTILL_DEFAULTS.learning_rate,
+    max_steps: Annotated[int, typer.Option(help="Training steps (the learning-rate schedule spans them).")] = (
+        DISTILL_DEFAULTS.max_steps
+    ),
+    max_minutes: Annotated[
+        float | None,
+        typer.Option(min=0.0, max=1e6, help="Stop after this many minutes, saving a checkpoint to --resume from."),
+    ] = None,
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = (
+        DISTILL_DEFAULTS.eval_every
+    ),
+    held_out_windows: Annotated[
+        int, typer.Option(help="Windows of real text the held-out acceptance is measured on (kept out of training).")
+    ] = DISTILL_DEFAULTS.held_out_windows,
+    held_out: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Measure the held-out acceptance on this text (a file, or a built-in name as for --builtin; repeat "
+            "for several) rather than on windows cut from the training text, which share its documents."
+        ),
+    ] = None,
+    acceptance_temperature: Annotated[float, typer.Option(help="Temperature of the held-out acceptance.")] = (
+        DISTILL_DEFAULTS.acceptance_temperature
+    ),
+    save_dtype: Annotated[Literal[tuple(SAVE_DTYPES)], typer.Option(help="Dtype of the written weights.")] = (
+        DISTILL_DEFAULTS.save_dtype
+    ),
+    seed: Annotated[
+        int, typer.Option(min=0, max=o.MAX_SEED, help="Seed of the split, the sampling and the initial weights.")
+    ] = (DISTILL_DEFAULTS.seed),
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --out.")] = False,
+    threads: o.Threads = None,
+) -> None:
+    """Train a small drafter for a target with the top-K distillation loss (HASS); --draft loads the result."""
+    with command_console(threads) as err:
+        config = DistillConfig(
+            data=tuple(str(path) for path in data or ()),
+            builtin=builtin,
+            init_layers=init_layers,
+            init_from=str(init_from) if init_from is not None else None,
+            draft_vocab=draft_vocab,
+            self_generate=self_generate,
+            self_temperature=self_temperature,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            top_k=top_k,
+            learning_rate=learning_rate,
+            max_steps=max_steps,
+            held_out_windows=held_out_windows,
+            held_out_text=tuple(held_out or ()),
+            eval_every=eval_every,
+            acceptance_temperature=acceptance_temperature,
+            save_dtype=save_dtype,
+            seed=seed,
+        )
+        checkpoint, teacher, tokenizer = load_teacher(target, status=lambda message: print_note(err, message))
+        distiller = Distiller(config, teacher, tokenizer, checkpoint, out, resume=resume)
+        with DistillBar(err) as bar:
+            try:
+                result = distiller.run(bar, max_minutes)
+            except KeyboardInterrupt:
+                result = distiller.stop(interrupted=True)
+        held = result.history[-1] if result.history else None
+        summary = f"{result.steps} steps, {result.tokens} tokens, {result.seconds / 60:.1f} min"
+        if held is not None:
+            summary += f"; held-out acceptance {held['acceptance']:.1%} (greedy {held['greedy_acceptance']:.1%})"
+        print_note(err, summary)
+        if result.steps:
+            print_note(err, f"drafter written to {result.folder}: use it with --draft {result.folder}")
+        if not result.finished:
+            print_note(err, f"stopped before --max-steps {config.max_steps}: continue with --resume")
+            raise typer.Exit(INTERRUPTED_EXIT_CODE if result.interrupted else 0)

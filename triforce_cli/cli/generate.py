@@ -1,0 +1,99 @@
+"""`triforce generate`: a continuation of a (long) prompt, exactly as the target would write it."""
+
+import json
+
+import typer
+from rich.console import Console
+
+from triforce_cli.cli import options as o
+from triforce_cli.cli.console import command_console, print_note
+from triforce_cli.cli.render import PrefillProgress, TokenStream, print_summary, tier_legend
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.prompt_state import check_writable
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.stats import as_record
+from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
+from triforce_cli.runtime.prompts import read_prompt
+
+DEFAULTS = EngineConfig()
+SAMPLING_DEFAULTS = SamplingConfig()
+
+
+def generate(
+    prompt_file: o.PromptFile,
+    target: o.Target = None,
+    draft: o.Draft = None,
+    mode: o.Mode = DEFAULTS.mode,
+    budget: o.Budget = DEFAULTS.budget,
+    chunk_size: o.ChunkSize = DEFAULTS.chunk_size,
+    draft_window: o.DraftWindow = DEFAULTS.draft_window,
+    sink_tokens: o.SinkTokens = DEFAULTS.sink_tokens,
+    gamma1: o.Gamma1 = DEFAULTS.gamma1,
+    gamma2: o.Gamma2 = DEFAULTS.gamma2,
+    gamma_policy: o.GammaPolicy = DEFAULTS.gamma_policy,
+    ngram: o.Ngram = DEFAULTS.ngram,
+    refresh_interval: o.RefreshInterval = DEFAULTS.refresh_interval,
+    max_new_tokens: o.MaxNewTokens = DEFAULTS.max_new_tokens,
+    ignore_eos: o.IgnoreEos = DEFAULTS.ignore_eos,
+    temperature: o.Temperature = SAMPLING_DEFAULTS.temperature,
+    top_p: o.TopP = SAMPLING_DEFAULTS.top_p,
+    top_k: o.TopK = SAMPLING_DEFAULTS.top_k,
+    seed: o.Seed = None,
+    chat: o.Chat = False,
+    dtype: o.Dtype = "auto",
+    device: o.Device = "auto",
+    threads: o.Threads = None,
+    weights: o.Weights = "auto",
+    context_window: o.ContextWindow = None,
+    prompt_cache: o.PromptCache = None,
+    json_output: o.JsonOutput = False,
+) -> None:
+    """Generate a continuation of a (long) prompt, exactly as the target model would."""
+    out = Console(highlight=False)
+    with command_console(threads, json_output) as err:
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        config = EngineConfig(
+            mode=mode,
+            budget=budget,
+            chunk_size=chunk_size,
+            sink_tokens=sink_tokens,
+            draft_window=draft_window,
+            gamma1=gamma1,
+            gamma2=gamma2,
+            gamma_policy=gamma_policy,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos,
+            refresh_interval=refresh_interval,
+            ngram=ngram,
+            sampling=sampling,
+        )
+        text = read_prompt(prompt_file)
+        if prompt_cache is not None:
+            check_writable(prompt_cache)
+        pipe = Pipeline.load(
+            target=target,
+            draft=draft,
+            config=config,
+            dtype=dtype,
+            device=device,
+            status=None if json_output else (lambda message: print_note(err, message)),
+            weights=weights,
+            context_window=context_window,
+        )
+        prompt_ids = pipe.encode(text, chat=chat)
+        pipe.engine.check_prompt(prompt_ids)
+        if json_output:
+            result = pipe.generate_ids(prompt_ids, prompt_cache=prompt_cache)
+            print(json.dumps({"token_ids": result.token_ids, "text": result.text, **as_record(result.stats)}))
+        else:
+            if pipe.engine.drafter_description:
+                print_note(err, f"drafter: {pipe.engine.drafter_description}")
+            err.print(tier_legend())
+            stream = TokenStream(out, pipe.target.tokenizer)
+            with PrefillProgress(err) as progress:
+                result = pipe.generate_ids(prompt_ids, progress, stream, prompt_cache)
+            stream.finish()
+            print_summary(err, result.stats)
+        if result.stats.stop_reason == "interrupted":
+            raise typer.Exit(INTERRUPTED_EXIT_CODE)

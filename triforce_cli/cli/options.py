@@ -1,0 +1,199 @@
+"""Every command-line option declared once, with the parameter types that read token counts, lists and devices.
+
+A value that cannot be read (``--budget 1e400k``, ``--device gpu``, ``--threads 0``) is a usage error, which the
+application prints as one line (cli/app.py). Explanations live in the README; help texts stay one or two lines.
+"""
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from triforce_cli.bench.runner import ALL_MODES
+from triforce_cli.decoding.config import GAMMA_POLICIES, MODES
+from triforce_cli.decoding.pipeline import DTYPES
+from triforce_cli.runtime.loading import WEIGHT_CHOICES
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+MAX_TOKENS = 2**30  # far beyond any context a model or a cache here can hold
+MAX_THREADS = 1024
+
+
+def parse_token_count(text: str) -> int:
+    """'7.5k' -> 7680, '4096' -> 4096; a ValueError saying what is wrong for anything but a positive count."""
+    cleaned = text.strip().lower()
+    scale = 1024 if cleaned.endswith("k") else 1
+    try:
+        value = float(cleaned.removesuffix("k")) * scale
+    except ValueError:
+        raise ValueError(f"'{text}' is not a token count (e.g. 2k, 7.5k or 4096)") from None
+    if not math.isfinite(value) or value < 1 or value != round(value) and scale == 1:
+        raise ValueError(f"'{text}' is not a positive whole token count")
+    if value > MAX_TOKENS:
+        raise ValueError(f"'{text}' is more than the {MAX_TOKENS // 2**20}M tokens any setting can use")
+    return round(value)
+
+
+def token_count(value: str | int) -> int:
+    """Parser of one positive token count (2k, 7.5k, 4096)."""
+    if isinstance(value, int):
+        return value
+    try:
+        return parse_token_count(value)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+def token_counts(value: str | tuple) -> tuple[int, ...]:
+    """Parser of comma-separated token counts: 2k,7.5k,32k -> (2048, 7680, 32768)."""
+    if isinstance(value, tuple):
+        return value
+    return tuple(token_count(part) for part in str(value).split(","))
+
+
+def budgets(value: str | tuple) -> tuple[int | None, ...]:
+    """Parser of 'auto' (min(1024, prompt), as None) or comma-separated token counts."""
+    return (None,) if value == "auto" else token_counts(value)
+
+
+def names_of(choices: tuple[str, ...], allow_none: bool = False):
+    """Parser of comma-separated names, each one of choices (and '' for none where allow_none)."""
+
+    def parse(value: str | tuple) -> tuple[str, ...]:
+        if isinstance(value, tuple):
+            return value
+        names = tuple(name.strip() for name in str(value).split(",") if name.strip())
+        if (not names and not allow_none) or any(name not in choices for name in names):
+            raise typer.BadParameter(f"'{value}': choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def completions(choices: tuple[str, ...]):
+    """Shell completion of the last comma-separated name among choices."""
+
+    def complete(incomplete: str) -> list[str]:
+        head, _, last = incomplete.rpartition(",")
+        return [f"{head},{c}" if head else c for c in choices if c.startswith(last)]
+
+    return complete
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def device_name(value: str) -> str:
+    """Parser of auto, cpu or cuda, the last two optionally with a device index (cuda:1)."""
+    kind, _, index = value.partition(":")
+    if value != "auto" and (kind not in DEVICES[1:] or ":" in value and not index.isdigit()):
+        raise typer.BadParameter(f"'{value}' is not one of auto, cpu, cuda, cuda:N")
+    return value
+
+
+# Models
+Target = Annotated[
+    str | None, typer.Option(help="Target model: folder, .safetensors, .gguf or hub id [default: embedded model].")
+]
+Draft = Annotated[
+    str | None,
+    typer.Option(help="Drafter sharing the target's tokenizer, or 'self' [default: the shipped drafter, else self]."),
+]
+Weights = Annotated[
+    Literal[WEIGHT_CHOICES],
+    typer.Option(help="Weight form: auto picks the fastest exact one for the device (half on x86 CPUs, else dense)."),
+]
+Dtype = Annotated[Literal[("auto", *DTYPES)], typer.Option(help="Compute dtype (auto: bfloat16 on GPU).")]
+Device = Annotated[
+    str,
+    typer.Option(
+        parser=device_name, metavar="auto|cpu|cuda[:N]", autocompletion=completions(DEVICES), help="Where to run."
+    ),
+]
+Threads = Annotated[int | None, typer.Option(min=1, max=MAX_THREADS, help="CPU threads for torch [default: torch's].")]
+ContextWindow = Annotated[
+    int | None,
+    typer.Option(parser=token_count, metavar="TOKENS", help="Positions to accept, e.g. 32k (YaRN-scaled RoPE)."),
+]
+
+# Decoding
+Mode = Annotated[Literal[MODES], typer.Option(help="Tiers to run (see the README).")]
+Budget = Annotated[
+    int | None,
+    typer.Option(parser=token_count, metavar="TOKENS", help="Retrieval-cache budget [default: min(1024, prompt)]."),
+]
+ChunkSize = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Retrieval-cache chunk size.")]
+DraftWindow = Annotated[
+    int, typer.Option(parser=token_count, metavar="TOKENS", help="Drafter StreamingLLM recent window.")
+]
+SinkTokens = Annotated[int, typer.Option(min=0, max=MAX_TOKENS, help="Drafter StreamingLLM attention sinks.")]
+Gamma1 = Annotated[int, typer.Option(min=1, help="Drafter tokens per verification (a ceiling if adaptive).")]
+Gamma2 = Annotated[int, typer.Option(min=1, help="Tokens the full cache verifies per pass (a ceiling if adaptive).")]
+GammaPolicy = Annotated[
+    Literal[GAMMA_POLICIES], typer.Option(help="Speculation lengths: fixed, or adapted after every verification.")
+]
+Ngram = Annotated[
+    bool | None,
+    typer.Option(
+        "--ngram/--no-ngram",
+        help="N-gram prompt lookup drafts first [default: where there is a drafter]; --no-ngram: the drafter alone.",
+        show_default=False,
+    ),
+]
+RefreshInterval = Annotated[int, typer.Option(min=1, help="Full verifications between retrieval-chunk selections.")]
+MaxNewTokens = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Tokens to generate at most.")]
+IgnoreEos = Annotated[
+    bool, typer.Option("--ignore-eos", help="Generate --max-new-tokens tokens even past end-of-sequence.")
+]
+
+# Sampling
+Temperature = Annotated[float, typer.Option(min=0.0, help="0 is greedy.")]
+TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass, above 0.")]
+TopK = Annotated[int, typer.Option(min=0, help="Keep the k most likely tokens; 0 keeps all.")]
+Seed = Annotated[int | None, typer.Option(min=0, max=MAX_SEED, help="Random seed for sampling.")]
+
+# Files
+PromptFile = Annotated[str, typer.Option("--prompt-file", "-p", help="Prompt text file; '-' reads stdin.")]
+PromptCache = Annotated[
+    Path | None,
+    typer.Option(help="Folder to save prefilled prompts in and reuse them from (e.g. ~/.cache/triforce-cli/prompts)."),
+]
+Chat = Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a user turn of the model's chat template.")]
+JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object and nothing else.")]
+
+# Bench sweeps: comma-separated lists
+BENCH_MODE_CHOICES = ("default", *ALL_MODES)
+BenchModes = Annotated[
+    tuple,
+    typer.Option(
+        "--modes",
+        parser=names_of(BENCH_MODE_CHOICES),
+        metavar="MODE,...",
+        autocompletion=completions(BENCH_MODE_CHOICES),
+        help="Our modes and the peers to time: " + ", ".join(BENCH_MODE_CHOICES) + ".",
+    ),
+]
+Contexts = Annotated[
+    tuple, typer.Option("--context", parser=token_counts, metavar="TOKENS,...", help="Context lengths, e.g. 2k,32k.")
+]
+BudgetSweep = Annotated[
+    tuple, typer.Option("--budget", parser=budgets, metavar="auto|TOKENS,...", help="Retrieval budgets to sweep.")
+]
+ChunkSizeSweep = Annotated[
+    tuple, typer.Option("--chunk-size", parser=token_counts, metavar="TOKENS,...", help="Chunk sizes to sweep.")
+]
+GammaPolicySweep = Annotated[
+    tuple,
+    typer.Option(
+        "--gamma-policy",
+        parser=names_of(GAMMA_POLICIES),
+        metavar="POLICY,...",
+        autocompletion=completions(GAMMA_POLICIES),
+        help="Speculation-length policies to sweep.",
+    ),
+]
+ForwardCosts = Annotated[
+    tuple | None,
+    typer.Option(parser=token_counts, metavar="T,...", help="Also time one target forward of T tokens, e.g. 1,2,4,8."),
+]
