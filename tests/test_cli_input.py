@@ -217,7 +217,21 @@ class TestEightyColumns:
         text = console.export_text()
         for line in text.splitlines():
             assert len(line) <= 80 and "…" not in line, line
-        assert "triforce-ngram" in text and "ngram/drafter" in text
+        assert "triforce-ngram" in text and "ngram/drafter" in text and "[min-max]" in text
+        assert "throughput" not in text  # one policy and one retrieval setting: nothing swept to name
+
+    def test_swept_settings_are_named(self):
+        from rich.console import Console
+
+        from triforce_cli.bench.runner import BenchRow
+
+        rows = [BenchRow("p", "triforce", 1024, None, 16, 1.0, [20.0], policy) for policy in ("fixed", "throughput")]
+        rows.append(BenchRow("p", "autoregressive", 1024, None, None, 1.0, [25.0]))
+        console = Console(width=80, record=True, file=io.StringIO())
+        for table in bench_tables(rows):
+            console.print(table)
+        text = console.export_text()
+        assert "triforce auto/16 fixed" in text and text.count("throughput") == 1  # the cell may wrap
 
     def test_print_summary_at_80(self, tmp_path):
         from rich.console import Console

@@ -123,7 +123,7 @@ class DistillBar:
 def summary_table(stats: GenerationStats) -> Table:
     table = Table(title="generation", show_header=False, title_justify="left")
     table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column()
     rows = [
         ("mode", stats.mode),
         ("drafter", stats.drafter or "-"),
@@ -181,12 +181,15 @@ def _ratio(value: float | None) -> str:
 def bench_tables(rows: list[BenchRow]) -> list[Table]:
     """One latency table per prompt and context (fits 80 columns), then one of the acceptance per mode."""
     tables = []
-    swept = len({(r.budget, r.chunk_size, r.gamma_policy) for r in rows if r.chunk_size or r.gamma_policy}) > 1
+    settings = {}  # mode -> the retrieval settings and policies its rows ran
+    for r in rows:
+        settings.setdefault(r.mode, set()).add((r.budget, r.chunk_size, r.gamma_policy))
+    swept = any(len(variants) > 1 for variants in settings.values())
     for prompt, context in dict.fromkeys((r.prompt, r.context) for r in rows):
         title = f"{prompt}, {context} tokens: ms per token, median [min-max] over repeats"
         table = Table(title=Text(title), title_justify="left")
         for column in ("mode", "prefill s", "ms/token", "[min-max]", "×AR", "×HF", "=AR"):
-            table.add_column(column, justify="left" if column == "mode" else "right")
+            table.add_column(Text(column), justify="left" if column == "mode" else "right")  # Text: no markup
         for row in (r for r in rows if (r.prompt, r.context) == (prompt, context)):
             table.add_row(
                 _mode_cell(row, swept),
@@ -223,7 +226,7 @@ def forward_cost_table(costs: list[ForwardCost]) -> Table:
     """One line per prompt, context and cache; the cost of T tokens also as a multiple of one token's."""
     table = Table(title=Text("one target forward of T new tokens, ms (median [min-max])"), title_justify="left")
     for column in ("prompt", "context", "cache", "T", "ms", "[min-max]", "×T=1"):
-        table.add_column(column, justify="left" if column in ("prompt", "cache") else "right")
+        table.add_column(Text(column), justify="left" if column in ("prompt", "cache") else "right")
     single = {(c.prompt, c.context, c.cache): c.median_ms for c in costs if c.tokens == 1}
     for cost in costs:
         one = single.get((cost.prompt, cost.context, cost.cache))
