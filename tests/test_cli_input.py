@@ -81,18 +81,13 @@ def fast_bench_peers(monkeypatch):
 @pytest.mark.usefixtures("tiny", "fast_bench_peers")
 class TestFuzz:
     @pytest.mark.parametrize("command", ["generate", "bench"])
-    def test_unreadable_numbers_are_one_line(self, command, prompt_file, tmp_path, monkeypatch):
+    @pytest.mark.parametrize(
+        ("options", "values"), [(NUMERIC, NOT_A_NUMBER), (CHOICES, NOT_A_CHOICE)], ids=["numbers", "choices"]
+    )
+    def test_unreadable_values_are_one_line(self, command, options, values, prompt_file, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
-        for option in NUMERIC[command]:
-            for value in NOT_A_NUMBER:
-                args = (*QUICK[command], f"{option}={value}")
-                assert_one_line_failure(run(command, *args, prompt_file=prompt_file), args)
-
-    @pytest.mark.parametrize("command", ["generate", "bench"])
-    def test_unknown_choices_are_one_line(self, command, prompt_file, tmp_path, monkeypatch):
-        monkeypatch.chdir(tmp_path)
-        for option in CHOICES[command]:
-            for value in NOT_A_CHOICE:
+        for option in options[command]:
+            for value in values:
                 args = (*QUICK[command], f"{option}={value}")
                 assert_one_line_failure(run(command, *args, prompt_file=prompt_file), args)
 
