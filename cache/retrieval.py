@@ -29,8 +29,9 @@ class RetrievalCache(KVCache):
         shape = (num_layers, num_kv_heads, budget + recent_capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=full.keys.dtype, device=full.keys.device)
         self.values = torch.zeros_like(self.keys)
+        # one mean key per chunk, in the cache dtype: 1/(2 chunk_size) of the full cache's bytes, scored in float32
         self.mean_keys = torch.zeros(
-            (num_layers, num_kv_heads, capacity // chunk_size, head_dim), dtype=torch.float32, device=full.keys.device
+            (num_layers, num_kv_heads, capacity // chunk_size, head_dim), dtype=full.keys.dtype, device=full.keys.device
         )
         self.num_mean_keys = 0
         self.chunk_ids: torch.Tensor | None = None  # (layers, Hkv, budget/chunk) after the first selection

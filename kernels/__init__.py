@@ -3,7 +3,7 @@
 Every kernel here has a plain-torch reference beside it that the tests compare against.
 """
 
-from kernels.attention import PackedPrefix, attention, attention_backend, attention_reference
+from kernels.attention import ATTENTION_BACKENDS, PackedPrefix, attention, attention_backend, attention_reference
 from kernels.linear import (
     half_weight_linear,
     half_weight_linear_reference,
@@ -16,6 +16,7 @@ from kernels.linear import (
 from kernels.retrieval import chunk_mean_keys, gather_chunks, score_chunks, top_chunks
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "PackedPrefix",
     "attention",
     "attention_backend",

@@ -151,17 +151,36 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out[0].transpose(0, 1)
 
 
-def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """Which kernel family attention() uses for tensors on device in dtype: 'flash', 'sdpa' or 'cpu'."""
-    if device.type == "cuda":
-        return "flash" if flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16) else "sdpa"
-    return "cpu"
+ATTENTION_BACKENDS = ("flash", "sdpa", "cpu")
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
+    """The kernel family attention() uses for tensors on device in dtype: 'flash' (FlashAttention, CUDA and a 16-bit
+    dtype, where flash-attn is installed), 'sdpa' (torch scaled_dot_product_attention, anywhere) or 'cpu' (the CPU
+    kernels below). 'auto' picks the fastest that runs; a requested one that cannot run is a ValueError saying why.
+    """
+    flash_runs = device.type == "cuda" and flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16)
+    if requested == "auto":
+        return "flash" if flash_runs else "sdpa" if device.type == "cuda" else "cpu"
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend '{requested}' (choose from auto, {', '.join(ATTENTION_BACKENDS)})")
+    if requested == "flash" and not flash_runs:
+        raise ValueError("flash attention needs a CUDA GPU, float16 or bfloat16, and the flash-attn package")
+    if requested == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu attention kernels run on the CPU, not on {device.type}")
+    return requested
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: PackedPrefix | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    prefix: PackedPrefix | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """Dispatch to the fastest available kernel for the device, dtype and number of queries.
+    """Dispatch to a kernel of backend (attention_backend; None: the fastest for q's device and dtype), and within
+    the CPU kernels to the fastest for the number of queries.
 
     prefix: a packed float16 copy of the first keys and values of k and v (a CPU cache's prompt); they are then
     read from it instead. 30 layers of one query against 32,000 packed keys took 47 ms against 128 for
@@ -174,7 +193,7 @@ def attention(
     product: 34.5 ms at 7,680 keys and 93 at 32,000, against 38.5 and 113 with the queries @ keys product and
     45.5 and 172 for SDPA.
     """
-    backend = attention_backend(q.device, q.dtype)
+    backend = backend or attention_backend(q.device, q.dtype)
     if backend == "flash":
         return flash_attention(q, k, v, scale)
     if backend == "sdpa":

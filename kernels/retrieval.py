@@ -16,12 +16,12 @@ def chunk_mean_keys(k: torch.Tensor, chunk_size: int) -> torch.Tensor:
 def score_chunks(q: torch.Tensor, mean_keys: torch.Tensor) -> torch.Tensor:
     """Score of each chunk for each KV head, summed over the query heads that share it.
 
-    q (Hq, D), mean_keys (Hkv, C, D) -> (Hkv, C). The sum of the group's dot products with a mean key is the
-    dot product of the group's summed query with it.
+    q (Hq, D), mean_keys (Hkv, C, D) in any float dtype -> float32 (Hkv, C). The sum of the group's dot products
+    with a mean key is the dot product of the group's summed query with it.
     """
     num_kv_heads = mean_keys.shape[0]
     grouped = q.float().reshape(num_kv_heads, -1, q.shape[-1]).sum(dim=1)  # (Hkv, D)
-    return torch.einsum("hd,hcd->hc", grouped, mean_keys)
+    return torch.einsum("hd,hcd->hc", grouped, mean_keys.float())
 
 
 def top_chunks(scores: torch.Tensor, num_chunks: int) -> torch.Tensor:

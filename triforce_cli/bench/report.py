@@ -2,47 +2,13 @@
 
 import csv
 import json
-import os
-import platform
-import sys
 from pathlib import Path
-
-import torch
 
 from triforce_cli.bench.forward_costs import ForwardCost
 from triforce_cli.bench.runner import BenchRow
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
-
-CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_description() -> tuple[str, list[str]]:
-    """The CPU's model name and which of CPU_FEATURES it has (from /proc/cpuinfo where there is one)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() == "model name":
-                model = value.strip()
-            elif name.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    return model, [feature for feature in CPU_FEATURES if feature in flags]
-
-
-def machine_description() -> dict:
-    cpu, features = cpu_description()
-    return {
-        "platform": platform.platform(),
-        "processor": cpu,
-        "cpu_features": features,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-    }
+from triforce_cli.runtime.environment import machine_description
 
 
 def acceptance_text(row: BenchRow) -> str:

@@ -12,6 +12,7 @@ from triforce_cli.cli.cache import cache_app
 from triforce_cli.cli.console import INTERRUPTED, print_error
 from triforce_cli.cli.distill import distill
 from triforce_cli.cli.generate import generate
+from triforce_cli.cli.info import info
 from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
 
 # click's exceptions, wherever this typer takes click from (recent versions carry their own copy)
@@ -59,4 +60,5 @@ app = typer.Typer(
 app.command()(generate)
 app.command()(bench)
 app.command()(distill)
+app.command()(info)
 app.add_typer(cache_app, name="cache")

@@ -69,6 +69,7 @@ def bench(
     device: o.Device = "auto",
     threads: o.Threads = None,
     weights: o.Weights = "auto",
+    attention: o.Attention = "auto",
     context_window: o.ContextWindow = None,
     forward_costs: o.ForwardCosts = None,
     prompt_cache: o.PromptCache = None,
@@ -119,6 +120,7 @@ def bench(
             status=lambda message: print_note(err, message),
             weights=weights,
             context_window=context_window,
+            attention=attention,
         )
         if "default" in modes:
             defaults = default_modes(pipe.target)

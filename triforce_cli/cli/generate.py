@@ -45,6 +45,7 @@ def generate(
     device: o.Device = "auto",
     threads: o.Threads = None,
     weights: o.Weights = "auto",
+    attention: o.Attention = "auto",
     context_window: o.ContextWindow = None,
     prompt_cache: o.PromptCache = None,
     json_output: o.JsonOutput = False,
@@ -80,6 +81,7 @@ def generate(
             status=None if json_output else (lambda message: print_note(err, message)),
             weights=weights,
             context_window=context_window,
+            attention=attention,
         )
         prompt_ids = pipe.encode(text, chat=chat)
         pipe.engine.check_prompt(prompt_ids)

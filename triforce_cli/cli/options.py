@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 import typer
 
+from kernels import ATTENTION_BACKENDS
 from triforce_cli.bench.runner import ALL_MODES
 from triforce_cli.decoding.config import GAMMA_POLICIES, MODES
 from triforce_cli.decoding.pipeline import DTYPES
@@ -110,6 +111,10 @@ Device = Annotated[
     typer.Option(
         parser=device_name, metavar="auto|cpu|cuda[:N]", autocompletion=completions(DEVICES), help="Where to run."
     ),
+]
+Attention = Annotated[
+    Literal[("auto", *ATTENTION_BACKENDS)],
+    typer.Option(help="Attention kernels: auto picks flash on CUDA where installed, else sdpa; cpu on a CPU."),
 ]
 Threads = Annotated[int | None, typer.Option(min=1, max=MAX_THREADS, help="CPU threads for torch [default: torch's].")]
 ContextWindow = Annotated[

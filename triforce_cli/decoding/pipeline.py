@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import attention_backend
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache
@@ -57,6 +58,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_attention(requested: str, device: torch.device, dtype: torch.dtype, weights: str) -> str:
+    """The attention kernel family to run (kernels.attention_backend), or a ConfigError saying why the requested
+    one cannot run. Half weights read the prompt's keys and values from a packed float16 copy that only the cpu
+    kernels read: the model they define is computed there alone."""
+    try:
+        backend = attention_backend(device, dtype, requested)
+    except ValueError as err:
+        raise ConfigError(f"--attention {requested}: {err}") from None
+    if weights == "half" and backend != "cpu":  # 'auto' weights then resolve to dense
+        raise ConfigError(f"--attention {backend} cannot read half weights' float16 prompt cache: use --weights dense")
+    return backend
+
+
 def drafter_weights(weights: str) -> str:
     """A 'half' target gets a 'half' drafter; 'compact' applies to the target alone (a drafter has no GGUF)."""
     return "half" if weights == "half" else "dense"
@@ -80,6 +94,7 @@ class Pipeline:
         status: StatusCallback | None = None,
         weights: str = "auto",
         context_window: int | None = None,
+        attention: str = "auto",
     ) -> "Pipeline":
         """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
 
@@ -87,11 +102,14 @@ class Pipeline:
         weight matrices for target and drafter) or 'compact' (the target from a GGUF's Q4_1 blocks); see
         loading.load_model. Output is exact with respect to the target in the form chosen.
         context_window: positions both models accept, YaRN-scaled beyond their trained context.
+        attention: 'auto' (the fastest kernel for the device and dtype), 'flash', 'sdpa' or 'cpu'; see
+        resolve_attention.
         """
         config = config or EngineConfig()
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
-        weights = resolve_weights(weights, torch_dtype, torch_device)
+        backend = resolve_attention(attention, torch_device, torch_dtype, weights)
+        weights = resolve_weights(weights, torch_dtype, torch_device, backend)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
         draft = drafter_spec(target, draft)
         drafter = None
@@ -105,6 +123,9 @@ class Pipeline:
                 shared_from=target_model,
                 context_window=context_window,
             )
+        for loaded in (target_model, drafter):
+            if loaded is not None:
+                loaded.model.use_attention(backend)
         return cls(target_model, drafter, Engine(target_model, config, drafter), status)
 
     @property

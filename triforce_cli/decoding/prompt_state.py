@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from cache import FullCache
-from kernels import PackedPrefix, attention_backend
+from kernels import PackedPrefix
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used
@@ -121,7 +121,7 @@ class PromptCache:
                 "dtype": str(target.dtype),
                 "weights": target.weights,
                 "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings],
-                "attention": attention_backend(target.device, target.dtype),
+                "attention": target.model.attention_backend,
                 "prompt": hashlib.sha256(torch.tensor(prompt_ids, dtype=torch.long).numpy().tobytes()).hexdigest(),
             },
             sort_keys=True,

@@ -233,12 +233,14 @@ def borrow_shared_weights(
         state["lm_head.weight"] = target.lm_head.weight
 
 
-def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device) -> str:
+def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device, attention: str = "cpu") -> str:
     """'auto' as the fastest exact weight form for the device: 'half' on a CPU in float32 where fbgemm is there
-    (a decode step reads half the weight bytes), 'dense' elsewhere; any other choice as it is."""
+    and attention runs on the cpu kernels (a decode step reads half the weight bytes), 'dense' elsewhere; any other
+    choice as it is."""
     if weights != "auto":
         return weights
-    return "half" if device.type == "cpu" and dtype == torch.float32 and half_weights_available() else "dense"
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32 and attention == "cpu"
+    return "half" if cpu_float32 and half_weights_available() else "dense"
 
 
 def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:

@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cache import KVCache
-from kernels import attention, linear
+from kernels import attention, attention_backend, linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -175,6 +175,7 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module = Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)  # q, k, v rows
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.output_bias)
         self.scale = cfg.head_dim**-0.5
+        self.backend: str | None = None  # kernels.attention_backend's choice; None: the fastest for the tensors
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -183,7 +184,7 @@ class Attention(nn.Module):
         qk = rotate(qkv[:rotated_heads], cos, sin)  # (Hq + Hkv, T, D)
         q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[rotated_heads:]
         keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
-        out = attention(q, keys, values, self.scale, cache.packed_prefix(self.layer))  # (Hq, T, D)
+        out = attention(q, keys, values, self.scale, cache.packed_prefix(self.layer), self.backend)  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -274,9 +275,27 @@ class Transformer(nn.Module):
         signed_sin = torch.cat((-freqs, freqs), dim=-1).sin()  # sin is odd: the first half is -sin
         return (cos * self.rope_scale).to(dtype), (signed_sin * self.rope_scale).to(dtype)
 
+    def use_attention(self, backend: str) -> None:
+        """Compute attention with one kernel family ('flash', 'sdpa' or 'cpu', see kernels.attention_backend)."""
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    @property
+    def attention_backend(self) -> str:
+        """The kernel family attention runs on: as set by use_attention, else the fastest for the weights."""
+        weight = self.model.embed_tokens.weight
+        return self.model.layers[0].self_attn.backend or attention_backend(weight.device, weight.dtype)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, num_logits: int | None = None) -> torch.Tensor:
         """Logits (num_logits or T, V) for tokens (T,) at positions [start, start + T), writing them to cache."""
+        return self.compute_logits(tokens, start, cache, num_logits)
+
+    def compute_logits(
+        self, tokens: torch.Tensor, start: int, cache: KVCache, num_logits: int | None = None
+    ) -> torch.Tensor:
+        """forward() outside inference mode, the form torch.compile takes (inductor cannot compile code that runs
+        in inference mode); each of its steps compiles with fullgraph=True, without a graph break."""
         cache.prepare(start, tokens.shape[0])
         x = self.model.embed_tokens(tokens)  # (T, C)
         cos, sin = self.rotary(start, tokens.shape[0], x.dtype)

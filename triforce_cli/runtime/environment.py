@@ -1,0 +1,118 @@
+"""What this machine offers the tool, and what a run would choose on it: `triforce info`, and the machine record
+of `triforce bench --out`."""
+
+import importlib.metadata
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import attention_backend, half_weights_available
+from triforce_cli.errors import TriforceError
+from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, embedded_gguf_path
+from triforce_cli.runtime.loading import resolve_weights
+from triforce_cli.runtime.store import cache_limit, cache_root, entries, models_folder, prompts_folder
+
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+COMPILE = False  # the decode steps are not yet on static buffers, the precondition for CUDA graphs
+
+
+def cpu_description() -> tuple[str, list[str]]:
+    """The CPU's model name and which of CPU_FEATURES it has (from /proc/cpuinfo where there is one)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                model = value.strip()
+            elif name.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return model, [feature for feature in CPU_FEATURES if feature in flags]
+
+
+def machine_description() -> dict:
+    """The CPU, threads and versions a measurement ran with."""
+    cpu, features = cpu_description()
+    return {
+        "platform": platform.platform(),
+        "processor": cpu,
+        "cpu_features": features,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_choices(device: torch.device) -> dict:
+    """What a run on device picks with every setting left at auto, and why."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    attention = attention_backend(device, dtype)
+    weights = resolve_weights("auto", dtype, device, attention)
+    reasons = {
+        "flash": "flash-attn is installed and the device is CUDA",
+        "sdpa": "CUDA without flash-attn (pip install -e '.[flash]')",
+        "cpu": "the CPU kernels: grouped attention for few queries, SDPA for many",
+    }
+    return {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "attention": attention,
+        "attention_reason": reasons[attention],
+        "weights": weights,
+        "compile": COMPILE,
+        "compile_reason": "off: the decode steps do not run on static buffers yet, which CUDA graphs need",
+    }
+
+
+def describe_environment() -> dict:
+    """Devices, memory, versions, the choices a run would make on each device, the embedded model and the cache."""
+    cuda = [
+        {
+            "index": i,
+            "name": torch.cuda.get_device_name(i),
+            "memory_bytes": torch.cuda.get_device_properties(i).total_memory,
+        }
+        for i in range(torch.cuda.device_count())
+    ]
+    devices = [torch.device("cuda", 0)] if cuda else []
+    devices.append(torch.device("cpu"))
+    cpu, features = cpu_description()
+    try:
+        embedded = str(embedded_gguf_path())
+    except TriforceError as err:
+        embedded = f"not installed: {err}"
+    cached = [e for folder in (models_folder(), prompts_folder()) for e in entries(folder)]
+    return {
+        **run_choices(devices[0]),
+        "runs": [run_choices(device) for device in devices],
+        "cpu": {"model": cpu, "features": features, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None,
+        "cuda": cuda,
+        "versions": {
+            "triforce-cli": package_version("triforce-cli"),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "transformers": package_version("transformers"),
+            "flash-attn": package_version("flash-attn"),
+            "llama-cpp-python": package_version("llama-cpp-python"),
+        },
+        "half_weights_available": half_weights_available(),
+        "embedded_model": embedded,
+        "embedded_drafter": str(EMBEDDED_DRAFTER) if (EMBEDDED_DRAFTER / "config.json").is_file() else None,
+        "cache_folder": str(cache_root()),
+        "cache_bytes": sum(e.size for e in cached),
+        "cache_limit_bytes": cache_limit(),
+    }
