@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from triforce_cli.decoding.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
+from triforce_cli.decoding.sampling import SamplingConfig, Verdict, nucleus, probabilities, sample, verify_draft
 
 P_THRESHOLD = 1e-3
 
@@ -230,3 +230,19 @@ def test_chi_square_detects_resampling_from_p():
     trials = run_trials(wrong_verify_draft, 20000, seed=1234)
     tokens = [seq[0] for seq in trials]
     assert chi_square_p(tokens, P[0]) < P_THRESHOLD
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_nucleus_ranks_the_same_at_once_as_by_growing_probes(top_p):
+    """The GPU's one-pass ranking (no device read per probe) keeps exactly the CPU's nucleus."""
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(7)) * 3
+    probs = logits.softmax(dim=-1)
+    torch.testing.assert_close(nucleus(probs, top_p, probe=5000), nucleus(probs, top_p), rtol=0, atol=1e-7)
+
+
+def test_no_draft_samples_the_next_token_from_the_target():
+    target = torch.tensor([[0.0, 1.0, 0.0]])
+    verdict = verify_draft(
+        torch.zeros(0, dtype=torch.long), torch.zeros(0, 3), target, torch.Generator().manual_seed(0)
+    )
+    assert verdict == Verdict(0, 1)

@@ -162,7 +162,7 @@ class ModelTier:
             unseen = prefix[start : start + min(step, len(prefix) - 1 - start)]
             self.model(torch.tensor(unseen, dtype=torch.long, device=device), start, self.cache, num_logits=1)
             start += len(unseen)
-        tokens = torch.tensor(prefix[start:] + drafts, dtype=torch.long, device=device)
+        tokens = torch.tensor(prefix[start:] + drafts, dtype=torch.long, device=device)  # host-to-device copy
         logits = self.model(tokens, start, self.cache, num_logits=len(drafts) + 1)
         return probabilities(logits, self.sampling)
 
@@ -175,6 +175,7 @@ class ModelTier:
         """
         if self.proposer is None or limit == 1:
             probs = self._forward(prefix, [])
+            # device read: one per token a tier samples itself (the drafter's drafts, autoregressive decoding)
             return Proposal([int(sample(probs, self.generator))], probs, [self.name])
         started = time.perf_counter()
         proposer, stats = self.proposer, self.stats
@@ -186,7 +187,7 @@ class ModelTier:
         probs = self._forward(prefix, draft.tokens)  # (len(draft.tokens) + 1, V)
         device = probs.device
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
-        verdict = verify_draft(draft_tokens, draft.probs.to(device), probs, self.generator)
+        verdict = verify_draft(draft_tokens, draft.probs.to(device), probs, self.generator)  # one device read
         verified = time.perf_counter()
         stats.drafted += len(draft.tokens)
         stats.accepted += verdict.accepted
