@@ -193,3 +193,26 @@ class TestOnAGpu:
             budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=24, sampling=greedy
         )
         assert Engine(model, config).generate(prompt).token_ids == expected.token_ids
+
+
+class TestMemory:
+    CONFIG = EngineConfig(budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=16)
+
+    def test_cache_bytes_are_what_the_caches_allocate(self, small):
+        engine = Engine(small, self.CONFIG, drafter=small)
+        caches = engine._allocate(PROMPT)
+        allocated = sum(
+            t.nbytes
+            for t in (caches.full.keys, caches.full.values, caches.retrieval.keys, caches.retrieval.values,
+                      caches.retrieval.mean_keys, caches.streaming.keys, caches.streaming.values)
+        )  # fmt: skip
+        assert engine.cache_bytes(PROMPT) == allocated
+
+    def test_caches_that_cannot_fit_are_one_clear_error_before_allocating(self, small, monkeypatch):
+        import triforce_cli.decoding.engine as engine_module
+
+        monkeypatch.setattr(engine_module, "available_memory", lambda device: 1000)
+        engine = Engine(small, self.CONFIG)
+        with pytest.raises(ConfigError, match=r"need [\d.]+ KiB, but cpu has 1000 B free: use a shorter prompt"):
+            engine.generate(list(range(PROMPT)))
+        assert engine._caches is None  # nothing was allocated

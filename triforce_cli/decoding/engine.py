@@ -19,8 +19,10 @@ from triforce_cli.decoding.sampling import probabilities, sample
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
+from triforce_cli.runtime.environment import available_memory
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.store import human_size
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
@@ -73,22 +75,56 @@ class Engine:
     def _drafter_model(self) -> Transformer:
         return self.drafter.model if self.drafter is not None else self.target.model
 
+    def _capacities(self, prompt_tokens: int) -> tuple[int, int, int]:
+        """Positions of the full cache, of the retrieval cache (budget + recent region; 0 without one) and of the
+        drafter's StreamingLLM cache (0 without one) for a generation after prompt_tokens."""
+        cfg = self.config
+        headroom = cfg.speculation_depth
+        full = prompt_tokens + cfg.max_new_tokens + headroom
+        recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
+        retrieval = cfg.budget_for(prompt_tokens) + recent if cfg.uses_retrieval else 0
+        streaming = cfg.sink_tokens + cfg.draft_window + max(cfg.prefill_chunk, headroom)
+        return full, retrieval, streaming if self.uses_model_drafter else 0
+
+    def cache_bytes(self, prompt_tokens: int) -> int:
+        """Bytes of the caches a generation after prompt_tokens allocates: keys and values of the full, retrieval
+        and StreamingLLM caches, and the retrieval cache's chunk mean keys."""
+        full, retrieval, streaming = self._capacities(prompt_tokens)
+        target, draft = self.target.model.config, self._drafter_model.config
+        per_position = 2 * target.num_layers * target.num_kv_heads * target.head_dim  # keys and values
+        mean_keys = per_position // 2 * (full // self.config.chunk_size) if retrieval else 0
+        drafter = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * streaming
+        return (per_position * (full + retrieval) + mean_keys + drafter) * self.target.dtype.itemsize
+
+    def check_memory(self, prompt_tokens: int) -> None:
+        """A ConfigError with the figures, before any allocation, where the caches cannot fit the device."""
+        needed = self.cache_bytes(prompt_tokens)
+        if self._caches is not None:
+            needed -= self._caches.full.keys.nbytes + self._caches.full.values.nbytes  # freed or reused
+        free = available_memory(self.target.device)
+        if free is not None and needed > free:
+            raise ConfigError(
+                f"the KV caches for {prompt_tokens} prompt tokens and {self.config.max_new_tokens} new ones need"
+                f" {human_size(needed)}, but {self.target.device} has {human_size(free)} free: use a shorter"
+                " prompt, fewer --max-new-tokens, a smaller --budget or a 16-bit --dtype"
+            )
+
     def _allocate(self, prompt_tokens: int) -> _Caches:
         cfg = self.config
         model = self.target.model.config
         dtype, device = self.target.dtype, self.target.device
-        headroom = cfg.speculation_depth
-        capacity = prompt_tokens + cfg.max_new_tokens + headroom
+        capacity, retrieval_capacity, _ = self._capacities(prompt_tokens)
         old = self._caches
         if old is not None and old.full.capacity >= capacity:
             full = old.full
         else:
+            self.check_memory(prompt_tokens)
             full = FullCache(model.num_layers, model.num_kv_heads, model.head_dim, capacity, dtype, device)
         full.reset()
         retrieval = None
         if cfg.uses_retrieval:
-            recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
-            retrieval = RetrievalCache(full, cfg.budget_for(prompt_tokens), cfg.chunk_size, recent)
+            budget = cfg.budget_for(prompt_tokens)
+            retrieval = RetrievalCache(full, budget, cfg.chunk_size, retrieval_capacity - budget)
         streaming = None
         if self.uses_model_drafter:
             draft = self._drafter_model.config
@@ -98,7 +134,7 @@ class Engine:
                 draft.head_dim,
                 cfg.sink_tokens,
                 cfg.draft_window,
-                max(cfg.prefill_chunk, headroom),
+                max(cfg.prefill_chunk, cfg.speculation_depth),
                 dtype,
                 device,
             )

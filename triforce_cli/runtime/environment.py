@@ -48,6 +48,20 @@ def machine_description() -> dict:
     }
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on device: free GPU memory, or the host's MemAvailable (None where the
+    system does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def package_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
