@@ -41,11 +41,14 @@ class ForwardCost:
 
 
 def _time_forward(target: LoadedModel, cache, new_ids: torch.Tensor, start: int, repeats: int) -> list[float]:
+    """Milliseconds of each forward; on a GPU each ends when the device has finished it, not when it was queued."""
     times = []
     for _ in range(repeats + 1):  # the first call warms up
         began = time.perf_counter()
         with torch.inference_mode():
             target.model(new_ids, start, cache, num_logits=len(new_ids))
+        if new_ids.is_cuda:
+            torch.cuda.synchronize(new_ids.device)
         times.append(1000 * (time.perf_counter() - began))
         cache.rollback(start)
     return times[1:]

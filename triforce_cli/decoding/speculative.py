@@ -188,7 +188,7 @@ class ModelTier:
         device = probs.device
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
         verdict = verify_draft(draft_tokens, draft.probs.to(device), probs, self.generator)  # one device read
-        verified = time.perf_counter()
+        verified = time.perf_counter()  # after that read, so on a GPU too the verification's work is done
         stats.drafted += len(draft.tokens)
         stats.accepted += verdict.accepted
         stats.verifications += 1
