@@ -195,7 +195,7 @@ def bench_tables(rows: list[BenchRow]) -> list[Table]:
                 _mode_cell(row, swept),
                 f"{row.prefill_seconds:.1f}" + ("*" if row.prompt_cached else ""),
                 f"{row.median_ms:.1f}",
-                f"{min(row.ms_per_token):.1f}-{max(row.ms_per_token):.1f}",
+                f"{row.min_ms:.1f}-{row.max_ms:.1f}",
                 _ratio(row.speedup_vs_autoregressive),
                 _ratio(row.speedup_vs_hf),
                 {True: "yes", False: Text("NO", style="red"), None: "-"}[row.matches_autoregressive],
@@ -236,7 +236,7 @@ def forward_cost_table(costs: list[ForwardCost]) -> Table:
             cost.cache,
             str(cost.tokens),
             f"{cost.median_ms:.1f}",
-            f"{min(cost.ms):.1f}-{max(cost.ms):.1f}",
+            f"{cost.min_ms:.1f}-{cost.max_ms:.1f}",
             _ratio(cost.median_ms / one if one else None),
         )
     return table

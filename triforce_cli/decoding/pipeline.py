@@ -15,7 +15,7 @@ import torch
 from kernels import attention_backend
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
-from triforce_cli.decoding.prompt_state import PromptCache
+from triforce_cli.decoding.prompt_state import PromptCache, check_writable
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
@@ -141,9 +141,8 @@ class Pipeline:
 
     def prompt_cache(self, folder: Path) -> PromptCache:
         """The saved prefills of this target in folder, checked writable before any prefill."""
-        cache = PromptCache(folder, self.target, self.status)
-        cache.check_writable()
-        return cache
+        check_writable(folder)
+        return PromptCache(folder, self.target, self.status)
 
     def generate_ids(
         self,

@@ -108,9 +108,6 @@ class PromptCache:
     target: LoadedModel
     status: StatusCallback | None = None
 
-    def check_writable(self) -> None:
-        check_writable(self.folder)
-
     def key(self, prompt_ids: list[int]) -> str:
         """Everything that shapes the prefilled state, as one JSON string."""
         target = self.target
@@ -129,16 +126,19 @@ class PromptCache:
         )
 
     def path_for(self, prompt_ids: list[int]) -> Path:
-        digest = hashlib.sha256(self.key(prompt_ids).encode()).hexdigest()[:24]
-        return self.folder / f"prompt-{digest}.safetensors"
+        return self._path(self.key(prompt_ids))
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"prompt-{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
     def load(self, prompt_ids: list[int]) -> PromptState | None:
         """The saved prefill of prompt_ids, or None; an entry that does not match is removed with a note."""
-        path = self.path_for(prompt_ids)
+        key = self.key(prompt_ids)
+        path = self._path(key)
         if not path.is_file():
             return None
         try:
-            state = self._read(path, prompt_ids)
+            state = self._read(path, key, prompt_ids)
         except StaleEntry as reason:
             self._note(f"prompt cache entry {path.name} {reason}: prefilling again and replacing it")
             path.unlink(missing_ok=True)
@@ -146,14 +146,14 @@ class PromptCache:
         mark_used(path)
         return state
 
-    def _read(self, path: Path, prompt_ids: list[int]) -> PromptState:
+    def _read(self, path: Path, key: str, prompt_ids: list[int]) -> PromptState:
         try:
             with safe_open(path, framework="pt", device=str(self.target.device)) as handle:
                 metadata = handle.metadata() or {}
                 tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
         except (OSError, SafetensorError, ValueError, RuntimeError) as err:
             raise StaleEntry(f"cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
-        if metadata.get("key") != self.key(prompt_ids):
+        if metadata.get("key") != key:
             raise StaleEntry("was saved for another model, setting or prompt")
         if set(tensors) != set(TENSOR_NAMES):
             raise StaleEntry("lacks some of its tensors")
@@ -165,9 +165,10 @@ class PromptCache:
     def save(self, state: PromptState, prompt_ids: list[int]) -> None:
         """Save state for prompt_ids, then evict the least recently used entries over the cache limit; a save that
         fails is a note, never an error: the generation it belongs to goes on."""
-        path = self.path_for(prompt_ids)
+        key = self.key(prompt_ids)
+        path = self._path(key)
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        metadata = {"key": self.key(prompt_ids), "checksum": state.checksum()}
+        metadata = {"key": key, "checksum": state.checksum()}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             save_file({name: t.contiguous() for name, t in state.tensors.items()}, partial, metadata=metadata)

@@ -108,9 +108,10 @@ def describe_environment() -> dict:
     except TriforceError as err:
         embedded = f"not installed: {err}"
     cached = [e for folder in (models_folder(), prompts_folder()) for e in entries(folder)]
+    runs = [run_choices(device) for device in devices]
     return {
-        **run_choices(devices[0]),
-        "runs": [run_choices(device) for device in devices],
+        **runs[0],
+        "runs": runs,
         "cpu": {"model": cpu, "features": features, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None,
         "cuda": cuda,

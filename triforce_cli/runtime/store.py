@@ -63,11 +63,13 @@ def cache_limit() -> int:
 
 
 def human_size(size: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    """'512 B', '1.5 KiB', ... up to GiB."""
+    if size < 1024:
+        return f"{size} B"
+    for unit in ("KiB", "MiB", "GiB"):
         size /= 1024
-    raise AssertionError("unreachable")
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}"
 
 
 @dataclass(frozen=True)
