@@ -5,6 +5,12 @@ A forward over new tokens at positions [start, start + T) first calls ``prepare(
 reads: ``[context | the T new tokens]`` (see kernels/attention.py). ``length`` is the number of leading
 sequence positions the cache holds; rolling back is setting it. ``packed_prefix(layer)`` may offer a packed
 float16 copy of the view's first positions for attention to read instead.
+
+A decode step with fixed shapes (what torch.compile captures as one CUDA graph for every position) prepares with
+``padding``: the step computes T + padding tokens, the padding after the real ones. ``make_static`` has the cache
+keep the prepared write's first slot on the device (``write_start``); the step then takes each layer's whole
+buffers (``step_buffers``), writes its keys at that slot and masks what lies past it (kernels.attention_in_cache),
+so nothing in it depends on a host-side length. Padding rows land past ``length``: never read, overwritten later.
 """
 
 from abc import ABC, abstractmethod
@@ -18,18 +24,58 @@ class CacheCapacityError(RuntimeError):
     """A write would not fit the preallocated buffers."""
 
 
+def put_rows(buffer: torch.Tensor, layer: int, rows: torch.Tensor, value: torch.Tensor) -> None:
+    """buffer[layer, :, rows] = value (H, T, D) as one index_put_ into the whole (layers, H, slots, D) buffer, which
+    the compiler does in place; a write into the layer's view is compiled as a copy of the view's base, every
+    layer's buffer, once per layer."""
+    where = (
+        torch.tensor(layer, device=buffer.device),
+        torch.arange(value.shape[0], device=buffer.device)[:, None],
+        rows[None, :],
+    )  # broadcast to (H, T)
+    buffer.index_put_(where, value)
+
+
 class KVCache(ABC):
     length: int = 0
+    keys: torch.Tensor  # (layers, Hkv, slots, D)
+    values: torch.Tensor
+    write_start: torch.Tensor | None = None  # (1,) int32 on the device once make_static(): the next write's slot
+    static_step: bool = False  # whether the prepared forward is a fixed-shape step (prepared with padding)
 
     @abstractmethod
-    def prepare(self, start: int, num_tokens: int) -> None:
-        """Get ready to store positions [start, start + num_tokens); start may not exceed ``length``."""
+    def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
+        """Get ready to store positions [start, start + num_tokens); start may not exceed ``length``.
 
-    @abstractmethod
-    def update(
+        padding: for a fixed-shape step, the slots past the last token that the step also writes (None: an
+        eager forward of exactly num_tokens).
+        """
+
+    def make_static(self) -> None:
+        """Keep the next write's first slot on the device and the buffers at fixed addresses, for fixed-shape
+        steps (CUDA graphs replay reads and writes at the addresses they were captured with)."""
+        self.write_start = torch.zeros(1, dtype=torch.int32, device=self.keys.device)
+        for buffer in (self.keys, self.values, self.write_start):
+            torch._dynamo.mark_static_address(buffer)
+
+    def _begin_write(self, first_slot: int, num_tokens: int, padding: int | None) -> slice:
+        """The slots of a prepared write of num_tokens from first_slot; a fixed-shape step's also on the device."""
+        self.static_step = padding is not None
+        if self.static_step:
+            if self.write_start is None:
+                raise ValueError("a fixed-shape step needs make_static() first")
+            self.write_start.fill_(first_slot)  # a device write, no read
+        return slice(first_slot, first_slot + num_tokens)
+
+    def step_update(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (Hkv, T, D) of the prepared positions; return the (Hkv, L, D) views attention reads."""
+        """update() for a fixed-shape step: store k, v (Hkv, T, D) at slots [write_start, write_start + T) and return
+        layer's whole (Hkv, slots, D) buffers, for attention to mask past the last new slot."""
+        slots = self.write_start.long() + torch.arange(k.shape[1], device=k.device)
+        put_rows(self.keys, layer, slots, k)
+        put_rows(self.values, layer, slots, v)
+        return self.keys[layer], self.values[layer]
 
     @property
     def max_write(self) -> int | None:

@@ -2,7 +2,7 @@
 
 import torch
 
-from cache.base import CacheCapacityError, KVCache
+from cache.base import CacheCapacityError, KVCache, put_rows
 from kernels.attention import PackedPrefix, pack_prefix
 
 
@@ -58,15 +58,28 @@ class FullCache(KVCache):
         super().reset()
         self._packed = None
 
-    def prepare(self, start: int, num_tokens: int) -> None:
+    def make_static(self, num_query_heads: int, max_step: int) -> None:
+        """As KVCache.make_static, with room for the queries of steps of up to max_step tokens (padding included),
+        which a fixed-shape step writes into a buffer instead of handing them over."""
+        super().make_static()
+        num_layers, _, _, head_dim = self.keys.shape
+        shape = (num_layers, num_query_heads, max_step, head_dim)
+        self.step_queries = torch.zeros(shape, dtype=self.keys.dtype, device=self.keys.device)
+        torch._dynamo.mark_static_address(self.step_queries)
+
+    def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
         self._check_start(start)
         end = start + num_tokens
-        if end > self.capacity:
-            raise CacheCapacityError(f"full cache holds {self.capacity} positions, {end} requested")
+        if end + (padding or 0) > self.capacity:
+            raise CacheCapacityError(f"full cache holds {self.capacity} positions, {end + (padding or 0)} requested")
         self._drop_packed_beyond(start)
-        self._write = slice(start, end)
+        self._write = self._begin_write(start, num_tokens, padding)
         self.query_start = start
         self.length = end
+
+    def step_update(self, layer, q, k, v):
+        put_rows(self.step_queries, layer, torch.arange(q.shape[1], device=q.device), q)
+        return super().step_update(layer, q, k, v)
 
     def update(self, layer, q, k, v):
         self.keys[layer, :, self._write] = k
@@ -76,7 +89,7 @@ class FullCache(KVCache):
 
     def query_at(self, layer: int, position: int) -> torch.Tensor:
         """The (Hq, D) query the last forward computed at ``position``."""
-        queries = self.queries[layer]
+        queries = self.step_queries[layer] if self.static_step else self.queries[layer]
         row = position - self.query_start
         if queries is None or not 0 <= row < queries.shape[1]:
             raise ValueError(f"no query for position {position} in the last forward")

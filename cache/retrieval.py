@@ -94,14 +94,14 @@ class RetrievalCache(KVCache):
         self.synced_until = stop
         self.length = stop
 
-    def prepare(self, start: int, num_tokens: int) -> None:
+    def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
         self._check_start(start)
         if start < self.selected_until:
             raise ValueError(f"position {start} lies in the selected chunks and cannot be rewritten")
         first = self.budget + start - self.selected_until
-        if first + num_tokens > self.budget + self.recent_capacity:
+        if first + num_tokens + (padding or 0) > self.budget + self.recent_capacity:
             raise CacheCapacityError("recent region of the retrieval cache is full; select chunks again first")
-        self._write = slice(first, first + num_tokens)
+        self._write = self._begin_write(first, num_tokens, padding)
         self.length = start + num_tokens
 
     def update(self, layer, q, k, v):

@@ -59,17 +59,17 @@ class StreamingCache(KVCache):
         sinks = range(min(self.length, self.sink_tokens))
         return [*sinks, *range(max(self.window_start, self.sink_tokens), self.length)]
 
-    def prepare(self, start: int, num_tokens: int) -> None:
+    def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
         self._check_start(start)
-        if num_tokens > self.max_step:
+        written = num_tokens + (padding or 0)
+        if written > self.max_step:
             raise CacheCapacityError(f"StreamingLLM cache takes at most {self.max_step} tokens per step")
         if start >= self.sink_tokens and start < self.window_start:
             raise ValueError(f"position {start} was already evicted from the StreamingLLM window")
         self.length = start
-        if self.slot(start) + num_tokens > self.capacity:
+        if self.slot(start) + written > self.capacity:
             self._evict(keep_from=max(self.sink_tokens, start - self.window))
-        first = self.slot(start)
-        self._write = slice(first, first + num_tokens)
+        self._write = self._begin_write(self.slot(start), num_tokens, padding)
         self.length = start + num_tokens
 
     def _evict(self, keep_from: int) -> None:

@@ -3,7 +3,14 @@
 Every kernel here has a plain-torch reference beside it that the tests compare against.
 """
 
-from kernels.attention import ATTENTION_BACKENDS, PackedPrefix, attention, attention_backend, attention_reference
+from kernels.attention import (
+    ATTENTION_BACKENDS,
+    PackedPrefix,
+    attention,
+    attention_backend,
+    attention_in_cache,
+    attention_reference,
+)
 from kernels.linear import (
     half_weight_linear,
     half_weight_linear_reference,
@@ -20,6 +27,7 @@ __all__ = [
     "PackedPrefix",
     "attention",
     "attention_backend",
+    "attention_in_cache",
     "attention_reference",
     "chunk_mean_keys",
     "gather_chunks",

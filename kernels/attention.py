@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import optional
 from kernels.linear import half_weight_linear, pack_half_weight
-from kernels.optional import flash_attn_func
 
 FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here
 HEAD_AT_A_TIME_SCORES = 1 << 19  # packed-prefix scores (float32 values) above which each KV head goes alone
@@ -145,10 +145,61 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """FlashAttention 2: bottom-right causal masking and grouped-query heads are native."""
-    out = flash_attn_func(
+    out = optional.flash_attn_func(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], softmax_scale=scale, causal=True
     )  # (1, T, Hq, D)
     return out[0].transpose(0, 1)
+
+
+@torch.library.custom_op("triforce::flash_decode", mutates_args=())
+def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, scale: float) -> torch.Tensor:
+    """FlashAttention's decoding kernel (flash_attn_with_kvcache) over a cache layer's whole buffers.
+
+    q (Hq, T, D); keys, values (Hkv, S, D) with the T new keys already written at slots [seen - T, seen); seen
+    (1,) int32 on the device. The kernel reads the buffers in place: it takes any strides whose last one is 1
+    (flash-attn's mha_fwd_kvcache checks only that), so the head-major (Hkv, S, D) layout every cache keeps is
+    read through a (1, S, Hkv, D) view, no copy; the causal mask is bottom-right aligned, as the caches need.
+    A custom op, so that torch.compile keeps it as one call inside a captured graph: the flash-attn function
+    itself is not traceable.
+    """
+    out = optional.flash_attn_with_kvcache(
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        cache_seqlens=seen,
+        softmax_scale=scale,
+        causal=True,
+    )  # (1, T, Hq, D)
+    return out[0].transpose(0, 1).contiguous()
+
+
+@flash_decode.register_fake
+def _(q, keys, values, seen, scale):
+    return q.new_empty(q.shape)  # contiguous, as flash_decode returns it whatever q's strides
+
+
+def attention_in_cache(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor, scale: float, backend: str
+) -> torch.Tensor:
+    """Attention for a fixed-shape step over a cache layer's whole buffers keys, values (Hkv, S, D), holding the T
+    new keys and values at slots [start, start + T), start (1,) int32 on the device: query t (q: (Hq, T, D)) reads
+    slots [0, start + t]. Nothing depends on a host-side length, so the step compiles once for every position.
+    Output (Hq, T, D).
+
+    'flash' reads through flash_decode; any other backend computes grouped-query attention over the whole
+    buffers with a mask (the CPU's own kernels take variable-length views and run in eager steps only).
+    """
+    num_q_heads, num_queries, head_dim = q.shape
+    if backend == "flash":
+        return flash_decode(q, keys, values, start + num_queries, scale)
+    num_kv_heads = keys.shape[0]
+    group = num_q_heads // num_kv_heads
+    last_visible = start.long() + torch.arange(num_queries, device=q.device)  # (T,)
+    hidden = torch.arange(keys.shape[1], device=q.device)[None, :] > last_visible[:, None]  # (T, S)
+    qg = q.reshape(num_kv_heads, group * num_queries, head_dim) * scale  # (Hkv, G*T, D)
+    scores = torch.bmm(qg, keys.transpose(1, 2)).masked_fill(hidden.repeat(group, 1), float("-inf"))
+    out = torch.bmm(scores.float().softmax(dim=-1).to(values.dtype), values)  # (Hkv, G*T, D)
+    return out.reshape(num_q_heads, num_queries, head_dim)
 
 
 ATTENTION_BACKENDS = ("flash", "sdpa", "cpu")
@@ -159,7 +210,7 @@ def attention_backend(device: torch.device, dtype: torch.dtype, requested: str =
     dtype, where flash-attn is installed), 'sdpa' (torch scaled_dot_product_attention, anywhere) or 'cpu' (the CPU
     kernels below). 'auto' picks the fastest that runs; a requested one that cannot run is a ValueError saying why.
     """
-    flash_runs = device.type == "cuda" and flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16)
+    flash_runs = device.type == "cuda" and optional.flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16)
     if requested == "auto":
         return "flash" if flash_runs else "sdpa" if device.type == "cuda" else "cpu"
     if requested not in ATTENTION_BACKENDS:

@@ -9,22 +9,26 @@
 """
 
 import json
+import re
 
 import pytest
 import torch
-from conftest import full_cache_for, llama_config, wrap
+from conftest import full_cache_for, llama_config, make_model, random_prompt, wrap
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.utils import run_and_get_code
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
-from cache import RetrievalCache, StreamingCache
-from kernels import attention_backend
+from cache import FullCache, RetrievalCache, StreamingCache
+from kernels import attention_backend, attention_in_cache, attention_reference, optional
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import resolve_attention
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.loading import resolve_weights
+from triforce_cli.runtime.loading import resolve_compile, resolve_weights
+from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPT = 64
@@ -56,23 +60,143 @@ def prefilled(model, kind: str, device: str = "cpu"):
     return retrieval
 
 
+def make_static(cache) -> None:
+    if isinstance(cache, FullCache):
+        cache.make_static(4, MAX_STEP_TOKENS)  # llama_config's 4 query heads
+    else:
+        cache.make_static()
+
+
+def compiled_model(backend: str = "aot_eager"):
+    """A fresh model whose decode steps run compiled (aot_eager: the same graphs, traced without codegen)."""
+    loaded = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
+    loaded.model.compile_steps(backend=backend)
+    return loaded
+
+
 @pytest.mark.parametrize(("kind", "new_tokens"), [("full", 7), ("retrieval", 3), ("streaming", 1)])
-def test_every_decode_step_compiles_without_a_graph_break(small, kind, new_tokens):
-    """The full tier verifies gamma2 + 1 = 7 tokens, the retrieval tier gamma1 + 1 = 3, the drafter drafts 1."""
-    model = small.model
-    cache = prefilled(model, kind)
-    start = cache.length
-    tokens = torch.randint(0, model.config.vocab_size, (new_tokens,), generator=torch.Generator().manual_seed(2))
+def test_every_decode_step_compiles_once_for_every_position(kind, new_tokens):
+    """The full tier verifies gamma2 + 1 = 7 tokens, the retrieval tier gamma1 + 1 = 3, the drafter drafts 1. Each
+    step is compiled by inductor with fullgraph=True (a graph break fails it: that is what would stop CUDA-graph
+    capture on a GPU), once for three positions in a row, and gives the eager logits and cache contents."""
+    model = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3).loaded.model
+    counter = CompileCounterWithBackend("inductor")
+    model.fixed_step = torch.compile(model.compute_logits, backend=counter, fullgraph=True, dynamic=False)
+    eager, fixed = prefilled(model, kind), prefilled(model, kind)
+    make_static(fixed)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        tokens = torch.randint(0, model.config.vocab_size, (new_tokens,), generator=generator)
+        start = eager.length
+        expected = model(tokens, start, eager, num_logits=new_tokens)  # write_start is None: an eager step
+        got = model(tokens, start, fixed, num_logits=new_tokens)
+        assert fixed.static_step and not eager.static_step
+        assert got.shape == (new_tokens, model.config.vocab_size)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert fixed.length == eager.length
+    held = slice(0, eager._write.stop)  # every slot the eager cache wrote, in both caches' own layout
+    torch.testing.assert_close(fixed.keys[:, :, held], eager.keys[:, :, held])
+    torch.testing.assert_close(fixed.values[:, :, held], eager.values[:, :, held])
+    assert counter.frame_count == 1
 
-    def step(tokens: torch.Tensor, start: int) -> torch.Tensor:
-        return model.compute_logits(tokens, start, cache, num_logits=tokens.shape[0])
 
-    with torch.no_grad():
-        eager = step(tokens, start)
-        cache.rollback(start)
-        compiled = torch.compile(step, fullgraph=True, dynamic=False)(tokens, start)
-    assert compiled.shape == (new_tokens, model.config.vocab_size)
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+def test_a_compiled_step_writes_the_cache_in_place():
+    """Writing a layer's view of the (layers, Hkv, S, D) buffer would compile to a copy of the whole buffer per
+    layer (the view's base): the generated code must allocate nothing of the buffer's shape."""
+    model = make_model(seed=5, vocab_size=64, num_layers=4).loaded.model
+    model.compile_steps()
+    cfg = model.config
+    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4096, torch.float32)
+    model(torch.arange(64) % cfg.vocab_size, 0, cache, decoding=False)
+    make_static(cache)
+    _, code = run_and_get_code(lambda: model(torch.tensor([1]), 64, cache))
+    shape = ", ".join(map(str, cache.keys.shape))
+    assert f"({shape})" in "".join(code)  # the buffers are the step's inputs
+    assert not re.search(rf"empty_strided\w*\(\({shape}\)", "".join(code))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=3)])
+def test_compiled_steps_generate_the_eager_tokens_in_every_mode(sampling):
+    """Greedy: all modes equal eager autoregressive decoding. Seeded sampling (fixed speculation lengths): each
+    mode draws the same tokens compiled as eager, the uniforms being the same and the distributions equal."""
+    eager = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
+    compiled = compiled_model()
+    prompt = random_prompt(PROMPT, 64, seed=3)
+    reference = None
+    for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
+        config = EngineConfig(
+            mode=mode, budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=24, sampling=sampling
+        )
+        expected = Engine(eager, config).generate(prompt).token_ids
+        engine = Engine(compiled, config)
+        assert engine.compiled
+        assert engine.generate(prompt).token_ids == expected, mode
+        reference = reference or expected
+        if sampling.greedy:
+            assert expected == reference, mode
+
+
+class TestFlashDecoding:
+    """flash_attn_with_kvcache's contract, checked on the CPU by a stand-in that enforces it and computes the
+    reference: the same call runs the real kernel on a GPU."""
+
+    @staticmethod
+    def stand_in(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal):
+        assert q.dim() == k_cache.dim() == 4 and q.shape[0] == k_cache.shape[0] == 1  # (batch, seq, heads, dim)
+        assert k_cache.stride(-1) == v_cache.stride(-1) == 1  # all flash-attn asks of a cache's strides
+        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (1,) and causal
+        seen = int(cache_seqlens[0])
+        keys, values = k_cache[0, :seen].transpose(0, 1), v_cache[0, :seen].transpose(0, 1)
+        return attention_reference(q[0].transpose(0, 1), keys, values, softmax_scale).transpose(0, 1)[None]
+
+    @staticmethod
+    def prefill_stand_in(q, k, v, softmax_scale, causal):
+        """flash_attn_func, for the eager prefill: (1, T, H, D) tensors, bottom-right causal."""
+        assert causal
+        out = attention_reference(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), softmax_scale)
+        return out.transpose(0, 1)[None]
+
+    def test_flash_reads_the_head_major_buffers_in_place_and_compiles(self, monkeypatch):
+        monkeypatch.setattr(optional, "flash_attn_with_kvcache", self.stand_in)
+        generator = torch.Generator().manual_seed(4)
+        keys, values = torch.randn(2, 40, 8, generator=generator), torch.randn(2, 40, 8, generator=generator)
+        q = torch.randn(6, 3, 8, generator=generator)
+        start = torch.tensor([20], dtype=torch.int32)
+        expected = attention_in_cache(q, keys, values, start, 0.3, "sdpa")
+        for step in (attention_in_cache, torch.compile(attention_in_cache, fullgraph=True, dynamic=False)):
+            torch.testing.assert_close(step(q, keys, values, start, 0.3, "flash"), expected)
+
+    def test_a_model_on_flash_steps_generates_the_eager_tokens(self, monkeypatch):
+        monkeypatch.setattr(optional, "flash_attn_with_kvcache", self.stand_in)
+        monkeypatch.setattr(optional, "flash_attn_func", self.prefill_stand_in)
+        greedy = SamplingConfig(temperature=0)
+        eager = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False)
+        compiled = compiled_model()
+        compiled.model.use_attention("flash")
+        config = EngineConfig(
+            budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=16, sampling=greedy
+        )
+        prompt = random_prompt(PROMPT, 64, seed=6)
+        expected = Engine(eager.loaded, config).generate(prompt).token_ids
+        assert Engine(compiled, config).generate(prompt).token_ids == expected
+
+
+class TestChoosingCompile:
+    def test_auto_is_on_for_cuda_and_off_on_the_cpu(self):
+        assert resolve_compile(None, torch.device("cuda"), "auto")
+        assert not resolve_compile(None, torch.device("cpu"), "auto")
+        assert resolve_weights("auto", torch.float32, torch.device("cpu"), "cpu", compiled=True) == "dense"
+
+    def test_half_weights_cannot_compile(self):
+        with pytest.raises(ConfigError, match="--compile runs dense weights only, not half"):
+            resolve_compile(True, torch.device("cpu"), "half")
+
+    def test_cli_compile_with_half_weights_is_one_line(self, tmp_path):
+        prompt = tmp_path / "p.txt"
+        prompt.write_text("hello")
+        result = CliRunner().invoke(app, ["generate", "-p", str(prompt), "--compile", "--weights", "half"])
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert result.stderr.strip().startswith("error: --compile runs dense") and result.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("kind", ["full", "retrieval", "streaming"])
@@ -178,6 +302,43 @@ class TestOnAGpu:
         torch.testing.assert_close(
             flash_attention(q, k, v, 0.125), sdpa_attention(q, k, v, 0.125), rtol=2e-2, atol=2e-2
         )
+
+    @staticmethod
+    def gpu_model(dtype: torch.dtype = torch.float32, compiled: bool = False):
+        loaded = make_model(
+            seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False
+        ).loaded
+        loaded.model.to("cuda", dtype)
+        if compiled:
+            loaded.model.compile_steps("reduce-overhead")
+        return loaded
+
+    def test_cuda_graphs_generate_the_eager_tokens_in_every_mode(self):
+        greedy = SamplingConfig(temperature=0)
+        eager, graphed = self.gpu_model(), self.gpu_model(compiled=True)
+        prompt = random_prompt(PROMPT, 64, seed=3)
+        for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
+            config = EngineConfig(
+                mode=mode, budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=24, sampling=greedy
+            )
+            expected = Engine(eager, config).generate(prompt).token_ids
+            assert Engine(graphed, config).generate(prompt).token_ids == expected, mode
+
+    def test_a_graphed_step_never_waits_for_the_host(self):
+        """After the first replays (warm-up and capture), a decode step queues its work and returns."""
+        model = self.gpu_model(torch.bfloat16, compiled=True).model
+        cfg = model.config
+        cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.bfloat16, "cuda")
+        model(torch.arange(PROMPT, device="cuda") % cfg.vocab_size, 0, cache, decoding=False)
+        make_static(cache)
+        tokens = torch.tensor([1, 2, 3], device="cuda")
+        for start in (PROMPT, PROMPT + 3, PROMPT + 6):
+            model(tokens, start, cache)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(tokens, PROMPT + 9, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
     def test_greedy_modes_agree_on_cuda(self):
         cfg = llama_config(vocab_size=64, num_layers=2)

@@ -70,6 +70,7 @@ def bench(
     threads: o.Threads = None,
     weights: o.Weights = "auto",
     attention: o.Attention = "auto",
+    compile_steps: o.Compile = None,
     context_window: o.ContextWindow = None,
     forward_costs: o.ForwardCosts = None,
     prompt_cache: o.PromptCache = None,
@@ -121,6 +122,7 @@ def bench(
             weights=weights,
             context_window=context_window,
             attention=attention,
+            compile_steps=compile_steps,
         )
         if "default" in modes:
             defaults = default_modes(pipe.target)

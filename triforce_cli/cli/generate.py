@@ -46,6 +46,7 @@ def generate(
     threads: o.Threads = None,
     weights: o.Weights = "auto",
     attention: o.Attention = "auto",
+    compile_steps: o.Compile = None,
     context_window: o.ContextWindow = None,
     prompt_cache: o.PromptCache = None,
     json_output: o.JsonOutput = False,
@@ -82,6 +83,7 @@ def generate(
             weights=weights,
             context_window=context_window,
             attention=attention,
+            compile_steps=compile_steps,
         )
         prompt_ids = pipe.encode(text, chat=chat)
         pipe.engine.check_prompt(prompt_ids)

@@ -50,4 +50,5 @@ def info(json_output: o.JsonOutput = False) -> None:
         out.print(runs)
         for run in facts["runs"]:
             out.print(Text(f"{run['device']}: attention {run['attention']}: {run['attention_reason']}", style="dim"))
-        out.print(Text(facts["runs"][0]["compile_reason"], style="dim"))
+        for run in facts["runs"]:
+            out.print(Text(f"{run['device']}: compile {run['compile_reason']}", style="dim"))

@@ -116,6 +116,14 @@ Attention = Annotated[
     Literal[("auto", *ATTENTION_BACKENDS)],
     typer.Option(help="Attention kernels: auto picks flash on CUDA where installed, else sdpa; cpu on a CPU."),
 ]
+Compile = Annotated[
+    bool | None,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Run decode steps as compiled graphs (CUDA graphs on a GPU) [default: on for CUDA, off on a CPU].",
+        show_default=False,
+    ),
+]
 Threads = Annotated[int | None, typer.Option(min=1, max=MAX_THREADS, help="CPU threads for torch [default: torch's].")]
 ContextWindow = Annotated[
     int | None,

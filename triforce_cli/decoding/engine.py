@@ -21,7 +21,7 @@ from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.environment import available_memory
 from triforce_cli.runtime.loading import LoadedModel
-from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer
 from triforce_cli.runtime.store import human_size
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
@@ -75,11 +75,17 @@ class Engine:
     def _drafter_model(self) -> Transformer:
         return self.drafter.model if self.drafter is not None else self.target.model
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the target runs its decode steps as compiled fixed-shape graphs (Transformer.compile_steps)."""
+        return self.target.model.fixed_step is not None
+
     def _capacities(self, prompt_tokens: int) -> tuple[int, int, int]:
         """Positions of the full cache, of the retrieval cache (budget + recent region; 0 without one) and of the
-        drafter's StreamingLLM cache (0 without one) for a generation after prompt_tokens."""
+        drafter's StreamingLLM cache (0 without one) for a generation after prompt_tokens. Compiled steps write up
+        to a step's length again in padding, past the committed tokens."""
         cfg = self.config
-        headroom = cfg.speculation_depth
+        headroom = cfg.speculation_depth * (2 if self.compiled else 1)
         full = prompt_tokens + cfg.max_new_tokens + headroom
         recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
         retrieval = cfg.budget_for(prompt_tokens) + recent if cfg.uses_retrieval else 0
@@ -94,7 +100,8 @@ class Engine:
         per_position = 2 * target.num_layers * target.num_kv_heads * target.head_dim  # keys and values
         mean_keys = per_position // 2 * (full // self.config.chunk_size) if retrieval else 0
         drafter = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * streaming
-        return (per_position * (full + retrieval) + mean_keys + drafter) * self.target.dtype.itemsize
+        step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim if self.compiled else 0
+        return (per_position * (full + retrieval) + mean_keys + drafter + step_queries) * self.target.dtype.itemsize
 
     def check_memory(self, prompt_tokens: int) -> None:
         """A ConfigError with the figures, before any allocation, where the caches cannot fit the device."""
@@ -120,11 +127,15 @@ class Engine:
         else:
             self.check_memory(prompt_tokens)
             full = FullCache(model.num_layers, model.num_kv_heads, model.head_dim, capacity, dtype, device)
+            if self.compiled:
+                full.make_static(model.num_heads, MAX_STEP_TOKENS)
         full.reset()
         retrieval = None
         if cfg.uses_retrieval:
             budget = cfg.budget_for(prompt_tokens)
             retrieval = RetrievalCache(full, budget, cfg.chunk_size, retrieval_capacity - budget)
+            if self.compiled:
+                retrieval.make_static()
         streaming = None
         if self.uses_model_drafter:
             draft = self._drafter_model.config
@@ -138,6 +149,8 @@ class Engine:
                 dtype,
                 device,
             )
+            if self._drafter_model.fixed_step is not None:
+                streaming.make_static()
         self._caches = _Caches(full, retrieval, streaming)
         return self._caches
 
@@ -167,7 +180,7 @@ class Engine:
         tokens = torch.tensor(ids, dtype=torch.long, device=self.target.device)
         logits = None
         for start in range(0, len(ids), chunk):
-            logits = model(tokens[start : start + chunk], start, cache, num_logits=1)
+            logits = model(tokens[start : start + chunk], start, cache, num_logits=1, decoding=False)
             if on_prefill is not None:
                 on_prefill(name, min(start + chunk, len(ids)), len(ids))
         return logits

@@ -19,7 +19,7 @@ from triforce_cli.decoding.prompt_state import PromptCache, check_writable
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
-from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model, resolve_weights
+from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model, resolve_compile, resolve_weights
 from triforce_cli.runtime.prompts import encode_prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,6 +95,7 @@ class Pipeline:
         weights: str = "auto",
         context_window: int | None = None,
         attention: str = "auto",
+        compile_steps: bool | None = None,
     ) -> "Pipeline":
         """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
 
@@ -104,12 +105,15 @@ class Pipeline:
         context_window: positions both models accept, YaRN-scaled beyond their trained context.
         attention: 'auto' (the fastest kernel for the device and dtype), 'flash', 'sdpa' or 'cpu'; see
         resolve_attention.
+        compile_steps: run decode steps as compiled fixed-shape graphs, CUDA graphs on a GPU; None: on CUDA only (see
+        loading.resolve_compile).
         """
         config = config or EngineConfig()
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         backend = resolve_attention(attention, torch_device, torch_dtype, weights)
-        weights = resolve_weights(weights, torch_dtype, torch_device, backend)
+        compiled = resolve_compile(compile_steps, torch_device, weights)
+        weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
         draft = drafter_spec(target, draft)
         drafter = None
@@ -126,6 +130,8 @@ class Pipeline:
         for loaded in (target_model, drafter):
             if loaded is not None:
                 loaded.model.use_attention(backend)
+                if compiled:
+                    loaded.model.compile_steps("reduce-overhead" if torch_device.type == "cuda" else None)
         return cls(target_model, drafter, Engine(target_model, config, drafter), status)
 
     @property

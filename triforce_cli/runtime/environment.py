@@ -12,11 +12,10 @@ import torch
 from kernels import attention_backend, half_weights_available
 from triforce_cli.errors import TriforceError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, embedded_gguf_path
-from triforce_cli.runtime.loading import resolve_weights
+from triforce_cli.runtime.loading import COMPILE_REASONS, resolve_compile, resolve_weights
 from triforce_cli.runtime.store import cache_limit, cache_root, entries, models_folder, prompts_folder
 
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-COMPILE = False  # the decode steps are not yet on static buffers, the precondition for CUDA graphs
 
 
 def cpu_description() -> tuple[str, list[str]]:
@@ -73,7 +72,8 @@ def run_choices(device: torch.device) -> dict:
     """What a run on device picks with every setting left at auto, and why."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     attention = attention_backend(device, dtype)
-    weights = resolve_weights("auto", dtype, device, attention)
+    compiled = resolve_compile(None, device, "auto")
+    weights = resolve_weights("auto", dtype, device, attention, compiled)
     reasons = {
         "flash": "flash-attn is installed and the device is CUDA",
         "sdpa": "CUDA without flash-attn (pip install -e '.[flash]')",
@@ -85,8 +85,8 @@ def run_choices(device: torch.device) -> dict:
         "attention": attention,
         "attention_reason": reasons[attention],
         "weights": weights,
-        "compile": COMPILE,
-        "compile_reason": "off: the decode steps do not run on static buffers yet, which CUDA graphs need",
+        "compile": compiled,
+        "compile_reason": COMPILE_REASONS[device.type],
     }
 
 

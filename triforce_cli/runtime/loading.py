@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from kernels import half_weights_available
-from triforce_cli.errors import ModelLoadError
+from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.runtime.compact import use_q4_1_weights
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
@@ -233,14 +233,33 @@ def borrow_shared_weights(
         state["lm_head.weight"] = target.lm_head.weight
 
 
-def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device, attention: str = "cpu") -> str:
-    """'auto' as the fastest exact weight form for the device: 'half' on a CPU in float32 where fbgemm is there
-    and attention runs on the cpu kernels (a decode step reads half the weight bytes), 'dense' elsewhere; any other
-    choice as it is."""
+def resolve_weights(
+    weights: str, dtype: torch.dtype, device: torch.device, attention: str = "cpu", compiled: bool = False
+) -> str:
+    """'auto' as the fastest exact weight form for the device: 'half' on a CPU in float32 where fbgemm is there,
+    attention runs on the cpu kernels and the steps run eager (a decode step reads half the weight bytes), 'dense'
+    elsewhere; any other choice as it is."""
     if weights != "auto":
         return weights
-    cpu_float32 = device.type == "cpu" and dtype == torch.float32 and attention == "cpu"
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not compiled
     return "half" if cpu_float32 and half_weights_available() else "dense"
+
+
+def resolve_compile(requested: bool | None, device: torch.device, weights: str) -> bool:
+    """Whether decode steps run as compiled fixed-shape graphs (Transformer.compile_steps): as requested, else on
+    CUDA, where each becomes a CUDA graph, and not on the CPU, where the eager steps on half weights measured
+    faster (COMPILE_REASONS). Half and compact weights run only in eager steps: their CPU kernels take a packed
+    float16 prompt cache and variable-length views."""
+    compiled = device.type == "cuda" if requested is None else requested
+    if compiled and weights in ("half", "compact"):
+        raise ConfigError(f"--compile runs dense weights only, not {weights}: use --weights dense or --no-compile")
+    return compiled
+
+
+COMPILE_REASONS = {
+    "cuda": "on: every decode step is one CUDA graph (torch.compile, mode reduce-overhead)",
+    "cpu": "off: on the CPU the eager steps on half weights beat compiled ones (--compile to try)",
+}
 
 
 def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
@@ -331,9 +350,11 @@ def load_hf_model(
     target: PreTrainedModel | None = None,
     config: PretrainedConfig | None = None,
     half_weights: bool = False,
+    device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
-    """A checkpoint folder as a transformers model; a drafter written by `triforce distill` gets target's
-    embedding and output layer (transformers computes its output over the whole vocabulary).
+    """A checkpoint folder as a transformers model on device, attention by torch SDPA; a drafter written by
+    `triforce distill` gets target's embedding and output layer (transformers computes its output over the whole
+    vocabulary).
 
     config: the runtime's config of the same model (its context window), instead of the folder's.
     half_weights: round the weight matrices to float16 values, as the runtime's 'half' weights hold them.
@@ -343,7 +364,10 @@ def load_hf_model(
     hf_logging.disable_progress_bar()
     try:
         # safetensors only: a pickled weights file beside them is never unpickled
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, config=config, use_safetensors=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, config=config, use_safetensors=True, attn_implementation="sdpa"
+        )
+        model = model.to(device).eval()
     finally:
         hf_logging.enable_progress_bar()
     if target is not None and getattr(model.config, DRAFTER_METADATA, None):

@@ -8,8 +8,15 @@ decode step then makes three fewer calls per layer into the weight kernels, each
 fuse_checkpoint renames a checkpoint's state dict accordingly (Transformer.load_hf_state). Which cache is passed
 in decides the tier; the model never branches on it.
 Batch size is 1: tokens (T,), hidden states (T, C).
+
+compile_steps() makes every decode step of up to MAX_STEP_TOKENS tokens a fixed-shape step compiled with
+torch.compile(fullgraph=True): the tokens are padded to a power of two, positions and the cache's write slot are
+device tensors, and attention runs over the cache's whole buffers with a mask (kernels.attention_in_cache), so
+one graph per padded length serves every position; on CUDA each is captured as a CUDA graph. Prefill chunks and
+steps on caches not made static stay eager.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +26,16 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cache import KVCache
-from kernels import attention, attention_backend, linear
+from kernels import attention, attention_backend, attention_in_cache, linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MAX_STEP_TOKENS = 128  # longest decode step compiled with a fixed shape (MAX_GAMMA + 1 rounded up); longer: eager
+
+
+def padded_length(num_tokens: int) -> int:
+    """The fixed length a decode step of num_tokens runs at: the next power of two, so that a tier verifying up
+    to g tokens needs about log2(g) compiled graphs, and a step computes less than twice its tokens."""
+    return 1 << (num_tokens - 1).bit_length()
 
 
 class UnsupportedModelError(ValueError):
@@ -183,8 +197,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, rotated_heads + self.num_kv_heads, self.head_dim).transpose(0, 1)
         qk = rotate(qkv[:rotated_heads], cos, sin)  # (Hq + Hkv, T, D)
         q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[rotated_heads:]
-        keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
-        out = attention(q, keys, values, self.scale, cache.packed_prefix(self.layer), self.backend)  # (Hq, T, D)
+        if cache.static_step:
+            keys, values = cache.step_update(self.layer, q, k, v)  # (Hkv, S, D), all slots
+            backend = self.backend or attention_backend(x.device, x.dtype)
+            out = attention_in_cache(q, keys, values, cache.write_start, self.scale, backend)
+        else:
+            keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
+            out = attention(q, keys, values, self.scale, cache.packed_prefix(self.layer), self.backend)  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -232,6 +251,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scale = rope_scale
         self.output_ids: torch.Tensor | None = None  # see restrict_output
+        self.fixed_step: Callable[..., torch.Tensor] | None = None  # compute_logits compiled, see compile_steps
 
     def restrict_output(self, output_ids: torch.Tensor) -> None:
         """Compute logits for output_ids (V',) only; every other token gets -inf, so probability 0.
@@ -267,10 +287,9 @@ class Transformer(nn.Module):
         inv_freq, rope_scale = rope_frequencies(hf, cfg.head_dim)
         return cls(cfg, inv_freq, rope_scale)
 
-    def rotary(self, start: int, num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (T, D) of positions [start, start + T), as rotate() takes them."""
-        positions = torch.arange(start, start + num_tokens, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]  # (T, D/2)
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (T, D) of positions (T,), as rotate() takes them."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
         cos = torch.cat((freqs, freqs), dim=-1).cos()  # (T, D)
         signed_sin = torch.cat((-freqs, freqs), dim=-1).sin()  # sin is odd: the first half is -sin
         return (cos * self.rope_scale).to(dtype), (signed_sin * self.rope_scale).to(dtype)
@@ -286,19 +305,54 @@ class Transformer(nn.Module):
         weight = self.model.embed_tokens.weight
         return self.model.layers[0].self_attn.backend or attention_backend(weight.device, weight.dtype)
 
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, num_logits: int | None = None) -> torch.Tensor:
-        """Logits (num_logits or T, V) for tokens (T,) at positions [start, start + T), writing them to cache."""
-        return self.compute_logits(tokens, start, cache, num_logits)
+    def compile_steps(self, mode: str | None = None, backend: str = "inductor") -> None:
+        """Run decode steps on caches made static (KVCache.make_static) as fixed-shape compiled graphs.
+
+        mode: torch.compile's mode; "reduce-overhead" captures each graph as a CUDA graph.
+        backend: torch.compile's backend ("aot_eager" traces the same graphs without generating code).
+        """
+        # one graph per padded length (log2 of MAX_STEP_TOKENS + 1 at most) per cache kind, for every compiled
+        # model, all of them recompilations of compute_logits, whose default limit is 8
+        graphs = (MAX_STEP_TOKENS.bit_length() + 1) * 3 * 2
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+        self.fixed_step = torch.compile(
+            self.compute_logits, fullgraph=True, dynamic=False, mode=mode, backend=backend
+        )
+
+    def forward(
+        self, tokens: torch.Tensor, start: int, cache: KVCache, num_logits: int | None = None, decoding: bool = True
+    ) -> torch.Tensor:
+        """Logits (num_logits or T, V) for tokens (T,) at positions [start, start + T), writing them to cache.
+
+        decoding: False for a prefill chunk, which always runs eager (one compiled graph serves no two prompts).
+        """
+        num_tokens = tokens.shape[0]
+        keep = num_logits or num_tokens
+        padded = padded_length(num_tokens)
+        fits = num_tokens <= MAX_STEP_TOKENS and padded <= (cache.max_write or padded)
+        if decoding and self.fixed_step is not None and cache.write_start is not None and fits:
+            cache.prepare(start, num_tokens, padding=padded - num_tokens)
+            tokens = F.pad(tokens, (0, padded - num_tokens))  # padding rows: token 0, written past cache.length
+            positions = torch.arange(start, start + padded, device=tokens.device)
+            with torch.no_grad():  # inductor compiles no code that runs in inference mode
+                logits = self.fixed_step(tokens, positions, cache)
+            # a copy: a CUDA graph's outputs are overwritten by its next replay
+            return logits[num_tokens - keep : num_tokens].clone()
+        with torch.inference_mode():
+            cache.prepare(start, num_tokens)
+            positions = torch.arange(start, start + num_tokens, device=tokens.device)
+            return self.compute_logits(tokens, positions, cache, keep)
 
     def compute_logits(
-        self, tokens: torch.Tensor, start: int, cache: KVCache, num_logits: int | None = None
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, num_logits: int | None = None
     ) -> torch.Tensor:
-        """forward() outside inference mode, the form torch.compile takes (inductor cannot compile code that runs
-        in inference mode); each of its steps compiles with fullgraph=True, without a graph break."""
-        cache.prepare(start, tokens.shape[0])
+        """Logits (num_logits or T, V) for tokens (T,) at positions (T,), on a cache prepared for them.
+
+        The step forward() runs, eager or compiled; a fixed-shape step (the cache prepared with padding) compiles
+        with fullgraph=True, without a graph break, once for every position.
+        """
         x = self.model.embed_tokens(tokens)  # (T, C)
-        cos, sin = self.rotary(start, tokens.shape[0], x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache)
         if num_logits is not None:
