@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
+import torch
 from conftest import fixed_drafts_at_least, random_prompt, save_checkpoint
 from typer.testing import CliRunner
 
@@ -182,10 +183,12 @@ def test_inconsistent_settings_are_refused(changes, message):
 
 
 def test_llama_cpp_joins_the_default_modes_only_where_it_can_run(monkeypatch, pipe):
-    gguf_target = SimpleNamespace(gguf=Path("model.gguf"))
+    gguf_target = SimpleNamespace(gguf=Path("model.gguf"), device=torch.device("cpu"))
     monkeypatch.setattr(triforce_cli.bench.runner, "llama_cpp_available", lambda: True)
     assert default_modes(gguf_target) == (*DEFAULT_MODES, LLAMA_CPP_PEER)
     assert default_modes(pipe.target) == DEFAULT_MODES  # a safetensors target
+    on_a_gpu = SimpleNamespace(gguf=Path("model.gguf"), device=torch.device("cuda"))
+    assert default_modes(on_a_gpu) == DEFAULT_MODES  # the llama.cpp peer runs on the CPU: not a peer there
     monkeypatch.setattr(triforce_cli.bench.runner, "llama_cpp_available", lambda: False)
     assert default_modes(gguf_target) == DEFAULT_MODES
 

@@ -136,6 +136,48 @@ def test_compiled_steps_generate_the_eager_tokens_in_every_mode(sampling):
             assert expected == reference, mode
 
 
+READS = ("tolist", "item", "__int__", "__index__", "__float__", "__bool__")  # what makes the host wait for a GPU
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=1)])
+def test_the_device_is_read_once_per_verification_and_never_while_drafting(sampling, monkeypatch):
+    """TriForce with a model drafter: the reads are the first token's, one per verification, and at most one more
+    where the last token is the target's own sample; the drafter's tokens stay on the device. A read on the CPU
+    is what a synchronisation is on a GPU."""
+    loaded = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
+    config = EngineConfig(
+        budget=32,
+        chunk_size=8,
+        draft_window=24,
+        sink_tokens=4,
+        max_new_tokens=40,
+        sampling=sampling,
+        ngram=False,
+        gamma_policy="fixed",  # the drafter drafts gamma1 = 2 per verification, whatever the clock says
+    )
+    engine = Engine(loaded, config, drafter=loaded)
+    prompt = random_prompt(PROMPT, 64, seed=3)
+    reads = []
+
+    def counted(name: str):
+        method = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return method(self, *args, **kwargs)
+
+        return read
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    result = engine.generate(prompt)
+    monkeypatch.undo()
+    verifications = sum(stats.verifications for stats in result.stats.acceptance)
+    drafted = sum(stats.drafted for stats in result.stats.acceptance if stats.proposer == "drafter")
+    assert drafted > verifications > 0
+    assert 1 + verifications <= len(reads) <= 2 + verifications, reads
+
+
 class TestFlashDecoding:
     """flash_attn_with_kvcache's contract, checked on the CPU by a stand-in that enforces it and computes the
     reference: the same call runs the real kernel on a GPU."""

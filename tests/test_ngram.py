@@ -154,7 +154,17 @@ def test_catching_up_leaves_room_for_the_drafts():
     tier = tier_writing_at_most_4(model)
     tier.step(ids[:7])
     # 3 unseen tokens and 2 drafts: more than one write of 4 takes, but the last prefix token stays with the drafts
-    assert_matches_one_forward(model, ids, tier._forward(ids[:10], ids[10:12]))
+    assert_matches_one_forward(model, ids, tier._forward(ids[:10], None, torch.tensor(ids[10:12])))
+
+
+def test_tokens_left_on_the_device_continue_the_sequence():
+    """A drafter's own tokens stay on the device, unread: the sequence is the host prefix, then those."""
+    model = rich_model(3).loaded.model
+    ids = random_prompt(12, 32, seed=8)
+    tier = tier_writing_at_most_4(model)
+    tier.step(ids[:7])
+    probs = tier._forward(ids[:9], torch.tensor(ids[9:10]), torch.tensor(ids[10:12]))
+    assert_matches_one_forward(model, ids, probs)
 
 
 def test_a_tier_drafts_no_more_than_the_tokens_still_wanted():

@@ -187,13 +187,16 @@ def wrong_verify_draft(draft_tokens, draft_probs, target_probs, generator):
     return Verdict(verdict.accepted, int(sample(target_probs[verdict.accepted][None], generator)))
 
 
-def run_trials(verify, trials: int, seed: int) -> list[list[int]]:
-    """Emitted token sequences (accepted drafts + next token) for `trials` two-token drafts drawn from Q."""
+def run_trials(verify, trials: int, seed: int, device: str = "cpu") -> list[list[int]]:
+    """Emitted token sequences (accepted drafts + next token) for `trials` two-token drafts drawn from Q, verified
+    on device."""
     g = torch.Generator().manual_seed(seed)
     drafts = torch.stack([torch.multinomial(Q[i], trials, replacement=True, generator=g) for i in range(2)], dim=1)
+    verifying = torch.Generator(device=device).manual_seed(seed)
+    q, p = Q.to(device), P.to(device)
     out = []
     for draft in drafts:
-        verdict = verify(draft, Q, P, g)
+        verdict = verify(draft.to(device), q, p, verifying)
         out.append(draft[: verdict.accepted].tolist() + [verdict.next_token])
     return out
 
@@ -215,6 +218,14 @@ def test_verify_draft_is_exact(exact_trials, position):
     """Token at each position (draft, residual resample or bonus) follows p exactly."""
     tokens = [seq[position] for seq in exact_trials if len(seq) > position]
     assert len(tokens) > 1000
+    assert chi_square_p(tokens, P[position]) > P_THRESHOLD
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_verify_draft_is_exact_on_a_gpu(position):
+    tokens = [seq[position] for seq in run_trials(verify_draft, 20000, seed=1234, device="cuda") if len(seq) > position]
     assert chi_square_p(tokens, P[position]) > P_THRESHOLD
 
 

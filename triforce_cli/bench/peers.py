@@ -73,6 +73,8 @@ def hf_generate(
             pad_token_id=model.generation_config.eos_token_id,
             **hf_sampling_kwargs(sampling),
         )
+        if output.is_cuda:
+            torch.cuda.synchronize(output.device)  # the last token's work done before reading the clock
     finished = time.perf_counter()
     first = clock.first_token_at or finished
     return TimedRun(output[0, len(prompt_ids) :].tolist(), first - started, finished - first)

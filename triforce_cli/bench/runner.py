@@ -68,8 +68,9 @@ SPECULATIVE_MODES = tuple(name for name, mode in OUR_MODES.items() if mode.tiers
 
 
 def default_modes(target: LoadedModel) -> tuple[str, ...]:
-    """DEFAULT_MODES, plus llama.cpp where llama-cpp-python is installed and the target is a GGUF file."""
-    if llama_cpp_available() and target.gguf is not None:
+    """DEFAULT_MODES, plus llama.cpp where llama-cpp-python is installed, the target is a GGUF file and runs on the
+    CPU, as the llama.cpp peer does; on a GPU the peers are transformers' on the same GPU."""
+    if llama_cpp_available() and target.gguf is not None and target.device.type == "cpu":
         return (*DEFAULT_MODES, LLAMA_CPP_PEER)
     return DEFAULT_MODES
 
@@ -200,6 +201,7 @@ class Bench:
                 None if role == "target" else self._hf_model("target"),
                 loaded.hf_config,
                 half_weights=loaded.weights == "half",
+                device=target.device,
             )
         return self._hf[role]
 

@@ -290,7 +290,7 @@ class Engine:
                     rounds_since_selection = 0
                 else:
                     caches.retrieval.sync_recent()
-            tokens = step.tokens
+            tokens = step.host_tokens()  # autoregressive decoding reads its token here: one read per token
             stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]

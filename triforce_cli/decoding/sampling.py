@@ -6,7 +6,7 @@ every draft is accepted sample a bonus token from p. Temperature, top-k and top-
 temperature 0 turns both into one-hot argmax distributions, so greedy decoding runs through the same code.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,6 +79,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 class Verdict:
     accepted: int  # leading draft tokens kept
     next_token: int  # the correction after a rejection, or the bonus token
+    drafts: tuple[int, ...] = field(default=(), compare=False)  # the draft tokens, read with the two above
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the verification commits: the accepted drafts, then the next token."""
+        return [*self.drafts[: self.accepted], self.next_token]
 
 
 def verify_draft(
@@ -89,8 +95,9 @@ def verify_draft(
 ) -> Verdict:
     """Speculative sampling of n draft tokens (n,) drawn from draft_probs (n, V) against target_probs (n+1, V).
 
-    Everything stays on the device until one read at the end (how many were accepted, and the next token), so a
-    verification on a GPU waits for the device once.
+    Everything stays on the device until one read at the end (how many were accepted, the next token, and the
+    drafts themselves, which a drafter on the device has not read), so a verification on a GPU waits for the
+    device once.
     """
     n = draft_tokens.shape[0]
     rows = torch.arange(n, device=draft_tokens.device)
@@ -109,8 +116,8 @@ def verify_draft(
         total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), target_probs[accepted]
     )
     next_token = sample(next_probs[None], generator)[0]
-    accepted_count, token = torch.stack([accepted.long(), next_token]).tolist()  # the one read of the device
-    return Verdict(accepted_count, token)
+    accepted_count, token, *drafts = torch.cat([accepted.long()[None], next_token[None], draft_tokens]).tolist()
+    return Verdict(accepted_count, token, tuple(drafts))  # that was the one read of the device
 
 
 def acceptance_probability(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:

@@ -8,13 +8,13 @@ autoregressively. Two tiers give classic speculative decoding, three give TriFor
 arXiv 2404.11912): drafter@StreamingLLM -> target@retrieval -> target@full.
 """
 
-import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
 
 from cache import KVCache
+from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities, sample, verify_draft
 from triforce_cli.decoding.speculation_length import SpeculationLength
 from triforce_cli.runtime.model import Transformer
@@ -22,9 +22,29 @@ from triforce_cli.runtime.model import Transformer
 
 @dataclass
 class Proposal:
-    tokens: list[int]
-    probs: torch.Tensor  # (len(tokens), V): the proposing tier's distribution at each token's position
+    """Tokens proposed to (or committed by) the tier above.
+
+    A tier that samples its tokens itself (the drafter) leaves them on the device, unread: reading them would make
+    the host wait for the device at every drafted token. A verifying tier knows its tokens on the host from its
+    verification's one read, and so does the n-gram proposer.
+    """
+
+    tokens: list[int] | torch.Tensor  # host ids, or (n,) long ids on the device
+    probs: torch.Tensor  # (n, V): the proposing tier's distribution at each token's position
     origins: list[str]  # name of the tier that sampled each token
+
+    def __len__(self) -> int:
+        return len(self.origins)
+
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """The tokens as (n,) long ids on device."""
+        if isinstance(self.tokens, torch.Tensor):
+            return self.tokens.to(device)
+        return torch.tensor(self.tokens, dtype=torch.long, device=device)  # host-to-device copy
+
+    def host_tokens(self) -> list[int]:
+        """The tokens on the host; tokens on the device are read (a wait for the device)."""
+        return self.tokens.tolist() if isinstance(self.tokens, torch.Tensor) else list(self.tokens)
 
 
 @dataclass
@@ -96,7 +116,7 @@ class FallbackProposer:
 
     def propose(self, prefix: list[int], n: int) -> Proposal:
         proposal = self.first.propose(prefix, n)
-        return proposal if proposal.tokens else self.fallback.propose(prefix, n)
+        return proposal if len(proposal) else self.fallback.propose(prefix, n)
 
     def rollback(self, length: int) -> None:
         self.first.rollback(length)
@@ -117,8 +137,10 @@ class ModelTier:
     stats: AcceptanceStats | None = field(default=None)
     shortcut_stats: AcceptanceStats | None = field(default=None)
     length: SpeculationLength = field(init=False)
+    clock: DeviceClock = field(init=False)  # times drafting and verification for the adaptive lengths
 
     def __post_init__(self) -> None:
+        self.clock = DeviceClock(self.model.inv_freq.device)
         if self.proposer is not None and self.stats is None:
             self.stats = AcceptanceStats(self.proposer.name, self.name)
         if self.shortcut is not None and self.shortcut_stats is None:
@@ -137,67 +159,86 @@ class ModelTier:
                 proposer.rollback(length)
 
     def propose(self, prefix: list[int], n: int) -> Proposal:
-        tokens: list[int] = []
+        """n tokens after prefix, each step's tokens joining the sequence the next step continues: on the host
+        while they are known there, else on the device, unread."""
+        known = list(prefix)
+        pending: list[torch.Tensor] = []  # ids on the device, after known
         probs: list[torch.Tensor] = []
         origins: list[str] = []
-        while len(tokens) < n:
-            step = self.step(prefix + tokens, limit=n - len(tokens))
-            tokens += step.tokens
+        while len(origins) < n:
+            unread = torch.cat(pending) if pending else None
+            step = self.step(known, limit=n - len(origins), pending=unread)
+            if isinstance(step.tokens, torch.Tensor) or pending:
+                pending.append(step.ids(self.model.inv_freq.device))
+            else:
+                known += step.tokens
             probs.append(step.probs)
             origins += step.origins
+        tokens = known[len(prefix) :]
+        if pending:  # ids (n,) on the device: the host-known ones first (never, in the tiers built here)
+            head = torch.tensor(tokens, dtype=torch.long, device=pending[0].device)
+            return Proposal(torch.cat([head, *pending]), torch.cat(probs), origins)
         return Proposal(tokens, torch.cat(probs), origins)  # each step returns at most the tokens still wanted
 
-    def _forward(self, prefix: list[int], drafts: list[int]) -> torch.Tensor:
-        """Distributions (len(drafts) + 1, V) at the positions after prefix[-1] and after each draft.
+    def _forward(self, prefix: list[int], pending: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor:
+        """Distributions (len(drafts) + 1, V) at the positions after the sequence's last token and after each draft;
+        the sequence is prefix (host) followed by pending (ids on the device), drafts are (n,) ids on the device.
 
         Committed tokens the cache has not seen yet (drafted by a proposer beside this tier) are fed first, in
-        writes no larger than the cache takes; the last prefix token always stays with the drafts. Under the
-        throughput policy that catching up counts as drafting time of the tier it serves.
+        writes no larger than the cache takes; the last token of the sequence always stays with the drafts. Under
+        the throughput policy that catching up counts as drafting time of the tier it serves.
         """
-        start = min(self.cache.length, len(prefix) - 1)
+        unread = 0 if pending is None else pending.shape[0]
+        length = len(prefix) + unread
+        start = min(self.cache.length, length - 1)
         self.cache.rollback(start)
         device = self.model.inv_freq.device
         step = self.cache.max_write
-        while step is not None and len(prefix) - start + len(drafts) > step and len(prefix) - start > 1:
+        while step is not None and length - start + len(drafts) > step and len(prefix) - 1 - start > 0:
             unseen = prefix[start : start + min(step, len(prefix) - 1 - start)]
             self.model(torch.tensor(unseen, dtype=torch.long, device=device), start, self.cache, num_logits=1)
             start += len(unseen)
-        tokens = torch.tensor(prefix[start:] + drafts, dtype=torch.long, device=device)  # host-to-device copy
-        logits = self.model(tokens, start, self.cache, num_logits=len(drafts) + 1)
+        pieces = [drafts]
+        if unread:
+            pieces.insert(0, pending[max(0, start - len(prefix)) :])
+        if start < len(prefix):
+            pieces.insert(0, torch.tensor(prefix[start:], dtype=torch.long, device=device))  # host-to-device copy
+        logits = self.model(torch.cat(pieces), start, self.cache, num_logits=len(drafts) + 1)
         return probabilities(logits, self.sampling)
 
-    def step(self, prefix: list[int], limit: int | None = None) -> Proposal:
-        """The next tokens of this tier after prefix: one sampled token, or verified drafts plus one.
+    def step(self, prefix: list[int], limit: int | None = None, pending: torch.Tensor | None = None) -> Proposal:
+        """The next tokens of this tier after prefix and pending (ids on the device, unread, after prefix): one
+        sampled token, left on the device, or verified drafts plus one, read on the host.
 
         limit: the most tokens the caller will use. Drafts are asked for no more than limit - 1, since a
         verification adds a token of its own, and a limit of 1 samples from this tier's own forward, so no token
         is computed only to be thrown away.
         """
+        device = self.model.inv_freq.device
         if self.proposer is None or limit == 1:
-            probs = self._forward(prefix, [])
-            # device read: one per token a tier samples itself (the drafter's drafts, autoregressive decoding)
-            return Proposal([int(sample(probs, self.generator))], probs, [self.name])
-        started = time.perf_counter()
+            probs = self._forward(prefix, pending, torch.empty(0, dtype=torch.long, device=device))
+            return Proposal(sample(probs, self.generator), probs, [self.name])  # (1,) on the device, unread
+        if pending is not None:  # a verifying tier's own tokens are read; none is left pending before a draft
+            prefix, pending = prefix + pending.tolist(), None
+        started = self.clock.mark()
         proposer, stats = self.proposer, self.stats
         if self.uses_shortcut_next:
             proposer, stats = self.shortcut, self.shortcut_stats
         asked = self.length.current if limit is None else min(self.length.current, limit - 1)
         draft = proposer.propose(prefix, asked)
-        drafted = time.perf_counter()
-        probs = self._forward(prefix, draft.tokens)  # (len(draft.tokens) + 1, V)
-        device = probs.device
-        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
-        verdict = verify_draft(draft_tokens, draft.probs.to(device), probs, self.generator)  # one device read
-        verified = time.perf_counter()  # after that read, so on a GPU too the verification's work is done
-        stats.drafted += len(draft.tokens)
+        drafted = self.clock.mark()
+        draft_ids = draft.ids(device)
+        probs = self._forward(prefix, None, draft_ids)  # (len(draft) + 1, V)
+        verdict = verify_draft(draft_ids, draft.probs.to(device), probs, self.generator)  # the one device read
+        verified = self.clock.mark()  # after that read, so the verification's work is done
+        stats.drafted += len(draft)
         stats.accepted += verdict.accepted
         stats.verifications += 1
-        stats.rejections += verdict.accepted < len(draft.tokens)
-        self.length.record(len(draft.tokens), verdict.accepted, drafted - started, verified - drafted)
+        stats.rejections += verdict.accepted < len(draft)
+        seconds = self.clock.seconds(started, drafted), self.clock.seconds(drafted, verified)
+        self.length.record(len(draft), verdict.accepted, *seconds)
         kept = len(prefix) + verdict.accepted
         self.rollback(kept)
         return Proposal(
-            draft.tokens[: verdict.accepted] + [verdict.next_token],
-            probs[: verdict.accepted + 1],
-            draft.origins[: verdict.accepted] + [self.name],
+            verdict.tokens, probs[: verdict.accepted + 1], draft.origins[: verdict.accepted] + [self.name]
         )
