@@ -152,7 +152,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 @torch.library.custom_op("triforce::flash_decode", mutates_args=())
-def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, scale: float) -> torch.Tensor:
+def flash_decode(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, scale: float
+) -> torch.Tensor:
     """FlashAttention's decoding kernel (flash_attn_with_kvcache) over a cache layer's whole buffers.
 
     q (Hq, T, D); keys, values (Hkv, S, D) with the T new keys already written at slots [seen - T, seen); seen
@@ -210,7 +212,9 @@ def attention_backend(device: torch.device, dtype: torch.dtype, requested: str =
     dtype, where flash-attn is installed), 'sdpa' (torch scaled_dot_product_attention, anywhere) or 'cpu' (the CPU
     kernels below). 'auto' picks the fastest that runs; a requested one that cannot run is a ValueError saying why.
     """
-    flash_runs = device.type == "cuda" and optional.flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16)
+    flash_runs = (
+        device.type == "cuda" and optional.flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16)
+    )
     if requested == "auto":
         return "flash" if flash_runs else "sdpa" if device.type == "cuda" else "cpu"
     if requested not in ATTENTION_BACKENDS:

@@ -239,6 +239,4 @@ class ModelTier:
         self.length.record(len(draft), verdict.accepted, *seconds)
         kept = len(prefix) + verdict.accepted
         self.rollback(kept)
-        return Proposal(
-            verdict.tokens, probs[: verdict.accepted + 1], draft.origins[: verdict.accepted] + [self.name]
-        )
+        return Proposal(verdict.tokens, probs[: verdict.accepted + 1], draft.origins[: verdict.accepted] + [self.name])

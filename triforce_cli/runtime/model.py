@@ -315,9 +315,7 @@ class Transformer(nn.Module):
         # model, all of them recompilations of compute_logits, whose default limit is 8
         graphs = (MAX_STEP_TOKENS.bit_length() + 1) * 3 * 2
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
-        self.fixed_step = torch.compile(
-            self.compute_logits, fullgraph=True, dynamic=False, mode=mode, backend=backend
-        )
+        self.fixed_step = torch.compile(self.compute_logits, fullgraph=True, dynamic=False, mode=mode, backend=backend)
 
     def forward(
         self, tokens: torch.Tensor, start: int, cache: KVCache, num_logits: int | None = None, decoding: bool = True
