@@ -6,11 +6,22 @@ query against the chunk's mean key and keeps the best chunks that fit the budget
 
 import torch
 
+MEAN_KEY_BLOCK = 1024  # chunks averaged at once
+
 
 def chunk_mean_keys(k: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Mean key of every complete chunk. k (Hkv, L, D) with L a multiple of chunk_size -> (Hkv, L/chunk, D)."""
+    """Mean key of every complete chunk. k (Hkv, L, D) with L a multiple of chunk_size -> float32 (Hkv, L/chunk, D).
+
+    Averaged in float32 MEAN_KEY_BLOCK chunks at a time, so that a 16-bit k is never copied whole to float32 (a
+    layer's keys at 128K tokens, half a gigabyte for a model with 8 KV heads of 128).
+    """
     num_kv_heads, length, head_dim = k.shape
-    return k.reshape(num_kv_heads, length // chunk_size, chunk_size, head_dim).float().mean(dim=2)
+    chunks = k.reshape(num_kv_heads, length // chunk_size, chunk_size, head_dim)
+    means = torch.empty((num_kv_heads, chunks.shape[1], head_dim), dtype=torch.float32, device=k.device)
+    for first in range(0, chunks.shape[1], MEAN_KEY_BLOCK):
+        block = slice(first, first + MEAN_KEY_BLOCK)
+        means[:, block] = chunks[:, block].float().mean(dim=2)
+    return means
 
 
 def score_chunks(q: torch.Tensor, mean_keys: torch.Tensor) -> torch.Tensor:

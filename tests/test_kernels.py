@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import kernels.retrieval
 from kernels import (
     attention,
     attention_reference,
@@ -161,14 +162,17 @@ def test_masking_ignores_future_keys():
 # --- retrieval kernels --------------------------------------------------------------------------------------
 
 
-def test_chunk_mean_keys_matches_loop():
+@pytest.mark.parametrize("block", [1024, 2])  # 2: three chunks averaged in two blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_mean_keys_matches_loop(block, dtype, monkeypatch):
+    monkeypatch.setattr(kernels.retrieval, "MEAN_KEY_BLOCK", block)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(2, 24, HEAD_DIM, generator=g)
+    k = torch.randn(2, 24, HEAD_DIM, generator=g).to(dtype)
     means = chunk_mean_keys(k, 8)
-    assert means.shape == (2, 3, HEAD_DIM)
+    assert means.shape == (2, 3, HEAD_DIM) and means.dtype == torch.float32
     for h in range(2):
         for c in range(3):
-            torch.testing.assert_close(means[h, c], k[h, c * 8 : (c + 1) * 8].mean(dim=0))
+            torch.testing.assert_close(means[h, c], k[h, c * 8 : (c + 1) * 8].float().mean(dim=0))
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1), (6, 2)])

@@ -163,7 +163,7 @@ class Engine:
         if caches.streaming is not None:
             drafter = ModelTier("drafter", self._drafter_model, caches.streaming, sampling, generator)
         if self.uses_ngram:
-            ngram = NGramProposer(model.config.vocab_size, cfg.ngram_max)
+            ngram = NGramProposer(model.config.vocab_size, cfg.ngram_max, device=self.target.device)
             drafter = ngram if drafter is None else FallbackProposer(ngram, drafter)
         # drafter is None without a drafter tier: then the tier it would draft for samples every token itself
         if not cfg.uses_retrieval:

@@ -25,6 +25,7 @@ class NGramProposer:
     max_ngram: int = 3
     min_ngram: int = 1
     name: str = "ngram"
+    device: torch.device | str = "cpu"  # where the tier above verifies: the one-hot rows are built there
     _starts: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)
     _indexed: list[int] = field(default_factory=list, repr=False)
 
@@ -66,8 +67,9 @@ class NGramProposer:
 
     def propose(self, prefix: list[int], n: int) -> Proposal:
         tokens = self.continuation(prefix, n)
-        probs = torch.zeros((len(tokens), self.vocab_size))
-        probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        probs = torch.zeros((len(tokens), self.vocab_size), device=self.device)  # (n, V), never crossing PCIe
+        probs[torch.arange(len(tokens), device=self.device), ids] = 1.0
         return Proposal(tokens, probs, [self.name] * len(tokens))
 
     def rollback(self, length: int) -> None:
