@@ -1,9 +1,31 @@
-"""Full KV cache: every position stored at its own index, preallocated once, no reallocation while decoding."""
+"""Full KV cache: every position stored at its own index, preallocated once, no reallocation while decoding.
+
+Offloaded (offload/kv.py), its storage lives in host memory and a stream object installed as ``stream`` serves
+the forwards on the device; the cache keeps its bookkeeping, and calls the stream where storage is touched.
+"""
+
+from typing import Protocol
 
 import torch
 
 from cache.base import CacheCapacityError, KVCache, put_rows
 from kernels.attention import PackedPrefix, pack_prefix
+
+
+class StorageStream(Protocol):
+    """What serves an offloaded FullCache's forwards on the device (offload.LayerStream)."""
+
+    device_bytes: int
+
+    def begin(self, full: "FullCache", start: int) -> None: ...
+
+    def update(
+        self, full: "FullCache", layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forget_beyond(self, length: int) -> None: ...
+
+    def settle(self) -> None: ...
 
 
 class FullCache(KVCache):
@@ -15,10 +37,12 @@ class FullCache(KVCache):
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ):
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.values = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.stream: StorageStream | None = None  # set by offload.offload_kv
         self.capacity = capacity
         self.length = 0
         # Queries of the last forward, per layer (Hq, T, D), and the position of their first row: the retrieval
@@ -53,10 +77,19 @@ class FullCache(KVCache):
     def rollback(self, length: int) -> None:
         super().rollback(length)
         self._drop_packed_beyond(self.length)
+        if self.stream is not None:
+            self.stream.forget_beyond(self.length)
 
     def reset(self) -> None:
         super().reset()
         self._packed = None
+        if self.stream is not None:
+            self.stream.forget_beyond(0)
+
+    def settle(self) -> None:
+        """Return once reads of keys and values see every write (an offloaded cache writes back asynchronously)."""
+        if self.stream is not None:
+            self.stream.settle()
 
     def make_static(self, num_query_heads: int, max_step: int) -> None:
         """As KVCache.make_static, with room for the queries of steps of up to max_step tokens (padding included),
@@ -76,15 +109,19 @@ class FullCache(KVCache):
         self._write = self._begin_write(start, num_tokens, padding)
         self.query_start = start
         self.length = end
+        if self.stream is not None:
+            self.stream.begin(self, start)
 
     def step_update(self, layer, q, k, v):
         put_rows(self.step_queries, layer, torch.arange(q.shape[1], device=q.device), q)
         return super().step_update(layer, q, k, v)
 
     def update(self, layer, q, k, v):
+        self.queries[layer] = q
+        if self.stream is not None:
+            return self.stream.update(self, layer, k, v)
         self.keys[layer, :, self._write] = k
         self.values[layer, :, self._write] = v
-        self.queries[layer] = q
         return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
 
     def query_at(self, layer: int, position: int) -> torch.Tensor:

@@ -8,6 +8,9 @@ whole in a recent region after the selected chunks, at slot ``budget + position 
 Mean keys are computed once per chunk, when the chunk is complete. ``select_chunks`` re-selects with the query
 the full model computed at the last cached position (the last full verification pass, no extra forward);
 ``sync_recent`` copies the full model's keys/values of newly verified tokens over the middle tier's own.
+
+The full cache's storage may live elsewhere (in host memory, offload/kv.py): selection then gathers the chosen
+chunks there and copies only them, and the mean keys, to this cache's device.
 """
 
 import torch
@@ -18,7 +21,15 @@ from kernels import chunk_mean_keys, gather_chunks, score_chunks, top_chunks
 
 
 class RetrievalCache(KVCache):
-    def __init__(self, full: FullCache, budget: int, chunk_size: int, recent_capacity: int):
+    def __init__(
+        self,
+        full: FullCache,
+        budget: int,
+        chunk_size: int,
+        recent_capacity: int,
+        device: torch.device | str | None = None,
+    ):
+        """device: where this cache lives and the model computes; None: where the full cache's storage is."""
         if budget % chunk_size:
             raise ValueError(f"budget {budget} is not a multiple of chunk size {chunk_size}")
         self.full = full
@@ -26,12 +37,13 @@ class RetrievalCache(KVCache):
         self.chunk_size = chunk_size
         self.recent_capacity = recent_capacity
         num_layers, num_kv_heads, capacity, head_dim = full.keys.shape
+        device = full.keys.device if device is None else device
         shape = (num_layers, num_kv_heads, budget + recent_capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=full.keys.dtype, device=full.keys.device)
+        self.keys = torch.zeros(shape, dtype=full.keys.dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         # one mean key per chunk, in the cache dtype: 1/(2 chunk_size) of the full cache's bytes, scored in float32
         self.mean_keys = torch.zeros(
-            (num_layers, num_kv_heads, capacity // chunk_size, head_dim), dtype=full.keys.dtype, device=full.keys.device
+            (num_layers, num_kv_heads, capacity // chunk_size, head_dim), dtype=full.keys.dtype, device=device
         )
         self.num_mean_keys = 0
         self.chunk_ids: torch.Tensor | None = None  # (layers, Hkv, budget/chunk) after the first selection
@@ -56,10 +68,10 @@ class RetrievalCache(KVCache):
         if complete_chunks <= self.num_mean_keys:
             return
         first, stop = self.num_mean_keys * self.chunk_size, complete_chunks * self.chunk_size
+        self.full.settle()
         for layer in range(self.keys.shape[0]):
-            self.mean_keys[layer, :, self.num_mean_keys : complete_chunks] = chunk_mean_keys(
-                self.full.keys[layer, :, first:stop], self.chunk_size
-            )
+            means = chunk_mean_keys(self.full.keys[layer, :, first:stop], self.chunk_size)
+            self.mean_keys[layer, :, self.num_mean_keys : complete_chunks] = means.to(self.mean_keys.device)
         self.num_mean_keys = complete_chunks
 
     def select_chunks(self) -> None:
@@ -71,11 +83,15 @@ class RetrievalCache(KVCache):
             raise ValueError(f"budget {self.budget} exceeds the {length} cached tokens")
         self._update_mean_keys(complete_chunks)
         ids = []
+        storage = self.full.keys.device
         for layer in range(self.keys.shape[0]):
-            scores = score_chunks(self.full.query_at(layer, length - 1), self.mean_keys[layer, :, :complete_chunks])
+            query = self.full.query_at(layer, length - 1).to(self.mean_keys.device)
+            scores = score_chunks(query, self.mean_keys[layer, :, :complete_chunks])
             chosen = top_chunks(scores, keep)  # (Hkv, keep)
-            self.keys[layer, :, : self.budget] = gather_chunks(self.full.keys[layer], chosen, self.chunk_size)
-            self.values[layer, :, : self.budget] = gather_chunks(self.full.values[layer], chosen, self.chunk_size)
+            at_storage = chosen.to(storage)  # a device read where the storage is in host memory
+            for buffer, source in ((self.keys, self.full.keys), (self.values, self.full.values)):
+                gathered = gather_chunks(source[layer], at_storage, self.chunk_size)
+                buffer[layer, :, : self.budget] = gathered.to(buffer.device)  # only the budget crosses
             ids.append(chosen)
         self.chunk_ids = torch.stack(ids)
         self.selected_until = complete_chunks * self.chunk_size
@@ -89,8 +105,9 @@ class RetrievalCache(KVCache):
             raise CacheCapacityError("recent region of the retrieval cache is full; select chunks again first")
         if stop > start:
             slots = slice(self.budget + start - self.selected_until, self.budget + stop - self.selected_until)
-            self.keys[:, :, slots] = self.full.keys[:, :, start:stop]
-            self.values[:, :, slots] = self.full.values[:, :, start:stop]
+            self.full.settle()
+            self.keys[:, :, slots] = self.full.keys[:, :, start:stop].to(self.keys.device)
+            self.values[:, :, slots] = self.full.values[:, :, start:stop].to(self.values.device)
         self.synced_until = stop
         self.length = stop
 

@@ -90,6 +90,7 @@ class StreamingCache(KVCache):
     def fill_from(self, full: FullCache) -> None:
         """Take the sinks and the recent window from a full cache of the same model, instead of a prefill."""
         self.reset()
+        full.settle()
         length = full.length
         sinks = min(length, self.sink_tokens)
         self.keys[:, :, :sinks] = full.keys[:, :, :sinks]

@@ -416,6 +416,6 @@ class TestMemory:
 
         monkeypatch.setattr(engine_module, "available_memory", lambda device: 1000)
         engine = Engine(small, self.CONFIG)
-        with pytest.raises(ConfigError, match=r"need [\d.]+ KiB, but cpu has 1000 B free: use a shorter prompt"):
+        with pytest.raises(ConfigError, match=r"need [\d.]+ KiB on cpu, which has 1000 B free: use a shorter prompt"):
             engine.generate(list(range(PROMPT)))
         assert engine._caches is None  # nothing was allocated

@@ -71,6 +71,8 @@ def bench(
     weights: o.Weights = "auto",
     attention: o.Attention = "auto",
     compile_steps: o.Compile = None,
+    offload: o.Offload = "none",
+    on_chip_layers: o.OnChipLayers = 0,
     context_window: o.ContextWindow = None,
     forward_costs: o.ForwardCosts = None,
     prompt_cache: o.PromptCache = None,
@@ -110,6 +112,8 @@ def bench(
             gamma2=gamma2,
             refresh_interval=refresh_interval,
             max_new_tokens=max_new_tokens,
+            offload=offload,
+            on_chip_layers=on_chip_layers,
             sampling=sampling,
         )
         pipe = Pipeline.load(

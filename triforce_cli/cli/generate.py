@@ -7,7 +7,7 @@ from rich.console import Console
 
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console, print_note
-from triforce_cli.cli.render import PrefillProgress, TokenStream, print_summary, tier_legend
+from triforce_cli.cli.render import PrefillProgress, TokenStream, memory_plan_line, print_summary, tier_legend
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
@@ -47,6 +47,8 @@ def generate(
     weights: o.Weights = "auto",
     attention: o.Attention = "auto",
     compile_steps: o.Compile = None,
+    offload: o.Offload = "none",
+    on_chip_layers: o.OnChipLayers = 0,
     context_window: o.ContextWindow = None,
     prompt_cache: o.PromptCache = None,
     json_output: o.JsonOutput = False,
@@ -68,6 +70,8 @@ def generate(
             ignore_eos=ignore_eos,
             refresh_interval=refresh_interval,
             ngram=ngram,
+            offload=offload,
+            on_chip_layers=on_chip_layers,
             sampling=sampling,
         )
         text = read_prompt(prompt_file)
@@ -87,10 +91,13 @@ def generate(
         )
         prompt_ids = pipe.encode(text, chat=chat)
         pipe.engine.check_prompt(prompt_ids)
+        plan = pipe.engine.memory_plan(len(prompt_ids))
         if json_output:
             result = pipe.generate_ids(prompt_ids, prompt_cache=prompt_cache)
-            print(json.dumps({"token_ids": result.token_ids, "text": result.text, **as_record(result.stats)}))
+            memory = {"memory": {"device": plan.device, "items": [list(item) for item in plan.items]}}
+            print(json.dumps({"token_ids": result.token_ids, "text": result.text, **as_record(result.stats), **memory}))
         else:
+            print_note(err, memory_plan_line(plan))
             if pipe.engine.drafter_description:
                 print_note(err, f"drafter: {pipe.engine.drafter_description}")
             err.print(tier_legend())

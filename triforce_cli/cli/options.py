@@ -12,13 +12,14 @@ import typer
 
 from kernels import ATTENTION_BACKENDS
 from triforce_cli.bench.runner import ALL_MODES
-from triforce_cli.decoding.config import GAMMA_POLICIES, MODES
+from triforce_cli.decoding.config import GAMMA_POLICIES, MODES, OFFLOAD_CHOICES
 from triforce_cli.decoding.pipeline import DTYPES
 from triforce_cli.runtime.loading import WEIGHT_CHOICES
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_TOKENS = 2**30  # far beyond any context a model or a cache here can hold
 MAX_THREADS = 1024
+MAX_LAYERS = 1024  # decoder layers of any model this runtime loads
 
 
 def parse_token_count(text: str) -> int:
@@ -156,6 +157,14 @@ Ngram = Annotated[
 ]
 RefreshInterval = Annotated[int, typer.Option(min=1, help="Full verifications between retrieval-chunk selections.")]
 MaxNewTokens = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Tokens to generate at most.")]
+Offload = Annotated[
+    Literal[OFFLOAD_CHOICES],
+    typer.Option(help="kv: keep the target's full KV cache in host memory, streamed to the GPU layer by layer."),
+]
+OnChipLayers = Annotated[
+    int,
+    typer.Option(min=0, max=MAX_LAYERS, help="With --offload kv: the first layers whose KV cache stays on the GPU."),
+]
 IgnoreEos = Annotated[
     bool, typer.Option("--ignore-eos", help="Generate --max-new-tokens tokens even past end-of-sequence.")
 ]

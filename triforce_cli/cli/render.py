@@ -14,10 +14,25 @@ from transformers import PreTrainedTokenizerBase
 from triforce_cli.bench.forward_costs import ForwardCost
 from triforce_cli.bench.report import acceptance_text
 from triforce_cli.bench.runner import BenchRow
+from triforce_cli.decoding.engine import MemoryPlan
 from triforce_cli.decoding.stats import GenerationStats
 from triforce_cli.distill.trainer import DistillProgress
+from triforce_cli.runtime.store import human_size
 
 TIER_STYLES = {"ngram": "magenta", "drafter": "green", "retrieval": "yellow", "target": "cyan"}
+
+
+def memory_plan_line(plan: MemoryPlan) -> str:
+    """What a generation holds, and where, as one line: the device's items, then the host's."""
+    parts = []
+    for where, total, items in (
+        (plan.device, plan.device_bytes, [(name, device) for name, device, _ in plan.items]),
+        ("host", plan.host_bytes, [(name, host) for name, _, host in plan.items]),
+    ):
+        held = ", ".join(f"{name} {human_size(size)}" for name, size in items if size)
+        if held:
+            parts.append(f"{where} {human_size(total)} ({held})")
+    return "memory: " + "; ".join(parts)
 
 
 def tier_legend() -> Text:

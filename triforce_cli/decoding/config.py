@@ -35,6 +35,7 @@ MODES = tuple(MODE_TIERS)
 MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs more than it saves
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
+OFFLOAD_CHOICES = ("none", "kv")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class EngineConfig:
     ngram: draft with the training-free n-gram proposer: alone, or first with the model drafter drafting where it
     finds no continuation (speculative.FallbackProposer); None (the default) puts it first wherever a model
     drafter is given, and leaves it out otherwise (Engine.uses_ngram). ngram_max is the longest suffix it matches.
+    offload: ``none`` (every cache on the device) or ``kv`` (the target's full KV cache in host memory, streamed to
+    the device layer by layer for each forward over it, offload/kv.py), with the first ``on_chip_layers`` layers
+    kept on the device.
     """
 
     mode: str = "triforce"
@@ -73,6 +77,8 @@ class EngineConfig:
     ngram: bool | None = None
     ngram_max: int = 3
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
+    offload: str = "none"
+    on_chip_layers: int = 0
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
@@ -112,6 +118,11 @@ class EngineConfig:
             ),
             (self.prefill_chunk > 0, "prefill chunk must be positive"),
             (self.ngram_max > 0, "n-gram length must be positive"),
+            (
+                self.offload in OFFLOAD_CHOICES,
+                f"unknown offload '{self.offload}' (choose from {', '.join(OFFLOAD_CHOICES)})",
+            ),
+            (self.on_chip_layers >= 0, "on-chip layers must not be negative"),
             (not self.ngram or self.uses_drafter, f"--ngram needs a mode with a drafter tier ({drafter_modes})"),
             (0 <= self.sampling.temperature < math.inf, "temperature must be a finite number, 0 or more"),
             (0 < self.sampling.top_p <= 1, "top-p must lie in (0, 1]"),

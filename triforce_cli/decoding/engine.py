@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import FullCache, RetrievalCache, StreamingCache
+from offload import offload_kv
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
@@ -21,11 +22,30 @@ from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.environment import available_memory
 from triforce_cli.runtime.loading import LoadedModel
-from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer
+from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, weight_bytes
 from triforce_cli.runtime.store import human_size
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a generation holds, and where: (what, bytes on the device, bytes in host memory) per item."""
+
+    device: str
+    items: tuple[tuple[str, int, int], ...]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(device for _, device, _ in self.items)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(host for _, _, host in self.items)
+
+    def bytes_of(self, what: str) -> int:
+        return sum(device + host for name, device, host in self.items if name == what)
 
 
 @dataclass
@@ -92,29 +112,67 @@ class Engine:
         streaming = cfg.sink_tokens + cfg.draft_window + max(cfg.prefill_chunk, headroom)
         return full, retrieval, streaming if self.uses_model_drafter else 0
 
-    def cache_bytes(self, prompt_tokens: int) -> int:
-        """Bytes of the caches a generation after prompt_tokens allocates: keys and values of the full, retrieval
-        and StreamingLLM caches, and the retrieval cache's chunk mean keys."""
+    @property
+    def offloaded(self) -> bool:
+        """Whether the full KV cache lives in host memory (EngineConfig.offload): only where that is not the device."""
+        return self.config.offload == "kv"
+
+    def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
+        """What a generation after prompt_tokens holds, and where, before anything is allocated: the models'
+        weights, the full, retrieval and StreamingLLM caches (with the retrieval cache's chunk mean keys), and,
+        offloaded, the device's on-chip layers and two-slot ring."""
         full, retrieval, streaming = self._capacities(prompt_tokens)
         target, draft = self.target.model.config, self._drafter_model.config
-        per_position = 2 * target.num_layers * target.num_kv_heads * target.head_dim  # keys and values
-        mean_keys = per_position // 2 * (full // self.config.chunk_size) if retrieval else 0
-        drafter = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * streaming
-        step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim if self.compiled else 0
-        return (per_position * (full + retrieval) + mean_keys + drafter + step_queries) * self.target.dtype.itemsize
+        itemsize = self.target.dtype.itemsize
+        layer_position = 2 * target.num_kv_heads * target.head_dim * itemsize  # one layer's key and value
+        full_bytes = layer_position * target.num_layers * full
+        mean_keys = layer_position // 2 * target.num_layers * (full // self.config.chunk_size) if retrieval else 0
+        step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * itemsize
+        items = [
+            ("weights", weight_bytes(self.target.model, self._drafter_model), 0),
+            ("retrieval cache", layer_position * target.num_layers * retrieval + mean_keys, 0),
+            ("drafter cache", 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * streaming * itemsize, 0),
+            ("step queries", step_queries if self.compiled and not self.offloaded else 0, 0),
+        ]
+        if self.offloaded:
+            on_chip = min(self.config.on_chip_layers, target.num_layers)
+            ring = min(2, target.num_layers - on_chip)
+            items += [
+                ("full KV cache", 0, full_bytes),
+                ("on-chip layers and ring", layer_position * full * (on_chip + ring), 0),
+            ]
+        else:
+            items.append(("full KV cache", full_bytes, 0))
+        return MemoryPlan(str(self.target.device), tuple(item for item in items if item[1] or item[2]))
+
+    def cache_bytes(self, prompt_tokens: int) -> int:
+        """Bytes of the caches (everything but the weights) a generation after prompt_tokens allocates."""
+        plan = self.memory_plan(prompt_tokens)
+        return plan.device_bytes + plan.host_bytes - plan.bytes_of("weights")
 
     def check_memory(self, prompt_tokens: int) -> None:
-        """A ConfigError with the figures, before any allocation, where the caches cannot fit the device."""
-        needed = self.cache_bytes(prompt_tokens)
-        if self._caches is not None:
-            needed -= self._caches.full.keys.nbytes + self._caches.full.values.nbytes  # freed or reused
-        free = available_memory(self.target.device)
-        if free is not None and needed > free:
-            raise ConfigError(
-                f"the KV caches for {prompt_tokens} prompt tokens and {self.config.max_new_tokens} new ones need"
-                f" {human_size(needed)}, but {self.target.device} has {human_size(free)} free: use a shorter"
-                " prompt, fewer --max-new-tokens, a smaller --budget or a 16-bit --dtype"
-            )
+        """A ConfigError with the figures, before any allocation, where the caches cannot fit the device (or, the
+        full cache offloaded, the host)."""
+        plan = self.memory_plan(prompt_tokens)
+        reused = 0 if self._caches is None else self._caches.full.keys.nbytes + self._caches.full.values.nbytes
+        on_device = plan.device_bytes - plan.bytes_of("weights") - (0 if self.offloaded else reused)
+        host = torch.device("cpu")
+        for where, needed, advice in (
+            (self.target.device, on_device, self._device_advice()),
+            (host, plan.host_bytes - reused, "use a shorter prompt or fewer --max-new-tokens"),
+        ):
+            free = available_memory(where)
+            if needed > 0 and free is not None and needed > free:
+                raise ConfigError(
+                    f"the KV caches for {prompt_tokens} prompt tokens and {self.config.max_new_tokens} new ones need"
+                    f" {human_size(needed)} on {where}, which has {human_size(free)} free: {advice}"
+                )
+
+    def _device_advice(self) -> str:
+        if self.offloaded:
+            return "use fewer --on-chip-layers, a smaller --budget, a shorter prompt or fewer --max-new-tokens"
+        offload = "--offload kv (the full KV cache in host memory), " if self.target.device.type == "cuda" else ""
+        return f"use {offload}a shorter prompt, fewer --max-new-tokens, a smaller --budget or a 16-bit --dtype"
 
     def _allocate(self, prompt_tokens: int) -> _Caches:
         cfg = self.config
@@ -126,14 +184,19 @@ class Engine:
             full = old.full
         else:
             self.check_memory(prompt_tokens)
-            full = FullCache(model.num_layers, model.num_kv_heads, model.head_dim, capacity, dtype, device)
-            if self.compiled:
-                full.make_static(model.num_heads, MAX_STEP_TOKENS)
+            shape = (model.num_layers, model.num_kv_heads, model.head_dim, capacity, dtype)
+            if self.offloaded:
+                full = FullCache(*shape, "cpu", pin_memory=device.type == "cuda")
+                offload_kv(full, device, cfg.on_chip_layers)  # its forwards run eager, on the streamed views
+            else:
+                full = FullCache(*shape, device)
+                if self.compiled:
+                    full.make_static(model.num_heads, MAX_STEP_TOKENS)
         full.reset()
         retrieval = None
         if cfg.uses_retrieval:
             budget = cfg.budget_for(prompt_tokens)
-            retrieval = RetrievalCache(full, budget, cfg.chunk_size, retrieval_capacity - budget)
+            retrieval = RetrievalCache(full, budget, cfg.chunk_size, retrieval_capacity - budget, device)
             if self.compiled:
                 retrieval.make_static()
         streaming = None

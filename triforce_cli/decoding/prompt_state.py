@@ -41,6 +41,7 @@ class PromptState:
     @classmethod
     def capture(cls, full: FullCache, prompt_ids: list[int], last_logits: torch.Tensor) -> "PromptState":
         length = full.length
+        full.settle()
         queries = torch.stack([full.query_at(layer, length - 1) for layer in range(full.keys.shape[0])])
         return cls(
             torch.tensor(prompt_ids, dtype=torch.long),

@@ -21,6 +21,12 @@ class HalfLinear(nn.Module):
         self.packed = pack_half_weight(linear.weight, linear.bias)
 
     @property
+    def packed_bytes(self) -> int:
+        """Bytes of the packed float16 weight (and float32 bias), which are no parameter of the module."""
+        bias = self.out_features * 4 if unpack_half_weight(self.packed)[1] is not None else 0
+        return self.in_features * self.out_features * 2 + bias
+
+    @property
     def weight(self) -> torch.Tensor:
         """The float32 (N, K) weight, with the float16-rounded values this layer computes with."""
         return unpack_half_weight(self.packed)[0]

@@ -361,6 +361,16 @@ class Transformer(nn.Module):
         return spread_over_vocabulary(logits, self.output_ids, self.config.vocab_size)
 
 
+def weight_bytes(*models: nn.Module) -> int:
+    """Bytes of the models' weights, each tensor counted once (a drafter may share the target's embedding), packed
+    weights held outside parameters (their modules' packed_bytes) included."""
+    tensors = {t.data_ptr(): t.nbytes for m in models for t in (*m.parameters(), *m.buffers())}
+    packed = {
+        id(module): module.packed_bytes for m in models for module in m.modules() if hasattr(module, "packed_bytes")
+    }
+    return sum(tensors.values()) + sum(packed.values())
+
+
 def dense_rows(weight: torch.Tensor) -> Linear:
     """A bias-free Linear holding weight (N, K), without initialising it first."""
     rows = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")

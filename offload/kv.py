@@ -1,0 +1,128 @@
+"""The target's full KV cache in host memory, streamed to the device layer by layer (TriForce's offloading).
+
+``offload_kv(full, device)`` transforms a FullCache built on the host: its keys and values (the whole context, in
+pinned memory on a CUDA machine) stay the cache's storage, and a forward over it reads each layer from a two-slot
+ring on the device. While layer i computes from one slot, layer i + 1 is copied into the other on a side stream;
+each copy waits for an event saying the compute that last read its slot is done, and each layer's compute waits
+for the event of its own copy, so the transfer of one layer overlaps the compute of the previous one and nothing
+synchronises the whole device. The new tokens' keys and values are written into the slot and copied back to the
+host asynchronously. ``on_chip_layers`` keeps the first layers' keys and values on the device for good: they need
+no transfer.
+
+The head-major (layers, Hkv, positions, D) layout every cache uses keeps each KV head's prefix one contiguous range,
+so a layer streams as Hkv contiguous asynchronous copies (a copy of a strided range would be staged through
+pageable memory on the host, synchronously); a few copies more per layer cost microseconds against the
+milliseconds a layer's transfer takes. The retrieval cache reads the host storage (RetrievalCache takes its own
+device), so only its budget crosses PCIe; the drafter and its cache never touch the full cache.
+"""
+
+import torch
+
+from cache import FullCache
+from offload.queues import HostQueue, queue_for
+
+
+class LayerStream:
+    """The device side of an offloaded FullCache: the on-chip layers, the ring, and the copies between them and
+    the host storage (see the module docstring). FullCache calls begin() from prepare, update() per layer,
+    forget_beyond() on rollback and settle() before the host storage is read."""
+
+    def __init__(self, full: FullCache, device: torch.device, on_chip_layers: int, queue: HostQueue):
+        num_layers, num_kv_heads, capacity, head_dim = full.keys.shape
+        self.queue = queue
+        self.on_chip = max(0, min(on_chip_layers, num_layers))
+        self.num_layers = num_layers
+        chip_shape = (self.on_chip, num_kv_heads, capacity, head_dim)
+        self.chip_keys = torch.zeros(chip_shape, dtype=full.keys.dtype, device=device)
+        self.chip_values = torch.zeros_like(self.chip_keys)
+        slots = min(2, num_layers - self.on_chip)
+        ring_shape = (slots, num_kv_heads, capacity, head_dim)
+        self.ring_keys = torch.zeros(ring_shape, dtype=full.keys.dtype, device=device)
+        self.ring_values = torch.zeros_like(self.ring_keys)
+        self.chip_valid = 0  # positions the on-chip layers hold as the host does
+        self._prefix = 0  # positions before the prepared write: what a forward streams
+        self._copied: dict[int, object] = {}  # offloaded layer -> event of its copy into its slot
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.nbytes for t in (self.chip_keys, self.chip_values, self.ring_keys, self.ring_values))
+
+    def slot(self, layer: int) -> int:
+        return (layer - self.on_chip) % 2
+
+    def begin(self, full: FullCache, start: int) -> None:
+        """A forward writes from start: bring the on-chip layers up to start, and start copying the first
+        offloaded layer's prefix [0, start)."""
+        self._prefix = start
+        if self.chip_valid < start:  # after a restore from a saved prompt, or a reset
+            stale = slice(self.chip_valid, start)
+            for layer in range(self.on_chip):
+                self._copy_heads(self.chip_keys[layer], full.keys[layer], stale)
+                self._copy_heads(self.chip_values[layer], full.values[layer], stale)
+            self.queue.wait("compute", self.queue.record("copy"))
+            self.chip_valid = start
+        self._copied.clear()
+        if self.on_chip < self.num_layers:
+            self._fetch(full, self.on_chip)
+
+    def _copy_heads(self, dst: torch.Tensor, src: torch.Tensor, positions: slice) -> None:
+        """(Hkv, S, D) dst[:, positions] = src[:, positions], one contiguous copy per KV head."""
+        for head in range(src.shape[0]):
+            self.queue.copy(dst[head, positions], src[head, positions])
+
+    def _fetch(self, full: FullCache, layer: int) -> None:
+        """Copy layer's prefix into its slot once the compute queued so far (the last reader of the slot) is done."""
+        self.queue.wait("copy", self.queue.record("compute"))
+        slot, prefix = self.slot(layer), slice(0, self._prefix)
+        self._copy_heads(self.ring_keys[slot], full.keys[layer], prefix)
+        self._copy_heads(self.ring_values[slot], full.values[layer], prefix)
+        self._copied[layer] = self.queue.record("copy")
+
+    def update(
+        self, full: FullCache, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FullCache.update for layer: store k, v (Hkv, T, D) on the device and back on the host; return the
+        (Hkv, L, D) device views attention reads."""
+        write = full._write
+        if layer < self.on_chip:
+            keys, values = self.chip_keys[layer], self.chip_values[layer]
+        else:
+            self.queue.wait("compute", self._copied.pop(layer))  # the layer's prefix is on the device
+            if layer + 1 < self.num_layers:
+                self._fetch(full, layer + 1)  # into the slot layer - 1 read, whose compute is queued by now
+            keys, values = self.ring_keys[self.slot(layer)], self.ring_values[self.slot(layer)]
+        keys[:, write] = k
+        values[:, write] = v
+        if layer == self.on_chip - 1:
+            self.chip_valid = write.stop
+        self.queue.wait("copy", self.queue.record("compute"))  # the new rows are written
+        self._copy_heads(full.keys[layer], keys, write)
+        self._copy_heads(full.values[layer], values, write)
+        return keys[:, : write.stop], values[:, : write.stop]
+
+    def forget_beyond(self, length: int) -> None:
+        self.chip_valid = min(self.chip_valid, length)
+
+    def settle(self) -> None:
+        """Return once the host storage holds every write (the copies back are asynchronous)."""
+        self.queue.settle()
+
+
+def offload_kv(
+    full: FullCache, device: torch.device, on_chip_layers: int = 0, queue: HostQueue | None = None
+) -> LayerStream:
+    """Serve full's forwards on device from its host storage, streaming layer by layer (module docstring).
+
+    Args:
+        full: a FullCache built on the host (pinned memory where CUDA is there, FullCache's pin_memory).
+        device: where the model computes.
+        on_chip_layers: the first layers kept on the device, never streamed.
+        queue: streams and events for the copies; by default CUDA's on a GPU, the host's (no-ops) on the CPU.
+    Returns:
+        The stream now installed as full.stream.
+    """
+    if full.keys.device.type != "cpu":
+        raise ValueError(f"an offloaded full cache lives in host memory, not on {full.keys.device}")
+    stream = LayerStream(full, torch.device(device), on_chip_layers, queue or queue_for(torch.device(device)))
+    full.stream = stream
+    return stream
