@@ -171,3 +171,18 @@ def test_generate_prints_the_memory_plan_and_offloads_on_request(tmp_path):
     assert "host" not in runs["none"].stderr.splitlines()[0]
     plan = runs["kv"].stderr.splitlines()[0]
     assert plan.startswith("memory: cpu ") and "host " in plan and "full KV cache" in plan.split("host ")[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
+def test_offloaded_generation_on_a_gpu_gives_the_tokens_of_the_device_cache(sampling):
+    """Real CUDA streams and events, host storage in pinned memory."""
+    model = loaded_model()
+    model.model.to("cuda")
+    prompt = random_prompt(PROMPT, 64, seed=3)
+    for mode in MODES:
+        expected = Engine(model, config(mode, sampling)).generate(prompt).token_ids
+        engine = Engine(model, config(mode, sampling, offload="kv", on_chip_layers=1))
+        assert engine.generate(prompt).token_ids == expected, mode
+        assert engine._caches.full.keys.is_pinned()
