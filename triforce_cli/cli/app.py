@@ -13,6 +13,7 @@ from triforce_cli.cli.console import INTERRUPTED, print_error
 from triforce_cli.cli.distill import distill
 from triforce_cli.cli.generate import generate
 from triforce_cli.cli.info import info
+from triforce_cli.cli.plan import plan
 from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
 
 # click's exceptions, wherever this typer takes click from (recent versions carry their own copy)
@@ -61,4 +62,5 @@ app.command()(generate)
 app.command()(bench)
 app.command()(distill)
 app.command()(info)
+app.command()(plan)
 app.add_typer(cache_app, name="cache")
