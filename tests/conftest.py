@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 import triforce_cli.decoding.pipeline
 from cache import FullCache
+from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer
 
@@ -64,6 +65,13 @@ def llama_config(
     )
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def small_config(**changes) -> EngineConfig:
+    """Engine settings for a 64-token prompt of a tiny model: a 32-token budget of 8-token chunks, a 24-token
+    drafter window after 4 sinks, 24 new tokens; changes override any of them."""
+    settings = {"budget": 32, "chunk_size": 8, "draft_window": 24, "sink_tokens": 4, "max_new_tokens": 24}
+    return EngineConfig(**{**settings, **changes})
 
 
 def full_cache_for(model: Transformer, capacity: int = 256) -> FullCache:

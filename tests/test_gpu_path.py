@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from conftest import full_cache_for, llama_config, make_model, random_prompt, wrap
+from conftest import full_cache_for, llama_config, make_model, random_prompt, small_config, wrap
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from transformers import LlamaForCausalLM
@@ -124,9 +124,7 @@ def test_compiled_steps_generate_the_eager_tokens_in_every_mode(sampling):
     prompt = random_prompt(PROMPT, 64, seed=3)
     reference = None
     for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
-        config = EngineConfig(
-            mode=mode, budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=24, sampling=sampling
-        )
+        config = small_config(mode=mode, sampling=sampling)
         expected = Engine(eager, config).generate(prompt).token_ids
         engine = Engine(compiled, config)
         assert engine.compiled
@@ -145,11 +143,7 @@ def test_the_device_is_read_once_per_verification_and_never_while_drafting(sampl
     where the last token is the target's own sample; the drafter's tokens stay on the device. A read on the CPU
     is what a synchronisation is on a GPU."""
     loaded = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
-    config = EngineConfig(
-        budget=32,
-        chunk_size=8,
-        draft_window=24,
-        sink_tokens=4,
+    config = small_config(
         max_new_tokens=40,
         sampling=sampling,
         ngram=False,
@@ -215,9 +209,7 @@ class TestFlashDecoding:
         eager = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False)
         compiled = compiled_model()
         compiled.model.use_attention("flash")
-        config = EngineConfig(
-            budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=16, sampling=greedy
-        )
+        config = small_config(max_new_tokens=16, sampling=greedy)
         prompt = random_prompt(PROMPT, 64, seed=6)
         expected = Engine(eager.loaded, config).generate(prompt).token_ids
         assert Engine(compiled, config).generate(prompt).token_ids == expected
@@ -263,9 +255,7 @@ def test_greedy_modes_agree_on_sdpa(small):
             prompt
         )
         for mode in ("retrieval", "streaming", "triforce"):
-            config = EngineConfig(
-                mode=mode, budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=24, sampling=greedy
-            )
+            config = small_config(mode=mode, sampling=greedy)
             assert Engine(model, config).generate(prompt).token_ids == expected.token_ids, mode
     finally:
         model.model.use_attention("cpu")
@@ -360,9 +350,7 @@ class TestOnAGpu:
         eager, graphed = self.gpu_model(), self.gpu_model(compiled=True)
         prompt = random_prompt(PROMPT, 64, seed=3)
         for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
-            config = EngineConfig(
-                mode=mode, budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=24, sampling=greedy
-            )
+            config = small_config(mode=mode, sampling=greedy)
             expected = Engine(eager, config).generate(prompt).token_ids
             assert Engine(graphed, config).generate(prompt).token_ids == expected, mode
 
@@ -392,14 +380,12 @@ class TestOnAGpu:
         expected = Engine(model, EngineConfig(mode="autoregressive", max_new_tokens=24, sampling=greedy)).generate(
             prompt
         )
-        config = EngineConfig(
-            budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=24, sampling=greedy
-        )
+        config = small_config(max_new_tokens=24, sampling=greedy)
         assert Engine(model, config).generate(prompt).token_ids == expected.token_ids
 
 
 class TestMemory:
-    CONFIG = EngineConfig(budget=32, chunk_size=8, draft_window=24, sink_tokens=4, max_new_tokens=16)
+    CONFIG = small_config(max_new_tokens=16)
 
     def test_cache_bytes_are_what_the_caches_allocate(self, small):
         engine = Engine(small, self.CONFIG, drafter=small)

@@ -3,7 +3,7 @@ order a GPU can overlap, checked with a queue that defers every copy until somet
 
 import pytest
 import torch
-from conftest import make_model, random_prompt
+from conftest import make_model, random_prompt, small_config
 
 from cache import FullCache
 from offload import HostQueue, offload_kv
@@ -57,17 +57,7 @@ def loaded_model():
 
 
 def config(mode: str, sampling: SamplingConfig, **changes) -> EngineConfig:
-    return EngineConfig(
-        mode=mode,
-        budget=32,
-        chunk_size=8,
-        draft_window=24,
-        sink_tokens=4,
-        max_new_tokens=24,
-        sampling=sampling,
-        gamma_policy="fixed",
-        **changes,
-    )
+    return small_config(mode=mode, sampling=sampling, gamma_policy="fixed", **changes)
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
