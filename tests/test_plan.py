@@ -1,0 +1,287 @@
+"""`triforce plan`: the memory it predicts is what the engine allocates, offloading moves the full KV cache to the
+host, latency behaves as the cost model says, and every input ends in a table, a JSON object or one `error:` line.
+
+The this-cpu measurement is replaced by fixed figures in every test (no timing here)."""
+
+import json
+from dataclasses import replace
+from itertools import pairwise
+
+import pytest
+import torch
+from conftest import StubTokenizer
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+import triforce_cli.plan.measure
+from triforce_cli.cli.app import app
+from triforce_cli.decoding.config import MODES, EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.plan import DEFAULT_ACCEPTANCE, MODELS, Acceptance, Hardware, Workload, plan
+from triforce_cli.plan.model import RING_LAYERS, ModelShape
+from triforce_cli.plan.presets import GIB, HARDWARE, SMOLLM2_135M, SMOLLM2_135M_DRAFTER
+from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
+from triforce_cli.runtime.loading import LoadedModel
+from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig, Transformer
+
+FAKE_CPU = Hardware(
+    name="this-cpu",
+    memory_bytes=16 * GIB,
+    bandwidth=20e9,
+    pcie=20e9,
+    flops=100e9,
+    layer_overhead_s=100e-6,
+    measured=True,
+)
+ROW_KEYS = {"mode", "offload", "ms_per_token", "device_bytes", "host_bytes", "fits", "on_chip_layers"}
+DEFAULTS = EngineConfig()
+
+
+@pytest.fixture(autouse=True)
+def no_timing(monkeypatch):
+    monkeypatch.setattr(triforce_cli.plan.measure, "measure_this_cpu", lambda: FAKE_CPU)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["plan", *args], env={"COLUMNS": "80"})
+
+
+def plan_json(*args: str) -> dict:
+    result = invoke(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def row(payload: dict, mode: str, offload: str) -> dict:
+    return next(r for r in payload["rows"] if (r["mode"], r["offload"]) == (mode, offload))
+
+
+def predict(model: str, hardware: Hardware, context: int, acceptance=DEFAULT_ACCEPTANCE, **engine):
+    preset = MODELS[model]
+    workload = Workload(context=context, engine=EngineConfig(**engine), acceptance=acceptance, dtype_bytes=2)
+    return plan(target=preset.target, drafter=preset.drafter, hardware=hardware, workload=workload)
+
+
+def kv_bytes(shape: ModelShape, positions: int, size: int = 2) -> int:
+    """Keys and values of every layer, by hand."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * positions * size
+
+
+class TestJson:
+    def test_a_row_per_mode_and_offload_with_the_keys(self):
+        payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
+        assert payload["prediction"] is True
+        assert {(r["mode"], r["offload"]) for r in payload["rows"]} == {(m, o) for m in MODES for o in ("none", "kv")}
+        assert len(payload["rows"]) == 2 * len(MODES)
+        for r in payload["rows"]:
+            assert ROW_KEYS <= set(r) and r["ms_per_token"] > 0
+        assert {"mode", "offload", "budget", "gamma1", "gamma2", "on_chip_layers"} <= set(payload["recommendation"])
+
+    def test_offload_kv_moves_the_full_kv_cache_to_the_host_less_the_on_chip_layers(self):
+        """Device bytes drop by the full KV cache, less the layers kept on chip and the two-layer ring an
+        offloaded forward stages the others in (and the compiled steps' query buffers, which run eager
+        offloaded); the host holds the whole cache."""
+        target = MODELS["Llama-3.1-8B"].target
+        payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
+        headroom = 2 * (DEFAULTS.gamma1 + DEFAULTS.gamma2 + 2)  # doubled by CUDA graphs
+        full = kv_bytes(target, 131072 + DEFAULTS.max_new_tokens + headroom)
+        step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * 2
+        for mode in MODES:
+            none, kv = row(payload, mode, "none"), row(payload, mode, "kv")
+            assert none["host_bytes"] == 0 and kv["host_bytes"] == full
+            staged = kv["on_chip_layers"] + min(RING_LAYERS, target.num_layers - kv["on_chip_layers"])
+            assert none["device_bytes"] - kv["device_bytes"] == full + step_queries - staged * full // 32
+
+
+class TestMemory:
+    def test_preset_shapes_are_the_runtimes_models(self):
+        """The embedded preset's parameters are those our Transformer builds, and the drafter preset is the shipped
+        drafter's config.json with its restricted output layer."""
+        hf = AutoConfig.from_pretrained(EMBEDDED_DRAFTER)
+        shipped = ModelShape.from_config(name=SMOLLM2_135M_DRAFTER.name, config=ModelConfig.from_hf(hf))
+        assert replace(SMOLLM2_135M_DRAFTER, output_vocab=None) == shipped
+        assert SMOLLM2_135M_DRAFTER.output_vocab == len(hf.triforce_drafter["output_ids"])
+        with torch.device("meta"):
+            drafter = Transformer.from_hf_config(hf)
+            drafter.restrict_output(torch.tensor(hf.triforce_drafter["output_ids"]))
+            target = Transformer.from_hf_config(hf_config(SMOLLM2_135M))
+        assert SMOLLM2_135M_DRAFTER.parameters == sum(p.numel() for p in drafter.parameters())
+        assert SMOLLM2_135M.parameters == sum(p.numel() for p in target.parameters()) == 134_515_008
+
+    @pytest.mark.parametrize("mode", MODES)
+    def test_embedded_memory_is_the_engines_memory_plan(self, mode):
+        """Every cache, on the device or in host memory, as Engine.memory_plan sizes it, with the KV cache on the
+        device and offloaded with the on-chip layers the planner finds room for (some, not all, in 850 MiB)."""
+        hf = AutoConfig.from_pretrained(EMBEDDED_DRAFTER)
+        with torch.device("meta"):  # float32, as on a CPU; nothing allocated
+            target = loaded(Transformer.from_hf_config(hf_config(SMOLLM2_135M)), hf_config(SMOLLM2_135M))
+            drafter = loaded(Transformer.from_hf_config(hf), hf)
+        workload = Workload(
+            context=7680,
+            engine=EngineConfig(mode=mode, budget=2048),
+            acceptance=Acceptance(draft=0.5, retrieval=0.9),
+            dtype_bytes=4,
+        )
+        small = replace(HARDWARE["rtx-4090"], memory_bytes=850 * 2**20, cuda_graphs=False)
+        prediction = plan(target=SMOLLM2_135M, drafter=SMOLLM2_135M_DRAFTER, hardware=small, workload=workload)
+        for offload in ("none", "kv"):
+            row = prediction.row(mode, offload)
+            config = replace(workload.engine, offload=offload, on_chip_layers=row.on_chip_layers)
+            engine_plan = Engine(target, config, drafter).memory_plan(7680)
+            expected = {what: (device, host) for what, device, host in engine_plan.items if what != "weights"}
+            assert {i.what: (i.device_bytes, i.host_bytes) for i in row.memory if "weights" not in i.what} == expected
+        assert 0 < prediction.row(mode, "kv").on_chip_layers < SMOLLM2_135M.num_layers
+
+    def test_llama_3_1_8b_at_128k_needs_offloading_on_an_rtx_4090(self):
+        payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
+        none, kv = row(payload, "triforce", "none"), row(payload, "triforce", "kv")
+        weights, cache = none["memory"]["target weights"]["device"], none["memory"]["full KV cache"]["device"]
+        assert 16.0e9 < weights < 16.1e9 and 17.1e9 < cache < 17.3e9  # 8.03B parameters; 128 KiB per position
+        assert not none["fits"] and kv["fits"] and 0 < kv["on_chip_layers"] < 32
+        assert kv["device_bytes"] <= 24 * GIB < none["device_bytes"]
+        assert payload["recommendation"]["offload"] == "kv" and payload["recommendation"]["fits"]
+
+    def test_offload_none_is_recommended_where_it_fits(self):
+        advice = plan_json("--model", "SmolLM2-135M", "--hardware", "a100-80gb", "--context", "32k")["recommendation"]
+        assert advice["offload"] == "none" and advice["fits"] and advice["on_chip_layers"] == 0
+
+    def test_two_gpus_hold_what_one_cannot(self):
+        """Tensor parallel: weights and KV heads split, the drafter whole on each GPU, forwards faster."""
+        one = predict("Llama-2-7B-128K", HARDWARE["rtx-4090"], 65536)
+        two = predict("Llama-2-7B-128K", replace(HARDWARE["rtx-4090"], gpus=2, link=25e9, all_reduce_s=30e-6), 65536)
+        single, split = one.row("triforce", "none"), two.row("triforce", "none")
+        assert not single.fits and split.fits
+        drafter = {i.what: i.device_bytes for i in single.memory if i.what.startswith("drafter")}
+        assert split.device_bytes - single.device_bytes == sum(drafter.values())  # one more copy of the drafter
+        assert split.full_ms < single.full_ms
+
+
+class TestLatency:
+    @pytest.mark.parametrize("hardware", ["rtx-4090", "a100-80gb"])
+    def test_latency_grows_with_context(self, hardware):
+        rows = [predict("Llama-2-7B-128K", HARDWARE[hardware], context).rows for context in (8192, 32768, 131072)]
+        for shorter, longer in pairwise(rows):
+            for a, b in zip(shorter, longer):
+                assert (a.mode, a.offload) == (b.mode, b.offload) and a.ms_per_token < b.ms_per_token
+
+    def test_more_acceptance_lowers_triforce_latency(self):
+        def triforce_ms(draft: float, retrieval: float) -> float:
+            acceptance = Acceptance(draft=draft, retrieval=retrieval)
+            prediction = predict("Llama-2-7B-128K", HARDWARE["rtx-4090"], 131072, acceptance, budget=4096)
+            return prediction.row("triforce", "kv").ms_per_token
+
+        assert triforce_ms(0.45, 0.95) < triforce_ms(0.45, 0.85)
+        assert triforce_ms(0.7, 0.9) < triforce_ms(0.3, 0.9)
+
+    def test_tokens_per_pass_follow_the_acceptance_formula(self):
+        prediction = predict("Qwen2-7B", HARDWARE["h100"], 32768, Acceptance(draft=0.5, retrieval=0.8), gamma2=5)
+        assert prediction.row("triforce", "none").tokens_per_pass == pytest.approx((1 - 0.8**6) / (1 - 0.8))
+        assert prediction.row("streaming", "none").tokens_per_pass == pytest.approx((1 - 0.5**3) / (1 - 0.5))
+        assert prediction.row("autoregressive", "none").tokens_per_pass == 1
+
+    def test_offloaded_full_verification_is_bound_by_pcie(self):
+        """Llama-2-7B at 128K on one RTX 4090: the streamed layers cross PCIe at 25 GB/s, overlapped with compute."""
+        kv = predict("Llama-2-7B-128K", HARDWARE["rtx-4090"], 131072).row("autoregressive", "kv")
+        streamed = 32 - kv.on_chip_layers
+        assert kv.transfer_ms == pytest.approx(1e3 * streamed * 131072 * 2 * 32 * 128 * 2 / 25e9)
+        assert kv.transfer_ms < kv.full_ms < kv.transfer_ms * 1.05
+
+
+class TestCommandLine:
+    def test_a_local_config_json(self, tmp_path):
+        config = LlamaConfig(
+            vocab_size=1000,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+        )
+        folder = tmp_path / "tiny-llama"
+        config.save_pretrained(folder)
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+        for given in (folder, folder / "config.json"):
+            payload = plan_json("--model", str(given), "--hardware", "h100", "--context", "4k")
+            assert payload["model"]["name"] == "tiny-llama" and payload["model"]["parameters"] == parameters
+            target = row(payload, "autoregressive", "none")["memory"]["full KV cache"]["device"]
+            assert target == 2 * 4 * 2 * 32 * (4096 + DEFAULTS.max_new_tokens + 2 * DEFAULTS.speculation_depth) * 2
+
+    def test_this_cpu_is_the_measured_machine(self):
+        payload = plan_json("--context", "2k")
+        assert payload["model"]["name"] == SMOLLM2_135M.name
+        assert payload["hardware"]["measured"] and payload["hardware"]["bandwidth_gbs"] == 20
+        assert payload["hardware"]["pcie_gbs"] == 20  # host and device are one
+
+    def test_figures_override_a_preset(self):
+        hardware = plan_json("--hardware", "h100", "--context", "8k", "--memory-gb", "40", "--pcie-gbs", "12.5")[
+            "hardware"
+        ]
+        assert hardware["memory_bytes_per_device"] == 40 * GIB and hardware["pcie_gbs"] == 12.5
+        assert hardware["bandwidth_gbs"] == 3350 and not hardware["measured"]
+        two = plan_json("--hardware", "h100", "--context", "8k", "--gpus", "2")["hardware"]
+        assert two["gpus"] == 2 and two["link_gbs"] == 50 and two["all_reduce_us"] > 0  # linked over PCIe
+
+    @pytest.mark.parametrize(
+        ("args", "fragment"),
+        [
+            (("--model", "Llama-9", "--context", "8k"), "error: unknown model 'Llama-9'"),
+            (("--hardware", "rtx-5090", "--context", "8k"), "error: Invalid value for '--hardware'"),
+            (("--context", "abc"), "error: Invalid value for '--context'"),
+            (("--context", "0"), "error: Invalid value for '--context'"),
+            (("--context", "2k", "--budget", "4k"), "error: budget 4096 is larger than the prompt"),
+            (("--context", "2k", "--budget", "1000"), "error: budget 1000 is not a multiple of chunk size 16"),
+            (("--context", "2k", "--acceptance-draft", "1.5"), "error: Invalid value for '--acceptance-draft'"),
+            (("--context", "2k", "--memory-gb", "nan"), "error: Invalid value for '--memory-gb'"),
+            (("--context", "2k", "--gpus", "2"), "error: --gpus 2 needs a GPU machine"),
+            (("--context", "2k", "--plot", "latency.txt"), "error: --plot writes a PNG"),
+            (("--hardware", "h100"), "error: Missing option '--context'"),
+        ],
+    )
+    def test_bad_input_is_one_error_line(self, args, fragment):
+        result = invoke(*args)
+        assert result.exit_code != 0 and "Traceback" not in result.output
+        assert result.stderr.strip().startswith(fragment) and result.stderr.count("\n") == 1, result.stderr
+
+    def test_a_model_folder_without_a_config_is_one_error_line(self, tmp_path):
+        result = invoke("--model", str(tmp_path), "--hardware", "h100", "--context", "8k")
+        assert result.exit_code == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+    @pytest.mark.parametrize(
+        "args",
+        [
+            ("--model", "Llama-2-7B-128K", "--hardware", "2x-rtx-4090", "--context", "128k"),
+            ("--model", "Qwen2-7B", "--hardware", "rtx-4090", "--context", "1000k", "--budget", "16k"),
+            ("--context", "7.5k"),
+        ],
+    )
+    def test_table_fits_80_columns(self, args):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+        assert "predicted" in result.stdout and ("recommended" in result.stdout or "nothing fits" in result.stdout)
+        assert "…" not in result.stdout
+        assert max(len(line) for line in result.stdout.splitlines()) <= 80
+
+    def test_plot_writes_a_png(self, tmp_path):
+        pytest.importorskip("matplotlib")
+        path = tmp_path / "latency.png"
+        result = invoke("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k", "--plot", str(path))
+        assert result.exit_code == 0, result.output
+        assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def hf_config(shape: ModelShape) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tie_word_embeddings,
+    )
+
+
+def loaded(model: Transformer, hf) -> LoadedModel:
+    return LoadedModel("meta", model, StubTokenizer(model.config.vocab_size), hf)

@@ -1,0 +1,571 @@
+"""The cost model of `triforce plan`: bytes moved and FLOPs per forward, per tier and per mode, and memory per device.
+
+Every figure is a prediction from a model's shape and a machine's figures, never a measurement (docs/planner.md).
+
+A forward of T tokens over a cache of L positions reads the weights once and the keys and values it attends to once,
+and computes about 2 * parameters * T FLOPs plus 4 * heads * head_dim * L * T for attention (a product of queries
+and keys, one of weights and values, two FLOPs per multiply-add). Per decoder layer it takes
+max(bytes / bandwidth, FLOPs / FLOP/s), plus a fixed cost per layer (kernel launches, Python), plus, over N devices
+in tensor parallel, two all-reduces of the hidden states. With the full KV cache offloaded, each layer not kept on
+the device also streams its keys and values over PCIe while the previous layer computes:
+max(compute, transfer) per layer, summed.
+
+TriForce's tiers: a drafter on a StreamingLLM cache drafts gamma1 tokens, the target on the retrieval cache
+(budget plus recent positions) verifies them until it has gamma2 tokens, and the target on the full cache verifies
+those. A verification of g drafts, each accepted with probability a, yields (1 - a^(g+1)) / (1 - a) tokens; a mode's
+latency per token is the cost of one pass of its top tier (the drafting beneath it included) over the tokens that
+pass yields.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+from triforce_cli.decoding.config import MODE_TIERS, MODES, OFFLOAD_CHOICES, EngineConfig
+from triforce_cli.decoding.speculation_length import expected_tokens
+from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig
+
+RING_LAYERS = 2  # layers of keys and values an offloaded forward stages on the device (offload/kv.py's ring)
+# budgets the recommendation tries: from the engine's default, at which this tool measured its acceptance, up past
+# the TriForce paper's 4K, 8K and 12K
+BUDGET_CANDIDATES = (1024, 2048, 4096, 8192, 12288, 16384)
+BUDGET_TOLERANCE = 0.05  # a larger budget is recommended while it predicts at most this much more latency
+GAMMA1_SEARCH = 8  # drafter tokens per retrieval verification tried by the recommendation: 1..this
+GAMMA2_SEARCH = 64  # tokens per full verification tried: 1..this (EngineConfig's ceiling)
+SWEEP_START = 1024  # shortest context of the latency curve (--plot)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-family decoder that decide its bytes and FLOPs.
+
+    output_vocab: tokens the output layer computes logits for, where a drafter's is restricted to the most frequent
+    ones (Transformer.restrict_output); None for the whole vocabulary.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    output_vocab: int | None = None
+
+    @classmethod
+    def from_config(cls, *, name: str, config: ModelConfig) -> "ModelShape":
+        """The shape of a model the runtime reads (runtime.model.ModelConfig, from a config.json)."""
+        return cls(
+            name=name,
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=config.tie_word_embeddings,
+            attention_bias=config.attention_bias,
+        )
+
+    @property
+    def logits_vocab(self) -> int:
+        return self.output_vocab or self.vocab_size
+
+    @property
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer: q, k, v and output projections, the gated MLP, two norms."""
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        attention = self.hidden_size * qkv_rows + self.num_heads * self.head_dim * self.hidden_size
+        bias = qkv_rows if self.attention_bias else 0
+        return attention + bias + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    @property
+    def output_parameters(self) -> int:
+        """Parameters a forward reads after the layers: the final norm and the output layer's rows."""
+        return self.hidden_size + self.logits_vocab * self.hidden_size
+
+    @property
+    def parameters(self) -> int:
+        """Parameters held: the layers, the embedding table and an output layer of its own unless it is the table."""
+        shares_table = self.tie_word_embeddings and self.output_vocab is None
+        output = self.hidden_size if shares_table else self.output_parameters
+        return self.num_layers * self.layer_parameters + self.vocab_size * self.hidden_size + output
+
+    def kv_elements(self, positions: int) -> int:
+        """Key and value elements of every layer for this many positions."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * positions
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A machine's figures: per device (one GPU, or the CPU), bytes per second and FLOP/s.
+
+    memory_bytes: memory of one device. bandwidth: its memory's bytes/s. pcie: host-to-device bytes/s, the link an
+    offloaded KV cache crosses (the memory's own bandwidth on a CPU, where host and device are one). flops: dense
+    FLOP/s in the compute dtype. layer_overhead_s: fixed seconds per decoder layer per forward (kernel launches,
+    Python). gpus: devices in tensor parallel, each holding 1/gpus of the weights and KV heads. link and
+    all_reduce_s: bytes/s between them and the fixed seconds of one all-reduce. cuda_graphs: whether decode steps
+    replay as CUDA graphs (the tool's default on CUDA), which doubles the caches' headroom (Engine._capacities).
+    """
+
+    name: str
+    memory_bytes: int
+    bandwidth: float
+    pcie: float
+    flops: float
+    layer_overhead_s: float
+    gpus: int = 1
+    link: float = 0.0
+    all_reduce_s: float = 0.0
+    cuda_graphs: bool = False
+    measured: bool = False  # figures measured on this machine rather than taken from a preset
+
+    def __post_init__(self) -> None:
+        figures = (self.memory_bytes, self.bandwidth, self.pcie, self.flops)
+        if min(figures) <= 0 or not all(math.isfinite(f) for f in figures) or self.layer_overhead_s < 0:
+            raise ConfigError(f"{self.name}: memory, bandwidths and FLOP/s must be finite and above 0")
+        if self.gpus < 1 or self.gpus > 1 and self.link <= 0:
+            raise ConfigError(f"{self.name}: {self.gpus} GPUs need a positive link bandwidth between them")
+
+    def as_record(self) -> dict:
+        return {
+            "name": self.name,
+            "gpus": self.gpus,
+            "memory_bytes_per_device": self.memory_bytes,
+            "bandwidth_gbs": self.bandwidth / 1e9,
+            "pcie_gbs": self.pcie / 1e9,
+            "tflops": self.flops / 1e12,
+            "layer_overhead_us": self.layer_overhead_s * 1e6,
+            "link_gbs": self.link / 1e9,
+            "all_reduce_us": self.all_reduce_s * 1e6,
+            "cuda_graphs": self.cuda_graphs,
+            "measured": self.measured,
+        }
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Per-draft acceptance rates (alpha): the drafter's tokens (by the retrieval tier or, in streaming mode, by
+    the full cache) and the retrieval tier's tokens by the full cache."""
+
+    draft: float
+    retrieval: float
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.draft <= 1 and 0 <= self.retrieval <= 1):
+            raise ConfigError(f"acceptance rates must lie in [0, 1], not {self.draft} and {self.retrieval}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is generated: a prompt of `context` tokens, the engine's settings (budget, chunk size, gammas, windows,
+    new tokens), the acceptance rates, and the bytes of one element of weights and caches."""
+
+    context: int
+    engine: EngineConfig
+    acceptance: Acceptance
+    dtype_bytes: int
+
+    @property
+    def budget(self) -> int:
+        """The retrieval budget the engine would use (a ConfigError where it does not fit the context)."""
+        return self.engine.budget_for(self.context)
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    what: str
+    device_bytes: int
+    host_bytes: int
+
+
+@dataclass(frozen=True)
+class Row:
+    """One mode with one offload setting: the predicted latency, its parts and the memory it holds.
+
+    draft_ms: one drafter forward of one token; retrieval_ms: one target forward of one token on the retrieval
+    cache; full_ms: the full-cache verification of a pass (gamma + 1 tokens, or 1 without drafts), its PCIe
+    transfer overlapped; tokens_per_pass: tokens one full-cache verification yields on average.
+    """
+
+    mode: str
+    offload: str
+    ms_per_token: float
+    tokens_per_pass: float
+    pass_ms: float
+    draft_ms: float | None
+    retrieval_ms: float | None
+    full_ms: float
+    transfer_ms: float
+    on_chip_layers: int
+    memory: tuple[MemoryItem, ...]
+    memory_limit_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(item.device_bytes for item in self.memory)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(item.host_bytes for item in self.memory)
+
+    @property
+    def fits(self) -> bool:
+        return self.device_bytes <= self.memory_limit_bytes
+
+    def as_record(self) -> dict:
+        return {
+            "mode": self.mode,
+            "offload": self.offload,
+            "ms_per_token": self.ms_per_token,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "fits": self.fits,
+            "on_chip_layers": self.on_chip_layers,
+            "tokens_per_pass": self.tokens_per_pass,
+            "pass_ms": self.pass_ms,
+            "draft_ms": self.draft_ms,
+            "retrieval_ms": self.retrieval_ms,
+            "full_ms": self.full_ms,
+            "transfer_ms": self.transfer_ms,
+            "memory": {item.what: {"device": item.device_bytes, "host": item.host_bytes} for item in self.memory},
+        }
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The settings predicted to decode fastest among those that fit: an offload setting (none wherever it fits),
+    the largest budget within BUDGET_TOLERANCE of the fastest one, the gammas for it, and the layers of the full
+    KV cache kept on the device; mode is the fastest of the four with these settings."""
+
+    mode: str
+    offload: str
+    budget: int
+    gamma1: int
+    gamma2: int
+    on_chip_layers: int
+    triforce_ms_per_token: float
+    autoregressive_ms_per_token: float
+    mode_ms_per_token: float
+    fits: bool
+
+    @property
+    def speedup(self) -> float:
+        """TriForce's predicted speedup over autoregressive decoding with the same offload setting."""
+        return self.autoregressive_ms_per_token / self.triforce_ms_per_token
+
+    def as_record(self) -> dict:
+        return {
+            "mode": self.mode,
+            "offload": self.offload,
+            "budget": self.budget,
+            "gamma1": self.gamma1,
+            "gamma2": self.gamma2,
+            "on_chip_layers": self.on_chip_layers,
+            "triforce_ms_per_token": self.triforce_ms_per_token,
+            "autoregressive_ms_per_token": self.autoregressive_ms_per_token,
+            "mode_ms_per_token": self.mode_ms_per_token,
+            "speedup_vs_autoregressive": self.speedup,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: tuple[Row, ...]
+    recommendation: Recommendation
+
+    def row(self, mode: str, offload: str) -> Row:
+        return next(r for r in self.rows if (r.mode, r.offload) == (mode, offload))
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    seconds: float
+    transfer_seconds: float  # of PCIe transfer, overlapped with the compute inside seconds
+
+
+def forward_cost(
+    *,
+    shape: ModelShape,
+    hardware: Hardware,
+    tokens: int,
+    positions: int,
+    dtype_bytes: int,
+    streamed_layers: int = 0,
+    split: bool = True,
+) -> ForwardCost:
+    """Predicted seconds of one forward of `tokens` tokens attending to `positions` cached positions, and the
+    seconds of PCIe transfer it overlaps.
+
+    Args:
+        streamed_layers: layers whose keys and values come over PCIe during the forward (offloaded, not on chip).
+        split: whether the model is split over hardware.gpus in tensor parallel (the drafter is not: each device
+            holds it whole).
+
+    Returns:
+        Per layer max(bytes / bandwidth, FLOPs / FLOP/s), for a streamed layer the larger of that and its
+        transfer, plus the fixed costs; then the output layer.
+    """
+    devices = hardware.gpus if split else 1
+    layer_bytes = shape.layer_parameters * dtype_bytes / devices
+    kv_bytes = 2 * shape.num_kv_heads * shape.head_dim * positions * dtype_bytes / devices
+    attention_flops = 4 * shape.num_heads * shape.head_dim * positions * tokens
+    layer_flops = (2 * shape.layer_parameters * tokens + attention_flops) / devices
+    compute = max((layer_bytes + kv_bytes) / hardware.bandwidth, layer_flops / hardware.flops)
+    transfer = kv_bytes / hardware.pcie
+    all_reduce = 0.0
+    if devices > 1:  # after attention and after the MLP: a ring all-reduce moves 2 (N - 1) / N of the activations
+        moved = 2 * (devices - 1) / devices * tokens * shape.hidden_size * dtype_bytes
+        all_reduce = 2 * (hardware.all_reduce_s + moved / hardware.link)
+    layers = (shape.num_layers - streamed_layers) * compute + streamed_layers * max(compute, transfer)
+    fixed = shape.num_layers * (hardware.layer_overhead_s + all_reduce)
+    output_bytes = shape.output_parameters * dtype_bytes / devices
+    output_flops = 2 * shape.output_parameters * tokens / devices
+    output = max(output_bytes / hardware.bandwidth, output_flops / hardware.flops)
+    return ForwardCost(layers + fixed + output, streamed_layers * transfer)
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Positions each cache is allocated for, as Engine._capacities sizes them (0 for a cache a mode lacks)."""
+
+    full: int
+    retrieval: int
+    streaming: int
+
+
+def capacities(*, workload: Workload, mode: str, cuda_graphs: bool) -> Capacities:
+    """The engine's cache sizes: the prompt, the new tokens and headroom for one step's drafts (twice that with
+    compiled steps, which write padding); the budget plus a recent region; sinks plus the drafter's window plus
+    room for a prefill chunk."""
+    cfg = workload.engine
+    tiers = MODE_TIERS[mode]
+    headroom = cfg.speculation_depth * (2 if cuda_graphs else 1)
+    full = workload.context + cfg.max_new_tokens + headroom
+    recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
+    retrieval = workload.budget + recent if tiers.retrieval else 0
+    streaming = cfg.sink_tokens + cfg.draft_window + max(cfg.prefill_chunk, headroom) if tiers.drafter else 0
+    return Capacities(full, retrieval, streaming)
+
+
+def memory_items(
+    *, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload, mode: str, offload: str
+) -> tuple[list[MemoryItem], int]:
+    """What a mode holds, and where, before the on-chip layers: weights, the caches, the compiled steps' query
+    buffers; the full KV cache on the device or, offloaded, in host memory. Also the bytes of one layer's full
+    keys and values, the unit of the on-chip layers. The drafter and its cache are held whole on every device."""
+    size = workload.dtype_bytes
+    caps = capacities(workload=workload, mode=mode, cuda_graphs=hardware.cuda_graphs)
+    tiers = MODE_TIERS[mode]
+    full_bytes = target.kv_elements(caps.full) * size
+    mean_keys = target.kv_elements(caps.full // workload.engine.chunk_size) // 2 if tiers.retrieval else 0
+    copies = hardware.gpus
+    step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim
+    items = [
+        MemoryItem("target weights", target.parameters * size, 0),
+        MemoryItem("drafter weights", drafter.parameters * size * copies if tiers.drafter else 0, 0),
+        MemoryItem("retrieval cache", (target.kv_elements(caps.retrieval) + mean_keys) * size, 0),
+        MemoryItem("drafter cache", drafter.kv_elements(caps.streaming) * size * copies, 0),
+        MemoryItem("step queries", step_queries * size if hardware.cuda_graphs and offload == "none" else 0, 0),
+        MemoryItem("full KV cache", *((full_bytes, 0) if offload == "none" else (0, full_bytes))),
+    ]
+    return [item for item in items if item.device_bytes or item.host_bytes], full_bytes // target.num_layers
+
+
+def on_chip_layers(*, device_bytes: int, layer_bytes: int, num_layers: int, memory_limit: int) -> int:
+    """How many layers' full keys and values fit on the device next to device_bytes and the ring of RING_LAYERS
+    layers an offloaded forward stages the others in; 0 where not even the ring fits."""
+    for layers in range(num_layers, 0, -1):
+        if device_bytes + (layers + min(RING_LAYERS, num_layers - layers)) * layer_bytes <= memory_limit:
+            return layers
+    return 0
+
+
+def mode_row(
+    *, mode: str, offload: str, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload
+) -> Row:
+    """The predicted latency and memory of one mode with one offload setting (see the module docstring)."""
+    cfg, size, alpha = workload.engine, workload.dtype_bytes, workload.acceptance
+    items, layer_bytes = memory_items(
+        target=target, drafter=drafter, hardware=hardware, workload=workload, mode=mode, offload=offload
+    )
+    limit = hardware.memory_bytes * hardware.gpus
+    on_chip = 0
+    if offload == "kv":
+        device = sum(item.device_bytes for item in items)
+        on_chip = on_chip_layers(
+            device_bytes=device, layer_bytes=layer_bytes, num_layers=target.num_layers, memory_limit=limit
+        )
+        staged = on_chip + min(RING_LAYERS, target.num_layers - on_chip)
+        items.append(MemoryItem("on-chip layers and ring", staged * layer_bytes, 0))
+    streamed = target.num_layers - on_chip if offload == "kv" else 0
+    tiers = MODE_TIERS[mode]
+    gamma = (cfg.gamma2 if tiers.retrieval else cfg.gamma1) if tiers.speculative else 0
+    full = forward_cost(
+        shape=target,
+        hardware=hardware,
+        tokens=gamma + 1,
+        positions=workload.context,
+        dtype_bytes=size,
+        streamed_layers=streamed,
+    )
+    draft = retrieval = None
+    drafting = 0.0  # seconds of drafting per full verification
+    if tiers.drafter:
+        window = min(workload.context, cfg.sink_tokens + cfg.draft_window)
+        draft = forward_cost(
+            shape=drafter, hardware=hardware, tokens=1, positions=window, dtype_bytes=size, split=False
+        ).seconds
+    if tiers.retrieval:
+        # the budget, and on average half the recent positions committed since the last chunk selection
+        attended = workload.budget + cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) // 2
+
+        def on_retrieval(tokens: int) -> float:
+            cost = forward_cost(shape=target, hardware=hardware, tokens=tokens, positions=attended, dtype_bytes=size)
+            return cost.seconds
+
+        retrieval = on_retrieval(1)
+        if tiers.drafter:  # retrieval verifications of gamma1 drafts until gamma2 tokens are there
+            verifications = cfg.gamma2 / expected_tokens(alpha.draft, cfg.gamma1)
+            drafting = verifications * (cfg.gamma1 * draft + on_retrieval(cfg.gamma1 + 1))
+        else:
+            drafting = cfg.gamma2 * retrieval
+        selection = selection_seconds(target=target, hardware=hardware, workload=workload, offload=offload)
+        drafting += selection / cfg.refresh_interval
+        tokens = expected_tokens(alpha.retrieval, cfg.gamma2)
+    elif tiers.drafter:
+        drafting = cfg.gamma1 * draft
+        tokens = expected_tokens(alpha.draft, cfg.gamma1)
+    else:
+        tokens = 1.0
+    pass_seconds = drafting + full.seconds
+    return Row(
+        mode=mode,
+        offload=offload,
+        ms_per_token=1e3 * pass_seconds / tokens,
+        tokens_per_pass=tokens,
+        pass_ms=1e3 * pass_seconds,
+        draft_ms=None if draft is None else 1e3 * draft,
+        retrieval_ms=None if retrieval is None else 1e3 * retrieval,
+        full_ms=1e3 * full.seconds,
+        transfer_ms=1e3 * full.transfer_seconds,
+        on_chip_layers=on_chip,
+        memory=tuple(items),
+        memory_limit_bytes=limit,
+    )
+
+
+def selection_seconds(*, target: ModelShape, hardware: Hardware, workload: Workload, offload: str) -> float:
+    """One chunk selection of the retrieval cache: read the chunk mean keys, then copy the budget's keys and values
+    from the full cache (over PCIe where it is offloaded) into the retrieval cache."""
+    size, devices = workload.dtype_bytes, hardware.gpus
+    mean_keys = target.kv_elements(workload.context // workload.engine.chunk_size) // 2 * size / devices
+    gathered = target.kv_elements(workload.budget) * size / devices
+    source = hardware.pcie if offload == "kv" else hardware.bandwidth
+    return (mean_keys + gathered) / hardware.bandwidth + gathered / source
+
+
+def predict_rows(*, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload) -> tuple[Row, ...]:
+    """Every mode with and without the full KV cache offloaded."""
+    return tuple(
+        mode_row(mode=mode, offload=offload, target=target, drafter=drafter, hardware=hardware, workload=workload)
+        for mode in MODES
+        for offload in OFFLOAD_CHOICES
+    )
+
+
+def plan(*, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload) -> Plan:
+    """Every mode with and without the full KV cache offloaded, and the recommended settings."""
+    shared = {"target": target, "drafter": drafter, "hardware": hardware, "workload": workload}
+    return Plan(predict_rows(**shared), recommend(**shared))
+
+
+def context_sweep(workload: Workload) -> list[Workload]:
+    """workload at the powers of two from SWEEP_START up to its context, and at its context: those long enough for
+    the budget."""
+    lengths = {workload.context}
+    length = SWEEP_START
+    while length < workload.context:
+        lengths.add(length)
+        length *= 2
+    needed = max(workload.engine.chunk_size, workload.engine.budget or 0)
+    return [replace(workload, context=length) for length in sorted(lengths) if length >= needed]
+
+
+def best_gammas(
+    *, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload, offload: str
+) -> tuple[Row, Workload]:
+    """TriForce's fastest predicted gamma1 (1..GAMMA1_SEARCH) and gamma2 (1..GAMMA2_SEARCH) with everything else
+    as in workload: its row, and workload with those gammas."""
+    best: tuple[Row, Workload] | None = None
+    for gamma1 in range(1, GAMMA1_SEARCH + 1):
+        for gamma2 in range(1, GAMMA2_SEARCH + 1):
+            tried = replace(workload, engine=replace(workload.engine, gamma1=gamma1, gamma2=gamma2))
+            row = mode_row(
+                mode="triforce", offload=offload, target=target, drafter=drafter, hardware=hardware, workload=tried
+            )
+            if best is None or row.ms_per_token < best[0].ms_per_token:
+                best = row, tried
+    return best
+
+
+def recommend(*, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload) -> Recommendation:
+    """The first offload setting (none, then kv) under which some budget fits; among the budgets that fit, the
+    largest whose TriForce latency, with its best gammas, lies within BUDGET_TOLERANCE of the fastest one's.
+
+    Acceptance is held fixed while the budget changes, so a smaller budget always predicts faster; a larger one
+    is accepted at least as often (the TriForce paper's acceptance grows with the budget), which the tolerance
+    buys where it costs little. Where nothing fits, the settings given are kept and the recommendation says so.
+    """
+    whole_chunks = workload.context // workload.engine.chunk_size * workload.engine.chunk_size
+    budgets = [b for b in BUDGET_CANDIDATES if b <= whole_chunks and b % workload.engine.chunk_size == 0]
+    budgets = budgets or [workload.budget]
+    for offload in OFFLOAD_CHOICES:
+        tried = []
+        for budget in budgets:
+            with_budget = replace(workload, engine=replace(workload.engine, budget=budget))
+            row, best = best_gammas(
+                target=target, drafter=drafter, hardware=hardware, workload=with_budget, offload=offload
+            )
+            if row.fits:
+                tried.append((row, best))
+        if tried:
+            fastest = min(row.ms_per_token for row, _ in tried)
+            row, chosen = max(
+                ((r, w) for r, w in tried if r.ms_per_token <= fastest * (1 + BUDGET_TOLERANCE)),
+                key=lambda pair: pair[1].budget,
+            )
+            return recommendation(triforce=row, workload=chosen, target=target, drafter=drafter, hardware=hardware)
+    row = mode_row(mode="triforce", offload="kv", target=target, drafter=drafter, hardware=hardware, workload=workload)
+    return recommendation(triforce=row, workload=workload, target=target, drafter=drafter, hardware=hardware)
+
+
+def recommendation(
+    *, triforce: Row, workload: Workload, target: ModelShape, drafter: ModelShape, hardware: Hardware
+) -> Recommendation:
+    """The recommendation for TriForce's row under workload's settings, naming the fastest mode with them."""
+    rows = [
+        mode_row(
+            mode=mode, offload=triforce.offload, target=target, drafter=drafter, hardware=hardware, workload=workload
+        )
+        for mode in MODES
+    ]
+    fitting = [row for row in rows if row.fits] or rows
+    fastest = min(fitting, key=lambda row: row.ms_per_token)
+    return Recommendation(
+        mode=fastest.mode,
+        offload=triforce.offload,
+        budget=workload.budget,
+        gamma1=workload.engine.gamma1,
+        gamma2=workload.engine.gamma2,
+        on_chip_layers=triforce.on_chip_layers,
+        triforce_ms_per_token=triforce.ms_per_token,
+        autoregressive_ms_per_token=rows[MODES.index("autoregressive")].ms_per_token,
+        mode_ms_per_token=fastest.ms_per_token,
+        fits=triforce.fits,
+    )
