@@ -102,6 +102,35 @@ def test_each_offloaded_layer_is_fetched_once_per_forward_and_waited_for_before_
     assert stream.device_bytes == (1 + 2) * 2 * full.keys[0].nbytes
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
+def test_streamed_weights_give_the_tokens_of_the_resident_model(sampling, monkeypatch):
+    """--offload kv+weights: layers 1-3 of 4 stream their weights and KV cache through the deferred queue."""
+    monkeypatch.setattr("offload.kv.queue_for", lambda device: DeferredQueue())
+    monkeypatch.setattr("offload.weights.queue_for", lambda device: DeferredQueue())
+    resident, streamed = loaded_model(), loaded_model()
+    prompt = random_prompt(PROMPT, 64, seed=3)
+    for mode in MODES:
+        expected = Engine(resident, config(mode, sampling)).generate(prompt).token_ids
+        engine = Engine(streamed, config(mode, sampling, offload="kv+weights", on_chip_layers=1))
+        assert engine.generate(prompt).token_ids == expected, mode
+    stream = streamed.model.weight_stream
+    assert sorted(stream.host) == [1, 2, 3] and len(stream.slots) == 2
+    plan = engine.memory_plan(PROMPT)
+    assert plan.bytes_of("streamed weights") == 3 * stream.layer_bytes == stream.host_bytes
+    assert plan.bytes_of("weight ring") == 2 * stream.layer_bytes
+
+
+def test_streamed_weights_need_dense_eager_steps():
+    half = loaded_model()
+    half.model.model.layers[0].mlp.down_proj.packed_bytes = 0  # what a packed half-weight module carries
+    with pytest.raises(ConfigError, match="kv\\+weights: streamed weights must be dense"):
+        Engine(half, config("triforce", SamplingConfig(), offload="kv+weights"))
+    compiled = loaded_model()
+    compiled.model.compile_steps(backend="aot_eager")
+    with pytest.raises(ConfigError, match="use --no-compile"):
+        Engine(compiled, config("triforce", SamplingConfig(), offload="kv+weights"))
+
+
 def test_a_restored_prompt_refills_the_on_chip_layers():
     model = loaded_model()
     prompt = random_prompt(PROMPT, 64, seed=3)

@@ -159,7 +159,9 @@ RefreshInterval = Annotated[int, typer.Option(min=1, help="Full verifications be
 MaxNewTokens = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Tokens to generate at most.")]
 Offload = Annotated[
     Literal[OFFLOAD_CHOICES],
-    typer.Option(help="kv: keep the target's full KV cache in host memory, streamed to the GPU layer by layer."),
+    typer.Option(
+        help="kv: the target's full KV cache in host memory, streamed to the GPU layer by layer; kv+weights: its layers' weights too."
+    ),
 ]
 OnChipLayers = Annotated[
     int,

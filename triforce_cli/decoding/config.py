@@ -35,7 +35,7 @@ MODES = tuple(MODE_TIERS)
 MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs more than it saves
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
-OFFLOAD_CHOICES = ("none", "kv")
+OFFLOAD_CHOICES = ("none", "kv", "kv+weights")
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class EngineConfig:
     drafter is given, and leaves it out otherwise (Engine.uses_ngram). ngram_max is the longest suffix it matches.
     offload: ``none`` (every cache on the device) or ``kv`` (the target's full KV cache in host memory, streamed to
     the device layer by layer for each forward over it, offload/kv.py), with the first ``on_chip_layers`` layers
-    kept on the device.
+    kept on the device; ``kv+weights`` streams the other layers' weights too (offload/weights.py).
     """
 
     mode: str = "triforce"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import FullCache, RetrievalCache, StreamingCache
-from offload import offload_kv
+from offload import offload_kv, offload_weights
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
@@ -67,6 +67,13 @@ class Engine:
             raise ConfigError(f"drafter {self.drafter.name} does not share the vocabulary of {target.name}")
         self.eos_ids = set() if config.ignore_eos else target.eos_token_ids
         self._caches: _Caches | None = None
+        if config.offload == "kv+weights" and getattr(target.model, "weight_stream", None) is None:
+            if target.model.fixed_step is not None:
+                raise ConfigError("--offload kv+weights runs eager steps: use --no-compile")
+            try:  # a transform of the model: every engine on it streams its weights from then on
+                offload_weights(target.model, target.device, config.on_chip_layers)
+            except ValueError as err:
+                raise ConfigError(f"--offload kv+weights: {err}") from None
 
     @property
     def uses_ngram(self) -> bool:
@@ -115,7 +122,7 @@ class Engine:
     @property
     def offloaded(self) -> bool:
         """Whether the full KV cache lives in host memory (EngineConfig.offload): only where that is not the device."""
-        return self.config.offload == "kv"
+        return self.config.offload in ("kv", "kv+weights")
 
     def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
         """What a generation after prompt_tokens holds, and where, before anything is allocated: the models'
@@ -128,8 +135,8 @@ class Engine:
         full_bytes = layer_position * target.num_layers * full
         mean_keys = layer_position // 2 * target.num_layers * (full // self.config.chunk_size) if retrieval else 0
         step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * itemsize
-        items = [
-            ("weights", weight_bytes(self.target.model, self._drafter_model), 0),
+        items = [*self._weight_items()]
+        items += [
             ("retrieval cache", layer_position * target.num_layers * retrieval + mean_keys, 0),
             ("drafter cache", 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * streaming * itemsize, 0),
             ("step queries", step_queries if self.compiled and not self.offloaded else 0, 0),
@@ -145,21 +152,39 @@ class Engine:
             items.append(("full KV cache", full_bytes, 0))
         return MemoryPlan(str(self.target.device), tuple(item for item in items if item[1] or item[2]))
 
+    def _weight_items(self) -> list[tuple[str, int, int]]:
+        """The weights' items of the memory plan: all on the device, or, streamed, the layers from on_chip_layers on
+        in host memory and two of them at a time on the device."""
+        stream = getattr(self.target.model, "weight_stream", None)
+        if stream is None:
+            return [("weights", weight_bytes(self.target.model, self._drafter_model), 0)]
+        model = self.target.model
+        fixed = (model.model.embed_tokens, model.model.norm, model.lm_head)  # never streamed
+        resident = weight_bytes(*fixed, self._drafter_model) + stream.first * stream.layer_bytes
+        streamed = (len(stream.layers) - stream.first) * stream.layer_bytes
+        return [("weights", resident, 0), ("streamed weights", 0, streamed), ("weight ring", stream.device_bytes, 0)]
+
     def cache_bytes(self, prompt_tokens: int) -> int:
         """Bytes of the caches (everything but the weights) a generation after prompt_tokens allocates."""
         plan = self.memory_plan(prompt_tokens)
-        return plan.device_bytes + plan.host_bytes - plan.bytes_of("weights")
+        weights = sum(plan.bytes_of(name) for name in ("weights", "streamed weights", "weight ring"))
+        return plan.device_bytes + plan.host_bytes - weights
 
     def check_memory(self, prompt_tokens: int) -> None:
         """A ConfigError with the figures, before any allocation, where the caches cannot fit the device (or, the
         full cache offloaded, the host)."""
         plan = self.memory_plan(prompt_tokens)
         reused = 0 if self._caches is None else self._caches.full.keys.nbytes + self._caches.full.values.nbytes
-        on_device = plan.device_bytes - plan.bytes_of("weights") - (0 if self.offloaded else reused)
+        weights = plan.bytes_of("weights") + plan.bytes_of("weight ring")  # allocated already
+        on_device = plan.device_bytes - weights - (0 if self.offloaded else reused)
         host = torch.device("cpu")
         for where, needed, advice in (
             (self.target.device, on_device, self._device_advice()),
-            (host, plan.host_bytes - reused, "use a shorter prompt or fewer --max-new-tokens"),
+            (
+                host,
+                plan.host_bytes - plan.bytes_of("streamed weights") - reused,
+                "use a shorter prompt or fewer --max-new-tokens",
+            ),
         ):
             free = available_memory(where)
             if needed > 0 and free is not None and needed > free:

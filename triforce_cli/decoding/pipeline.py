@@ -113,6 +113,8 @@ class Pipeline:
         torch_dtype = resolve_dtype(dtype, torch_device)
         backend = resolve_attention(attention, torch_device, torch_dtype, weights)
         compiled = resolve_compile(compile_steps, torch_device, weights)
+        if weights == "auto" and config.offload == "kv+weights":
+            weights = "dense"  # streamed weights are parameters, which packed half weights are not
         weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
         draft = drafter_spec(target, draft)

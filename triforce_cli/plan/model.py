@@ -20,10 +20,13 @@ pass yields.
 import math
 from dataclasses import dataclass, replace
 
-from triforce_cli.decoding.config import MODE_TIERS, MODES, OFFLOAD_CHOICES, EngineConfig
+from triforce_cli.decoding.config import MODE_TIERS, MODES, EngineConfig
 from triforce_cli.decoding.speculation_length import expected_tokens
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig
+
+# the offload settings planned: streamed weights (kv+weights, for models larger than the card) are not modelled
+PLANNED_OFFLOADS = ("none", "kv")
 
 RING_LAYERS = 2  # layers of keys and values an offloaded forward stages on the device (offload/kv.py's ring)
 # budgets the recommendation tries: from the engine's default, at which this tool measured its acceptance, up past
@@ -475,7 +478,7 @@ def predict_rows(*, target: ModelShape, drafter: ModelShape, hardware: Hardware,
     return tuple(
         mode_row(mode=mode, offload=offload, target=target, drafter=drafter, hardware=hardware, workload=workload)
         for mode in MODES
-        for offload in OFFLOAD_CHOICES
+        for offload in PLANNED_OFFLOADS
     )
 
 
@@ -525,7 +528,7 @@ def recommend(*, target: ModelShape, drafter: ModelShape, hardware: Hardware, wo
     whole_chunks = workload.context // workload.engine.chunk_size * workload.engine.chunk_size
     budgets = [b for b in BUDGET_CANDIDATES if b <= whole_chunks and b % workload.engine.chunk_size == 0]
     budgets = budgets or [workload.budget]
-    for offload in OFFLOAD_CHOICES:
+    for offload in PLANNED_OFFLOADS:
         tried = []
         for budget in budgets:
             with_budget = replace(workload, engine=replace(workload.engine, budget=budget))

@@ -1,0 +1,96 @@
+"""Decoder layers' weights in host memory, streamed to the device through a two-slot ring, for models larger than
+the card (``--offload kv+weights``).
+
+``offload_weights(model, device, resident_layers)`` transforms a built model: the layers from ``resident_layers``
+on keep their parameters in host memory (pinned on a CUDA machine), and a forward pre-hook on each points its
+parameters at a device slot that holds its copy, once the copy's event is reached, and starts copying the next
+streamed layer into the other slot, after the compute that last read that slot. The first streamed layer's copy
+starts when a forward begins (a pre-hook on the embedding). Every decoder layer has the same parameter shapes, so
+two slots of one layer's tensors serve them all. The same queue (offload/queues.py) orders the copies: CUDA streams
+and events on a GPU, no-ops on the CPU.
+"""
+
+import torch
+from torch import nn
+
+from offload.queues import HostQueue, queue_for
+
+
+class WeightStream:
+    def __init__(self, layers: nn.ModuleList, embedding: nn.Module, device: torch.device, resident: int, queue):
+        self.layers = list(layers)
+        self.first = max(0, min(resident, len(self.layers)))
+        self.queue = queue
+        pin = device.type == "cuda"
+        # one layer's bytes, constant whichever tensors its parameters point at
+        self.layer_bytes = sum(p.numel() * p.element_size() for p in self.layers[0].parameters())
+        self.host: dict[int, list[torch.Tensor]] = {}
+        for index in range(self.first, len(self.layers)):
+            params = list(self.layers[index].parameters())
+            self.host[index] = [
+                p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone() for p in params
+            ]
+        template = self.host.get(self.first, [])
+        self.slots = [[torch.empty_like(t, device=device) for t in template] for _ in range(min(2, len(self.host)))]
+        for index in self.host:  # free the device copies: the slots hold what a forward reads
+            for param, host in zip(self.layers[index].parameters(), self.host[index], strict=True):
+                param.data = host
+        self._copied: dict[int, object] = {}
+        if self.host:
+            embedding.register_forward_pre_hook(lambda module, args: self._fetch(self.first))
+            for index in self.host:
+                self.layers[index].register_forward_pre_hook(lambda module, args, index=index: self._arrive(index))
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.nbytes for slot in self.slots for t in slot)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for tensors in self.host.values() for t in tensors)
+
+    def _slot(self, index: int) -> list[torch.Tensor]:
+        return self.slots[(index - self.first) % 2]
+
+    def _fetch(self, index: int) -> None:
+        """Copy layer index's weights into its slot once the compute queued so far (the slot's last reader) is done."""
+        self.queue.wait("copy", self.queue.record("compute"))
+        for slot, host in zip(self._slot(index), self.host[index], strict=True):
+            self.queue.copy(slot, host)
+        self._copied[index] = self.queue.record("copy")
+
+    def _arrive(self, index: int) -> None:
+        """Before layer index computes: wait for its copy, read it from its slot, and start the next layer's."""
+        self.queue.wait("compute", self._copied.pop(index))
+        for param, slot in zip(self.layers[index].parameters(), self._slot(index), strict=True):
+            param.data = slot
+        if index + 1 < len(self.layers):
+            self._fetch(index + 1)
+
+
+def offload_weights(
+    model: nn.Module, device: torch.device, resident_layers: int = 0, queue: HostQueue | None = None
+) -> WeightStream:
+    """Stream model's decoder layers from resident_layers on from host memory (module docstring).
+
+    Args:
+        model: a runtime Transformer on device, with dense weights (packed half or quantized weights are no
+            parameters and cannot be streamed this way).
+        device: where it computes.
+        resident_layers: the first layers whose weights stay on the device.
+        queue: streams and events for the copies; by default CUDA's on a GPU, no-ops on the CPU.
+    Returns:
+        The stream, also kept as model.weight_stream.
+    """
+    layers = model.model.layers
+    if any(hasattr(module, "packed_bytes") or hasattr(module, "scales_and_zeros") for module in layers.modules()):
+        raise ValueError("streamed weights must be dense (--weights dense)")
+    stream = WeightStream(
+        layers,
+        model.model.embed_tokens,
+        torch.device(device),
+        resident_layers,
+        queue or queue_for(torch.device(device)),
+    )
+    model.weight_stream = stream
+    return stream
