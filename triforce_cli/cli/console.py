@@ -6,8 +6,9 @@ script reading stdout always gets one JSON object.
 """
 
 import json
+import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, redirect_stdout
 
 import torch
 import typer
@@ -16,6 +17,7 @@ from rich.text import Text
 
 from triforce_cli.errors import TriforceError
 from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, InterruptWatch
+from triforce_cli.runtime.parallel import launch_rank
 
 OUT_OF_MEMORY = "out of memory: lower --max-new-tokens, use a shorter prompt or a smaller --dtype"
 INTERRUPTED = "interrupted"
@@ -59,9 +61,13 @@ def command_console(threads: int | None = None, json_output: bool = False) -> It
 
     Exit codes: 1 for a domain error or running out of memory, 130 for Ctrl-C (at any point: loading, prefill).
     """
-    err = Console(stderr=True)
+    follower = launch_rank() != 0  # under torchrun only rank 0 speaks; the others compute alongside
+    err = Console(stderr=True, quiet=follower)
     quiet_libraries()
-    with InterruptWatch() as watch:
+    with ExitStack() as scope:
+        watch = scope.enter_context(InterruptWatch())
+        if follower:
+            scope.enter_context(redirect_stdout(scope.enter_context(open(os.devnull, "w"))))
         try:
             if threads is not None:
                 torch.set_num_threads(threads)

@@ -23,6 +23,7 @@ from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.environment import available_memory
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, weight_bytes
+from triforce_cli.runtime.parallel import shared_seed, world_size
 from triforce_cli.runtime.store import human_size
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
@@ -247,6 +248,8 @@ class Engine:
         sampling = cfg.sampling
         model = self.target.model
         policy = cfg.speculation_policy
+        if policy == "throughput" and world_size() > 1:
+            policy = "heuristic"  # the clock differs between ranks; acceptance, which heuristic follows, does not
         drafter = None
         if caches.streaming is not None:
             drafter = ModelTier("drafter", self._drafter_model, caches.streaming, sampling, generator)
@@ -313,7 +316,7 @@ class Engine:
             raise PromptError("the saved prompt state belongs to another prompt")
         cfg = self.config
         generator = torch.Generator(device=self.target.device)
-        generator.manual_seed(cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed())
+        generator.manual_seed(shared_seed(cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed()))
         stats = GenerationStats(cfg.mode, self.drafter_description, len(prompt_ids))
         generated: list[int] = []
         try:

@@ -20,6 +20,7 @@ from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model, resolve_compile, resolve_weights
+from triforce_cli.runtime.parallel import apply_tp, init_parallel, world_size
 from triforce_cli.runtime.prompts import encode_prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,12 +110,15 @@ class Pipeline:
         loading.resolve_compile).
         """
         config = config or EngineConfig()
-        torch_device = resolve_device(device)
+        torch_device = init_parallel(resolve_device(device))  # torchrun: this rank's device in the process group
+        parallel = world_size() > 1
         torch_dtype = resolve_dtype(dtype, torch_device)
         backend = resolve_attention(attention, torch_device, torch_dtype, weights)
-        compiled = resolve_compile(compile_steps, torch_device, weights)
-        if weights == "auto" and config.offload == "kv+weights":
-            weights = "dense"  # streamed weights are parameters, which packed half weights are not
+        if parallel and compile_steps:
+            raise ConfigError("tensor-parallel steps run eager (an all-reduce per block): use --no-compile")
+        compiled = resolve_compile(False if parallel else compile_steps, torch_device, weights)
+        if weights == "auto" and (config.offload == "kv+weights" or parallel):
+            weights = "dense"  # streamed and sharded weights are parameters, which packed half weights are not
         weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
         draft = drafter_spec(target, draft)
@@ -129,6 +133,7 @@ class Pipeline:
                 shared_from=target_model,
                 context_window=context_window,
             )
+        apply_tp(target_model.model)  # the drafter stays whole on every rank
         for loaded in (target_model, drafter):
             if loaded is not None:
                 loaded.model.use_attention(backend)
@@ -149,6 +154,8 @@ class Pipeline:
 
     def prompt_cache(self, folder: Path) -> PromptCache:
         """The saved prefills of this target in folder, checked writable before any prefill."""
+        if world_size() > 1:
+            raise ConfigError("--prompt-cache holds whole prefills: run it without torchrun")
         check_writable(folder)
         return PromptCache(folder, self.target, self.status)
 

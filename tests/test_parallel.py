@@ -1,0 +1,93 @@
+"""Tensor parallelism over torch.distributed: two gloo processes on the CPU give exactly the tokens of one."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import make_model, random_prompt, save_word_checkpoint, small_config
+
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.parallel import apply_tp
+
+PROMPT = 64
+MODES = ("autoregressive", "retrieval", "streaming", "triforce")
+SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "seeded": SamplingConfig(temperature=0.8, seed=2)}
+OFFLOADS = ("none", "kv")
+
+
+def tiny():
+    # 4 query heads, 2 KV heads, 48 MLP rows: all divide by 2
+    return make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
+
+
+def generations(loaded) -> dict[str, list[int]]:
+    prompt = random_prompt(PROMPT, 64, seed=3)
+    out = {}
+    for mode in MODES:
+        for name, sampling in SAMPLINGS.items():
+            for offload in OFFLOADS:
+                config = small_config(mode=mode, sampling=sampling, offload=offload, gamma_policy="heuristic")
+                out[f"{mode}/{name}/{offload}"] = Engine(loaded, config, drafter=loaded).generate(prompt).token_ids
+    return out
+
+
+def worker(rank: int, world: int, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        loaded = tiny()
+        apply_tp(loaded.model)
+        assert loaded.model.config.num_kv_heads == 1 and loaded.model.model.layers[0].self_attn.num_heads == 2
+        with open(f"{folder}/rank{rank}.json", "w") as file:
+            json.dump(generations(loaded), file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_generate_the_tokens_of_one(tmp_path):
+    """Every mode, greedy and seeded sampling, with and without the full cache offloaded: each rank holds half the
+    heads and half the MLP, and both give the single process's tokens."""
+    expected = generations(tiny())
+    mp.spawn(worker, args=(2, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank
+
+
+def mismatched(rank: int, world: int, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        loaded = make_model(seed=5, vocab_size=64, hidden_size=48, num_heads=3, num_kv_heads=3).loaded
+        with pytest.raises(ConfigError, match="3 KV heads, 3 query heads and 48 MLP rows must all divide by the 2"):
+            apply_tp(loaded.model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_heads_that_do_not_divide_by_the_world_size_are_a_clear_error(tmp_path):
+    mp.spawn(mismatched, args=(2, str(tmp_path)), nprocs=2)
+
+
+def test_torchrun_runs_generate_and_only_rank_0_prints(tmp_path):
+    """The README's command shape: torchrun --nproc-per-node 2 -m triforce_cli generate."""
+    folder = save_word_checkpoint(tmp_path / "words")
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(" ".join(f"w{i % 31}" for i in range(40)))
+    args = ["generate", "-p", str(prompt), "--target", str(folder), "--temperature", "0", "--max-new-tokens", "12"]
+    args += ["--json", "--no-ngram", "--gamma-policy", "heuristic"]
+    single = subprocess.run([sys.executable, "-m", "triforce_cli", *args], capture_output=True, text=True, check=True)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    parallel = subprocess.run(
+        [*launch, "-m", "triforce_cli", *args], capture_output=True, text=True, env=env, check=False
+    )
+    assert parallel.returncode == 0, parallel.stderr[-2000:]
+    lines = [line for line in parallel.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 1 printed nothing
+    assert json.loads(lines[0])["token_ids"] == json.loads(single.stdout)["token_ids"]
+    assert torch.distributed.is_available()
