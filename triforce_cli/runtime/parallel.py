@@ -9,6 +9,7 @@ the same tokens: no rank drifts. The model's config then counts the rank's own h
 NCCL on CUDA, gloo on the CPU (``init_parallel``).
 """
 
+import atexit
 import os
 from dataclasses import replace
 
@@ -42,6 +43,8 @@ def init_parallel(device: torch.device) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # left to interpreter shutdown, gloo's threads may still run and abort the process after its work is done
+    atexit.register(dist.destroy_process_group)
     return device
 
 
