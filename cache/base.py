@@ -9,7 +9,7 @@ float16 copy of the view's first positions for attention to read instead.
 A decode step with fixed shapes (what torch.compile captures as one CUDA graph for every position) prepares with
 ``padding``: the step computes T + padding tokens, the padding after the real ones. ``make_static`` has the cache
 keep the prepared write's first slot on the device (``write_start``); the step then takes each layer's whole
-buffers (``step_buffers``), writes its keys at that slot and masks what lies past it (kernels.attention_in_cache),
+buffers (``step_update``), writes its keys at that slot and masks what lies past it (kernels.attention_in_cache),
 so nothing in it depends on a host-side length. Padding rows land past ``length``: never read, overwritten later.
 """
 
@@ -66,6 +66,12 @@ class KVCache(ABC):
                 raise ValueError("a fixed-shape step needs make_static() first")
             self.write_start.fill_(first_slot)  # a device write, no read
         return slice(first_slot, first_slot + num_tokens)
+
+    @abstractmethod
+    def update(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (Hkv, T, D) of the prepared positions; return the (Hkv, L, D) views attention reads."""
 
     def step_update(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -122,7 +122,7 @@ class Engine:
 
     @property
     def offloaded(self) -> bool:
-        """Whether the full KV cache lives in host memory (EngineConfig.offload): only where that is not the device."""
+        """Whether the full KV cache lives in host memory (EngineConfig.offload kv or kv+weights)."""
         return self.config.offload in ("kv", "kv+weights")
 
     def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
