@@ -19,7 +19,7 @@ device), so only its budget crosses PCIe; the drafter and its cache never touch 
 import torch
 
 from cache import FullCache
-from offload.queues import HostQueue, queue_for
+from offload.queues import HostQueue, Ring, queue_for
 
 
 class LayerStream:
@@ -41,14 +41,11 @@ class LayerStream:
         self.ring_values = torch.zeros_like(self.ring_keys)
         self.chip_valid = 0  # positions the on-chip layers hold as the host does
         self._prefix = 0  # positions before the prepared write: what a forward streams
-        self._copied: dict[int, object] = {}  # offloaded layer -> event of its copy into its slot
+        self.ring = Ring(queue, self.on_chip)
 
     @property
     def device_bytes(self) -> int:
         return sum(t.nbytes for t in (self.chip_keys, self.chip_values, self.ring_keys, self.ring_values))
-
-    def slot(self, layer: int) -> int:
-        return (layer - self.on_chip) % 2
 
     def begin(self, full: FullCache, start: int) -> None:
         """A forward writes from start: bring the on-chip layers up to start, and start copying the first
@@ -61,22 +58,24 @@ class LayerStream:
                 self._copy_heads(self.chip_values[layer], full.values[layer], stale)
             self.queue.wait("compute", self.queue.record("copy"))
             self.chip_valid = start
-        self._copied.clear()
+        self.ring.clear()
         if self.on_chip < self.num_layers:
             self._fetch(full, self.on_chip)
 
+    @staticmethod
+    def _head_copies(dst: torch.Tensor, src: torch.Tensor, positions: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(Hkv, S, D) dst[:, positions] = src[:, positions] as one contiguous (dst, src) copy per KV head."""
+        return [(dst[head, positions], src[head, positions]) for head in range(src.shape[0])]
+
     def _copy_heads(self, dst: torch.Tensor, src: torch.Tensor, positions: slice) -> None:
-        """(Hkv, S, D) dst[:, positions] = src[:, positions], one contiguous copy per KV head."""
-        for head in range(src.shape[0]):
-            self.queue.copy(dst[head, positions], src[head, positions])
+        for pair in self._head_copies(dst, src, positions):
+            self.queue.copy(*pair)
 
     def _fetch(self, full: FullCache, layer: int) -> None:
-        """Copy layer's prefix into its slot once the compute queued so far (the last reader of the slot) is done."""
-        self.queue.wait("copy", self.queue.record("compute"))
-        slot, prefix = self.slot(layer), slice(0, self._prefix)
-        self._copy_heads(self.ring_keys[slot], full.keys[layer], prefix)
-        self._copy_heads(self.ring_values[slot], full.values[layer], prefix)
-        self._copied[layer] = self.queue.record("copy")
+        """Copy layer's prefix into its slot (Ring.fetch: after the slot's last reader)."""
+        slot, prefix = self.ring.slot(layer), slice(0, self._prefix)
+        copies = self._head_copies(self.ring_keys[slot], full.keys[layer], prefix)
+        self.ring.fetch(layer, copies + self._head_copies(self.ring_values[slot], full.values[layer], prefix))
 
     def update(
         self, full: FullCache, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -87,10 +86,11 @@ class LayerStream:
         if layer < self.on_chip:
             keys, values = self.chip_keys[layer], self.chip_values[layer]
         else:
-            self.queue.wait("compute", self._copied.pop(layer))  # the layer's prefix is on the device
+            self.ring.arrive(layer)  # the layer's prefix is on the device
             if layer + 1 < self.num_layers:
                 self._fetch(full, layer + 1)  # into the slot layer - 1 read, whose compute is queued by now
-            keys, values = self.ring_keys[self.slot(layer)], self.ring_values[self.slot(layer)]
+            slot = self.ring.slot(layer)
+            keys, values = self.ring_keys[slot], self.ring_values[slot]
         keys[:, write] = k
         values[:, write] = v
         if layer == self.on_chip - 1:

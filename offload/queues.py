@@ -53,5 +53,34 @@ class CudaQueue(HostQueue):
         self.copy_stream.synchronize()  # the copy stream only: compute queued beside it goes on
 
 
+class Ring:
+    """The order of a two-slot device ring that layers from ``first`` on take in turn (offload/kv.py for KV
+    caches, offload/weights.py for weights): a copy into a slot waits for the compute queued so far, which holds
+    the slot's last reader, and a layer's compute waits for its own copy."""
+
+    def __init__(self, queue: HostQueue, first: int):
+        self.queue = queue
+        self.first = first
+        self._copied: dict[int, object] = {}  # layer -> event of its copy into its slot
+
+    def slot(self, layer: int) -> int:
+        return (layer - self.first) % 2
+
+    def fetch(self, layer: int, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Queue layer's (dst, src) copies into its slot, after the compute queued so far."""
+        self.queue.wait("copy", self.queue.record("compute"))
+        for dst, src in copies:
+            self.queue.copy(dst, src)
+        self._copied[layer] = self.queue.record("copy")
+
+    def arrive(self, layer: int) -> None:
+        """Have the compute wait for layer's copy before it reads the slot."""
+        self.queue.wait("compute", self._copied.pop(layer))
+
+    def clear(self) -> None:
+        """Forget copies no forward will wait for (a forward cut short)."""
+        self._copied.clear()
+
+
 def queue_for(device: torch.device) -> HostQueue:
     return CudaQueue(device) if device.type == "cuda" else HostQueue()

@@ -13,14 +13,14 @@ and events on a GPU, no-ops on the CPU.
 import torch
 from torch import nn
 
-from offload.queues import HostQueue, queue_for
+from offload.queues import HostQueue, Ring, queue_for
 
 
 class WeightStream:
     def __init__(self, layers: nn.ModuleList, embedding: nn.Module, device: torch.device, resident: int, queue):
         self.layers = list(layers)
         self.first = max(0, min(resident, len(self.layers)))
-        self.queue = queue
+        self.ring = Ring(queue, self.first)
         pin = device.type == "cuda"
         # one layer's bytes, constant whichever tensors its parameters point at
         self.layer_bytes = sum(p.numel() * p.element_size() for p in self.layers[0].parameters())
@@ -35,7 +35,6 @@ class WeightStream:
         for index in self.host:  # free the device copies: the slots hold what a forward reads
             for param, host in zip(self.layers[index].parameters(), self.host[index], strict=True):
                 param.data = host
-        self._copied: dict[int, object] = {}
         if self.host:
             embedding.register_forward_pre_hook(lambda module, args: self._fetch(self.first))
             for index in self.host:
@@ -49,20 +48,14 @@ class WeightStream:
     def host_bytes(self) -> int:
         return sum(t.nbytes for tensors in self.host.values() for t in tensors)
 
-    def _slot(self, index: int) -> list[torch.Tensor]:
-        return self.slots[(index - self.first) % 2]
-
     def _fetch(self, index: int) -> None:
-        """Copy layer index's weights into its slot once the compute queued so far (the slot's last reader) is done."""
-        self.queue.wait("copy", self.queue.record("compute"))
-        for slot, host in zip(self._slot(index), self.host[index], strict=True):
-            self.queue.copy(slot, host)
-        self._copied[index] = self.queue.record("copy")
+        """Copy layer index's weights into its slot (Ring.fetch: after the slot's last reader)."""
+        self.ring.fetch(index, list(zip(self.slots[self.ring.slot(index)], self.host[index], strict=True)))
 
     def _arrive(self, index: int) -> None:
         """Before layer index computes: wait for its copy, read it from its slot, and start the next layer's."""
-        self.queue.wait("compute", self._copied.pop(index))
-        for param, slot in zip(self.layers[index].parameters(), self._slot(index), strict=True):
+        self.ring.arrive(index)
+        for param, slot in zip(self.layers[index].parameters(), self.slots[self.ring.slot(index)], strict=True):
             param.data = slot
         if index + 1 < len(self.layers):
             self._fetch(index + 1)
