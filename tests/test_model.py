@@ -45,7 +45,7 @@ SEPARATE = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
 
 def random_llama(seed: int = 0, fused: bool = True, **config):
     """transformers' reference and our model with its weights; not fused: the checkpoint linears named in SEPARATE
-    computed part by part, as compact weights are."""
+    computed part by part, as GGUF blocks of different kinds are."""
     cfg = llama_config(initializer_range=0.2, **config)
     torch.manual_seed(seed)
     ref = LlamaForCausalLM(cfg).eval()

@@ -12,14 +12,21 @@ from pathlib import Path
 
 import torch
 
-from kernels import attention_backend
+from kernels import attention_backend, half_weights_available
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, check_writable
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
-from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model, resolve_compile, resolve_weights
+from triforce_cli.runtime.loading import (
+    LoadedModel,
+    StatusCallback,
+    load_model,
+    resolve_checkpoint,
+    resolve_compile,
+    resolve_weights,
+)
 from triforce_cli.runtime.parallel import apply_tp, init_parallel, world_size
 from triforce_cli.runtime.prompts import encode_prompt
 
@@ -67,14 +74,16 @@ def resolve_attention(requested: str, device: torch.device, dtype: torch.dtype, 
         backend = attention_backend(device, dtype, requested)
     except ValueError as err:
         raise ConfigError(f"--attention {requested}: {err}") from None
-    if weights == "half" and backend != "cpu":  # 'auto' weights then resolve to dense
-        raise ConfigError(f"--attention {backend} cannot read half weights' float16 prompt cache: use --weights dense")
+    if weights in ("half", "gguf") and backend != "cpu":  # 'auto' weights then resolve to dense
+        raise ConfigError(
+            f"--attention {backend} cannot read {weights} weights' float16 prompt cache: use --weights dense"
+        )
     return backend
 
 
 def drafter_weights(weights: str) -> str:
-    """A 'half' target gets a 'half' drafter; 'compact' applies to the target alone (a drafter has no GGUF)."""
-    return "half" if weights == "half" else "dense"
+    """A 'half' or 'gguf' target gets a 'half' drafter (a drafter has no GGUF file of its own)."""
+    return "half" if weights in ("half", "gguf") and half_weights_available() else "dense"
 
 
 @dataclass
@@ -101,7 +110,7 @@ class Pipeline:
         """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
 
         weights: 'auto' (the fastest exact form for the device, loading.resolve_weights), 'dense', 'half' (float16
-        weight matrices for target and drafter) or 'compact' (the target from a GGUF's Q4_1 blocks); see
+        weight matrices for target and drafter) or 'gguf' (the target from its GGUF file's blocks); see
         loading.load_model. Output is exact with respect to the target in the form chosen.
         context_window: positions both models accept, YaRN-scaled beyond their trained context.
         attention: 'auto' (the fastest kernel for the device and dtype), 'flash', 'sdpa' or 'cpu'; see
@@ -119,7 +128,8 @@ class Pipeline:
         compiled = resolve_compile(False if parallel else compile_steps, torch_device, weights)
         if weights == "auto" and (config.offload == "kv+weights" or parallel):
             weights = "dense"  # streamed and sharded weights are parameters, which packed half weights are not
-        weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled)
+        gguf_source = weights == "auto" and resolve_checkpoint(target, status).gguf is not None
+        weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled, gguf_source)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
         draft = drafter_spec(target, draft)
         drafter = None

@@ -27,16 +27,17 @@ from transformers import (
 )
 
 from kernels import half_weights_available
+from kernels.gguf import KernelUnavailable
 from triforce_cli.errors import ConfigError, ModelLoadError
-from triforce_cli.runtime.compact import use_q4_1_weights
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
+from triforce_cli.runtime.gguf_weights import ensure_kernel, use_gguf_weights
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
 from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, models_folder
 
 StatusCallback = Callable[[str], None]
-WEIGHT_FORMATS = ("dense", "half", "compact")
+WEIGHT_FORMATS = ("dense", "half", "gguf")
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto: resolve_weights
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 SHARED_WEIGHTS = (EMBEDDING_WEIGHT, "lm_head.weight")  # what a distilled drafter borrows from its target
@@ -65,16 +66,17 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
+        return self.model.model.norm.weight.dtype  # a parameter in every weight form
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
+        return self.model.model.norm.weight.device
 
     @property
     def half_prompt_cache(self) -> bool:
-        """Whether attention reads the prompt's keys and values as float16 too: with 'half' weights."""
-        return self.weights == "half"
+        """Whether attention reads the prompt's keys and values as float16 too: with 'half' and 'gguf' weights (as
+        llama.cpp keeps its cache in float16)."""
+        return self.weights in ("half", "gguf")
 
     @cached_property
     def fingerprint(self) -> str:
@@ -234,31 +236,49 @@ def borrow_shared_weights(
 
 
 def resolve_weights(
-    weights: str, dtype: torch.dtype, device: torch.device, attention: str = "cpu", compiled: bool = False
+    weights: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention: str = "cpu",
+    compiled: bool = False,
+    gguf_source: bool = False,
 ) -> str:
-    """'auto' as the fastest exact weight form for the device: 'half' on a CPU in float32 where fbgemm is there,
-    attention runs on the cpu kernels and the steps run eager (a decode step reads half the weight bytes), 'dense'
-    elsewhere; any other choice as it is."""
+    """'auto' as the fastest exact weight form by rule: on a CPU in float32 with the cpu attention kernels and eager
+    steps, 'gguf' for a GGUF checkpoint whose block kernel builds here (a decode step reads a fifth of the float32
+    bytes), else 'half' where fbgemm is there (half the bytes); 'dense' elsewhere. Any other choice as it is.
+    runtime.tuning replaces the rule by a measurement where it may."""
     if weights != "auto":
         return weights
-    cpu_float32 = device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not compiled
-    return "half" if cpu_float32 and half_weights_available() else "dense"
+    if not (device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not compiled):
+        return "dense"
+    if gguf_source and gguf_kernel_error() is None:
+        return "gguf"
+    return "half" if half_weights_available() else "dense"
+
+
+def gguf_kernel_error() -> str | None:
+    """Why GGUF blocks cannot be computed with here (the kernel does not build), or None."""
+    try:
+        ensure_kernel()
+    except KernelUnavailable as err:
+        return str(err)
+    return None
 
 
 def resolve_compile(requested: bool | None, device: torch.device, weights: str) -> bool:
     """Whether decode steps run as compiled fixed-shape graphs (Transformer.compile_steps): as requested, else on
     CUDA, where each becomes a CUDA graph, and not on the CPU, where the eager steps on half weights measured
-    faster (COMPILE_REASONS). Half and compact weights run only in eager steps: their CPU kernels take a packed
+    faster (COMPILE_REASONS). Half and GGUF weights run only in eager steps: their CPU kernels take a packed
     float16 prompt cache and variable-length views."""
     compiled = device.type == "cuda" if requested is None else requested
-    if compiled and weights in ("half", "compact"):
+    if compiled and weights in ("half", "gguf"):
         raise ConfigError(f"--compile runs dense weights only, not {weights}: use --weights dense or --no-compile")
     return compiled
 
 
 COMPILE_REASONS = {
     "cuda": "on: every decode step is one CUDA graph (torch.compile, mode reduce-overhead)",
-    "cpu": "off: on the CPU the eager steps on half weights beat compiled ones (--compile to try)",
+    "cpu": "off: on the CPU the eager steps on GGUF or half weights beat compiled ones (--compile to try)",
 }
 
 
@@ -267,8 +287,11 @@ def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype
     if weights not in WEIGHT_FORMATS:
         raise ModelLoadError(f"unknown weight format '{weights}' (choose from {', '.join(WEIGHT_FORMATS)})")
     on_cpu_in_float32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    if weights == "compact" and not (checkpoint.gguf is not None and on_cpu_in_float32):
-        raise ModelLoadError("compact weights need a GGUF checkpoint, the CPU and float32")
+    if weights == "gguf":
+        if not (checkpoint.gguf is not None and on_cpu_in_float32):
+            raise ModelLoadError("gguf weights need a GGUF checkpoint, the CPU and float32")
+        if (error := gguf_kernel_error()) is not None:
+            raise ModelLoadError(error)
     if weights == "half" and not (on_cpu_in_float32 and half_weights_available()):
         raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
 
@@ -289,9 +312,8 @@ def load_model(
 
     weights: 'dense' computes from float weights; 'half' (CPU, float32) rounds the weight matrices to float16
     and reads them as such, half the bytes per step (half_weights.py; the engine then also packs the prompt's
-    KV cache, see half_prompt_cache); 'compact' computes from a GGUF's Q4_1
-    blocks (GGUF source, CPU, float32): a quarter of the memory, but torch's CPU int4 kernel is slower than
-    dense products here.
+    KV cache, see half_prompt_cache); 'gguf' computes from a GGUF file's own Q4_0, Q4_1 and Q8_0 blocks (GGUF
+    source, CPU, float32; gguf_weights.py), with the prompt's keys and values packed as float16 too.
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
     """
@@ -337,8 +359,8 @@ def load_model(
     output_ids = (getattr(hf_config, DRAFTER_METADATA, None) or {}).get("output_ids")
     if output_ids:
         model.restrict_output(torch.tensor(output_ids, device=device))
-    if weights == "compact":
-        use_q4_1_weights(model, checkpoint.gguf, hf_config)
+    if weights == "gguf":
+        use_gguf_weights(model, checkpoint.gguf, hf_config, folder)
     if weights == "half":
         use_half_weights(model)
     return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)

@@ -169,8 +169,8 @@ class Linear(nn.Linear):
 
 
 class ConcatLinear(nn.Module):
-    """A fused projection computed part by part, for parts that cannot share one weight matrix (compact
-    weights): x (T, K) -> the parts' outputs side by side (T, sum of their N)."""
+    """A fused projection computed part by part, for parts that cannot share one weight matrix (GGUF blocks of
+    different kinds): x (T, K) -> the parts' outputs side by side (T, sum of their N)."""
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()
@@ -302,7 +302,7 @@ class Transformer(nn.Module):
     @property
     def attention_backend(self) -> str:
         """The kernel family attention runs on: as set by use_attention, else the fastest for the weights."""
-        weight = self.model.embed_tokens.weight
+        weight = self.model.norm.weight  # a parameter in every weight form
         return self.model.layers[0].self_attn.backend or attention_backend(weight.device, weight.dtype)
 
     def compile_steps(self, mode: str | None = None, backend: str = "inductor") -> None:
@@ -378,12 +378,16 @@ def dense_rows(weight: torch.Tensor) -> Linear:
     return rows
 
 
-def replace_checkpoint_linears(model: Transformer, replacements: dict[str, nn.Module]) -> int:
+def replace_checkpoint_linears(
+    model: Transformer,
+    replacements: dict[str, nn.Module],
+    combine: Callable[[list[nn.Module]], nn.Module] = ConcatLinear,
+) -> int:
     """Compute the checkpoint's linears named in replacements (module path in Hugging Face's names -> a module
     computing x @ weight.T) by those modules; return how many were used.
 
-    Only bias-free linears are replaced. A fused projection with any part among them becomes a ConcatLinear of
-    its parts, each part not among them keeping its own rows of the fused weight.
+    Only bias-free linears are replaced. A fused projection with all its parts among them becomes combine(parts);
+    with some, a ConcatLinear of its parts, each part not among them keeping its own rows of the fused weight.
     """
     used = 0
     for path, module in list(model.named_modules()):
@@ -395,6 +399,8 @@ def replace_checkpoint_linears(model: Transformer, replacements: dict[str, nn.Mo
             continue
         if len(parts) == 1:
             model.set_submodule(path, found[0])
+        elif all(part is not None for part in found):
+            model.set_submodule(path, combine(found))
         else:
             rows = module.weight.detach().split([n for _, n in parts])
             computed = [part if part is not None else dense_rows(w.clone()) for part, w in zip(found, rows)]

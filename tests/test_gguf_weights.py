@@ -1,0 +1,280 @@
+"""GGUF weights (`--weights gguf`): linears and embedding computed from Q4_0, Q4_1 and Q8_0 blocks kept packed.
+
+The kernel must give the product with the dequantized weights (gguf-py's own dequantization is the reference) in
+every body the CPU can run, the runtime must compute what transformers computes on those dequantized weights,
+and every speculative mode must reproduce its own autoregressive output, greedy and sampled.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import full_cache_for, make_model, random_prompt, reference_logits
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from torch import nn
+
+from kernels.gguf import BLOCK_KINDS, KernelUnavailable, blocks_linear, dequantize, kernel_isa, pack_blocks
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.runtime.gguf_weights import GGUFEmbedding, GGUFLinear, apply_gguf_blocks, ensure_kernel
+from triforce_cli.runtime.loading import LoadedModel
+from triforce_cli.runtime.model import ConcatLinear
+
+try:
+    ensure_kernel()
+    KERNEL_ERROR = None
+except KernelUnavailable as err:
+    KERNEL_ERROR = str(err)
+
+pytestmark = pytest.mark.skipif(KERNEL_ERROR is not None, reason=f"no GGUF block kernel here: {KERNEL_ERROR}")
+
+GREEDY = SamplingConfig(temperature=0)
+BODIES = {"avx512": ("avx512", "avx2", "scalar"), "avx2": ("avx2", "scalar"), "scalar": ("scalar",)}
+
+
+def quantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """weight (N, K) as a GGUF tensor's bytes (N, K/32 * block bytes), by gguf-py's quantizer."""
+    return torch.from_numpy(gguf_quantize(weight.detach().float().numpy(), GGMLQuantizationType[kind]))
+
+
+def reference_weight(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """gguf-py's dequantization of the bytes: the weight the blocks hold."""
+    return torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType[kind]))
+
+
+@pytest.fixture(params=BODIES[kernel_isa()] if KERNEL_ERROR is None else ())
+def body(request):
+    """Each body of the kernel this CPU can run, the best one restored afterwards."""
+    best = kernel_isa()
+    torch.ops.triforce_gguf.use_isa(request.param)
+    yield request.param
+    torch.ops.triforce_gguf.use_isa(best)
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_dequantize_is_gguf_py_dequantization_bit_for_bit(kind):
+    torch.manual_seed(0)
+    raw = quantized(torch.randn(40, 96), kind)
+    packed = pack_blocks(raw, kind)
+    assert (packed.out_features, packed.in_features) == (40, 96)
+    assert packed.q.shape[0] == 3  # 40 rows padded to 3 tiles of 16
+    assert torch.equal(dequantize(packed), reference_weight(raw, kind))
+    rows = torch.tensor([39, 0, 17, 17])
+    assert torch.equal(dequantize(packed, rows), reference_weight(raw, kind)[rows])
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 29, 40])
+def test_product_is_the_dequantized_product(body, kind, rows):
+    """Few-row bodies (up to 6 rows a pass, then the rest), and the rebuilt-tile product from 16 rows on."""
+    torch.manual_seed(rows)
+    raw = quantized(torch.randn(40, 96), kind)
+    x = torch.randn(rows, 96)
+    out = blocks_linear(x, pack_blocks(raw, kind))
+    expected = x.double() @ reference_weight(raw, kind).double().T
+    assert out.shape == (rows, 40)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_a_wrong_input_is_one_clear_error():
+    packed = pack_blocks(quantized(torch.randn(16, 64), "Q4_1"), "Q4_1")
+    with pytest.raises(RuntimeError, match="K = 32 \\* blocks"):
+        blocks_linear(torch.randn(2, 96), packed)
+
+
+def gguf_tiny_model(seed: int, tie: bool = False, vocab_size: int = 32, **config):
+    """A tiny model whose linears were quantized to Q4_1 (Q4_0 for the MLP's down projection) and its embedding
+    and output layer to Q8_0; returns (the transformers reference holding the dequantized weights, the dense
+    runtime model on them, the runtime model computing from the blocks)."""
+    tiny = make_model(
+        seed=seed,
+        initializer_range=0.3,
+        tie_word_embeddings=tie,
+        vocab_size=vocab_size,
+        intermediate_size=64,
+        **config,
+    )
+    blocks = {}
+    with torch.no_grad():
+        for name, module in tiny.ref.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and name not in blocks:
+                if name == "lm_head" and tie:
+                    continue
+                kind = "Q8_0" if name in ("lm_head", "model.embed_tokens") else "Q4_1"
+                kind = "Q4_0" if name.endswith("down_proj") else kind
+                raw = quantized(module.weight, kind)
+                module.weight.copy_(reference_weight(raw, kind))
+                blocks[name] = pack_blocks(raw, kind)
+    dense = make_model(seed=seed, initializer_range=0.3, tie_word_embeddings=tie, vocab_size=vocab_size,
+                       intermediate_size=64, **config)  # fmt: skip
+    dense.model.load_hf_state(tiny.ref.state_dict())
+    packed = make_model(seed=seed, initializer_range=0.3, tie_word_embeddings=tie, vocab_size=vocab_size,
+                        intermediate_size=64, **config)  # fmt: skip
+    packed.model.load_hf_state(tiny.ref.state_dict())
+    assert apply_gguf_blocks(packed.model, blocks) == len(blocks)
+    return tiny.ref, dense.loaded, dataclasses.replace(packed.loaded, weights="gguf")
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_every_weight_computes_from_its_blocks(tie):
+    _, _, packed = gguf_tiny_model(1, tie=tie)
+    modules = dict(packed.model.named_modules())
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding, ConcatLinear)) for m in modules.values())
+    assert isinstance(modules["model.layers.0.self_attn.qkv_proj"], GGUFLinear)  # q, k, v stacked
+    assert isinstance(modules["model.embed_tokens"], GGUFEmbedding)
+    assert (packed.model.lm_head is packed.model.model.embed_tokens.blocks) == tie
+    assert isinstance(packed.model.lm_head, GGUFLinear)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_logits_match_transformers_on_the_dequantized_weights(tie):
+    ref, dense, packed = gguf_tiny_model(2, tie=tie)
+    ids = random_prompt(48, 32, seed=3)
+    expected = reference_logits(ref, ids)
+    for loaded in (dense, packed):
+        logits = loaded.model(torch.tensor(ids), 0, full_cache_for(loaded.model, 64), num_logits=len(ids))
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+SETTINGS = {"chunk_size": 8, "budget": 32, "sink_tokens": 4, "draft_window": 16, "gamma1": 2, "gamma2": 6,
+            "max_new_tokens": 60, "prefill_chunk": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_every_mode_equals_dense_autoregressive(seed):
+    """Packed blocks in every mode give the tokens plain greedy decoding gives on the dequantized weights."""
+    _, dense, packed = gguf_tiny_model(seed)
+    drafter = make_model(seed=seed + 50, num_layers=1, initializer_range=0.3, tie_word_embeddings=False).loaded
+    prompt = random_prompt(200, 32, seed=100 + seed)
+    expected = Engine(dense, EngineConfig(mode="autoregressive", sampling=GREEDY, **SETTINGS)).generate(prompt)
+    assert len(set(expected.token_ids)) > 5
+    reference = Engine(packed, EngineConfig(mode="autoregressive", sampling=GREEDY, **SETTINGS))
+    assert reference.generate(prompt).token_ids == expected.token_ids
+    assert reference._caches.full.packed_prefix(0).length == len(prompt)  # the prompt read as float16, as 'half'
+    for mode, ngram in (("retrieval", False), ("streaming", False), ("triforce", False), ("triforce", True)):
+        config = EngineConfig(mode=mode, ngram=ngram, sampling=GREEDY, **SETTINGS)
+        result = Engine(packed, config, drafter=drafter).generate(prompt)
+        assert result.token_ids == expected.token_ids, (mode, ngram)
+
+
+def sampled_pairs(target: LoadedModel, drafter: LoadedModel, mode: str, trials: int) -> list[tuple[int, int]]:
+    """The first two tokens of `trials` seeded generations at temperature 1 (drafts judged on their own
+    probabilities: no n-gram proposer)."""
+    prompt = random_prompt(24, 8, seed=7)
+    base = EngineConfig(mode=mode, ngram=False, chunk_size=4, budget=8, sink_tokens=2, draft_window=8, gamma1=2,
+                        gamma2=3, max_new_tokens=4, refresh_interval=1, prefill_chunk=8)  # fmt: skip
+    pairs = []
+    for seed in range(trials):
+        sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, seed=seed)
+        tokens = Engine(target, dataclasses.replace(base, sampling=sampling), drafter=drafter).generate(prompt)
+        pairs.append(tuple(tokens.token_ids[:2]))
+    return pairs
+
+
+def test_sampled_triforce_has_the_packed_targets_distribution():
+    """Chi-square of the first two sampled tokens against the packed target's joint distribution at temperature 1
+    (the second token's from a prefill of prompt + first: a float32 cache where decoding reads the prompt as
+    float16, a difference far below what 1,200 samples resolve)."""
+    from scipy.stats import chisquare
+
+    _, _, target = gguf_tiny_model(4, vocab_size=8)
+    drafter = make_model(seed=104, num_layers=1, vocab_size=8, initializer_range=0.3, tie_word_embeddings=False)
+    prompt = random_prompt(24, 8, seed=7)
+    engine = Engine(target, EngineConfig(mode="autoregressive", prefill_chunk=8))
+    state = engine.prefill(prompt)
+    probs = torch.zeros(8, 8, dtype=torch.float64)
+    first = state.last_logits.double().softmax(-1)[0]
+    for a in range(8):
+        step = Engine(target, EngineConfig(mode="autoregressive", prefill_chunk=8)).prefill([*prompt, a])
+        probs[a] = first[a] * step.last_logits.double().softmax(-1)[0]
+    pairs = sampled_pairs(target, drafter.loaded, "triforce", 1200)
+    observed = np.zeros((8, 8))
+    for a, b in pairs:
+        observed[a, b] += 1
+    expected = probs.numpy() * len(pairs) / probs.sum().item()
+    large = expected >= 5
+    assert large.sum() >= 6
+    obs = np.append(observed[large], observed[~large].sum())
+    exp = np.append(expected[large], expected[~large].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def llama_cpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """A q or k projection's rows in llama.cpp's order (its converter permutes them for its rotary layout)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def write_tiny_gguf(path, hf_config) -> dict[str, torch.Tensor]:
+    """A tiny Llama GGUF file as llama.cpp's converter writes one (q/k rows permuted; linears Q4_1, the tied
+    embedding Q8_0, norms float32); returns the weights each quantized tensor holds, in Hugging Face row order."""
+    from gguf import GGUFWriter
+
+    torch.manual_seed(9)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(hf_config.num_hidden_layers)
+    writer.add_embedding_length(hf_config.hidden_size)
+    writer.add_head_count(hf_config.num_attention_heads)
+    writer.add_head_count_kv(hf_config.num_key_value_heads)
+    held = {}
+
+    def add(gguf_name: str, hf_name: str, weight: torch.Tensor, kind: str, heads: int = 0):
+        raw = quantized(weight, kind)
+        held[hf_name] = reference_weight(raw, kind)
+        stored = llama_cpp_rows(weight, heads) if heads else weight
+        writer.add_tensor(gguf_name, quantized(stored, kind).numpy(), raw_dtype=GGMLQuantizationType[kind])
+
+    hidden = hf_config.hidden_size
+    kv_rows = hf_config.num_key_value_heads * hidden // hf_config.num_attention_heads
+    add("token_embd.weight", "model.embed_tokens", torch.randn(hf_config.vocab_size, hidden), "Q8_0")
+    for i in range(hf_config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        heads = hf_config.num_attention_heads
+        add(f"blk.{i}.attn_q.weight", f"{layer}.self_attn.q_proj", torch.randn(hidden, hidden), "Q4_1", heads)
+        add(f"blk.{i}.attn_k.weight", f"{layer}.self_attn.k_proj", torch.randn(kv_rows, hidden), "Q4_1",
+            hf_config.num_key_value_heads)  # fmt: skip
+        add(f"blk.{i}.attn_v.weight", f"{layer}.self_attn.v_proj", torch.randn(kv_rows, hidden), "Q4_1")
+        add(f"blk.{i}.attn_output.weight", f"{layer}.self_attn.o_proj", torch.randn(hidden, hidden), "Q4_1")
+        for name, hf_name in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj")):
+            add(f"blk.{i}.{name}.weight", f"{layer}.mlp.{hf_name}", torch.randn(64, hidden), "Q4_1")
+        add(f"blk.{i}.ffn_down.weight", f"{layer}.mlp.down_proj", torch.randn(hidden, 64), "Q4_1")
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def test_a_gguf_file_gives_its_weights_in_hugging_face_row_order_and_is_kept_while_unchanged(tmp_path, monkeypatch):
+    from transformers import LlamaConfig
+
+    from triforce_cli.runtime import gguf_weights
+
+    hf_config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    gguf = tmp_path / "tiny.gguf"
+    held = write_tiny_gguf(gguf, hf_config)
+    reads = []
+    read = gguf_weights.read_gguf_blocks
+    monkeypatch.setattr(gguf_weights, "read_gguf_blocks", lambda *args: reads.append(1) or read(*args))
+
+    blocks = gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
+    assert set(blocks) == set(held)
+    for name, weight in held.items():
+        assert torch.equal(dequantize(blocks[name]), weight), name  # q and k rows back in Hugging Face's order
+    kept = gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
+    assert len(reads) == 1  # the second time from the kept copy
+    for name in held:
+        assert torch.equal(kept[name].q, blocks[name].q) and torch.equal(kept[name].d, blocks[name].d)
+
+    stat = gguf.stat()  # a changed file is read anew, never served from the copy
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
+    assert len(reads) == 2

@@ -1,0 +1,169 @@
+"""GGUF weights: the target's linears and embedding computed from the GGUF file's own blocks (Q4_0, Q4_1, Q8_0).
+
+On a CPU a decode step reads every weight once, so reading 4.5 to 8.5 bits per weight instead of 16 or 32 is most
+of the step. The values are the checkpoint's (the dense path dequantizes the same blocks); only the order in which
+the products are summed differs (kernels.gguf). transformers supplies the GGUF-to-HF name map and the row order
+of the q/k projections (llama.cpp permutes their rows for its rotary layout). The runtime fuses the q/k/v and the
+gate/up projections into one linear each; their blocks are stacked the same way, a tile of 16 rows at a time.
+A tied embedding is one set of blocks serving both the token lookup and the output layer.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+from kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, load_kernel, pack_blocks
+from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkpoint_linears
+from triforce_cli.runtime.store import cache_root
+
+BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # in a converted checkpoint's folder: its packed blocks
+BLOCKS_LAYOUT = "tiles-of-16/1"  # kernels.gguf's layout; a kept copy in another is read anew
+
+
+def kernel_folder() -> Path:
+    """Where the block kernel is built, once per machine and torch version."""
+    return cache_root() / "kernels" / f"torch-{torch.__version__}"
+
+
+def ensure_kernel() -> None:
+    """Build or load the block kernel (kernels.gguf.KernelUnavailable where it cannot be)."""
+    load_kernel(kernel_folder())
+
+
+class GGUFLinear(nn.Module):
+    """A bias-free linear whose weight lives as packed GGUF blocks. x (T, K) float32 -> (T, N)."""
+
+    def __init__(self, packed: PackedBlocks):
+        super().__init__()
+        self.out_features, self.in_features = packed.out_features, packed.in_features
+        self.register_buffer("q", packed.q)
+        self.register_buffer("d", packed.d)
+        self.register_buffer("m", packed.m)
+
+    @property
+    def packed(self) -> PackedBlocks:
+        return PackedBlocks(self.q, self.d, self.m, self.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 (N, K) weight the blocks hold."""
+        return dequantize(self.packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return blocks_linear(x, self.packed)
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding read from packed GGUF blocks: ids (T,) -> (T, C) float32, the same values dequantize
+    gives."""
+
+    def __init__(self, blocks: GGUFLinear):
+        super().__init__()
+        self.blocks = blocks
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.blocks.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.blocks.packed, ids)
+
+
+def stack(parts: list[GGUFLinear]) -> nn.Module:
+    """One linear computing parts side by side: their tiles stacked where each part has whole tiles of rows and the
+    same kind of blocks, else a ConcatLinear of them."""
+    kinds = {part.m is None for part in parts}
+    if len(kinds) > 1 or any(part.out_features % LANES for part in parts):
+        return ConcatLinear(parts)
+    m = None if parts[0].m is None else torch.cat([part.m for part in parts])
+    packed = PackedBlocks(
+        torch.cat([part.q for part in parts]),
+        torch.cat([part.d for part in parts]),
+        m,
+        sum(part.out_features for part in parts),
+    )
+    return GGUFLinear(packed)
+
+
+def read_gguf_blocks(gguf: Path, hf_config: PretrainedConfig) -> dict[str, PackedBlocks]:
+    """The weights the file stores as Q4_0, Q4_1 or Q8_0, packed, by Hugging Face parameter name without '.weight'
+    (such as model.layers.0.mlp.up_proj or model.embed_tokens)."""
+    reader = GGUFReader(str(gguf))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    processor = TENSOR_PROCESSORS.get(hf_config.model_type, TensorProcessor)(config=hf_config.to_dict())
+    hf_names = get_gguf_hf_weights_map(skeleton, processor)
+    found = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in BLOCK_KINDS or tensor.name not in hf_names:
+            continue
+        raw = torch.from_numpy(np.array(tensor.data))  # (N, K/32 * block bytes) uint8, rows in GGUF order
+        row_order = processor.process(np.arange(raw.shape[0])[:, None], tensor.name).weights[:, 0]
+        packed = pack_blocks(raw[torch.from_numpy(row_order)], tensor.tensor_type.name)
+        found[hf_names[tensor.name].removesuffix(".weight")] = packed
+    return found
+
+
+def gguf_blocks(gguf: Path, hf_config: PretrainedConfig, folder: Path) -> dict[str, PackedBlocks]:
+    """read_gguf_blocks, kept in folder (the checkpoint's converted folder) after the first time: reading the file's
+    metadata and name map takes seconds. The copy is used only while the GGUF file's size and modification time, and
+    the packed layout, are those it was written with."""
+    stored = folder / BLOCKS_FILE
+    source = f"{BLOCKS_LAYOUT}|{gguf.stat().st_size}|{gguf.stat().st_mtime_ns}"
+    if stored.is_file():
+        try:
+            with safe_open(stored, framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                if metadata.get("source") == source:
+                    tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+                    return {
+                        name: PackedBlocks(tensors[f"{name}.q"], tensors[f"{name}.d"], tensors.get(f"{name}.m"), rows)
+                        for name, rows in json.loads(metadata["rows"]).items()
+                    }
+        except (OSError, SafetensorError, KeyError, ValueError):
+            pass  # unreadable: written anew below
+    found = read_gguf_blocks(gguf, hf_config)
+    tensors = {
+        f"{name}.{part}": t
+        for name, p in found.items()
+        for part, t in (("q", p.q), ("d", p.d), ("m", p.m))
+        if t is not None
+    }
+    rows = json.dumps({name: p.out_features for name, p in found.items()})
+    try:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        partial = stored.with_suffix(".partial")
+        save_file(tensors, partial, metadata={"source": source, "rows": rows})
+        os.replace(partial, stored)
+    except OSError:
+        pass  # a read-only cache: read the file again next time
+    return found
+
+
+def use_gguf_weights(model: Transformer, gguf: Path, hf_config: PretrainedConfig, folder: Path) -> int:
+    """Compute every bias-free linear (and the embedding) the file stores in blocks from those blocks; return how
+    many checkpoint weights that is. folder: the checkpoint's converted folder, where the packed blocks are kept."""
+    return apply_gguf_blocks(model, gguf_blocks(gguf, hf_config, folder))
+
+
+def apply_gguf_blocks(model: Transformer, blocks: dict[str, PackedBlocks]) -> int:
+    """Replace the model's linears (and embedding) named in blocks (Hugging Face names without '.weight') by
+    modules computing from them, fused projections stacked; return how many checkpoint weights were replaced."""
+    linears = {name: GGUFLinear(packed) for name, packed in blocks.items()}
+    embedding = linears.pop("model.embed_tokens", None)
+    used = replace_checkpoint_linears(model, linears, combine=stack)
+    if embedding is not None:
+        model.model.embed_tokens = GGUFEmbedding(embedding)
+        if model.config.tie_word_embeddings and model.output_ids is None:
+            model.lm_head = embedding
+        used += 1
+    return used
