@@ -1,8 +1,12 @@
-"""`triforce bench`: rows of every mode and peer on a tiny saved checkpoint, the report files, the llama.cpp peer's
-wiring (with a stand-in module: llama-cpp-python is optional) and one-line errors."""
+"""`triforce bench`: rows of every mode and peer on a tiny saved checkpoint, the seconds a user waits, --ignore-eos,
+the report files, the llama.cpp peer's wiring (with a stand-in module: llama-cpp-python is optional) and one-line
+errors."""
 
+import csv
+import io
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,18 +15,22 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import fixed_drafts_at_least, random_prompt, save_checkpoint
+from rich.console import Console
 from typer.testing import CliRunner
 
 import triforce_cli.bench.llama_cpp
 import triforce_cli.bench.runner
+import triforce_cli.runtime.environment
 from triforce_cli.bench.llama_cpp import (
     LLAMA_CPP_PEER,
     LlamaCppPeer,
     llama_cpp_rope_kwargs,
     llama_cpp_sampling_kwargs,
 )
-from triforce_cli.bench.runner import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, default_modes
+from triforce_cli.bench.peers import HF_PEERS, TimedRun
+from triforce_cli.bench.runner import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, BenchRow, default_modes
 from triforce_cli.cli.app import app
+from triforce_cli.cli.render import bench_tables
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
@@ -46,6 +54,19 @@ def checkpoint(tmp_path_factory) -> Path:
 def pipe(checkpoint) -> Pipeline:
     config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS)
     return Pipeline.load(str(checkpoint), config=config, dtype="float32", device="cpu")
+
+
+def rendered(rows: list[BenchRow]) -> str:
+    """The bench tables as an 80-column terminal shows them."""
+    console = Console(width=80, record=True, file=io.StringIO())
+    for table in bench_tables(rows):
+        console.print(table)
+    return console.export_text()
+
+
+def line_of(text: str, mode: str) -> str:
+    """The first table line of mode's row in text."""
+    return next(line for line in text.splitlines() if line.startswith(f"│ {mode} "))
 
 
 @pytest.fixture
@@ -111,6 +132,15 @@ def test_prompt_cache_saves_the_prefill_once_and_later_runs_restore_it(pipe, tmp
     warm = Bench(pipe, replace(config, prompt_cache=tmp_path)).run_context("p", prompt)
     assert [r.prompt_cached for r in cold] == [False, False, False]
     assert [r.prompt_cached for r in warm] == [True, True, False]  # the peers prefill for themselves
+    # the loaded prefill counts in the times a user waits, and the table marks all three as the load
+    assert all(r.time_to_first_token_seconds >= r.prefill_seconds for r in warm)
+    assert as_record(warm[0])["prompt_cached"] is True
+    text = rendered(warm)
+    waiting = text[text.index("seconds a user waits") :]
+    assert line_of(waiting, "autoregressive").count("*") == 3 and line_of(waiting, "triforce-ngram").count("*") == 3
+    assert "*" not in line_of(waiting, "hf")
+    assert "* prefill restored from --prompt-cache" in waiting  # the caption may wrap
+    assert "*" not in rendered(cold)
     uncached = Bench(pipe, config).run_context("p", prompt)
     for rows in (cold, warm):
         assert [r.matches_autoregressive for r in rows] == [True, True, True]
@@ -119,6 +149,116 @@ def test_prompt_cache_saves_the_prefill_once_and_later_runs_restore_it(pipe, tmp
     other = Bench(pipe, replace(config, prompt_cache=tmp_path)).run_context("p", random_prompt(CONTEXT, 30, seed=5))
     assert not any(r.prompt_cached for r in other)  # another prompt misses and is saved beside the first
     assert len(list(tmp_path.glob("prompt-*.safetensors"))) == 2
+
+
+def test_first_token_and_answer_count_the_prefill(pipe, monkeypatch):
+    prefill = Bench._prompt_state
+
+    def slow_prefill(self, prompt_ids):  # a prefill as long as a real prompt's, against runs of a tiny model
+        time.sleep(0.2)
+        return prefill(self, prompt_ids)
+
+    monkeypatch.setattr(Bench, "_prompt_state", slow_prefill)
+    modes = ("autoregressive", "triforce", "ngram", *HF_PEERS)
+    config = BenchConfig(modes=modes, contexts=(CONTEXT,), **{**FAST, "repeats": 3})
+    rows = Bench(pipe, config).run_context("p", random_prompt(CONTEXT, 30, seed=6))
+    for row in rows:
+        assert 0 < row.prefill_seconds <= row.time_to_first_token_seconds < row.time_to_answer_seconds, row
+    for row in rows[:3]:  # ours: the shared prefill, then the run to its first token and through every step
+        assert row.prefill_seconds >= 0.2 and row.time_to_first_token_seconds > row.prefill_seconds
+        decoding = (NEW_TOKENS - 1) * min(row.ms_per_token) / 1000
+        assert row.time_to_answer_seconds >= row.prefill_seconds + decoding
+    for row in rows[3:]:  # a peer's prefill is its time to the first token
+        assert row.time_to_first_token_seconds == row.prefill_seconds < 0.2
+    record = as_record(rows[0])
+    assert record["time_to_answer_seconds"] == rows[0].time_to_answer_seconds
+    assert record["repeats_new_tokens"] == [NEW_TOKENS] * 3
+
+
+@pytest.fixture(scope="module")
+def eos_first(tmp_path_factory) -> tuple[Pipeline, list[int]]:
+    """A tiny model whose end-of-sequence id is the token greedy decoding picks first after the prompt, with that
+    prompt: every run stops after one token unless it ignores end-of-sequence."""
+    folder = tmp_path_factory.mktemp("bench") / "eos-first"
+    model = save_checkpoint(folder, seed=5, max_position_embeddings=128)
+    prompt = random_prompt(CONTEXT, 30, seed=1)
+    with torch.no_grad():
+        eos = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos  # config.json and generation_config.json
+    model.save_pretrained(folder)
+    config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS)
+    pipe = Pipeline.load(str(folder), config=config, dtype="float32", device="cpu")
+    assert eos in pipe.target.eos_token_ids
+    return pipe, prompt
+
+
+class EosLlama:
+    """Stands in for llama_cpp.Llama, sampling nothing but end-of-sequence (as the model above does, first)."""
+
+    eos: ClassVar[int] = 0
+
+    def __init__(self, **kwargs):
+        pass
+
+    def reset(self):
+        pass
+
+    def generate(self, tokens, **kwargs):
+        while True:
+            yield EosLlama.eos
+
+
+def test_ignore_eos_makes_every_row_generate_max_new_tokens(monkeypatch, eos_first):
+    pipe, prompt = eos_first
+    EosLlama.eos = max(pipe.target.eos_token_ids)
+    monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(Llama=EosLlama))
+    monkeypatch.setattr(triforce_cli.bench.llama_cpp, "llama_cpp_available", lambda: True)
+
+    def gguf_peer(gguf, hf_config, threads):  # the llama.cpp peer on a GGUF file this safetensors model lacks
+        return LlamaCppPeer(Path("model.gguf"), hf_config, threads)
+
+    monkeypatch.setattr(triforce_cli.bench.runner, "LlamaCppPeer", gguf_peer)
+    config = BenchConfig(modes=ALL_MODES, contexts=(CONTEXT,), **FAST)
+    stopped = Bench(pipe, config).run_context("p", prompt)
+    assert {r.mode: r.new_tokens for r in stopped} == {mode: [1] for mode in ALL_MODES}  # the EOS is forced
+    rows = Bench(pipe, replace(config, ignore_eos=True)).run_context("p", prompt)
+    assert {r.mode: r.new_tokens for r in rows} == {mode: [NEW_TOKENS] for mode in ALL_MODES}
+    # transformers neither stops at nor forbids end-of-sequence: its greedy output stays ours
+    assert all(r.matches_autoregressive for r in rows if r.mode != LLAMA_CPP_PEER), [
+        (r.mode, r.matches_autoregressive) for r in rows
+    ]
+
+
+class FixedLlamaCpp:
+    """Stands in for LlamaCppPeer: every run takes 2 s to its first token and 50 ms for each one after it."""
+
+    def __init__(self, gguf, hf_config, threads):
+        pass
+
+    def generate(self, prompt_ids, max_new_tokens, sampling, eos_ids) -> TimedRun:
+        return TimedRun(list(range(max_new_tokens)), 2.0, 0.05 * (max_new_tokens - 1))
+
+
+def test_ratios_to_llama_cpp(monkeypatch, pipe):
+    monkeypatch.setattr(triforce_cli.bench.runner, "LlamaCppPeer", FixedLlamaCpp)
+    config = BenchConfig(modes=("autoregressive", "hf", LLAMA_CPP_PEER), contexts=(CONTEXT,), **FAST)
+    prompt = random_prompt(CONTEXT, 30, seed=1)
+    rows = Bench(pipe, config).run_context("p", prompt)
+    llama_cpp = rows[-1]
+    assert llama_cpp.median_ms == pytest.approx(50.0)
+    assert llama_cpp.time_to_first_token_seconds == 2.0
+    assert llama_cpp.time_to_answer_seconds == pytest.approx(2.0 + 0.05 * (NEW_TOKENS - 1))
+    assert llama_cpp.speedup_vs_llama_cpp == llama_cpp.answer_time_vs_llama_cpp == 1.0
+    for row in rows[:2]:
+        assert row.speedup_vs_llama_cpp == pytest.approx(50.0 / row.median_ms)
+        assert row.answer_time_vs_llama_cpp == pytest.approx(row.time_to_answer_seconds / 2.25)
+        assert row.answer_time_vs_llama_cpp < 1  # a tiny model answers in far less than 2.25 s
+    assert llama_cpp.speedup_vs_hf == pytest.approx(rows[1].median_ms / 50.0)
+    text = rendered(rows)
+    assert "×llama.cpp" in text and "vs llama.cpp" in text
+    assert f"{rows[0].speedup_vs_llama_cpp:.2f}×" in line_of(text, "autoregressive")
+    without = rendered(Bench(pipe, replace(config, modes=("autoregressive",))).run_context("p", prompt))
+    assert "llama.cpp" not in without
 
 
 def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
@@ -269,12 +409,16 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     common = ["--target", checkpoint, "-p", prompt_file, "--context", CONTEXT, "--max-new-tokens", 4]
     common += ["--repeats", 1, "--warmup", 0, "--budget", 16, "--chunk-size", 4, "--modes", "autoregressive,triforce"]
     monkeypatch.setattr(sys, "argv", ["triforce", "bench", "--target", str(checkpoint)])  # what the JSON records
+    cpu = ("Test CPU 9000", ["avx2", "avx512f"])
+    monkeypatch.setattr(triforce_cli.runtime.environment, "cpu_description", lambda: cpu)
     result = invoke_bench(
         *common, "--forward-costs", "1,2", "--out", tmp_path / "rows.json", "--plot", tmp_path / "latency.png"
     )
     assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("CPU: Test CPU 9000, vector extensions avx2, avx512f;")
     assert "triforce" in result.stdout and "autoregressive" in result.stdout
     assert "one target forward of T new tokens" in result.stdout
+    assert "seconds a user waits" in result.stdout
     payload = json.loads((tmp_path / "rows.json").read_text())
     assert [(c["cache"], c["tokens"]) for c in payload["forward_costs"]] == [
         ("full", 1),
@@ -284,12 +428,20 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     ]
     assert payload["command"] == f"triforce bench --target {checkpoint}"
     assert payload["machine"]["torch_threads"] >= 1
+    assert (payload["machine"]["processor"], payload["machine"]["cpu_features"]) == cpu
     assert [row["mode"] for row in payload["rows"]] == ["autoregressive", "triforce"]
     assert all(row["matches_autoregressive"] for row in payload["rows"])
+    for row in payload["rows"]:
+        assert 0 < row["time_to_first_token_seconds"] < row["time_to_answer_seconds"]
+        assert row["speedup_vs_llama_cpp"] is None and row["answer_time_vs_llama_cpp"] is None  # it did not run
     assert (tmp_path / "latency.png").read_bytes().startswith(b"\x89PNG")
     result = invoke_bench(*common, "--out", tmp_path / "rows.csv")
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "rows.csv").read_text().splitlines()[0].startswith("prompt,mode,context")
+    lines = (tmp_path / "rows.csv").read_text().splitlines()
+    assert lines[0].startswith("prompt,mode,context")
+    for row in csv.DictReader(lines):
+        assert (row["processor"], row["cpu_features"]) == ("Test CPU 9000", "avx2 avx512f")
+        assert row["repeats_new_tokens"] == "4" and float(row["time_to_answer_seconds"]) > 0
 
 
 def test_bench_plot_without_matplotlib_fails_before_loading_anything(monkeypatch, tmp_path):

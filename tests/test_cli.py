@@ -1,4 +1,5 @@
-"""The `triforce generate` command: errors as one line, --json, options reaching the backend, Ctrl-C.
+"""The `triforce generate` command: errors as one line, --json, options reaching the backend, Ctrl-C; and options
+of `triforce bench` reaching the bench.
 
 Most tests swap the loader (``triforce_cli.decoding.pipeline.load_model``) for tiny random Llama models wrapped into the
 runtime with a character-level stub tokenizer, so ``Pipeline.load`` and ``Engine`` still run for real.
@@ -19,6 +20,8 @@ import torch
 from conftest import ALPHABET, CONTEXT, PROMPT, CharTokenizer, save_word_checkpoint
 from typer.testing import CliRunner
 
+import triforce_cli.cli.bench
+from triforce_cli.bench.runner import Bench, BenchConfig
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -524,6 +527,34 @@ class TestOptionsReachBackend:
         assert run_json(*args, "--seed", 7)["token_ids"] == first["token_ids"]
         others = [run_json(*args, "--seed", s)["token_ids"] for s in (8, 9, 10)]
         assert any(o != first["token_ids"] for o in others)
+
+
+@pytest.fixture
+def captured_bench(monkeypatch, tiny) -> list:
+    """Records each Bench the bench command makes (which then runs for real on the tiny models)."""
+    made = []
+
+    def spy(pipe, config):
+        made.append(Bench(pipe, config))
+        return made[-1]
+
+    monkeypatch.setattr(triforce_cli.cli.bench, "Bench", spy)
+    return made
+
+
+class TestBenchOptions:
+    @pytest.mark.parametrize(("flags", "ignore_eos"), [((), False), (("--ignore-eos",), True)])
+    def test_ignore_eos_reaches_the_bench_and_its_engines(self, prompt_file, captured_bench, flags, ignore_eos):
+        args = ("bench", "-p", prompt_file, "--context", 64, "--max-new-tokens", 3, "--repeats", 1, "--warmup", 0)
+        result = CliRunner().invoke(app, [*map(str, args), "--modes", "autoregressive", *flags])
+        assert result.exit_code == 0, result.output
+        (runner,) = captured_bench
+        assert runner.config.ignore_eos is ignore_eos and runner.base_config.ignore_eos is ignore_eos
+        assert BenchConfig().ignore_eos is False
+
+    def test_ignore_eos_takes_no_value(self, prompt_file, tiny):
+        result = CliRunner().invoke(app, ["bench", "-p", str(prompt_file), "--ignore-eos", "yes"])
+        assert result.exit_code == 2 and "yes" in result.output  # an unexpected extra argument
 
 
 # ---------------------------------------------------------------------------------------------- exactness

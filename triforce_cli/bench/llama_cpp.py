@@ -68,8 +68,9 @@ class LlamaCppPeer:
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, eos_ids: set[int]
     ) -> TimedRun:
-        """One timed run. prefill_seconds is the cold prefill of this prompt (its first run): later runs reuse
-        the prompt's KV cache, as llama-cpp-python does for a repeated prefix."""
+        """One timed run, stopping after max_new_tokens or at any of eos_ids (none: never). prefill_seconds is the
+        cold prefill of this prompt (its first run): later runs reuse the prompt's KV cache, as llama-cpp-python
+        does for a repeated prefix."""
         cold = prompt_ids != self._prompt
         if cold:
             self.llm.reset()

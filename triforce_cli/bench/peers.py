@@ -21,6 +21,11 @@ class TimedRun:
     decode_seconds: float  # from the first new token to the last
 
     @property
+    def answer_seconds(self) -> float:
+        """Until the last new token: what a user waits for the whole answer."""
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
     def ms_per_token(self) -> float:
         decoded = len(self.token_ids) - 1
         return 1000 * self.decode_seconds / decoded if decoded > 0 else 0.0
@@ -53,10 +58,17 @@ def hf_generate(
     prompt_ids: list[int],
     max_new_tokens: int,
     sampling: SamplingConfig,
+    *,
     assistant: PreTrainedModel | None = None,
     prompt_lookup: int | None = None,
+    ignore_eos: bool = False,
 ) -> TimedRun:
-    """One transformers generate run, timed to the first new token and to the end."""
+    """One transformers generate run, timed to the first new token and to the end.
+
+    ignore_eos: generate max_new_tokens tokens whatever the model samples. No end-of-sequence ids rather than
+    min_new_tokens, which would forbid them and so change greedy output where the model picks one; this way it is
+    what our engine generates with EngineConfig.ignore_eos.
+    """
     input_ids = torch.tensor([prompt_ids], device=model.device)
     clock = FirstTokenClock()
     if sampling.seed is not None:
@@ -71,6 +83,7 @@ def hf_generate(
             assistant_model=assistant,
             prompt_lookup_num_tokens=prompt_lookup,
             pad_token_id=model.generation_config.eos_token_id,
+            **({"eos_token_id": []} if ignore_eos else {}),  # None would fall back to the model's
             **hf_sampling_kwargs(sampling),
         )
         if output.is_cuda:

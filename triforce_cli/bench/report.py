@@ -31,19 +31,31 @@ def check_results_path(path: Path | None) -> None:
 
 
 def write_results(rows: list[BenchRow], path: Path, command: str, forward_costs: list[ForwardCost] = ()) -> None:
-    """JSON (rows and forward costs with the command and machine) or CSV (one flat line per row), by suffix."""
+    """JSON (rows and forward costs with the command and machine) or CSV (one flat line per row, with the CPU's
+    model and vector extensions), by suffix."""
     check_results_path(path)
+    machine = machine_description()
     if path.suffix == ".json":
         payload = {
             "command": command,
-            "machine": machine_description(),
+            "machine": machine,
             "rows": [as_record(r) for r in rows],
             "forward_costs": [as_record(c) for c in forward_costs],
         }
         path.write_text(json.dumps(payload, indent=2))
     else:
+        cpu = {"processor": machine["processor"], "cpu_features": " ".join(machine["cpu_features"])}
         with path.open("w", newline="") as handle:
-            flat = [{**as_record(r), "acceptance": acceptance_text(r), "repeats_ms_per_token": ""} for r in rows]
+            flat = [
+                {
+                    **as_record(r),
+                    "acceptance": acceptance_text(r),
+                    "repeats_ms_per_token": "",
+                    "repeats_new_tokens": " ".join(map(str, r.new_tokens)),
+                    **cpu,
+                }
+                for r in rows
+            ]
             writer = csv.DictWriter(handle, fieldnames=list(flat[0]))
             writer.writeheader()
             writer.writerows(flat)

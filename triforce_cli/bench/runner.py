@@ -3,8 +3,9 @@
 For every context length the prompt is cut to that many tokens and prefilled once; our modes restore that
 prefill, so they differ only in decoding. Repeats interleave the modes, so drift of a noisy machine touches them
 alike. Each row reports median, min and max per-token decode latency over the repeats, the speed-up of the
-median over our autoregressive mode and over plain transformers generate, the acceptance per tier, and whether
-greedy output matched our autoregressive output.
+median over our autoregressive mode, over plain transformers generate and over llama.cpp, the acceptance per
+tier, and whether greedy output matched our autoregressive output; and what a user waits, as medians over the
+repeats: the time to the first token and to the whole answer, each counting the prompt's prefill.
 """
 
 import statistics
@@ -25,7 +26,7 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.decoding.stats import as_record
+from triforce_cli.decoding.stats import GenerationResult, as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, load_hf_model
 
@@ -88,6 +89,7 @@ class BenchConfig:
     forward_tokens: tuple[int, ...] = ()  # also time single forwards of these many tokens (forward_costs.py)
     prompt_cache: Path | None = None  # folder of saved prefills (prompt_state.py): reused, or written on a miss
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0))
+    ignore_eos: bool = False  # every mode and peer generates max_new_tokens, end-of-sequence or not
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in ALL_MODES]
@@ -115,18 +117,27 @@ class BenchRow:
     context: int
     budget: int | None
     chunk_size: int | None
-    prefill_seconds: float  # where prompt_cached, the time to open the saved prefill
+    # ours: the shared prefill, where prompt_cached the time to load it; a peer's: until its first token
+    prefill_seconds: float
     ms_per_token: list[float]  # one per repeat
     gamma_policy: str | None = None
+    new_tokens: list[int] = field(default_factory=list)  # one per repeat
+    # what a user waits, median over repeats: prefill_seconds (so the load time where prompt_cached) and the run to
+    # its first token, or to its last
+    time_to_first_token_seconds: float | None = None
+    time_to_answer_seconds: float | None = None
     acceptance: list[dict] = field(default_factory=list)
     matches_autoregressive: bool | None = None
     speedup_vs_autoregressive: float | None = None
     speedup_vs_hf: float | None = None
+    speedup_vs_llama_cpp: float | None = None  # llama.cpp's median ms per token over this row's
+    answer_time_vs_llama_cpp: float | None = None  # this row's time to answer over llama.cpp's: below 1 is sooner
     prompt_cached: bool = False
 
     DERIVED: ClassVar[tuple[str, ...]] = ("median_ms", "min_ms", "max_ms", "tokens_per_second")
     RECORD_KEYS: ClassVar[dict[str, str]] = {  # in JSON and CSV, every latency says it is per token
         "ms_per_token": "repeats_ms_per_token",
+        "new_tokens": "repeats_new_tokens",
         "median_ms": "median_ms_per_token",
         "min_ms": "min_ms_per_token",
         "max_ms": "max_ms_per_token",
@@ -147,6 +158,18 @@ class BenchRow:
     @property
     def tokens_per_second(self) -> float:
         return 1000 / self.median_ms if self.median_ms else 0.0
+
+
+@dataclass
+class _OurRun:
+    """One generation of our engine on the shared prefill, and its wall time."""
+
+    result: GenerationResult
+    seconds: float  # from calling generate to its return: restoring the prefill, the first token, decoding
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.result.token_ids
 
 
 @dataclass
@@ -183,7 +206,9 @@ class Bench:
     def __init__(self, pipe: Pipeline, config: BenchConfig):
         self.pipe = pipe
         self.config = config
-        self.base_config = replace(pipe.config, max_new_tokens=config.max_new_tokens, sampling=config.sampling)
+        self.base_config = replace(
+            pipe.config, max_new_tokens=config.max_new_tokens, sampling=config.sampling, ignore_eos=config.ignore_eos
+        )
         self._hf: dict[str, PreTrainedModel] = {}
         self._llama_cpp = None
         self.forward_costs: list[ForwardCost] = []
@@ -207,10 +232,9 @@ class Bench:
 
     def _run_peer(self, mode: str, prompt_ids: list[int]) -> TimedRun:
         if mode == LLAMA_CPP_PEER:
-            return self._llama_cpp.generate(
-                prompt_ids, self.config.max_new_tokens, self.config.sampling, self.pipe.target.eos_token_ids
-            )
-        extra = {}
+            eos_ids = set() if self.config.ignore_eos else self.pipe.target.eos_token_ids
+            return self._llama_cpp.generate(prompt_ids, self.config.max_new_tokens, self.config.sampling, eos_ids)
+        extra = {"ignore_eos": self.config.ignore_eos}
         if mode == "hf-assisted":
             extra["assistant"] = self._hf_model("assistant")
         elif mode == "hf-lookup":
@@ -224,13 +248,16 @@ class Bench:
         drafter = self.pipe.drafter if bench_mode.model_drafter else None
         return Engine(self.pipe.target, replace(self.base_config, **bench_mode.engine_changes, **changes), drafter)
 
-    def _run_ours(self, variant: _Variant, prompt_ids: list[int], state):
+    def _run_ours(self, variant: _Variant, prompt_ids: list[int], state) -> _OurRun:
         changes = {}
         if variant.mode in RETRIEVAL_MODES:
             changes.update(budget=variant.budget, chunk_size=variant.chunk_size)
         if variant.gamma_policy is not None:
             changes.update(gamma_policy=variant.gamma_policy)
-        return self._engine(variant.mode, **changes).generate(prompt_ids, prompt_state=state)
+        engine = self._engine(variant.mode, **changes)
+        started = time.perf_counter()
+        result = engine.generate(prompt_ids, prompt_state=state)
+        return _OurRun(result, time.perf_counter() - started)
 
     def run_context(
         self, prompt: str, prompt_ids: list[int], on_run: Callable[[str, int], None] | None = None
@@ -286,21 +313,40 @@ class Bench:
         reference = next((v.runs[0].token_ids for v in variants if v.mode == "autoregressive"), None)
         for v in variants:
             if v.mode in OUR_MODES:
-                stats = [r.stats for r in v.runs]
+                stats = [r.result.stats for r in v.runs]
                 ms = [s.ms_per_token for s in stats]
                 row = BenchRow(prompt, v.mode, context, v.budget, v.chunk_size, prefill_seconds, ms, v.gamma_policy)
                 row.acceptance = [as_record(a) for a in stats[-1].acceptance]
                 row.prompt_cached = cached
+                # the engine's own prefill_seconds: restoring the shared prefill, the drafter's and the first token
+                first_token = [prefill_seconds + s.prefill_seconds for s in stats]
+                answer = [prefill_seconds + r.seconds for r in v.runs]
             else:
                 peer_prefill = statistics.median(r.prefill_seconds for r in v.runs)
                 row = BenchRow(prompt, v.mode, context, None, None, peer_prefill, [r.ms_per_token for r in v.runs])
+                first_token = [r.prefill_seconds for r in v.runs]
+                answer = [r.answer_seconds for r in v.runs]
+            row.new_tokens = [len(r.token_ids) for r in v.runs]
+            row.time_to_first_token_seconds = statistics.median(first_token)
+            row.time_to_answer_seconds = statistics.median(answer)
             if self.config.sampling.greedy and reference is not None:
                 row.matches_autoregressive = v.runs[0].token_ids == reference
             rows.append(row)
-        baseline = {r.mode: r.median_ms for r in rows if r.mode in ("autoregressive", "hf")}
-        for row in rows:
-            if "autoregressive" in baseline and row.median_ms:
-                row.speedup_vs_autoregressive = baseline["autoregressive"] / row.median_ms
-            if "hf" in baseline and row.median_ms:
-                row.speedup_vs_hf = baseline["hf"] / row.median_ms
+        _compare(rows)
         return rows
+
+
+def _compare(rows: list[BenchRow]) -> None:
+    """Each row's ratios to the rows of our autoregressive mode, of HF generate and of llama.cpp, where they ran."""
+    baseline = {r.mode: r for r in rows if r.mode in ("autoregressive", "hf", LLAMA_CPP_PEER)}
+    llama_cpp = baseline.get(LLAMA_CPP_PEER)
+    for row in rows:
+        if row.median_ms:
+            if "autoregressive" in baseline:
+                row.speedup_vs_autoregressive = baseline["autoregressive"].median_ms / row.median_ms
+            if "hf" in baseline:
+                row.speedup_vs_hf = baseline["hf"].median_ms / row.median_ms
+            if llama_cpp is not None:
+                row.speedup_vs_llama_cpp = llama_cpp.median_ms / row.median_ms
+        if llama_cpp is not None and llama_cpp.time_to_answer_seconds:
+            row.answer_time_vs_llama_cpp = row.time_to_answer_seconds / llama_cpp.time_to_answer_seconds

@@ -1,4 +1,5 @@
-"""`triforce bench`: per-token latency of our modes and the peers, side by side on the same prompts."""
+"""`triforce bench`: per-token latency of our modes and the peers, and the seconds a user waits, side by side on the
+same prompts."""
 
 import shlex
 import sys
@@ -13,13 +14,14 @@ from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, 
 from triforce_cli.bench.runner import Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console, print_note
-from triforce_cli.cli.render import bench_tables, forward_cost_table
+from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table
 from triforce_cli.corpus import DOCUMENTS, builtin_document
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import PromptError
+from triforce_cli.runtime.environment import machine_description
 from triforce_cli.runtime.prompts import read_prompt
 
 DEFAULTS = EngineConfig()
@@ -47,6 +49,7 @@ def bench(
     budget: o.BudgetSweep = "auto",
     chunk_size: o.ChunkSizeSweep = str(DEFAULTS.chunk_size),
     max_new_tokens: o.MaxNewTokens = BENCH_DEFAULTS.max_new_tokens,
+    ignore_eos: o.IgnoreEos = BENCH_DEFAULTS.ignore_eos,
     repeats: Annotated[
         int, typer.Option(min=1, max=MAX_REPEATS, help="Timed runs of every mode.")
     ] = BENCH_DEFAULTS.repeats,
@@ -79,7 +82,7 @@ def bench(
     out: Annotated[Path | None, typer.Option(help="Write the results to a .json or .csv file.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
 ) -> None:
-    """Per-token latency of every mode and the peers, side by side on the same prompts."""
+    """Per-token latency of every mode and the peers, and the seconds to the first token and to the answer."""
     with command_console(threads) as err:
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = BenchConfig(
@@ -94,6 +97,7 @@ def bench(
             forward_tokens=forward_costs or (),
             sampling=sampling,
             prompt_cache=prompt_cache,
+            ignore_eos=ignore_eos,
         )
         check_results_path(out)
         if plot is not None:
@@ -141,6 +145,7 @@ def bench(
                 print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")
                 rows += runner.run_context(name, ids[:length])
         console = Console()
+        console.print(bench_header(machine_description()))
         for table in bench_tables(rows):
             console.print(table)
         if runner.forward_costs:

@@ -193,31 +193,23 @@ def _ratio(value: float | None) -> str:
     return f"{value:.2f}×" if value is not None else "-"
 
 
+def bench_header(machine: dict) -> Text:
+    """The line above the bench tables: the CPU, its vector extensions and the threads (from machine_description)."""
+    features = ", ".join(machine["cpu_features"]) or "none (no AVX2)"
+    return Text(f"CPU: {machine['processor']}, vector extensions {features}; {machine['torch_threads']} threads")
+
+
 def bench_tables(rows: list[BenchRow]) -> list[Table]:
-    """One latency table per prompt and context (fits 80 columns), then one of the acceptance per mode."""
+    """Per prompt and context, a table of ms per token and one of the seconds a user waits (each fits 80 columns);
+    then one of the acceptance per mode."""
     tables = []
     settings = {}  # mode -> the retrieval settings and policies its rows ran
     for r in rows:
         settings.setdefault(r.mode, set()).add((r.budget, r.chunk_size, r.gamma_policy))
     swept = any(len(variants) > 1 for variants in settings.values())
     for prompt, context in dict.fromkeys((r.prompt, r.context) for r in rows):
-        title = f"{prompt}, {context} tokens: ms per token, median [min-max] over repeats"
-        table = Table(title=Text(title), title_justify="left")
-        for column in ("mode", "prefill s", "ms/token", "[min-max]", "×AR", "×HF", "=AR"):
-            table.add_column(Text(column), justify="left" if column == "mode" else "right")  # Text: no markup
-        for row in (r for r in rows if (r.prompt, r.context) == (prompt, context)):
-            table.add_row(
-                _mode_cell(row, swept),
-                f"{row.prefill_seconds:.1f}" + ("*" if row.prompt_cached else ""),
-                f"{row.median_ms:.1f}",
-                f"{row.min_ms:.1f}-{row.max_ms:.1f}",
-                _ratio(row.speedup_vs_autoregressive),
-                _ratio(row.speedup_vs_hf),
-                {True: "yes", False: Text("NO", style="red"), None: "-"}[row.matches_autoregressive],
-            )
-        if any(r.prompt_cached for r in rows):
-            table.caption = "* prefill restored from --prompt-cache: the time to open it"
-        tables.append(table)
+        group = [r for r in rows if (r.prompt, r.context) == (prompt, context)]
+        tables += [_latency_table(group, swept), _waiting_table(group, swept)]
     accepted = [r for r in rows if r.acceptance]
     if accepted:
         table = Table(title="acceptance per tier (last repeat)", title_justify="left")
@@ -227,6 +219,59 @@ def bench_tables(rows: list[BenchRow]) -> list[Table]:
             table.add_row(_mode_cell(row, swept), Text(acceptance_text(row)))
         tables.append(table)
     return tables
+
+
+def _latency_table(rows: list[BenchRow], swept: bool) -> Table:
+    """Median and range of ms per token, and the ratios of the medians; ×llama.cpp where llama.cpp ran."""
+    llama_cpp = any(r.speedup_vs_llama_cpp is not None for r in rows)
+    title = f"{rows[0].prompt}, {rows[0].context} tokens: ms per token, median [min-max] over repeats"
+    table = Table(title=Text(title), title_justify="left")
+    columns = ("mode", "ms/token", "[min-max]", "×AR", "×HF", *(("×llama.cpp",) if llama_cpp else ()), "=AR")
+    for column in columns:
+        table.add_column(Text(column), justify="left" if column == "mode" else "right")  # Text: no markup
+    for row in rows:
+        table.add_row(
+            _mode_cell(row, swept),
+            f"{row.median_ms:.1f}",
+            f"{row.min_ms:.1f}-{row.max_ms:.1f}",
+            _ratio(row.speedup_vs_autoregressive),
+            _ratio(row.speedup_vs_hf),
+            *((_ratio(row.speedup_vs_llama_cpp),) if llama_cpp else ()),
+            {True: "yes", False: Text("NO", style="red"), None: "-"}[row.matches_autoregressive],
+        )
+    return table
+
+
+def _waiting_table(rows: list[BenchRow], swept: bool) -> Table:
+    """Seconds of prefill, to the first token and to the whole answer; where our prefill was loaded from the prompt
+    cache, all three count the load instead, and say so."""
+    llama_cpp = any(r.answer_time_vs_llama_cpp is not None for r in rows)
+    title = f"{rows[0].prompt}, {rows[0].context} tokens: seconds a user waits, median over repeats"
+    table = Table(title=Text(title), title_justify="left")
+    columns = ("mode", "prefill s", "first token s", "answer s", *(("vs llama.cpp",) if llama_cpp else ()))
+    for column in columns:
+        table.add_column(Text(column), justify="left" if column == "mode" else "right")
+    for row in rows:
+        mark = "*" if row.prompt_cached else ""
+        table.add_row(
+            _mode_cell(row, swept),
+            f"{row.prefill_seconds:.2f}{mark}",
+            _seconds(row.time_to_first_token_seconds, mark),
+            _seconds(row.time_to_answer_seconds, mark),
+            *((_ratio(row.answer_time_vs_llama_cpp),) if llama_cpp else ()),
+        )
+    notes = []
+    if any(r.prompt_cached for r in rows):
+        notes.append("* prefill restored from --prompt-cache: the time to load it, not to prefill")
+    if llama_cpp:
+        notes.append("vs llama.cpp: time to answer as a multiple of llama.cpp's")
+    table.caption = "\n".join(notes) or None
+    table.caption_justify = "left"
+    return table
+
+
+def _seconds(value: float | None, mark: str) -> str:
+    return f"{value:.2f}{mark}" if value is not None else "-"
 
 
 def _mode_cell(row: BenchRow, swept: bool) -> Text:
