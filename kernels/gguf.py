@@ -72,29 +72,28 @@ def pack_blocks(raw: torch.Tensor, kind: str) -> PackedBlocks:
     return PackedBlocks(_tiled(nibbles, rows), _tiled(d, rows), _tiled(m, rows), rows)
 
 
-def block_integers(packed: PackedBlocks) -> torch.Tensor:
-    """The q's as (N, K/32, 32) float32 in [0, 15] or [-128, 127], padding rows dropped."""
-    if packed.m is None:
-        q = packed.q.float()  # (N/16, K/32, 32, 16)
+def _row_values(packed: PackedBlocks, rows: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The q's as (R, K/32, 32) float32 and d, m as (R, K/32, 1) of the given rows (None: all N), padding dropped."""
+    if rows is None:
+        q = packed.q.movedim(-1, 1).reshape(-1, *packed.q.shape[1:3])[: packed.out_features]  # (N, K/32, 16|32)
+        scales = [t.movedim(-1, 1).reshape(-1, t.shape[1])[: packed.out_features] for t in (packed.d, packed.m)
+                  if t is not None]  # fmt: skip
     else:
-        q = torch.cat((packed.q & 0xF, packed.q >> 4), dim=2).float()  # weights j, then j + 16
-    return q.movedim(-1, 1).reshape(-1, *q.shape[1:3])[: packed.out_features]
+        tiles, lanes = rows // LANES, rows % LANES
+        q = packed.q[tiles, :, :, lanes]  # (R, K/32, 16|32)
+        scales = [t[tiles, :, lanes] for t in (packed.d, packed.m) if t is not None]
+    if packed.m is not None:
+        q = torch.cat((q & 0xF, q >> 4), dim=-1)  # weights j, then j + 16 of each block
+    return q.float(), *(s[..., None] for s in scales)
 
 
 def dequantize(packed: PackedBlocks, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 weight (N, K) the blocks hold, or its rows (R,) -> (R, K): d * q + m, rounded as the kernel
-    rounds it."""
-
-    def per_row(values: torch.Tensor) -> torch.Tensor:  # (N/16, K/32, 16) -> (N, K/32, 1)
-        return values.movedim(-1, 1).reshape(-1, values.shape[1])[: packed.out_features, :, None]
-
-    q, d = block_integers(packed), per_row(packed.d)
-    if rows is not None:
-        q, d = q[rows], d[rows]
-    weight = q * d
+    """The float32 weight (N, K) the blocks hold, or its rows (R,) -> (R, K): d * q + m, rounded as gguf-py's
+    dequantization and the kernel's rebuilt tiles round it."""
+    q, *scales = _row_values(packed, rows)
+    weight = q * scales[0]
     if packed.m is not None:
-        m = per_row(packed.m)
-        weight = weight + (m if rows is None else m[rows])
+        weight = weight + scales[1]
     return weight.reshape(weight.shape[0], -1)
 
 

@@ -52,26 +52,27 @@ struct Rows {  // activations x (T, K), their sums over each block (T, K/32) and
   Rows from(int64_t row) const { return Rows{x + row * k, sums + row * (k / kBlock), out + row * n, k, n}; }
 };
 
-// A tile's weights rebuilt as float32 d * q + m (two roundings, as the plain dequantization): buffer (K, 16).
-// Branch-free, so that the compiler vectorises it for the target of the body it is inlined into.
-inline void dequantize_tile(const Blocks& w, int64_t tile, float* buffer) {
+// A tile's weights rebuilt as float32 d * q + m (two roundings, as the plain dequantization): buffer (K, stride),
+// the tile's 16 rows in the first 16 columns. Branch-free, so that the compiler vectorises it for the target of
+// the body it is inlined into.
+inline void dequantize_tile(const Blocks& w, int64_t tile, float* buffer, int64_t stride = kLanes) {
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* qb = w.q_at(tile, b);
     const float* d = w.d + w.scale_at(tile, b);
-    float* out = buffer + b * kBlock * kLanes;
+    float* out = buffer + b * kBlock * stride;
     if (w.four_bit) {
       const float* m = w.m + w.scale_at(tile, b);
       for (int j = 0; j < 16; ++j) {
         for (int lane = 0; lane < kLanes; ++lane) {
           const int byte = qb[j * kLanes + lane];
-          out[j * kLanes + lane] = d[lane] * float(byte & 0xF) + m[lane];
-          out[(j + 16) * kLanes + lane] = d[lane] * float(byte >> 4) + m[lane];
+          out[j * stride + lane] = d[lane] * float(byte & 0xF) + m[lane];
+          out[(j + 16) * stride + lane] = d[lane] * float(byte >> 4) + m[lane];
         }
       }
     } else {
       const int8_t* qs = reinterpret_cast<const int8_t*>(qb);
       for (int j = 0; j < kBlock; ++j)
-        for (int lane = 0; lane < kLanes; ++lane) out[j * kLanes + lane] = d[lane] * float(qs[j * kLanes + lane]);
+        for (int lane = 0; lane < kLanes; ++lane) out[j * stride + lane] = d[lane] * float(qs[j * kLanes + lane]);
     }
   }
 }
@@ -177,11 +178,11 @@ __attribute__((target("avx2,fma"))) void tiles_avx2(const Blocks& w, const Rows&
   }
 }
 
-// Many rows (a prefill chunk): the weights of one or two tiles are rebuilt as float32 into a buffer, then a
-// register-blocked product runs over all rows: per step of k, one or two weight registers times R broadcast
-// activations (AVX-512: 12 rows by 32 outputs, 24 accumulators), the buffer staying in the caches.
+// Many rows (a prefill chunk): the weights of four tiles are rebuilt as float32 into a buffer (K, 64), then a
+// register-blocked product runs over all rows, kGemmDepth steps of k at a time: per step, four weight registers
+// times 6 broadcast activations into 24 accumulators (AVX2: one tile, two registers, 12 accumulators).
 constexpr int kGemmRows = 6;
-constexpr int64_t kGemmDepth = 192;  // steps of k per pass over the rows  // AVX-512 rows per step; AVX2 takes 6 rows of one tile (12 accumulators)
+constexpr int64_t kGemmDepth = 128;  // steps of k per pass over the rows: their weights and activations stay in L1
 
 template <int R, int Tiles>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void gemm_rows_avx512(const float* buffer, const float* x,
@@ -192,7 +193,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void gemm_rows_avx512(const
     for (int c = 0; c < Tiles; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * n + c * kLanes);
   for (int64_t i = 0; i < steps; ++i) {
     __m512 weights[Tiles];
-    for (int c = 0; c < Tiles; ++c) weights[c] = _mm512_loadu_ps(buffer + (c * k + i) * kLanes);
+    for (int c = 0; c < Tiles; ++c) weights[c] = _mm512_loadu_ps(buffer + (i * Tiles + c) * kLanes);
     for (int r = 0; r < R; ++r) {
       const __m512 xr = _mm512_set1_ps(x[r * k + i]);
       for (int c = 0; c < Tiles; ++c) acc[r][c] = _mm512_fmadd_ps(weights[c], xr, acc[r][c]);
@@ -215,16 +216,16 @@ void gemm_tail_avx512(int64_t rows, const float* buffer, const float* x, int64_t
 template <int Tiles>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void gemm_avx512(const Blocks& w, const Rows& io, int64_t rows,
                                                                       int64_t tile, float* buffer) {
-  for (int c = 0; c < Tiles; ++c) dequantize_tile(w, tile + c, buffer + c * io.k * kLanes);
+  for (int c = 0; c < Tiles; ++c) dequantize_tile(w, tile + c, buffer + c * kLanes, Tiles * kLanes);
   float* out = io.out + tile * kLanes;
-  for (int64_t k0 = 0; k0 < io.k; k0 += kGemmDepth) {  // the rows' activations for k0..k0+depth stay in L1
+  for (int64_t k0 = 0; k0 < io.k; k0 += kGemmDepth) {
     const int64_t steps = std::min(kGemmDepth, io.k - k0);
     int64_t t = 0;
     for (; t + kGemmRows <= rows; t += kGemmRows)
-      gemm_rows_avx512<kGemmRows, Tiles>(buffer + k0 * kLanes, io.x + t * io.k + k0, io.k, steps, out + t * io.n, io.n,
+      gemm_rows_avx512<kGemmRows, Tiles>(buffer + k0 * Tiles * kLanes, io.x + t * io.k + k0, io.k, steps, out + t * io.n, io.n,
                                          k0 == 0);
     if (t < rows)
-      gemm_tail_avx512<Tiles>(rows - t, buffer + k0 * kLanes, io.x + t * io.k + k0, io.k, steps, out + t * io.n, io.n,
+      gemm_tail_avx512<Tiles>(rows - t, buffer + k0 * Tiles * kLanes, io.x + t * io.k + k0, io.k, steps, out + t * io.n, io.n,
                               k0 == 0);
   }
 }
