@@ -7,6 +7,7 @@ output embedding so distributions are far from uniform (drafts then get both acc
 
 import copy
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,11 +19,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 import triforce_cli.decoding.pipeline
 from cache import FullCache
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.runtime.loading import LoadedModel
+from triforce_cli.runtime.loading import Checkpoint, LoadedModel
 from triforce_cli.runtime.model import Transformer
 
 # Tiny models: intra-op threads only add synchronisation overhead (and stall badly on a busy 2-core machine).
 torch.set_num_threads(1)
+# No first-run measurement of the fastest configuration (decoding.tuning) in tests that do not ask for one: the
+# rule it replaces keeps them fast and deterministic; tests/test_tuning.py switches it on.
+os.environ["TRIFORCE_TUNING"] = "off"
 
 
 class StubTokenizer:
@@ -268,6 +272,9 @@ def tiny(monkeypatch, tiny_models) -> dict:
         return tiny_models.get(spec, tiny_models["tiny"])
 
     monkeypatch.setattr(triforce_cli.decoding.pipeline, "load_model", fake_load_model)
+    monkeypatch.setattr(  # no files behind the specs: none is a GGUF checkpoint
+        triforce_cli.decoding.pipeline, "resolve_checkpoint", lambda spec, status=None: Checkpoint(spec, Path(), [])
+    )
     # The embedded default's shipped drafter is not one of the tiny models: without --draft the target drafts.
     monkeypatch.setattr(triforce_cli.decoding.pipeline, "EMBEDDED_DRAFTER", Path("/nonexistent/drafter"))
     return {"models": tiny_models, "calls": calls}

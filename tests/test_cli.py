@@ -21,6 +21,7 @@ from conftest import ALPHABET, CONTEXT, PROMPT, CharTokenizer, save_word_checkpo
 from typer.testing import CliRunner
 
 import triforce_cli.cli.bench
+from kernels import half_weights_available
 from triforce_cli.bench.runner import Bench, BenchConfig
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
@@ -311,7 +312,7 @@ class TestRealLoader:
         assert_one_error_line(invoke("-p", word_prompt, "--target", tiny_folder, "--device", "mps"), "'mps' is not")
 
     @pytest.mark.parametrize(
-        "weights, fragment", [("bogus", "'bogus' is not one of"), ("compact", "GGUF")], ids=["bogus", "compact"]
+        "weights, fragment", [("bogus", "'bogus' is not one of"), ("gguf", "GGUF")], ids=["bogus", "gguf"]
     )
     def test_weights_option(self, word_prompt, tiny_folder, weights, fragment):
         assert_one_error_line(invoke("-p", word_prompt, "--target", tiny_folder, "--weights", weights), fragment)
@@ -476,7 +477,7 @@ class TestOptionsReachBackend:
             "--ngram",
             "--dtype", "float32",
             "--device", "cpu",
-            "--weights", "compact",
+            "--weights", "gguf",
         )  # fmt: skip
         config: EngineConfig = captured_load["config"]
         assert (config.mode, config.budget, config.chunk_size) == ("streaming", 48, 8)
@@ -490,10 +491,11 @@ class TestOptionsReachBackend:
         assert (captured_load["target"], captured_load["draft"]) == ("tiny", "drafter")
         assert (captured_load["dtype"], captured_load["device"]) == ("float32", "cpu")
         assert [c.spec for c in tiny["calls"]] == ["tiny", "drafter"]
-        assert captured_load["weights"] == "compact"
+        assert captured_load["weights"] == "gguf"
         assert all(c.dtype == torch.float32 and c.device == torch.device("cpu") for c in tiny["calls"])
         target_call, drafter_call = tiny["calls"]
-        assert (target_call.weights, drafter_call.weights) == ("compact", "dense")  # compact applies to the target
+        drafter_weights = "half" if half_weights_available() else "dense"  # a drafter has no GGUF file of its own
+        assert (target_call.weights, drafter_call.weights) == ("gguf", drafter_weights)
         assert drafter_call.shared_from is tiny["models"]["tiny"] and target_call.shared_from is None
         assert data["mode"] == "streaming" and data["new_tokens"] == 7
         assert data["drafter"] == "n-gram prompt lookup (training-free), else drafter"  # --ngram with --draft

@@ -226,7 +226,9 @@ class TestEightyColumns:
         for table in bench_tables(rows):
             console.print(table)
         text = console.export_text()
-        assert "triforce auto/16 fixed" in text and text.count("throughput") == 2  # one row in each of the two tables  # the cell may wrap
+        assert (
+            "triforce auto/16 fixed" in text and text.count("throughput") == 2
+        )  # one row in each of the two tables  # the cell may wrap
 
     def test_print_summary_at_80(self, tmp_path):
         from rich.console import Console

@@ -131,6 +131,8 @@ def bench(
             context_window=context_window,
             attention=attention,
             compile_steps=compile_steps,
+            tune=True,
+            threads=threads,
         )
         if "default" in modes:
             defaults = default_modes(pipe.target)

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from triforce_cli.cli.console import command_console, print_note
+from triforce_cli.decoding.tuning import tuning_folder
 from triforce_cli.runtime.store import (
     LIMIT_VARIABLE,
     cache_limit,
@@ -21,7 +22,8 @@ from triforce_cli.runtime.store import (
 )
 
 cache_app = typer.Typer(
-    help="List or clear the converted models and saved prefills kept on disk.", no_args_is_help=True
+    help="List or clear the converted models, saved prefills and speed measurements kept on disk.",
+    no_args_is_help=True,
 )
 
 PromptFolder = Annotated[
@@ -31,7 +33,7 @@ PromptFolder = Annotated[
 
 def cache_folders(prompt_cache: Path | None) -> list[tuple[str, Path]]:
     """Each folder of cached entries, with the kind of entry it holds."""
-    folders = [("model", models_folder()), ("prompt", prompts_folder())]
+    folders = [("model", models_folder()), ("prompt", prompts_folder()), ("measurement", tuning_folder())]
     if prompt_cache is not None:
         folders.append(("prompt", prompt_cache.expanduser()))
     return folders
@@ -62,13 +64,19 @@ def list_entries(prompt_cache: PromptFolder = None) -> None:
 def clear(
     models: Annotated[bool, typer.Option("--models", help="Clear converted models only.")] = False,
     prompts: Annotated[bool, typer.Option("--prompts", help="Clear saved prefills only.")] = False,
+    measurements: Annotated[
+        bool, typer.Option("--measurements", help="Forget the measured fastest set-ups only (measured again next run).")
+    ] = False,
     prompt_cache: PromptFolder = None,
 ) -> None:
-    """Remove cached entries (all of them unless --models or --prompts narrows it)."""
+    """Remove cached entries (all of them unless --models, --prompts or --measurements narrows it)."""
     with command_console() as err:
         freed = removed = 0
+        chosen = {
+            kind for kind, asked in (("model", models), ("prompt", prompts), ("measurement", measurements)) if asked
+        }
         for kind, folder in cache_folders(prompt_cache):
-            if (models or prompts) and not (models and kind == "model" or prompts and kind == "prompt"):
+            if chosen and kind not in chosen:
                 continue
             for entry in entries(folder):
                 remove(entry.path)

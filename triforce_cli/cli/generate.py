@@ -88,6 +88,8 @@ def generate(
             context_window=context_window,
             attention=attention,
             compile_steps=compile_steps,
+            tune=True,
+            threads=threads,
         )
         prompt_ids = pipe.encode(text, chat=chat)
         pipe.engine.check_prompt(prompt_ids)

@@ -1,6 +1,7 @@
 """`triforce info`: the machine, the versions, and what a run would choose on each device, and why."""
 
 import json
+from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
@@ -8,6 +9,7 @@ from rich.text import Text
 
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console
+from triforce_cli.decoding.tuning import Choice, remembered_tunings
 from triforce_cli.runtime.environment import describe_environment
 from triforce_cli.runtime.store import human_size
 
@@ -18,6 +20,7 @@ def info(json_output: o.JsonOutput = False) -> None:
     """Devices, memory, versions, the attention kernels, dtype and weights each device would use, and the cache."""
     with command_console(json_output=json_output):
         facts = describe_environment()
+        facts["tuned"] = [asdict(kept) for kept in remembered_tunings()]
         if json_output:
             print(json.dumps(facts))
             return
@@ -52,3 +55,15 @@ def info(json_output: o.JsonOutput = False) -> None:
             out.print(Text(f"{run['device']}: attention {run['attention']}: {run['attention_reason']}", style="dim"))
         for run in facts["runs"]:
             out.print(Text(f"{run['device']}: compile {run['compile_reason']}", style="dim"))
+        if facts["tuned"]:
+            out.print(
+                Text("measured fastest on this CPU (what --weights auto and an unset --threads use):", style="bold")
+            )
+        for kept in facts["tuned"]:
+            out.print(Text(f"{kept['target']}: {Choice(**kept['choice']).label}"))
+            candidates = "; ".join(f"{label} {ms:g}" for label, ms in kept["ms_per_token"].items())
+            out.print(Text(f"  ms/token, measured {kept['measured']}: {candidates}", style="dim"))
+        if not facts["tuned"]:
+            out.print(
+                Text("nothing measured yet: a target's first run on the CPU measures its fastest set-up", style="dim")
+            )

@@ -17,6 +17,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, check_writable
 from triforce_cli.decoding.stats import GenerationResult
+from triforce_cli.decoding.tuning import fastest_configuration, tuning_enabled
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
 from triforce_cli.runtime.loading import (
@@ -106,6 +107,8 @@ class Pipeline:
         context_window: int | None = None,
         attention: str = "auto",
         compile_steps: bool | None = None,
+        tune: bool = False,
+        threads: int | None = None,
     ) -> "Pipeline":
         """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
 
@@ -117,6 +120,9 @@ class Pipeline:
         resolve_attention.
         compile_steps: run decode steps as compiled fixed-shape graphs, CUDA graphs on a GPU; None: on CUDA only (see
         loading.resolve_compile).
+        tune: on the CPU in float32, let 'auto' weights, an unset compile_steps and unset threads take the
+        configuration measured fastest for this target and machine (decoding.tuning; measured the first time).
+        threads: the torch threads the caller set, or None.
         """
         config = config or EngineConfig()
         torch_device = init_parallel(resolve_device(device))  # torchrun: this rank's device in the process group
@@ -128,7 +134,15 @@ class Pipeline:
         compiled = resolve_compile(False if parallel else compile_steps, torch_device, weights)
         if weights == "auto" and (config.offload == "kv+weights" or parallel):
             weights = "dense"  # streamed and sharded weights are parameters, which packed half weights are not
-        gguf_source = weights == "auto" and resolve_checkpoint(target, status).gguf is not None
+        checkpoint = resolve_checkpoint(target, status) if weights == "auto" else None
+        tunable = torch_device.type == "cpu" and torch_dtype == torch.float32 and backend == "cpu" and not parallel
+        unset = checkpoint is not None and compile_steps is None and config.offload == "none"
+        if tune and tunable and unset and tuning_enabled():
+            choice = fastest_configuration(target, checkpoint, status).choice
+            weights, compiled = choice.weights, choice.compiled
+            if threads is None:
+                torch.set_num_threads(choice.threads)
+        gguf_source = checkpoint is not None and checkpoint.gguf is not None
         weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled, gguf_source)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
         draft = drafter_spec(target, draft)

@@ -74,6 +74,7 @@ def run_choices(device: torch.device) -> dict:
     attention = attention_backend(device, dtype)
     compiled = resolve_compile(None, device, "auto")
     weights = resolve_weights("auto", dtype, device, attention, compiled)
+    gguf_weights = resolve_weights("auto", dtype, device, attention, compiled, gguf_source=True)
     reasons = {
         "flash": "flash-attn is installed and the device is CUDA",
         "sdpa": "CUDA without flash-attn (pip install -e '.[flash]')",
@@ -84,7 +85,7 @@ def run_choices(device: torch.device) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "attention": attention,
         "attention_reason": reasons[attention],
-        "weights": weights,
+        "weights": weights if gguf_weights == weights else f"{gguf_weights} (GGUF files), else {weights}",
         "compile": compiled,
         "compile_reason": COMPILE_REASONS[device.type],
     }
