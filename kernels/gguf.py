@@ -117,7 +117,8 @@ def load_kernel(build_folder: Path) -> None:
             name=EXTENSION,
             sources=[str(SOURCE)],
             build_directory=str(build_folder),
-            extra_cflags=["-O3", "-ffp-contract=off"],
+            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],  # at::parallel_for runs on torch's OpenMP
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )

@@ -69,9 +69,10 @@ def test_dequantize_is_gguf_py_dequantization_bit_for_bit(kind):
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 29, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40, 64, 77])
 def test_product_is_the_dequantized_product(body, kind, rows):
-    """Few-row bodies (up to 6 rows a pass, then the rest), and the rebuilt-tile product from 16 rows on."""
+    """Few-row bodies (up to 6 rows a pass, then the rest), and the rebuilt-tile product from 64 rows on (6 rows
+    a pass there, then the rest)."""
     torch.manual_seed(rows)
     raw = quantized(torch.randn(40, 96), kind)
     x = torch.randn(rows, 96)
@@ -79,6 +80,21 @@ def test_product_is_the_dequantized_product(body, kind, rows):
     expected = x.double() @ reference_weight(raw, kind).double().T
     assert out.shape == (rows, 40)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 77])
+def test_tiles_split_over_threads_give_the_one_thread_product(rows):
+    torch.manual_seed(5)
+    packed = pack_blocks(quantized(torch.randn(100, 64), "Q4_1"), "Q4_1")  # 7 tiles
+    x = torch.randn(rows, 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = blocks_linear(x, packed)
+        torch.set_num_threads(2)
+        assert torch.equal(blocks_linear(x, packed), alone)  # each output is summed by one thread, in one order
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_wrong_input_is_one_clear_error():

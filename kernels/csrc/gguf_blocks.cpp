@@ -274,7 +274,7 @@ void tiles(const Blocks& w, const Rows& io, int64_t tile_begin, int64_t tile_end
 }
 
 constexpr int64_t kMaxRows = 6;  // activation rows a pass over a tile's blocks keeps in registers (AVX2: 12 + 4)
-constexpr int64_t kGemmFrom = 16;  // from this many rows, rebuild each tile's weights once and run the product
+constexpr int64_t kGemmFrom = 64;  // from this many rows, rebuild each tile's weights once and run the product
 
 void row_group(const Blocks& w, const Rows& io, int64_t rows, int64_t tile_begin, int64_t tile_end) {
   switch (rows) {
