@@ -116,6 +116,7 @@ class TestEntriesMatchTheirInputs:
         assert PromptCache(two_checkpoints[0], other).path_for([1, 2, 3]) != base
         bf16 = load_model(str(two_checkpoints[0]), dtype=torch.bfloat16)
         assert PromptCache(two_checkpoints[0], bf16).path_for([1, 2, 3]) != base
+        assert PromptCache(two_checkpoints[0], loaded, prefill_chunk=64).path_for([1, 2, 3]) != base
 
 
 class TestNothingIsLost:

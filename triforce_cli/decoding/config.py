@@ -36,6 +36,10 @@ MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs m
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
 OFFLOAD_CHOICES = ("none", "kv", "kv+weights")
+# Prompt tokens per prefill forward, by device. On the CPU, SDPA's attention over a 7,680-token prompt took 12.4 s
+# in chunks of 256 against 15.2 s in chunks of 512 and 18.1 / 21.7 s in chunks of 384 / 128 (the embedded model,
+# 2 threads; docs/performance.md); a GPU is kept busy by larger chunks.
+PREFILL_CHUNK = {"cpu": 256, "cuda": 512}
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ class EngineConfig:
     gamma_policy: str = "auto"
     max_new_tokens: int = 256
     refresh_interval: int = 4
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # tokens per prefill forward; None: PREFILL_CHUNK for the target's device
     ngram: bool | None = None
     ngram_max: int = 3
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
@@ -116,7 +120,7 @@ class EngineConfig:
                 self.sink_tokens + self.draft_window <= MAX_DRAFT_CACHE,
                 f"sink tokens + draft window must not exceed {MAX_DRAFT_CACHE} positions",
             ),
-            (self.prefill_chunk > 0, "prefill chunk must be positive"),
+            (self.prefill_chunk is None or self.prefill_chunk > 0, "prefill chunk must be positive"),
             (self.ngram_max > 0, "n-gram length must be positive"),
             (
                 self.offload in OFFLOAD_CHOICES,
@@ -131,6 +135,10 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+    def prefill_chunk_on(self, device_type: str) -> int:
+        """Tokens per prefill forward on a device of this type ('cpu', 'cuda'): prefill_chunk, else PREFILL_CHUNK's."""
+        return self.prefill_chunk or PREFILL_CHUNK.get(device_type, PREFILL_CHUNK["cuda"])
 
     @property
     def speculation_depth(self) -> int:

@@ -117,8 +117,13 @@ class Engine:
         full = prompt_tokens + cfg.max_new_tokens + headroom
         recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
         retrieval = cfg.budget_for(prompt_tokens) + recent if cfg.uses_retrieval else 0
-        streaming = cfg.sink_tokens + cfg.draft_window + max(cfg.prefill_chunk, headroom)
+        streaming = cfg.sink_tokens + cfg.draft_window + max(self.prefill_chunk, headroom)
         return full, retrieval, streaming if self.uses_model_drafter else 0
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per prefill forward on the target's device (EngineConfig.prefill_chunk_on)."""
+        return self.config.prefill_chunk_on(self.target.device.type)
 
     @property
     def offloaded(self) -> bool:
@@ -234,7 +239,7 @@ class Engine:
                 draft.head_dim,
                 cfg.sink_tokens,
                 cfg.draft_window,
-                max(cfg.prefill_chunk, cfg.speculation_depth),
+                max(self.prefill_chunk, cfg.speculation_depth),
                 dtype,
                 device,
             )
@@ -267,7 +272,7 @@ class Engine:
 
     def _prefill(self, name: str, model: Transformer, cache, ids: list[int], on_prefill) -> torch.Tensor:
         """Run the prompt through model in chunks; return the logits (1, V) after its last token."""
-        chunk = self.config.prefill_chunk
+        chunk = self.prefill_chunk
         tokens = torch.tensor(ids, dtype=torch.long, device=self.target.device)
         logits = None
         for start in range(0, len(ids), chunk):

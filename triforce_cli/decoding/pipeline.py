@@ -181,7 +181,7 @@ class Pipeline:
         if world_size() > 1:
             raise ConfigError("--prompt-cache holds whole prefills: run it without torchrun")
         check_writable(folder)
-        return PromptCache(folder, self.target, self.status)
+        return PromptCache(folder, self.target, self.status, self.engine.prefill_chunk)
 
     def generate_ids(
         self,

@@ -5,8 +5,8 @@ of a benchmark, every repeat, and later runs through ``--prompt-cache`` restore 
 
 A saved prefill must never serve a run it does not belong to. Its file is named by a hash of everything that
 shapes the prefilled state (``PromptCache.key``): the checkpoint's fingerprint (resolved paths, sizes, times and
-headers of its files, tokenizer included), dtype, weight format, rotary setting, attention kernel and the prompt's
-token ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
+headers of its files, tokenizer included), dtype, weight format, rotary setting, attention kernel, prefill chunk
+and the prompt's token ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
 match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
 """
 
@@ -108,6 +108,7 @@ class PromptCache:
     folder: Path
     target: LoadedModel
     status: StatusCallback | None = None
+    prefill_chunk: int | None = None  # tokens per prefill forward (the rounding of the state depends on it)
 
     def key(self, prompt_ids: list[int]) -> str:
         """Everything that shapes the prefilled state, as one JSON string."""
@@ -120,6 +121,7 @@ class PromptCache:
                 "weights": target.weights,
                 "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings],
                 "attention": target.model.attention_backend,
+                "prefill_chunk": self.prefill_chunk,
                 "prompt": hashlib.sha256(torch.tensor(prompt_ids, dtype=torch.long).numpy().tobytes()).hexdigest(),
             },
             sort_keys=True,

@@ -352,7 +352,7 @@ def capacities(*, workload: Workload, mode: str, cuda_graphs: bool) -> Capacitie
     full = workload.context + cfg.max_new_tokens + headroom
     recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
     retrieval = workload.budget + recent if tiers.retrieval else 0
-    streaming = cfg.sink_tokens + cfg.draft_window + max(cfg.prefill_chunk, headroom) if tiers.drafter else 0
+    streaming = cfg.sink_tokens + cfg.draft_window + max(cfg.prefill_chunk_on("cuda"), headroom) if tiers.drafter else 0
     return Capacities(full, retrieval, streaming)
 
 
