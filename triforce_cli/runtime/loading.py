@@ -31,7 +31,7 @@ from kernels.gguf import KernelUnavailable
 from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
-from triforce_cli.runtime.gguf_weights import ensure_kernel, use_gguf_weights
+from triforce_cli.runtime.gguf_weights import GGUFEmbedding, ensure_kernel, use_gguf_weights
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
 from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, models_folder
@@ -363,6 +363,8 @@ def load_model(
         use_gguf_weights(model, checkpoint.gguf, hf_config, folder)
     if weights == "half":
         use_half_weights(model)
+    if shared_from is not None and isinstance(shared_from.model.model.embed_tokens, GGUFEmbedding):
+        model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's blocks, not a float copy
     return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
 
 
