@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels import optional
 from kernels.linear import half_weight_linear, pack_half_weight
+from kernels.native import native_loaded
 
 FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here
 HEAD_AT_A_TIME_SCORES = 1 << 19  # packed-prefix scores (float32 values) above which each KV head goes alone
@@ -134,6 +135,24 @@ def _prefix_and_tail(
         [half_weight_linear(weights, prefix.values[h]) for weights, h in zip(prefix_weights, heads, strict=True)]
     )
     return (prefix_out + torch.bmm(tail_weights, v_tail[rows])) / total  # (h, G*T, D)
+
+
+def chunk_attention_available(q: torch.Tensor) -> bool:
+    """Whether the CPU extension's chunk attention (csrc/flash_attention.cpp) can take q: float32 on an AVX-512 CPU,
+    the extension loaded (kernels.native)."""
+    return (
+        q.dtype == torch.float32
+        and not q.is_cuda
+        and native_loaded()
+        and torch.ops.triforce_cpu.chunk_attention_supported()
+    )
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """FlashAttention-style attention of many queries on the CPU, the G query heads of a KV head folded into one set
+    of rows. A prefill chunk of 256 queries of 9 heads against 7,680 keys of 3 (64 wide) took 10.6 ms against 29.2
+    for SDPA (2 threads, AVX-512)."""
+    return torch.ops.triforce_cpu.chunk_attention(q, k, v, scale)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -257,4 +276,6 @@ def attention(
         return packed_prefix_attention(q, prefix, k[:, prefix.length :], v[:, prefix.length :], scale)
     if q.shape[1] <= FEW_QUERIES:
         return grouped_attention(q, k, v, scale)
+    if chunk_attention_available(q):
+        return chunk_attention(q, k, v, scale)
     return sdpa_attention(q, k, v, scale)

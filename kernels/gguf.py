@@ -8,13 +8,11 @@ multiplies it into float32 sums. So a product with packed blocks differs from a 
 weights only in the order of its sums. A 4-bit weight costs 0.75 bytes this way, an 8-bit one 1.125: about a
 fifth (a quarter) of float32.
 
-The kernel is built from source with torch.utils.cpp_extension the first time (seconds; it needs a C++ compiler)
-into a folder the caller names, and picks its AVX-512, AVX2 or plain body by what the CPU has (kernel_isa).
+The kernel is part of the CPU extension (kernels.native), and picks its AVX-512, AVX2 or plain body by what the CPU
+has (kernels.native.cpu_isa).
 """
 
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -22,12 +20,6 @@ BLOCK = 32  # weights per block
 LANES = 16  # rows per tile of the packed layout
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # a block in the file: float16 d, [float16 m], the q's
 BLOCK_KINDS = tuple(BLOCK_BYTES)
-SOURCE = Path(__file__).parent / "csrc" / "gguf_blocks.cpp"
-EXTENSION = "triforce_gguf"
-
-
-class KernelUnavailable(RuntimeError):
-    """The block kernel cannot be built or loaded here (no C++ compiler, or not an x86 CPU build)."""
 
 
 @dataclass
@@ -98,35 +90,6 @@ def dequantize(packed: PackedBlocks, rows: torch.Tensor | None = None) -> torch.
 
 
 def blocks_linear(x: torch.Tensor, packed: PackedBlocks) -> torch.Tensor:
-    """x (T, K) float32 @ W.T -> (T, N) by the block kernel (load_kernel first)."""
-    out = torch.ops.triforce_gguf.blocks_linear(x, packed.q, packed.d, packed.m)
+    """x (T, K) float32 @ W.T -> (T, N) by the block kernel (kernels.native.load_native first)."""
+    out = torch.ops.triforce_cpu.blocks_linear(x, packed.q, packed.d, packed.m)
     return out if out.shape[1] == packed.out_features else out[:, : packed.out_features]
-
-
-def load_kernel(build_folder: Path) -> None:
-    """Build (the first time) and load the block kernel; KernelUnavailable with the reason where it cannot be."""
-    if hasattr(torch.ops, EXTENSION) and hasattr(torch.ops.triforce_gguf, "blocks_linear"):
-        return
-    from torch.utils import cpp_extension
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise KernelUnavailable("the GGUF block kernel is written for x86 CPUs")
-    build_folder.mkdir(parents=True, exist_ok=True)
-    try:
-        cpp_extension.load(
-            name=EXTENSION,
-            sources=[str(SOURCE)],
-            build_directory=str(build_folder),
-            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],  # at::parallel_for runs on torch's OpenMP
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise KernelUnavailable(f"cannot build the GGUF block kernel ({reason}); a C++ compiler and ninja are needed")
-
-
-def kernel_isa() -> str:
-    """The body the loaded kernel runs: 'avx512', 'avx2' or 'scalar'."""
-    return torch.ops.triforce_gguf.isa()

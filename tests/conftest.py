@@ -21,12 +21,16 @@ from cache import FullCache
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.runtime.loading import Checkpoint, LoadedModel
 from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.native import kernel_error
 
 # Tiny models: intra-op threads only add synchronisation overhead (and stall badly on a busy 2-core machine).
 torch.set_num_threads(1)
 # No first-run measurement of the fastest configuration (decoding.tuning) in tests that do not ask for one: the
 # rule it replaces keeps them fast and deterministic; tests/test_tuning.py switches it on.
 os.environ["TRIFORCE_TUNING"] = "off"
+# The CPU extension (built once per machine) from the start, so that every test computes attention of many queries
+# with the same kernel whatever ran before it (kernels.attention picks it once loaded).
+kernel_error()
 
 
 class StubTokenizer:

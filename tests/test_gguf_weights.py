@@ -17,19 +17,17 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
-from kernels.gguf import BLOCK_KINDS, KernelUnavailable, blocks_linear, dequantize, kernel_isa, pack_blocks
+from kernels.gguf import BLOCK_KINDS, blocks_linear, dequantize, pack_blocks
+from kernels.native import cpu_isa
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.runtime.gguf_weights import GGUFEmbedding, GGUFLinear, apply_gguf_blocks, ensure_kernel
+from triforce_cli.runtime.gguf_weights import GGUFEmbedding, GGUFLinear, apply_gguf_blocks
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import ConcatLinear
+from triforce_cli.runtime.native import kernel_error
 
-try:
-    ensure_kernel()
-    KERNEL_ERROR = None
-except KernelUnavailable as err:
-    KERNEL_ERROR = str(err)
+KERNEL_ERROR = kernel_error()
 
 pytestmark = pytest.mark.skipif(KERNEL_ERROR is not None, reason=f"no GGUF block kernel here: {KERNEL_ERROR}")
 
@@ -47,13 +45,13 @@ def reference_weight(raw: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType[kind]))
 
 
-@pytest.fixture(params=BODIES[kernel_isa()] if KERNEL_ERROR is None else ())
+@pytest.fixture(params=BODIES[cpu_isa()] if KERNEL_ERROR is None else ())
 def body(request):
     """Each body of the kernel this CPU can run, the best one restored afterwards."""
-    best = kernel_isa()
-    torch.ops.triforce_gguf.use_isa(request.param)
+    best = cpu_isa()
+    torch.ops.triforce_cpu.use_isa(request.param)
     yield request.param
-    torch.ops.triforce_gguf.use_isa(best)
+    torch.ops.triforce_cpu.use_isa(best)
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)

@@ -24,6 +24,8 @@ from kernels import (
 )
 from kernels.attention import (
     FEW_QUERIES,
+    chunk_attention,
+    chunk_attention_available,
     grouped_attention,
     new_token_mask,
     pack_prefix,
@@ -117,24 +119,51 @@ def test_dispatch_matches_reference_on_a_long_strided_cache(num_queries):
     torch.testing.assert_close(attention(q, k, v, SCALE), attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
 
 
+MANY_QUERIES = "chunk_attention" if chunk_attention_available(torch.zeros(1)) else "sdpa_attention"
+needs_chunk_attention = pytest.mark.skipif(
+    not chunk_attention_available(torch.zeros(1)), reason="no CPU extension or no AVX-512 here"
+)
+
+
 @pytest.mark.parametrize(
     ("num_queries", "expected"),
     [
         (1, "grouped_attention"),
         (2, "grouped_attention"),
         (FEW_QUERIES, "grouped_attention"),
-        (FEW_QUERIES + 1, "sdpa_attention"),
+        (FEW_QUERIES + 1, MANY_QUERIES),
     ],
 )
 def test_cpu_dispatch_by_number_of_queries(monkeypatch, num_queries, expected):
     module = sys.modules["kernels.attention"]  # the package re-exports a function under the same name
     calls = []
-    for name in ("grouped_attention", "sdpa_attention"):
+    for name in ("grouped_attention", "sdpa_attention", "chunk_attention"):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
     q, k, v = qkv(4, 2, num_queries, 16)
     module.attention(q, k, v, SCALE)
     assert calls == [expected]
+
+
+@needs_chunk_attention
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "num_queries", "num_keys", "head_dim"),
+    [(4, 2, 9, 9, 8), (9, 3, 70, 200, 64), (6, 6, 23, 23, 16), (8, 1, 130, 1500, 32), (3, 3, 1, 70, 4)],
+)
+def test_chunk_attention_matches_reference_on_a_strided_cache(
+    num_q_heads, num_kv_heads, num_queries, num_keys, head_dim
+):
+    """Tiles of 64 folded query rows (some only partly filled), key blocks of 64 (the last partial), the causal
+    mask on the blocks that straddle a tile's limits, grouped heads, and the cache's head stride."""
+    g = torch.Generator().manual_seed(num_keys)
+    q = torch.randn(num_q_heads, num_queries, head_dim, generator=g)
+    buffer = 3 * torch.randn(2, num_kv_heads, num_keys + 37, head_dim, generator=g)  # peaked scores
+    k, v = buffer[0, :, :num_keys], buffer[1, :, :num_keys]
+    scale = head_dim**-0.5
+    expected = attention_reference(q.double(), k.double(), v.double(), scale)
+    error = (chunk_attention(q, k, v, scale).double() - expected).abs().max().item()
+    sdpa_error = (sdpa_attention(q, k, v, scale).double() - expected).abs().max().item()
+    assert error <= max(4 * sdpa_error, 1e-6)  # float32 rounding, as SDPA's
 
 
 def test_multi_query_rows_equal_single_query_calls():

@@ -369,7 +369,7 @@ void use_isa(const std::string& name) {
 
 }  // namespace
 
-TORCH_LIBRARY(triforce_gguf, lib) {
+TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def("blocks_linear(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor", &blocks_linear);
   lib.def("isa() -> str", &isa_name);
   lib.def("use_isa(str name) -> ()", &use_isa);

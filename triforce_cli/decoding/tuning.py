@@ -24,7 +24,8 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.runtime.environment import cpu_description
-from triforce_cli.runtime.loading import Checkpoint, StatusCallback, gguf_kernel_error, load_model
+from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model
+from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.store import cache_root
 
 TUNING_ENV = "TRIFORCE_TUNING"  # "off": no measurement, loading.resolve_weights' rule
@@ -103,7 +104,7 @@ def thread_counts() -> list[int]:
 
 def weight_forms(checkpoint: Checkpoint) -> list[str]:
     """The forms the target can take on this CPU in float32, most compact first."""
-    forms = ["gguf"] if checkpoint.gguf is not None and gguf_kernel_error() is None else []
+    forms = ["gguf"] if checkpoint.gguf is not None and kernel_error() is None else []
     return [*forms, *(["half"] if half_weights_available() else []), "dense"]
 
 

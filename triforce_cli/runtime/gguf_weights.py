@@ -21,22 +21,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-from kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, load_kernel, pack_blocks
+from kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, pack_blocks
 from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkpoint_linears
-from triforce_cli.runtime.store import cache_root
 
 BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # in a converted checkpoint's folder: its packed blocks
 BLOCKS_LAYOUT = "tiles-of-16/1"  # kernels.gguf's layout; a kept copy in another is read anew
-
-
-def kernel_folder() -> Path:
-    """Where the block kernel is built, once per machine and torch version."""
-    return cache_root() / "kernels" / f"torch-{torch.__version__}"
-
-
-def ensure_kernel() -> None:
-    """Build or load the block kernel (kernels.gguf.KernelUnavailable where it cannot be)."""
-    load_kernel(kernel_folder())
 
 
 class GGUFLinear(nn.Module):

@@ -27,13 +27,13 @@ from transformers import (
 )
 
 from kernels import half_weights_available
-from kernels.gguf import KernelUnavailable
 from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
-from triforce_cli.runtime.gguf_weights import GGUFEmbedding, ensure_kernel, use_gguf_weights
+from triforce_cli.runtime.gguf_weights import GGUFEmbedding, use_gguf_weights
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
 from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
+from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, models_folder
 
 StatusCallback = Callable[[str], None]
@@ -251,18 +251,9 @@ def resolve_weights(
         return weights
     if not (device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not compiled):
         return "dense"
-    if gguf_source and gguf_kernel_error() is None:
+    if gguf_source and kernel_error() is None:
         return "gguf"
     return "half" if half_weights_available() else "dense"
-
-
-def gguf_kernel_error() -> str | None:
-    """Why GGUF blocks cannot be computed with here (the kernel does not build), or None."""
-    try:
-        ensure_kernel()
-    except KernelUnavailable as err:
-        return str(err)
-    return None
 
 
 def resolve_compile(requested: bool | None, device: torch.device, weights: str) -> bool:
@@ -290,7 +281,7 @@ def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype
     if weights == "gguf":
         if not (checkpoint.gguf is not None and on_cpu_in_float32):
             raise ModelLoadError("gguf weights need a GGUF checkpoint, the CPU and float32")
-        if (error := gguf_kernel_error()) is not None:
+        if (error := kernel_error()) is not None:
             raise ModelLoadError(error)
     if weights == "half" and not (on_cpu_in_float32 and half_weights_available()):
         raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
@@ -320,6 +311,8 @@ def load_model(
     checkpoint = resolve_checkpoint(spec, status)
     name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files
     check_weight_format(weights, checkpoint, dtype, device)
+    if torch.device(device).type == "cpu":
+        kernel_error()  # the CPU extension, where it builds: prefill attention (and GGUF blocks) run on it
     try:
         hf_config = AutoConfig.from_pretrained(folder)
         tokenizer = AutoTokenizer.from_pretrained(folder)
