@@ -23,7 +23,7 @@ from kernels import half_weights_available
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.runtime.environment import cpu_description
+from triforce_cli.runtime.environment import cpu_description, package_version
 from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.store import cache_root
@@ -69,9 +69,11 @@ def tuning_folder() -> Path:
 
 
 def tuning_key(checkpoint: Checkpoint) -> str:
-    """What a measurement holds for: the CPU (model, features, cores), torch, and the checkpoint's files as they are."""
+    """What a measurement holds for: the CPU (model, features, cores), torch, this tool's version, and the
+    checkpoint's files as they are."""
     cpu, features = cpu_description()
-    digest = hashlib.sha256(f"{cpu}|{','.join(features)}|{os.cpu_count()}|{torch.__version__}".encode())
+    versions = f"{torch.__version__}|{package_version('triforce-cli')}"
+    digest = hashlib.sha256(f"{cpu}|{','.join(features)}|{os.cpu_count()}|{versions}".encode())
     for path in (*checkpoint.weight_files, *([checkpoint.gguf] if checkpoint.gguf else [])):
         stat = path.stat()
         digest.update(f"|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
