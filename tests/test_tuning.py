@@ -88,7 +88,9 @@ def test_compiled_steps_are_measured_only_where_dense_comes_close(checkpoint_fol
 
 def fixed_tuning(monkeypatch, choice: tuning.Choice) -> None:
     monkeypatch.setattr(
-        tuning, "measure", lambda spec, checkpoint, status=None: tuning.Tuning("tiny", "cpu", choice, {}, "now")
+        tuning,
+        "measure",
+        lambda spec, checkpoint, status=None: tuning.Tuning("tiny", "cpu", choice, {}, "now", tuning.machine_key()),
     )
 
 
@@ -113,9 +115,8 @@ def test_auto_settings_take_the_measured_choice(checkpoint_folder, monkeypatch, 
 
 
 def test_info_shows_the_kept_choice(checkpoint_folder, monkeypatch, threads_restored):
-    fixed = tuning.Tuning(
-        "tiny", "cpu", tuning.Choice("dense", 1), {"dense weights, 1 thread, compile off": 1.5}, "now"
-    )
+    label = "dense weights, 1 thread, compile off"
+    fixed = tuning.Tuning("tiny", "cpu", tuning.Choice("dense", 1), {label: 1.5}, "now", tuning.machine_key())
     monkeypatch.setattr(tuning, "measure", lambda spec, checkpoint, status=None: fixed)
     tuning.fastest_configuration(str(checkpoint_folder), resolve_checkpoint(str(checkpoint_folder)))
     result = CliRunner().invoke(app, ["info"])
@@ -123,3 +124,6 @@ def test_info_shows_the_kept_choice(checkpoint_folder, monkeypatch, threads_rest
     assert "dense weights, 1 thread, compile off" in result.output
     facts = json.loads(CliRunner().invoke(app, ["info", "--json"]).output)
     assert facts["tuned"][0]["choice"] == {"weights": "dense", "threads": 1, "compiled": False}
+    other_machine = tuning.tuning_folder() / "elsewhere.json"  # measured on another CPU, torch or version
+    other_machine.write_text(json.dumps({**facts["tuned"][0], "machine": "another CPU"}))
+    assert len(json.loads(CliRunner().invoke(app, ["info", "--json"]).output)["tuned"]) == 1

@@ -54,6 +54,7 @@ class Tuning:
     choice: Choice
     ms_per_token: dict[str, float]  # Choice.label -> ms per token of plain decoding, the fastest of RUNS
     measured: str  # UTC date and time
+    machine: str  # machine_key() where it was measured
 
     @classmethod
     def from_record(cls, record: dict) -> "Tuning":
@@ -68,12 +69,15 @@ def tuning_folder() -> Path:
     return cache_root() / "tuning"
 
 
-def tuning_key(checkpoint: Checkpoint) -> str:
-    """What a measurement holds for: the CPU (model, features, cores), torch, this tool's version, and the
-    checkpoint's files as they are."""
+def machine_key() -> str:
+    """The machine part of what a measurement holds for: the CPU (model, features, cores), torch and this tool."""
     cpu, features = cpu_description()
-    versions = f"{torch.__version__}|{package_version('triforce-cli')}"
-    digest = hashlib.sha256(f"{cpu}|{','.join(features)}|{os.cpu_count()}|{versions}".encode())
+    return f"{cpu}|{','.join(features)}|{os.cpu_count()}|{torch.__version__}|{package_version('triforce-cli')}"
+
+
+def tuning_key(checkpoint: Checkpoint) -> str:
+    """What a measurement holds for: machine_key and the checkpoint's files as they are."""
+    digest = hashlib.sha256(machine_key().encode())
     for path in (*checkpoint.weight_files, *([checkpoint.gguf] if checkpoint.gguf else [])):
         stat = path.stat()
         digest.update(f"|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
@@ -89,13 +93,15 @@ def remembered(checkpoint: Checkpoint) -> Tuning | None:
 
 
 def remembered_tunings() -> list[Tuning]:
-    """Every kept measurement, newest first."""
+    """Every kept measurement that holds for this machine, torch and tool, newest first."""
     kept = []
     for path in sorted(tuning_folder().glob("*.json")):
         try:
-            kept.append(Tuning.from_record(json.loads(path.read_text())))
+            tuning = Tuning.from_record(json.loads(path.read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             continue
+        if tuning.machine == machine_key():
+            kept.append(tuning)
     return sorted(kept, key=lambda t: t.measured, reverse=True)
 
 
@@ -158,6 +164,7 @@ def measure(spec: str | None, checkpoint: Checkpoint, status: StatusCallback | N
         choice,
         {c.label: round(ms, 2) for c, ms in sorted(timings.items(), key=lambda item: item[1])},
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        machine_key(),
     )
 
 
