@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 import triforce_cli.bench.llama_cpp
 import triforce_cli.bench.runner
 import triforce_cli.runtime.environment
+from kernels import half_weights_available
 from triforce_cli.bench.llama_cpp import (
     LLAMA_CPP_PEER,
     LlamaCppPeer,
@@ -429,6 +430,8 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     assert payload["command"] == f"triforce bench --target {checkpoint}"
     assert payload["machine"]["torch_threads"] >= 1
     assert (payload["machine"]["processor"], payload["machine"]["cpu_features"]) == cpu
+    expected_weights = "half" if half_weights_available() else "dense"  # what auto resolves to for this checkpoint
+    assert payload["setup"] == {"target": "tiny", "weights": expected_weights, "threads": torch.get_num_threads()}
     assert [row["mode"] for row in payload["rows"]] == ["autoregressive", "triforce"]
     assert all(row["matches_autoregressive"] for row in payload["rows"])
     for row in payload["rows"]:

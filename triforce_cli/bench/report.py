@@ -30,15 +30,19 @@ def check_results_path(path: Path | None) -> None:
         raise ConfigError(f"--out must end in .json or .csv, not {path.suffix or 'nothing'}")
 
 
-def write_results(rows: list[BenchRow], path: Path, command: str, forward_costs: list[ForwardCost] = ()) -> None:
-    """JSON (rows and forward costs with the command and machine) or CSV (one flat line per row, with the CPU's
-    model and vector extensions), by suffix."""
+def write_results(
+    rows: list[BenchRow], path: Path, command: str, forward_costs: list[ForwardCost] = (), setup: dict | None = None
+) -> None:
+    """JSON (rows and forward costs with the command, machine and setup) or CSV (one flat line per row, with the
+    CPU's model and vector extensions), by suffix. setup: what the run resolved its automatic settings to (the
+    target's weight form, the threads)."""
     check_results_path(path)
     machine = machine_description()
     if path.suffix == ".json":
         payload = {
             "command": command,
             "machine": machine,
+            "setup": setup or {},
             "rows": [as_record(r) for r in rows],
             "forward_costs": [as_record(c) for c in forward_costs],
         }

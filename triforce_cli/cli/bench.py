@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 
@@ -153,6 +154,7 @@ def bench(
         if runner.forward_costs:
             console.print(forward_cost_table(runner.forward_costs))
         if out is not None:
-            write_results(rows, out, shlex.join(["triforce", *sys.argv[1:]]), runner.forward_costs)
+            setup = {"target": pipe.target.name, "weights": pipe.target.weights, "threads": torch.get_num_threads()}
+            write_results(rows, out, shlex.join(["triforce", *sys.argv[1:]]), runner.forward_costs, setup)
         if plot is not None:
             plot_latency(rows, plot)
