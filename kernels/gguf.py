@@ -3,9 +3,10 @@
 A GGUF block stores 32 consecutive weights of one row as w = d * q + m: float16 d (and m, for Q4_1), 4-bit q in
 [0, 15] (Q4_1; Q4_0 is w = d * (q - 8), so m = -8 d) or 8-bit q in [-128, 127] (Q8_0, m = 0). pack_blocks
 widens d and m to float32 (exact) and lays the blocks out in tiles of 16 rows for the C++ kernel
-(csrc/gguf_blocks.cpp), which rebuilds every weight as d * q + m in float32, exactly as dequantize does, and
-multiplies it into float32 sums. So a product with packed blocks differs from a product with the dequantized
-weights only in the order of its sums. A 4-bit weight costs 0.75 bytes this way, an 8-bit one 1.125: about a
+(csrc/gguf_blocks.cpp). For a few rows it sums d * sum(q x) + m * sum(x) per block; for many (a prefill chunk) it
+rebuilds every weight as d * q + m in float32, exactly as dequantize does, and multiplies those. Either way the
+activations stay float32, so a product with packed blocks differs from the product with the dequantized weights
+only by float32 rounding. A 4-bit weight costs 0.75 bytes this way, an 8-bit one 1.125: about a
 fifth (a quarter) of float32.
 
 The kernel is part of the CPU extension (kernels.native), and picks its AVX-512, AVX2 or plain body by what the CPU

@@ -699,6 +699,22 @@ def test_weight_of_the_wrong_shape_is_one_line(tiny_folder, word_prompt, tmp_pat
     assert_one_error_line(invoke("-p", word_prompt, "--target", folder), "reshaped: its weights do not fit")
 
 
+def test_a_deferred_watch_notes_ctrl_c_without_raising():
+    """While the command line imports torch, Ctrl-C is only noted: raised inside a compiled module's initialisation
+    it would abort the process (pybind11 cannot pass it on)."""
+    import signal
+
+    from triforce_cli.interrupts import InterruptWatch
+
+    with InterruptWatch(deferred=True) as watch:
+        signal.raise_signal(signal.SIGINT)
+        still_running = True
+    assert watch.seen and still_running
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt), InterruptWatch() as watch:
+        signal.raise_signal(signal.SIGINT)
+
+
 @pytest.mark.parametrize("delay", [0.3, 1.5, 3.0], ids=["importing", "loading", "later"])
 def test_ctrl_c_at_any_moment_is_one_line(tiny_folder, tmp_path, delay):
     """SIGINT while Python imports torch, while the model loads, or while it prefills/generates: exit code 130 and

@@ -6,15 +6,17 @@ from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, InterruptWatch
 
 
 def main() -> None:
-    """Run the command line; Ctrl-C while torch and transformers import (seconds) is one line, not a traceback."""
-    with InterruptWatch() as watch:
+    """Run the command line; Ctrl-C while torch and transformers import (seconds) is one line once the imports end,
+    not a traceback or an abort inside a compiled module."""
+    with InterruptWatch(deferred=True) as watch:
         try:
             from triforce_cli.cli.app import app
         except BaseException:
             if not watch.seen:
                 raise
-            print("error: interrupted", file=sys.stderr)
-            sys.exit(INTERRUPTED_EXIT_CODE)
+    if watch.seen:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT_CODE)
     app()
 
 
