@@ -39,9 +39,9 @@ def counting_measure(monkeypatch) -> list[str]:
     calls = []
     real = tuning.measure
 
-    def measure(spec, checkpoint, status=None):
+    def measure(spec, checkpoint):
         calls.append(spec)
-        return real(spec, checkpoint, status)
+        return real(spec, checkpoint)
 
     monkeypatch.setattr(tuning, "measure", measure)
     return calls
@@ -90,7 +90,7 @@ def fixed_tuning(monkeypatch, choice: tuning.Choice) -> None:
     monkeypatch.setattr(
         tuning,
         "measure",
-        lambda spec, checkpoint, status=None: tuning.Tuning("tiny", "cpu", choice, {}, "now", tuning.machine_key()),
+        lambda spec, checkpoint: tuning.Tuning("tiny", "cpu", choice, {}, "now", tuning.machine_key()),
     )
 
 
@@ -117,7 +117,7 @@ def test_auto_settings_take_the_measured_choice(checkpoint_folder, monkeypatch, 
 def test_info_shows_the_kept_choice(checkpoint_folder, monkeypatch, threads_restored):
     label = "dense weights, 1 thread, compile off"
     fixed = tuning.Tuning("tiny", "cpu", tuning.Choice("dense", 1), {label: 1.5}, "now", tuning.machine_key())
-    monkeypatch.setattr(tuning, "measure", lambda spec, checkpoint, status=None: fixed)
+    monkeypatch.setattr(tuning, "measure", lambda spec, checkpoint: fixed)
     tuning.fastest_configuration(str(checkpoint_folder), resolve_checkpoint(str(checkpoint_folder)))
     result = CliRunner().invoke(app, ["info"])
     assert result.exit_code == 0, result.output

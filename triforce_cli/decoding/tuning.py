@@ -5,8 +5,8 @@ so does every thread count; which is fastest depends on the CPU, its caches and 
 (the target loaded in each form, a prompt prefilled once, plain decoding timed at each thread count) picks the
 configuration that `--weights auto` and an unset `--threads` then use. Compiled steps run dense weights only and
 measured slower than eager ones on the CPU (docs/performance.md), so they are measured only where dense weights
-come within COMPILE_MARGIN of the best. The choice is kept per CPU, torch version and checkpoint files, so a
-changed machine or checkpoint is measured anew; `triforce info` lists what is kept; TRIFORCE_TUNING=off uses the
+come within COMPILE_MARGIN of the best. The choice is kept per CPU, torch and tool version and checkpoint files,
+so a changed machine, version or checkpoint is measured anew; `triforce info` lists what is kept; TRIFORCE_TUNING=off uses the
 rule of loading.resolve_weights instead.
 """
 
@@ -121,7 +121,7 @@ def _decode_ms(engine: Engine, prompt: list[int], state) -> float:
     return engine.generate(prompt, prompt_state=state).stats.ms_per_token
 
 
-def measure(spec: str | None, checkpoint: Checkpoint, status: StatusCallback | None = None) -> Tuning:
+def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
     """Time plain decoding of the target in every weight form and thread count (and compiled, where dense weights
     come close); the fastest is the choice."""
     config = EngineConfig(
@@ -175,7 +175,7 @@ def fastest_configuration(spec: str | None, checkpoint: Checkpoint, status: Stat
         return kept
     if status is not None:
         status(f"measuring the fastest configuration for {checkpoint.name} on this CPU, once (triforce info shows it)")
-    tuning = measure(spec, checkpoint, status)
+    tuning = measure(spec, checkpoint)
     path = tuning_folder() / f"{tuning_key(checkpoint)}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

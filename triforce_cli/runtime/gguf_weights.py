@@ -1,8 +1,8 @@
 """GGUF weights: the target's linears and embedding computed from the GGUF file's own blocks (Q4_0, Q4_1, Q8_0).
 
 On a CPU a decode step reads every weight once, so reading 4.5 to 8.5 bits per weight instead of 16 or 32 is most
-of the step. The values are the checkpoint's (the dense path dequantizes the same blocks); only the order in which
-the products are summed differs (kernels.gguf). transformers supplies the GGUF-to-HF name map and the row order
+of the step. The values are the checkpoint's (the dense path dequantizes the same blocks); only float32 rounding
+differs (kernels.gguf). transformers supplies the GGUF-to-HF name map and the row order
 of the q/k projections (llama.cpp permutes their rows for its rotary layout). The runtime fuses the q/k/v and the
 gate/up projections into one linear each; their blocks are stacked the same way, a tile of 16 rows at a time.
 A tied embedding is one set of blocks serving both the token lookup and the output layer.
