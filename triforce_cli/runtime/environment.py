@@ -78,7 +78,7 @@ def run_choices(device: torch.device) -> dict:
     reasons = {
         "flash": "flash-attn is installed and the device is CUDA",
         "sdpa": "CUDA without flash-attn (pip install -e '.[flash]')",
-        "cpu": "the CPU kernels: grouped attention for few queries, SDPA for many",
+        "cpu": "the CPU kernels: grouped attention for few queries; for many, chunk attention (AVX-512) or SDPA",
     }
     return {
         "device": str(device),
