@@ -13,7 +13,7 @@ import torch
 from conftest import full_cache_for, make_model, random_prompt, reference_logits, save_checkpoint
 from torch import nn
 
-from kernels import half_weights_available
+from kernels import half_weights_available, unpack_half_weight
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
@@ -74,6 +74,45 @@ def test_greedy_speculative_modes_equal_autoregressive_with_half_weights(seed):
     for mode in ("retrieval", "streaming", "triforce"):
         result = Engine(target, EngineConfig(mode=mode, ngram=False, **settings), drafter=drafter).generate(prompt)
         assert result.token_ids == expected, mode
+
+
+def test_a_packed_state_restores_what_the_cache_would_pack():
+    """PromptState.pack (which bench times with the prefill) makes the copy a first restore would make."""
+    target = half_tiny_model(4)
+    prompt = random_prompt(70, 32, seed=8)
+    engine = Engine(target, EngineConfig(mode="autoregressive", max_new_tokens=12, sampling=GREEDY))
+    expected = engine.generate(prompt).token_ids
+    state = engine.prefill(prompt)
+    state.pack()
+    made = state.packed
+    assert made is not None and made[0].length == len(prompt)
+    assert engine.generate(prompt, prompt_state=state).token_ids == expected
+    assert state.packed is made  # restored, not packed again
+    full = full_cache_for(target.model, 128)
+    state.restore(full)
+    fresh = full.pack_prefix()
+    for ours, theirs in zip(made, fresh, strict=True):
+        for a, b in zip(ours.keys + ours.values, theirs.keys + theirs.values, strict=True):
+            assert torch.equal(unpack_half_weight(a)[0], unpack_half_weight(b)[0])
+
+
+def test_bench_packs_the_prompt_with_its_prefill(monkeypatch):
+    """The modes of a bench restore a copy made with the shared prefill: none packs its own (which would charge
+    the packing to whichever mode runs first)."""
+    from cache import FullCache
+    from triforce_cli.bench.runner import Bench, BenchConfig
+
+    target = half_tiny_model(5)
+    pipe = Pipeline(target, None, Engine(target, EngineConfig()))
+    config = BenchConfig(modes=("autoregressive", "retrieval"), contexts=(80,), max_new_tokens=4, repeats=1,
+                         warmup=0, budgets=(32,), chunk_sizes=(8,))  # fmt: skip
+    packed_anew = []
+    real = FullCache.pack_prefix
+    monkeypatch.setattr(
+        FullCache, "pack_prefix", lambda cache, packed=None: packed_anew.append(packed is None) or real(cache, packed)
+    )
+    Bench(pipe, config).run_context("p", random_prompt(80, 32, seed=9))
+    assert packed_anew == [False, False]  # each mode restored the bench's copy
 
 
 def test_generations_from_one_prompt_state_share_its_packed_copy():

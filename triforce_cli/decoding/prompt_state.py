@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from cache import FullCache
 from kernels import PackedPrefix
+from kernels.attention import pack_prefix
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used
@@ -69,6 +70,11 @@ class PromptState:
         full.query_start = length - 1
         if pack:
             self.packed = full.pack_prefix(self.packed)
+
+    def pack(self) -> None:
+        """Make the prompt's packed float16 copy now (what FullCache.pack_prefix makes on the first restore)."""
+        if self.packed is None:
+            self.packed = [pack_prefix(keys, values) for keys, values in zip(self.keys, self.values, strict=True)]
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
