@@ -19,18 +19,25 @@ class KernelUnavailable(RuntimeError):
     """The extension cannot be built or loaded here (no C++ compiler, or not an x86 CPU)."""
 
 
+_failure: list[str] = []  # why the build failed in this process, so that it is not tried again
+
+
 def native_loaded() -> bool:
     return hasattr(torch.ops.triforce_cpu, "blocks_linear")
 
 
 def load_native(build_folder: Path) -> None:
-    """Build (the first time) and load the extension; KernelUnavailable with the reason where it cannot be."""
+    """Build (the first time) and load the extension; KernelUnavailable with the reason where it cannot be. A
+    failure is remembered for the process: every model load asks, and a failing compile takes seconds."""
     if native_loaded():
         return
+    if _failure:
+        raise KernelUnavailable(_failure[0])
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _failure.append("the CPU kernels are written for x86 CPUs")
+        raise KernelUnavailable(_failure[0])
     from torch.utils import cpp_extension
 
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise KernelUnavailable("the CPU kernels are written for x86 CPUs")
     build_folder.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
@@ -44,7 +51,8 @@ def load_native(build_folder: Path) -> None:
         )
     except (RuntimeError, OSError, ImportError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise KernelUnavailable(f"cannot build the CPU kernels ({reason}); a C++ compiler and ninja are needed")
+        _failure.append(f"cannot build the CPU kernels ({reason}); a C++ compiler and ninja are needed")
+        raise KernelUnavailable(_failure[0]) from None
 
 
 def cpu_isa() -> str:

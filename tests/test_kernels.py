@@ -336,3 +336,25 @@ def test_packed_prefix_attention_matches_reference_on_rounded_prefix(
         out = attention(q, k, v, SCALE, prefix)
     torch.testing.assert_close(out, attention_reference(q, rounded_k, rounded_v, SCALE), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out, attention_reference(q, k, v, SCALE), atol=1e-6, rtol=1e-6)
+
+
+def test_a_failed_build_of_the_cpu_kernels_is_tried_once(monkeypatch, tmp_path):
+    """Every CPU model load asks for the extension; a compile that fails (seconds) must not be repeated."""
+    from torch.utils import cpp_extension
+
+    import kernels.native
+
+    builds = []
+
+    def failing_build(**kwargs):
+        builds.append(kwargs["name"])
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr(kernels.native, "native_loaded", lambda: False)
+    monkeypatch.setattr(kernels.native, "_failure", [])
+    monkeypatch.setattr(kernels.native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpp_extension, "load", failing_build)
+    for _ in range(3):
+        with pytest.raises(kernels.native.KernelUnavailable, match="g\\+\\+: not found.*C\\+\\+ compiler"):
+            kernels.native.load_native(tmp_path)
+    assert len(builds) == 1
