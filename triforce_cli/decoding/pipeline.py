@@ -134,8 +134,9 @@ class Pipeline:
         compiled = resolve_compile(False if parallel else compile_steps, torch_device, weights)
         if weights == "auto" and (config.offload == "kv+weights" or parallel):
             weights = "dense"  # streamed and sharded weights are parameters, which packed half weights are not
-        checkpoint = resolve_checkpoint(target, status) if weights == "auto" else None
         tunable = torch_device.type == "cpu" and torch_dtype == torch.float32 and backend == "cpu" and not parallel
+        # only there can 'auto' become gguf, so only there does it matter whether the target is a GGUF file
+        checkpoint = resolve_checkpoint(target, status) if weights == "auto" and tunable and not compiled else None
         unset = checkpoint is not None and compile_steps is None and config.offload == "none"
         if tune and tunable and unset and tuning_enabled():
             choice = fastest_configuration(target, checkpoint, status).choice
