@@ -9,8 +9,10 @@ sets its modification time, so that time is when it was last used.
 """
 
 import os
+import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +109,36 @@ def mark_used(path: Path) -> None:
         os.utime(path, (now, now))
     except OSError:
         pass
+
+
+def partial_path(path: Path) -> Path:
+    """A name beside path that only this call hands out, for writing path's content before it takes path's place."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> bool:
+    """Give path its content whole or not at all: write(partial) fills a file or folder of this call's own, which
+    then takes path's place in one rename. A reader never sees half of it; two processes writing the same path at
+    once never share a partial; a process killed midway leaves only a partial, which nothing reads.
+
+    A folder cannot replace a folder: where another process put path there first, its copy stays and this one is
+    dropped. Returns whether this call's content is at path. Errors of write (and OSError of the rename) propagate,
+    with the partial removed.
+    """
+    partial = partial_path(path)
+    try:
+        write(partial)
+        try:
+            os.replace(partial, path)
+        except OSError:
+            if not (partial.is_dir() and path.is_dir()):
+                raise
+            remove(partial)  # another process's folder got there first: it holds the same content
+            return False
+    except BaseException:
+        remove(partial)
+        raise
+    return True
 
 
 def remove(path: Path) -> None:
