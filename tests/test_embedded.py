@@ -285,3 +285,25 @@ def test_llama_cpp_peer_decodes_the_embedded_gguf(embedded):
     assert len(run.token_ids) == 8 and run.prefill_seconds > 0 and run.decode_seconds > 0
     # Different arithmetic (quantized products): the same weights should still agree on most greedy tokens.
     assert sum(a == b for a, b in zip(run.token_ids, reference)) >= 4, (run.token_ids, reference)
+
+
+def test_one_conversion_per_gguf_file_wherever_it_is_installed(tmp_path, monkeypatch):
+    """The embedded GGUF file installed in two places (two virtual environments) is converted once, and a
+    conversion an earlier layout made (named by the file's path) is removed as unreachable."""
+    from triforce_cli.runtime.embedded import embedded_gguf_path
+    from triforce_cli.runtime.loading import CONVERSION_RECORD
+    from triforce_cli.runtime.store import entries, models_folder
+
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    earlier = models_folder() / "SmolLM2-135M-Instruct.Q4_1-0123456789ab"
+    earlier.mkdir(parents=True)
+    (earlier / "config.json").write_text("{}")
+    (earlier / CONVERSION_RECORD).write_text(json.dumps({"config.json": 2}))
+    copies = []
+    for venv in ("venv-a", "venv-b"):
+        copy = tmp_path / venv / embedded_gguf_path().name
+        copy.parent.mkdir()
+        copy.write_bytes(embedded_gguf_path().read_bytes())
+        copies.append(resolve_checkpoint(str(copy)))
+    assert copies[0].folder == copies[1].folder
+    assert [entry.path for entry in entries(models_folder())] == [copies[0].folder]

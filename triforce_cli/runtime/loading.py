@@ -8,7 +8,6 @@ such a folder.
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -34,7 +33,15 @@ from triforce_cli.runtime.gguf_weights import GGUFEmbedding, use_gguf_weights
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
 from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 from triforce_cli.runtime.native import kernel_error
-from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, models_folder
+from triforce_cli.runtime.store import (
+    content_identity,
+    entries,
+    evict,
+    mark_used,
+    models_folder,
+    remove,
+    write_atomically,
+)
 
 StatusCallback = Callable[[str], None]
 WEIGHT_FORMATS = ("dense", "half", "gguf")
@@ -108,24 +115,36 @@ class LoadedModel:
 
 def converted_folder(gguf: Path, status: StatusCallback | None = None) -> Path:
     """The safetensors folder made from a GGUF file, converting it on first use (and again where the copy is no
-    longer whole); the least recently used conversions go when the models folder outgrows the cache limit."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = models_folder() / f"{gguf.stem}-{key}"
+    longer whole). It is named by the file's content (store.content_identity), so copies of one file installed in
+    several places share one conversion. Two processes converting at once each write a folder of their own; the
+    first to finish is kept. The least recently used conversions go when the models folder outgrows the cache
+    limit."""
+    identity = content_identity(gguf)
+    target = models_folder() / f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
     if (target / "config.json").is_file():
-        if _conversion_is_whole(target):
+        if _conversion_is_whole(target, identity):
             mark_used(target)
             return target
         if status is not None:
             status(f"the converted copy {target} is incomplete or was changed: converting {gguf.name} again")
-        shutil.rmtree(target, ignore_errors=True)
+        remove(target)
     if status is not None:
         status(f"converting {gguf.name} to safetensors once, into {target}")
-    partial = target.with_name(target.name + PARTIAL_SUFFIX)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(target, lambda partial: _convert(gguf, identity, partial))
+    _remove_unreachable_conversions(keep=target)
+    evict(models_folder(), keep=target)
+    return target
 
+
+def _convert(gguf: Path, identity: str, folder: Path) -> None:
+    """Write the safetensors checkpoint of gguf into folder, with the record _conversion_is_whole checks. The status
+    line says what happens; transformers' progress bar stays off."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.utils import logging as hf_logging
+
+    folder.mkdir()
+    hf_logging.disable_progress_bar()
     try:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -133,25 +152,43 @@ def converted_folder(gguf: Path, status: StatusCallback | None = None) -> Path:
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     except (ValueError, KeyError, OSError) as err:
-        shutil.rmtree(partial, ignore_errors=True)
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {err}") from None
-    save_file({name: t.contiguous() for name, t in tensors.items()}, partial / "model.safetensors")
-    config.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    sizes = {f.name: f.stat().st_size for f in partial.iterdir() if f.is_file()}
-    (partial / CONVERSION_RECORD).write_text(json.dumps(sizes, indent=1))
-    partial.rename(target)
-    evict(models_folder(), keep=target)
-    return target
+    finally:
+        hf_logging.enable_progress_bar()
+    save_file({name: t.contiguous() for name, t in tensors.items()}, folder / "model.safetensors")
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    sizes = {f.name: f.stat().st_size for f in folder.iterdir() if f.is_file()}
+    (folder / CONVERSION_RECORD).write_text(json.dumps({"source": identity, "sizes": sizes}, indent=1))
 
 
-def _conversion_is_whole(folder: Path) -> bool:
-    """Whether every file of a converted checkpoint still has the size it was written with."""
+def _conversion_record(folder: Path) -> dict | None:
     try:
-        sizes = json.loads((folder / CONVERSION_RECORD).read_text())
-        return all((folder / name).stat().st_size == size for name, size in sizes.items())
-    except (OSError, ValueError, AttributeError):
+        record = json.loads((folder / CONVERSION_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("sizes"), dict) else None
+
+
+def _conversion_is_whole(folder: Path, identity: str) -> bool:
+    """Whether a converted checkpoint was made from the file with this identity and every file of it still has the
+    size it was written with."""
+    record = _conversion_record(folder)
+    if record is None or record.get("source") != identity:
         return False
+    try:
+        return all((folder / name).stat().st_size == size for name, size in record["sizes"].items())
+    except (OSError, TypeError):
+        return False
+
+
+def _remove_unreachable_conversions(keep: Path) -> None:
+    """Remove conversions no run can ask for any more: those without the source record of converted_folder (an
+    earlier layout named them by the GGUF file's path, one copy per place the file was installed)."""
+    for entry in entries(models_folder()):
+        converted = (entry.path / CONVERSION_RECORD).is_file()
+        if entry.path != keep and converted and "source" not in (_conversion_record(entry.path) or {}):
+            remove(entry.path)
 
 
 def download_folder(repo_id: str) -> Path:

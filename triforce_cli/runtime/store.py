@@ -8,6 +8,8 @@ the entries used least recently are removed until it fits again, never the one j
 sets its modification time, so that time is when it was last used.
 """
 
+import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -22,6 +24,8 @@ LIMIT_VARIABLE = "TRIFORCE_CACHE_LIMIT"
 DEFAULT_LIMIT = 4 * 2**30
 PARTIAL_SUFFIX = ".partial"  # an entry still being written: never listed, never evicted
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+IDENTITIES_FILE = "file-identities.json"  # in the cache root: content_identity's memory
+HASH_BLOCK = 1 << 24
 
 
 def cache_root() -> Path:
@@ -38,6 +42,35 @@ def models_folder() -> Path:
 
 def prompts_folder() -> Path:
     return cache_root() / "prompts"
+
+
+def content_identity(path: Path) -> str:
+    """'<size>-<sha256 of the bytes>' of a file: the same for two copies of it wherever they are installed. Hashing
+    takes about a second per GiB, so it is done once per file as it stands (resolved path, inode, size and
+    modification time) and remembered in the cache root; a file changed in place is hashed again."""
+    stat = path.stat()
+    where = f"{path.resolve()}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}"
+    memory = cache_root() / IDENTITIES_FILE
+    try:
+        known = json.loads(memory.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(where), str):
+        return known[where]
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(HASH_BLOCK):
+            digest.update(block)
+    identity = f"{stat.st_size}-{digest.hexdigest()}"
+    live = {key: value for key, value in known.items() if Path(key.split("|", 1)[0]).exists()}
+    try:
+        memory.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(memory, lambda partial: partial.write_text(json.dumps({**live, where: identity}, indent=1)))
+    except OSError:
+        pass  # a read-only cache: hashed again next time
+    return identity
 
 
 def parse_size(text: str) -> int:
