@@ -246,7 +246,8 @@ class Bench:
     def _engine(self, mode: str = "autoregressive", **changes) -> Engine:
         bench_mode = OUR_MODES[mode]
         drafter = self.pipe.drafter if bench_mode.model_drafter else None
-        return Engine(self.pipe.target, replace(self.base_config, **bench_mode.engine_changes, **changes), drafter)
+        config = replace(self.base_config, **bench_mode.engine_changes, **changes)
+        return Engine(self.pipe.target, config, drafter, self.pipe.engine.prefill_threads)
 
     def _run_ours(self, variant: _Variant, prompt_ids: list[int], state) -> _OurRun:
         changes = {}

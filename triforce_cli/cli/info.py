@@ -9,7 +9,7 @@ from rich.text import Text
 
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console
-from triforce_cli.decoding.tuning import Choice, remembered_tunings
+from triforce_cli.decoding.tuning import Tuning, remembered_tunings
 from triforce_cli.runtime.environment import describe_environment
 from triforce_cli.runtime.store import human_size
 
@@ -59,10 +59,11 @@ def info(json_output: o.JsonOutput = False) -> None:
             out.print(
                 Text("measured fastest on this CPU (what --weights auto and an unset --threads use):", style="bold")
             )
-        for kept in facts["tuned"]:
-            out.print(Text(f"{kept['target']}: {Choice(**kept['choice']).label}"))
-            candidates = "; ".join(f"{label} {ms:g}" for label, ms in kept["ms_per_token"].items())
-            out.print(Text(f"  ms/token, measured {kept['measured']}: {candidates}", style="dim"))
+        for kept in map(Tuning.from_record, facts["tuned"]):
+            out.print(Text(f"{kept.target}: {kept.choice.label}"))
+            out.print(Text(f"  {kept.conditions}", style="dim"))
+            candidates = "; ".join(f"{label} {ms:g}" for label, ms in kept.ms_per_token.items())
+            out.print(Text(f"  ms/token of plain decoding: {candidates}", style="dim"))
         if not facts["tuned"]:
             out.print(
                 Text("nothing measured yet: a target's first run on the CPU measures its fastest set-up", style="dim")

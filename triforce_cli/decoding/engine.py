@@ -20,7 +20,7 @@ from triforce_cli.decoding.sampling import probabilities, sample
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
-from triforce_cli.runtime.environment import available_memory
+from triforce_cli.runtime.environment import available_memory, torch_threads
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, weight_bytes
 from triforce_cli.runtime.parallel import shared_seed, world_size
@@ -28,6 +28,7 @@ from triforce_cli.runtime.store import human_size
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
+ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,18 @@ class _Caches:
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, config: EngineConfig, drafter: LoadedModel | None = None):
+    def __init__(
+        self,
+        target: LoadedModel,
+        config: EngineConfig,
+        drafter: LoadedModel | None = None,
+        prefill_threads: int | None = None,
+    ):
+        """prefill_threads: torch threads for prefill, which is compute-bound and gains from every core even where
+        decoding, bound by memory, runs best on fewer; None: the threads torch has."""
         self.target = target
         self.config = config
+        self.prefill_threads = prefill_threads
         self.drafter = drafter if config.uses_drafter else None
         if self.drafter is not None and (
             self.drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab()
@@ -270,15 +280,22 @@ class Engine:
         shortcut = drafter if policy == "throughput" and self.uses_model_drafter else None
         return ModelTier("target", model, caches.full, sampling, generator, middle, cfg.gamma2, policy, shortcut)
 
-    def _prefill(self, name: str, model: Transformer, cache, ids: list[int], on_prefill) -> torch.Tensor:
-        """Run the prompt through model in chunks; return the logits (1, V) after its last token."""
+    def _prefill(
+        self, name: str, model: Transformer, cache, ids: list[int], on_prefill, on_chunk: ChunkCallback | None = None
+    ) -> torch.Tensor:
+        """Run the prompt through model in chunks on prefill_threads; return the logits (1, V) after its last token.
+        on_chunk receives each chunk's seconds."""
         chunk = self.prefill_chunk
         tokens = torch.tensor(ids, dtype=torch.long, device=self.target.device)
         logits = None
-        for start in range(0, len(ids), chunk):
-            logits = model(tokens[start : start + chunk], start, cache, num_logits=1, decoding=False)
-            if on_prefill is not None:
-                on_prefill(name, min(start + chunk, len(ids)), len(ids))
+        with torch_threads(self.prefill_threads):
+            for start in range(0, len(ids), chunk):
+                began = time.perf_counter()
+                logits = model(tokens[start : start + chunk], start, cache, num_logits=1, decoding=False)
+                if on_chunk is not None:
+                    on_chunk(time.perf_counter() - began)
+                if on_prefill is not None:
+                    on_prefill(name, min(start + chunk, len(ids)), len(ids))
         return logits
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -295,11 +312,17 @@ class Engine:
         if self.config.uses_retrieval:
             self.config.budget_for(len(prompt_ids))
 
-    def prefill(self, prompt_ids: list[int], on_prefill: PrefillCallback | None = None) -> PromptState:
-        """Prefill the target once, for reuse by generate(prompt_state=...) and the prompt cache."""
+    def prefill(
+        self,
+        prompt_ids: list[int],
+        on_prefill: PrefillCallback | None = None,
+        on_chunk: ChunkCallback | None = None,
+    ) -> PromptState:
+        """Prefill the target once, for reuse by generate(prompt_state=...) and the prompt cache; on_chunk receives
+        each prefill chunk's seconds."""
         self.check_prompt(prompt_ids)
         full = self._allocate(len(prompt_ids)).full
-        logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill)
+        logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill, on_chunk)
         return PromptState.capture(full, prompt_ids, logits)
 
     def generate(
@@ -328,7 +351,14 @@ class Engine:
             caches = self._allocate(len(prompt_ids))
             started = time.perf_counter()
             if prompt_state is None:
-                logits = self._prefill(self.target.name, self.target.model, caches.full, prompt_ids, on_prefill)
+                logits = self._prefill(
+                    self.target.name,
+                    self.target.model,
+                    caches.full,
+                    prompt_ids,
+                    on_prefill,
+                    stats.prefill_chunk_seconds.append,
+                )
                 if on_prompt_state is not None:
                     on_prompt_state(PromptState.capture(caches.full, prompt_ids, logits))
                 if self.target.half_prompt_cache:

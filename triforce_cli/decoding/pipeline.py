@@ -17,9 +17,10 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, check_writable
 from triforce_cli.decoding.stats import GenerationResult
-from triforce_cli.decoding.tuning import fastest_configuration, tuning_enabled
+from triforce_cli.decoding.tuning import Tuning, fastest_configuration, slower_than_measured, tuning_enabled
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
+from triforce_cli.runtime.environment import physical_cores
 from triforce_cli.runtime.loading import (
     LoadedModel,
     StatusCallback,
@@ -93,6 +94,7 @@ class Pipeline:
     drafter: LoadedModel | None
     engine: Engine
     status: StatusCallback | None = None  # one-line notes: what is loaded, a prompt-cache entry replaced
+    tuning: Tuning | None = None  # the measurement the set-up came from, if it came from one
 
     @classmethod
     def load(
@@ -122,7 +124,8 @@ class Pipeline:
         loading.resolve_compile).
         tune: on the CPU in float32, let 'auto' weights, an unset compile_steps and unset threads take the
         configuration measured fastest for this target and machine (decoding.tuning; measured the first time).
-        threads: the torch threads the caller set, or None.
+        threads: the torch threads the caller set, or None: then a CPU's prefill runs on every physical core, and
+        decoding on the threads measured fastest (with tune) or torch's.
         """
         config = config or EngineConfig()
         torch_device = init_parallel(resolve_device(device))  # torchrun: this rank's device in the process group
@@ -138,11 +141,12 @@ class Pipeline:
         # only there can 'auto' become gguf, so only there does it matter whether the target is a GGUF file
         checkpoint = resolve_checkpoint(target, status) if weights == "auto" and tunable and not compiled else None
         unset = checkpoint is not None and compile_steps is None and config.offload == "none"
+        tuning = None
         if tune and tunable and unset and tuning_enabled():
-            choice = fastest_configuration(target, checkpoint, status).choice
-            weights, compiled = choice.weights, choice.compiled
+            tuning = fastest_configuration(target, checkpoint, status)
+            weights, compiled = tuning.choice.weights, tuning.choice.compiled
             if threads is None:
-                torch.set_num_threads(choice.threads)
+                torch.set_num_threads(tuning.choice.threads)
         gguf_source = checkpoint is not None and checkpoint.gguf is not None
         weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled, gguf_source)
         target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
@@ -164,7 +168,8 @@ class Pipeline:
                 loaded.model.use_attention(backend)
                 if compiled:
                     loaded.model.compile_steps("reduce-overhead" if torch_device.type == "cuda" else None)
-        return cls(target_model, drafter, Engine(target_model, config, drafter), status)
+        prefill_threads = physical_cores() if threads is None and torch_device.type == "cpu" else None
+        return cls(target_model, drafter, Engine(target_model, config, drafter, prefill_threads), status, tuning)
 
     @property
     def config(self) -> EngineConfig:
@@ -172,7 +177,7 @@ class Pipeline:
 
     def reconfigure(self, **changes) -> None:
         """Change settings (mode, budget, sampling, ...) keeping the loaded models."""
-        self.engine = Engine(self.target, replace(self.config, **changes), self.drafter)
+        self.engine = Engine(self.target, replace(self.config, **changes), self.drafter, self.engine.prefill_threads)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt, chat)
@@ -191,16 +196,23 @@ class Pipeline:
         on_tokens: TokenCallback | None = None,
         prompt_cache: Path | None = None,
     ) -> GenerationResult:
-        """Generate after token ids; with prompt_cache (a folder), reuse a saved prefill of them or save this one."""
+        """Generate after token ids; with prompt_cache (a folder), reuse a saved prefill of them or save this one.
+        A note tells where the machine ran much slower than when its set-up was measured."""
         if prompt_cache is None:
-            return self.engine.generate(prompt_ids, on_prefill, on_tokens)
-        cache = self.prompt_cache(prompt_cache)
-        state = cache.load(prompt_ids)
-        if state is not None:
-            return self.engine.generate(prompt_ids, on_prefill, on_tokens, prompt_state=state)
-        return self.engine.generate(
-            prompt_ids, on_prefill, on_tokens, on_prompt_state=lambda fresh: cache.save(fresh, prompt_ids)
-        )
+            result = self.engine.generate(prompt_ids, on_prefill, on_tokens)
+        else:
+            cache = self.prompt_cache(prompt_cache)
+            state = cache.load(prompt_ids)
+            if state is not None:
+                result = self.engine.generate(prompt_ids, on_prefill, on_tokens, prompt_state=state)
+            else:
+                result = self.engine.generate(
+                    prompt_ids, on_prefill, on_tokens, on_prompt_state=lambda fresh: cache.save(fresh, prompt_ids)
+                )
+        slow = None if self.tuning is None else slower_than_measured(self.tuning, result.stats.prefill_chunk_seconds)
+        if slow is not None and self.status is not None:
+            self.status(slow)
+        return result
 
     def generate(
         self,

@@ -35,6 +35,7 @@ class GenerationStats:
     prompt_tokens: int
     new_tokens: int = 0
     prefill_seconds: float = 0.0
+    prefill_chunk_seconds: list[float] = field(default_factory=list)  # the target's, per prefill chunk
     decode_seconds: float = 0.0
     round_seconds: list[float] = field(default_factory=list)  # one entry per step of the top tier
     round_tokens: list[int] = field(default_factory=list)  # tokens that step committed

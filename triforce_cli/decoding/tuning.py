@@ -13,6 +13,7 @@ rule of loading.resolve_weights instead.
 import hashlib
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,23 +24,33 @@ from kernels import half_weights_available
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.runtime.environment import cpu_description, package_version
-from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model
+from triforce_cli.runtime.environment import (
+    cpu_description,
+    cpu_sample,
+    load_average,
+    others_share,
+    package_version,
+    physical_cores,
+)
+from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model, resolve_weights
 from triforce_cli.runtime.native import kernel_error
-from triforce_cli.runtime.store import cache_root
+from triforce_cli.runtime.store import cache_root, content_identity, mark_used, remove, write_atomically
 
 TUNING_ENV = "TRIFORCE_TUNING"  # "off": no measurement, loading.resolve_weights' rule
 PROMPT_TOKENS = 512
 NEW_TOKENS = 16
-RUNS = 3  # timed generations per candidate, the thread counts taken in turn; the fastest counts (another program
-# busy on the machine only ever slows a run down)
+RUNS = 3  # timed generations per candidate, the thread counts taken in turn
+CLEAR_MARGIN = 0.05  # fewer decode threads than cores only where faster by this much in every one of the RUNS
 COMPILE_MARGIN = 1.25  # compiled dense steps are measured only where eager dense ones come this close to the best
+BUSY_SHARE = 0.15  # other programs using more of the CPU than this while measuring: the measurement is not kept
+MAX_SPREAD = 0.25  # the chosen set-up's RUNS differing by more than this (slowest / fastest - 1): not kept
+SLOW_FACTOR = 1.5  # a run's prefill this much slower than the measurement's: a note says so
 
 
 @dataclass(frozen=True)
 class Choice:
     weights: str
-    threads: int
+    threads: int  # decode threads; prefill runs on every physical core
     compiled: bool = False
 
     @property
@@ -49,16 +60,39 @@ class Choice:
 
 @dataclass
 class Tuning:
+    """A measurement of one target on this machine: the choice, what each candidate measured, and the conditions."""
+
     target: str
     cpu: str
     choice: Choice
-    ms_per_token: dict[str, float]  # Choice.label -> ms per token of plain decoding, the fastest of RUNS
+    ms_per_token: dict[str, float]  # Choice.label -> ms per token of plain decoding, the median of RUNS
     measured: str  # UTC date and time
     machine: str  # machine_key() where it was measured
+    files: list[str]  # the checkpoint's files it was measured on (gone: the measurement is dropped)
+    load: float | None  # one-minute load average when the measurement began
+    others_share: float | None  # share of the CPU other programs used while measuring
+    spread: float  # the chosen set-up's slowest of RUNS over its fastest, minus 1
+    prefill_chunk_ms: list[float]  # the PROMPT_TOKENS prefill in the chosen form, ms per prefill chunk
 
     @classmethod
     def from_record(cls, record: dict) -> "Tuning":
         return cls(**{**record, "choice": Choice(**record["choice"])})
+
+    @property
+    def busy_reason(self) -> str | None:
+        """Why the machine was too busy for this measurement to be kept, or None."""
+        if self.others_share is not None and self.others_share > BUSY_SHARE:
+            return f"other programs used {self.others_share:.0%} of the CPU"
+        if self.spread > MAX_SPREAD:
+            return f"repeated timings differed by {self.spread:.0%}"
+        return None
+
+    @property
+    def conditions(self) -> str:
+        """When and under what load it was measured, in words."""
+        load = "" if self.load is None else f", load average {self.load:.2f}"
+        others = "" if self.others_share is None else f", other programs {self.others_share:.0%} of the CPU"
+        return f"measured {self.measured}{load}{others}, repeats within {self.spread:.0%}"
 
 
 def tuning_enabled() -> bool:
@@ -75,38 +109,65 @@ def machine_key() -> str:
     return f"{cpu}|{','.join(features)}|{os.cpu_count()}|{torch.__version__}|{package_version('triforce-cli')}"
 
 
+def checkpoint_files(checkpoint: Checkpoint) -> list[Path]:
+    return [*checkpoint.weight_files, *([checkpoint.gguf] if checkpoint.gguf else [])]
+
+
 def tuning_key(checkpoint: Checkpoint) -> str:
-    """What a measurement holds for: machine_key and the checkpoint's files as they are."""
+    """What a measurement holds for: machine_key and the content of the checkpoint's files (the same file installed
+    in two places is one checkpoint)."""
     digest = hashlib.sha256(machine_key().encode())
-    for path in (*checkpoint.weight_files, *([checkpoint.gguf] if checkpoint.gguf else [])):
-        stat = path.stat()
-        digest.update(f"|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    for path in checkpoint_files(checkpoint):
+        digest.update(f"|{content_identity(path)}".encode())
     return digest.hexdigest()[:24]
 
 
-def remembered(checkpoint: Checkpoint) -> Tuning | None:
-    """The kept measurement for checkpoint on this machine, or None (none kept, or unreadable)."""
+def _read(path: Path) -> Tuning | None:
     try:
-        return Tuning.from_record(json.loads((tuning_folder() / f"{tuning_key(checkpoint)}.json").read_text()))
-    except (OSError, ValueError, TypeError, KeyError):
+        return Tuning.from_record(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 
+def _keep(path: Path, tuning: Tuning) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda partial: partial.write_text(json.dumps(asdict(tuning), indent=2)))
+    except OSError:
+        pass  # a read-only cache: measured again next time
+
+
+def remembered(checkpoint: Checkpoint) -> Tuning | None:
+    """The kept measurement for checkpoint on this machine, or None (none kept, or unreadable). A copy of the
+    checkpoint found at a path the measurement does not list yet is added to it."""
+    path = tuning_folder() / f"{tuning_key(checkpoint)}.json"
+    tuning = _read(path)
+    if tuning is None:
+        return None
+    here = [str(f.resolve()) for f in checkpoint_files(checkpoint)]
+    if not set(here) <= set(tuning.files):
+        tuning.files = [*tuning.files, *(f for f in here if f not in tuning.files)]
+        _keep(path, tuning)
+    mark_used(path)
+    return tuning
+
+
 def remembered_tunings() -> list[Tuning]:
-    """Every kept measurement that holds for this machine, torch and tool, newest first."""
+    """Every kept measurement that holds for this machine, torch and tool, newest first. Measurements no run can use
+    any more are removed on the way: of checkpoints whose files are all gone, and records that cannot be read (an
+    earlier layout)."""
     kept = []
     for path in sorted(tuning_folder().glob("*.json")):
-        try:
-            tuning = Tuning.from_record(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError, KeyError):
-            continue
-        if tuning.machine == machine_key():
+        tuning = _read(path)
+        if tuning is None or not any(Path(f).exists() for f in tuning.files):
+            remove(path)
+        elif tuning.machine == machine_key():
             kept.append(tuning)
     return sorted(kept, key=lambda t: t.measured, reverse=True)
 
 
 def thread_counts() -> list[int]:
-    cores = os.cpu_count() or 1
+    cores = physical_cores()
     return sorted({1, max(1, cores // 2), cores})
 
 
@@ -116,19 +177,41 @@ def weight_forms(checkpoint: Checkpoint) -> list[str]:
     return [*forms, *(["half"] if half_weights_available() else []), "dense"]
 
 
+def rule_choice(checkpoint: Checkpoint) -> Choice:
+    """What a run uses without a kept measurement: loading.resolve_weights' rule, every physical core."""
+    weights = resolve_weights("auto", torch.float32, torch.device("cpu"), gguf_source=checkpoint.gguf is not None)
+    return Choice(weights, physical_cores())
+
+
 def _decode_ms(engine: Engine, prompt: list[int], state) -> float:
     """ms per token of plain decoding after the prefilled prompt."""
     return engine.generate(prompt, prompt_state=state).stats.ms_per_token
 
 
+def _decode_threads(runs: dict[int, list[float]]) -> int:
+    """Decode threads for one weight form, from its RUNS per thread count (taken in turn): every physical core,
+    unless fewer were faster by CLEAR_MARGIN in every one of the runs (then the fastest such count by median)."""
+    cores = max(runs)
+    clear = [
+        threads
+        for threads, times in runs.items()
+        if all(t * (1 + CLEAR_MARGIN) < base for t, base in zip(times, runs[cores], strict=True))
+    ]
+    return min(clear, key=lambda threads: statistics.median(runs[threads]), default=cores)
+
+
 def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
     """Time plain decoding of the target in every weight form and thread count (and compiled, where dense weights
-    come close); the fastest is the choice."""
+    come close): the fastest form at its decode threads (_decode_threads) is the choice. Also notes how busy the
+    machine was meanwhile (Tuning.busy_reason) and how long the chosen form's prefill took."""
     config = EngineConfig(
         mode="autoregressive", max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=SamplingConfig(temperature=0)
     )
     threads_before = torch.get_num_threads()
-    timings: dict[Choice, float] = {}
+    load = load_average()
+    before = cpu_sample()
+    runs: dict[Choice, list[float]] = {}
+    prefill_ms: dict[str, list[float]] = {}
     try:
         for weights in weight_forms(checkpoint):
             loaded = load_model(spec, weights=weights)
@@ -136,54 +219,87 @@ def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
             cfg = loaded.model.config
             length = min(PROMPT_TOKENS, cfg.max_position_embeddings - NEW_TOKENS)
             prompt = torch.randint(0, cfg.vocab_size, (length,), generator=generator).tolist()
-            engine = Engine(loaded, config)
-            state = engine.prefill(prompt)
+            engine = Engine(loaded, config, prefill_threads=physical_cores())
+            chunk_seconds: list[float] = []
+            state = engine.prefill(prompt, on_chunk=chunk_seconds.append)
+            prefill_ms[weights] = [round(seconds * 1e3, 2) for seconds in chunk_seconds]
             for _ in range(RUNS):
                 for threads in thread_counts():
                     torch.set_num_threads(threads)
-                    ms = _decode_ms(engine, prompt, state)
-                    timings[Choice(weights, threads)] = min(ms, timings.get(Choice(weights, threads), ms))
+                    runs.setdefault(Choice(weights, threads), []).append(_decode_ms(engine, prompt, state))
             if weights == "dense":
-                best = min(timings.values())
-                dense = min((t for c, t in timings.items() if c.weights == "dense"), default=float("inf"))
-                if dense <= COMPILE_MARGIN * best:
-                    threads = min((c for c in timings if c.weights == "dense"), key=timings.get).threads
+                best = min(statistics.median(times) for times in runs.values())
+                dense = {c.threads: times for c, times in runs.items() if c.weights == "dense"}
+                threads = _decode_threads(dense)
+                if statistics.median(dense[threads]) <= COMPILE_MARGIN * best:
                     torch.set_num_threads(threads)
                     loaded.model.compile_steps()
                     engine = Engine(loaded, config)
-                    timings[Choice("dense", threads, compiled=True)] = min(
+                    runs[Choice("dense", threads, compiled=True)] = [
                         _decode_ms(engine, prompt, state) for _ in range(RUNS)
-                    )
+                    ]
     finally:
         torch.set_num_threads(threads_before)
-    choice = min(timings, key=timings.get)
+    after = cpu_sample()
+    candidates = [c for c in runs if c.compiled] + [
+        Choice(form, _decode_threads({c.threads: t for c, t in runs.items() if c.weights == form and not c.compiled}))
+        for form in prefill_ms
+    ]
+    choice = min(candidates, key=lambda c: statistics.median(runs[c]))
     cpu, _ = cpu_description()
     return Tuning(
         checkpoint.name,
         cpu,
         choice,
-        {c.label: round(ms, 2) for c, ms in sorted(timings.items(), key=lambda item: item[1])},
+        {
+            c.label: round(statistics.median(t), 2)
+            for c, t in sorted(runs.items(), key=lambda r: statistics.median(r[1]))
+        },
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine_key(),
+        [str(f.resolve()) for f in checkpoint_files(checkpoint)],
+        None if load is None else round(load, 2),
+        None if (share := others_share(before, after)) is None else round(share, 3),
+        round(max(runs[choice]) / min(runs[choice]) - 1, 3),
+        prefill_ms[choice.weights],
     )
 
 
 def fastest_configuration(spec: str | None, checkpoint: Checkpoint, status: StatusCallback | None = None) -> Tuning:
-    """The kept measurement for the target on this machine, measuring it (and keeping it) the first time."""
+    """The kept measurement for the target on this machine, measuring it the first time. A measurement taken while
+    the machine was busy (Tuning.busy_reason) is not kept: the run takes rule_choice, and the next run measures
+    again."""
     kept = remembered(checkpoint)
     if kept is not None:
         return kept
     if status is not None:
         status(f"measuring the fastest configuration for {checkpoint.name} on this CPU, once (triforce info shows it)")
     tuning = measure(spec, checkpoint)
-    path = tuning_folder() / f"{tuning_key(checkpoint)}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(asdict(tuning), indent=2))
-        os.replace(partial, path)
-    except OSError:
-        pass  # a read-only cache: measured again next time
+    busy = tuning.busy_reason
+    if busy is None:
+        _keep(tuning_folder() / f"{tuning_key(checkpoint)}.json", tuning)
+        if status is not None:
+            status(f"fastest here: {tuning.choice.label}")
+        return tuning
+    tuning.choice = rule_choice(checkpoint)
     if status is not None:
-        status(f"fastest here: {tuning.choice.label}")
+        status(
+            f"the machine was busy while measuring ({busy}): not kept; this run takes {tuning.choice.label}"
+            " by rule, and the next run measures again"
+        )
     return tuning
+
+
+def slower_than_measured(tuning: Tuning, chunk_seconds: list[float]) -> str | None:
+    """A note where a run's first prefill chunks took SLOW_FACTOR times what they took when the set-up was
+    measured (the same chunks of the same model on the same cores), saying what to do; None otherwise."""
+    measured = tuning.prefill_chunk_ms
+    if not measured or len(chunk_seconds) < len(measured):
+        return None
+    ratio = sum(chunk_seconds[: len(measured)]) * 1e3 / sum(measured)
+    if ratio < SLOW_FACTOR:
+        return None
+    return (
+        f"this machine ran {ratio:.1f}x slower than when its set-up was measured ({tuning.measured}): another program"
+        " may be busy; if it stays slow on a quiet machine, `triforce cache clear --measurements` measures again"
+    )

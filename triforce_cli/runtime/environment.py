@@ -5,6 +5,10 @@ import importlib.metadata
 import os
 import platform
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +35,72 @@ def cpu_description() -> tuple[str, list[str]]:
     except OSError:
         pass
     return model, [feature for feature in CPU_FEATURES if feature in flags]
+
+
+def physical_cores() -> int:
+    """The physical cores this process may run on: its CPU affinity with hyperthread siblings counted once (each
+    core's thread_siblings_list in sysfs), else the CPUs it may run on."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """The machine's busy CPU time and this process's own at one moment, to tell how much other programs used."""
+
+    wall: float  # seconds, monotonic
+    busy: float | None  # CPU-seconds every CPU spent busy since boot (/proc/stat), None where the system does not say
+    own: float  # CPU-seconds of this process, all its threads
+
+
+def cpu_sample() -> CpuSample:
+    busy = None
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+        guest = sum(fields[8:10])  # counted inside user and nice already
+        busy = (sum(fields) - idle - guest) / os.sysconf("SC_CLK_TCK")  # steal counts: another guest had the CPU
+    except (OSError, ValueError, IndexError):
+        pass
+    times = os.times()
+    return CpuSample(time.monotonic(), busy, times.user + times.system)
+
+
+def others_share(before: CpuSample, after: CpuSample) -> float | None:
+    """The share of the machine's CPU time (0 to 1) that other programs used between two samples, or None where
+    the system does not say."""
+    wall = after.wall - before.wall
+    if before.busy is None or after.busy is None or wall <= 0:
+        return None
+    others = (after.busy - before.busy) - (after.own - before.own)
+    return min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to threads inside the block (None: left as they are), restored after it."""
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def load_average() -> float | None:
+    """The one-minute load average, or None where the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def machine_description() -> dict:
