@@ -203,3 +203,54 @@ def test_by_default_the_ngram_goes_first_only_where_a_model_drafter_can_follow()
         case = (mode, setting, with_drafter)
         assert (engine.uses_ngram, engine.uses_model_drafter) == (uses_ngram, uses_model), case
         assert engine.drafter_description == description, case
+
+
+# --- own steps: the top tier drops drafting that does not pay ------------------------------------------------------
+
+
+class ScriptedProposer:
+    """Drafts the next tokens of a fixed script (where it is right, every draft passes), else a token that is not
+    the greedy continuation (every draft fails): one-hot draft distributions."""
+
+    name = "scripted"
+
+    def __init__(self, script: list[int], right: bool, vocab: int = 32):
+        self.script, self.right, self.vocab = script, right, vocab
+
+    def propose(self, prefix: list[int], n: int) -> Proposal:
+        ahead = self.script[len(prefix) : len(prefix) + n]
+        tokens = ahead if self.right else [(t + 1) % self.vocab for t in ahead]
+        return Proposal(tokens, torch.eye(self.vocab)[tokens], [self.name] * len(tokens))
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+def generate_with_top_tier(model, prompt: list[int], proposer, new_tokens: int) -> tuple[list[int], ModelTier]:
+    """Greedy tokens of a top tier (throughput policy, own steps allowed) over proposer's drafts."""
+    tier = ModelTier(
+        "target", model, full_cache_for(model), SamplingConfig(temperature=0), None, proposer, 3, "throughput",
+        own_steps=True,
+    )  # fmt: skip
+    tokens = list(prompt)
+    while len(tokens) < len(prompt) + new_tokens:
+        tokens += tier.step(tokens, limit=len(prompt) + new_tokens - len(tokens)).host_tokens()
+    return tokens[len(prompt) :], tier
+
+
+def test_drafts_that_never_pass_are_dropped_for_own_steps_and_the_output_stays_greedy():
+    model = rich_model(5).loaded
+    prompt = random_prompt(24, 32, seed=5)
+    reference = Engine(
+        model, EngineConfig(mode="autoregressive", max_new_tokens=80, sampling=SamplingConfig(temperature=0))
+    )
+    expected = reference.generate(prompt).token_ids
+    script = prompt + expected
+    tokens, tier = generate_with_top_tier(model.model, prompt, ScriptedProposer(script, right=False), 60)
+    assert tokens == expected[:60]
+    costs = tier.costs()
+    assert costs.drops >= 1 and costs.own_steps > 30 and "drafting dropped" in costs.note
+
+    tokens, tier = generate_with_top_tier(model.model, prompt, ScriptedProposer(script, right=True), 60)
+    assert tokens == expected[:60]
+    assert tier.costs().own_steps <= 1 and tier.costs().note is None  # one own step measures it; drafting stays

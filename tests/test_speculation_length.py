@@ -1,5 +1,6 @@
 """Adaptive speculation lengths: the policies as pure functions, and the pipeline staying exact under them."""
 
+import itertools
 import random
 
 import pytest
@@ -25,6 +26,8 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculation_length import (
+    DRAFT_RETRY,
+    MAX_DRAFT_RETRY,
     SHORTCUT_RETRY,
     DraftSource,
     SpeculationLength,
@@ -329,13 +332,16 @@ def test_greedy_with_adaptive_lengths_equals_autoregressive(seed, mode, policy):
     if mode == "triforce" and policy == "throughput":
         *tiers, shortcut = tiers  # drafter -> target, tried at least once
         assert (shortcut.proposer, shortcut.verifier) == ("drafter", "target") and shortcut.verifications >= 1
+    own_steps = {costs.tier: costs.own_steps for costs in result.stats.tier_costs}
     for stats in tiers:
         # the length moved: above 1 on average, and for target@full below what a fixed ceiling drafts, which
         # only its last passes cut (by at most 1 + 2 + ... + (ceiling - 1) drafts; the retrieval tier's drafts are
-        # cut to the tokens the full tier wants at every pass, so only their lower bound tells)
+        # cut to the tokens the full tier wants at every pass, so only their lower bound tells), or down to own
+        # steps (length 0, throughput only)
         assert 1 < stats.mean_drafted, stats
         ceiling = ceilings["target"]
-        assert stats.verifier != "target" or stats.drafted < fixed_drafts_at_least(ceiling, stats.verifications)
+        moved = stats.drafted < fixed_drafts_at_least(ceiling, stats.verifications) or own_steps.get("target", 0)
+        assert stats.verifier != "target" or moved
 
 
 @pytest.mark.parametrize("policy", ["heuristic", "throughput"])
@@ -352,3 +358,48 @@ def test_middle_tier_with_heuristic_lengths_is_exact_for_its_own_cache():
     assert joint_chi_square(pairs, first, second) > P_THRESHOLD
     stats = middle.tier.stats
     assert 1 < stats.mean_drafted < 2
+
+
+def feed(length: SpeculationLength, rounds: int, accepted: bool, draft_seconds: float, own_seconds: float) -> list[int]:
+    """Run `rounds` steps of a tier whose verifications cost 1 s and own steps own_seconds; drafts are all accepted
+    or all rejected and cost draft_seconds each. Returns the length of each step (0: an own step)."""
+    lengths = []
+    for _ in range(rounds):
+        n = length.current
+        lengths.append(n)
+        if n == 0:
+            length.record_own_step(own_seconds)
+        else:
+            length.record(n, n if accepted else 0, draft_seconds * n, 1.0)
+    return lengths
+
+
+def test_drafting_that_does_not_pay_is_dropped_for_own_steps_and_retried_ever_less_often():
+    length = SpeculationLength("throughput", ceiling=3, self_steps=True)
+    lengths = feed(length, 200, accepted=False, draft_seconds=0.1, own_seconds=0.9)
+    assert lengths[:4] == [3, 2, 1, 0]  # every length tried once, then one own step to measure it
+    retries = [i for i in range(1, len(lengths)) if lengths[i] and not lengths[i - 1]]
+    gaps = [b - a - 1 for a, b in itertools.pairwise(retries)]
+    assert gaps[:5] == [DRAFT_RETRY, 2 * DRAFT_RETRY, 4 * DRAFT_RETRY, MAX_DRAFT_RETRY, MAX_DRAFT_RETRY]  # each lost
+    assert lengths.count(0) > 0.9 * len(lengths) and length.dropped == len(retries)
+
+
+def test_drafting_that_pays_is_kept_after_one_own_step():
+    length = SpeculationLength("throughput", ceiling=3, self_steps=True)
+    lengths = feed(length, 60, accepted=True, draft_seconds=0.01, own_seconds=0.9)
+    assert lengths.count(0) == 1 and length.dropped == 0 and lengths[-1] == 3
+
+
+def test_own_steps_are_tried_again_after_the_text_changes():
+    """Drafts that stopped paying are dropped; once they pay again, the next retry keeps them."""
+    length = SpeculationLength("throughput", ceiling=3, self_steps=True)
+    feed(length, 40, accepted=False, draft_seconds=0.1, own_seconds=0.9)
+    assert length.current == 0 or length.retrying
+    lengths = feed(length, 120, accepted=True, draft_seconds=0.01, own_seconds=0.9)
+    first_draft = next(i for i, n in enumerate(lengths) if n)
+    assert first_draft <= MAX_DRAFT_RETRY and 0 not in lengths[first_draft + 1 :]
+
+
+def test_without_self_steps_the_length_never_drops_to_zero():
+    length = SpeculationLength("throughput", ceiling=3)
+    assert 0 not in feed(length, 50, accepted=False, draft_seconds=0.1, own_seconds=0.01)

@@ -521,3 +521,14 @@ def test_middle_tier_chi_square_detects_resampling_from_p(monkeypatch):
     first, second = middle.exact_joint(committed=3)
     pairs = middle.pairs(committed=3, trials=POWER_TRIALS)
     assert joint_chi_square(pairs, first, second) < P_THRESHOLD
+
+
+def test_own_steps_of_the_top_tier_are_exact(monkeypatch):
+    """Where the throughput policy drops drafting, the top tier samples its own forward: still the target's
+    distribution (forced here from the first round on, so the second token always comes from an own step)."""
+    from triforce_cli.decoding.speculation_length import SpeculationLength
+
+    monkeypatch.setattr(SpeculationLength, "drafting", property(lambda length: not length.self_steps))
+    pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="throughput")
+    first, second = target_joint()
+    assert joint_chi_square(pairs, first, second) > P_THRESHOLD

@@ -183,10 +183,13 @@ def acceptance_table(stats: GenerationStats) -> Table | None:
 
 
 def print_summary(console: Console, stats: GenerationStats) -> None:
+    """The generation table, the acceptance per tier, and a line for each tier whose policy dropped drafting."""
     console.print(summary_table(stats))
     table = acceptance_table(stats)
     if table is not None:
         console.print(table)
+    for note in filter(None, (costs.note for costs in stats.tier_costs)):
+        console.print(Text(note, style="dim"))
 
 
 def _ratio(value: float | None) -> str:

@@ -273,12 +273,16 @@ class Engine:
             drafter = ngram if drafter is None else FallbackProposer(ngram, drafter)
         # drafter is None without a drafter tier: then the tier it would draft for samples every token itself
         if not cfg.uses_retrieval:
-            return ModelTier("target", model, caches.full, sampling, generator, drafter, cfg.gamma1, policy)
+            return ModelTier(
+                "target", model, caches.full, sampling, generator, drafter, cfg.gamma1, policy, own_steps=True
+            )
         middle = ModelTier("retrieval", model, caches.retrieval, sampling, generator, drafter, cfg.gamma1, policy)
         # the throughput policy may skip the middle tier where verifying at it does not pay (speculation_length.py);
         # only a model drafter, which always drafts, makes a shortcut (an n-gram alone often finds nothing)
         shortcut = drafter if policy == "throughput" and self.uses_model_drafter else None
-        return ModelTier("target", model, caches.full, sampling, generator, middle, cfg.gamma2, policy, shortcut)
+        return ModelTier(
+            "target", model, caches.full, sampling, generator, middle, cfg.gamma2, policy, shortcut, own_steps=True
+        )
 
     def _prefill(
         self, name: str, model: Transformer, cache, ids: list[int], on_prefill, on_chunk: ChunkCallback | None = None
@@ -347,6 +351,7 @@ class Engine:
         generator.manual_seed(shared_seed(cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed()))
         stats = GenerationStats(cfg.mode, self.drafter_description, len(prompt_ids))
         generated: list[int] = []
+        chain: list[ModelTier] = []  # the tiers, top first, once built
         try:
             caches = self._allocate(len(prompt_ids))
             started = time.perf_counter()
@@ -386,6 +391,7 @@ class Engine:
             self._decode(top, caches, prompt_ids, generated, stats, on_tokens)
         except KeyboardInterrupt:
             stats.stop_reason = "interrupted"
+        stats.tier_costs = [tier.costs() for tier in chain if tier.proposer is not None]
         stats.new_tokens = len(generated)
         text = self.target.tokenizer.decode(generated, skip_special_tokens=True)
         return GenerationResult(generated, text, stats)
@@ -408,7 +414,7 @@ class Engine:
             started = time.perf_counter()
             step = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more tokens than wanted
             rounds_since_selection += 1
-            if caches.retrieval is not None and not top.uses_shortcut_next:
+            if caches.retrieval is not None and top.proposer_drafts_next:
                 # the retrieval tier drafts the next round: bring its view up to date (left as it is while the
                 # full tier drafts straight from the drafter, which keeps the retrieval tier idle)
                 if rounds_since_selection >= cfg.refresh_interval:

@@ -25,6 +25,14 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   a full one) and kept where it pays. The source not in use is tried again every SHORTCUT_RETRY verifications,
   so its averages follow the generation. Which source drafts depends only on what came before, so every
   verification stays exact.
+
+  The top tier may also draft nothing (length 0, ``self_steps``): it then samples its own tokens, one forward each,
+  which is plain decoding with every tier below dropped. Its measured costs are whole rounds (what the engine does
+  between two verifications included), so length 0 wins wherever drafting, all overheads counted, yields fewer
+  tokens per second than plain steps: speculation is never slower than decoding without it by more than what the
+  policy spends finding that out. Drafting is retried after DRAFT_RETRY own steps, and after twice as many each
+  time a retry loses (up to MAX_DRAFT_RETRY), so a stretch of text where drafts pay again is found; a retry
+  judges drafting by its own drafts, not by averages from before the text moved on.
 """
 
 from dataclasses import dataclass, field
@@ -33,6 +41,8 @@ POLICIES = ("fixed", "heuristic", "throughput")
 SMOOTHING = 0.3  # weight of the newest measurement in the running verification costs
 MEMORY = 0.9  # weight a draft source keeps for its earlier drafts at each of its verifications
 SHORTCUT_RETRY = 8  # verifications between two tries of the draft source not in use
+DRAFT_RETRY = 8  # own steps (length 0) before drafting is tried again
+MAX_DRAFT_RETRY = 64  # the longest wait, after retries that kept losing
 
 
 def heuristic_length(current: int, all_accepted: bool, ceiling: int) -> int:
@@ -133,12 +143,24 @@ class SpeculationLength:
     policy: str
     ceiling: int
     has_shortcut: bool = False  # the tier can draft from its proposer's proposer instead (throughput policy only)
-    current: int = field(init=False)  # starts at the ceiling
+    self_steps: bool = False  # the tier may draft nothing and sample itself (length 0; throughput policy only)
+    current: int = field(init=False)  # starts at the ceiling; 0: the tier's own step, nothing drafted
     use_shortcut: bool = field(init=False, default=False)  # where the next drafts come from
     proposer_averages: DraftSource = field(default_factory=DraftSource)
     shortcut_averages: DraftSource = field(default_factory=DraftSource)
-    verify_seconds: dict[int, float] = field(default_factory=dict)  # per verification, by length
+    verify_seconds: dict[int, float] = field(default_factory=dict)  # per verification, by length; 0: an own step
     since_retry: int = SHORTCUT_RETRY - 1  # verifications since the last forced retry; the first comes at once
+    draft_retry: int = DRAFT_RETRY  # own steps to take before drafting again, once length 0 is chosen
+    own_steps_left: int = field(init=False, default=0)
+    retrying: bool = field(init=False, default=False)  # the current drafts are a retry after own steps
+    resume: tuple[int, bool] = field(init=False, default=(1, False))  # (length, use_shortcut) a retry drafts with
+    dropped: int = field(init=False, default=0)  # times the policy chose length 0 after drafting
+    own_steps_taken: int = field(init=False, default=0)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the next step verifies drafts (False: the tier samples its own token)."""
+        return self.current > 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -163,6 +185,21 @@ class SpeculationLength:
             self.verify_seconds[drafted] = _smooth(self.verify_seconds.get(drafted), verify_seconds)
             self._choose(drafted)
 
+    def record_own_step(self, seconds: float) -> None:
+        """Account for one step in which the tier sampled its own token (length 0) and took `seconds`; once
+        own_steps_left is spent, the next step retries drafting."""
+        self.verify_seconds[0] = _smooth(self.verify_seconds.get(0), seconds)
+        self.own_steps_taken += 1
+        self.own_steps_left -= 1
+        if self.own_steps_left <= 0:
+            self.current, self.use_shortcut = self.resume
+            self.retrying = self.dropped > 0  # not after the one step that measured them first
+            if self.retrying:  # the text has moved on since: the retry's drafts alone say how drafting does now
+                if self.use_shortcut:
+                    self.shortcut_averages = DraftSource()
+                else:
+                    self.proposer_averages = DraftSource()
+
     def _choose(self, drafted: int) -> None:
         untried = [n for n in range(drafted - 1, 0, -1) if n not in self.verify_seconds]  # shorter than the last
         if untried:
@@ -177,6 +214,25 @@ class SpeculationLength:
             self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
         # the source just recorded is measured; one not measured yet drafts the measured one's length
         _, self.current = best.get(self.use_shortcut, next(iter(best.values())))
+        if self.self_steps:
+            self._weigh_own_steps(max(r for r, _ in best.values()))
+
+    def _weigh_own_steps(self, drafting_rate: float) -> None:
+        """Switch to own steps (length 0) where they yield more tokens per second than the best drafting; the first
+        time, take one own step to measure it."""
+        own = self.verify_seconds.get(0)
+        retried, self.retrying = self.retrying, False
+        if own is not None and 1.0 / own <= drafting_rate:
+            self.draft_retry = DRAFT_RETRY
+            return
+        self.resume = (self.current, self.use_shortcut)
+        if own is None:
+            self.own_steps_left = 1
+        else:
+            self.draft_retry = min(MAX_DRAFT_RETRY, 2 * self.draft_retry) if retried else DRAFT_RETRY
+            self.own_steps_left = self.draft_retry
+            self.dropped += 1
+        self.current = 0
 
     def _best(self, source: DraftSource) -> tuple[float, int]:
         """(tokens per second, length) of the best length for drafts from source."""

@@ -14,7 +14,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from cache import KVCache
-from triforce_cli.decoding.clock import DeviceClock
+from triforce_cli.decoding.clock import DeviceClock, Mark
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities, sample, verify_draft
 from triforce_cli.decoding.speculation_length import SpeculationLength
 from triforce_cli.runtime.model import Transformer
@@ -90,6 +90,30 @@ class AcceptanceStats:
         return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
 
 
+@dataclass
+class TierCosts:
+    """What a tier's speculation-length policy measured and decided in one generation."""
+
+    tier: str
+    step_ms: dict[int, float]  # a step's cost by drafts verified, latest running average; 0: an own step
+    own_steps: int = 0  # steps where the tier drafted nothing and sampled itself (tiers below it dropped)
+    drops: int = 0  # times the policy dropped drafting because own steps yielded more tokens per second
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("note",)  # written by stats.as_record beside the fields
+
+    @property
+    def note(self) -> str | None:
+        """One line saying that drafting was dropped and why, or None where it never was."""
+        if not self.drops:
+            return None
+        drafting = {n: ms for n, ms in self.step_ms.items() if n}
+        costs = ", ".join(f"{n} drafts {ms:.1f} ms" for n, ms in sorted(drafting.items()))
+        return (
+            f"{self.tier}: drafting dropped {self.drops}x, {self.own_steps} steps without it: own steps"
+            f" ({self.step_ms[0]:.1f} ms a token) yielded more tokens per second than verifying drafts ({costs})"
+        )
+
+
 class Proposer(Protocol):
     name: str
 
@@ -134,10 +158,12 @@ class ModelTier:
     gamma: int = 1  # drafts asked per verification, fewer where fewer are wanted; the ceiling if adaptive
     gamma_policy: str = "fixed"  # see speculation_length.py
     shortcut: Proposer | None = None  # the proposer's own proposer, drafting here directly when that pays more
+    own_steps: bool = False  # the policy may drop drafting for the tier's own steps (top tier, throughput policy)
     stats: AcceptanceStats | None = field(default=None)
     shortcut_stats: AcceptanceStats | None = field(default=None)
     length: SpeculationLength = field(init=False)
     clock: DeviceClock = field(init=False)  # times drafting and verification for the adaptive lengths
+    last_end: Mark | None = field(init=False, default=None)  # where the previous step ended, with own_steps
 
     def __post_init__(self) -> None:
         self.clock = DeviceClock(self.model.inv_freq.device)
@@ -145,12 +171,33 @@ class ModelTier:
             self.stats = AcceptanceStats(self.proposer.name, self.name)
         if self.shortcut is not None and self.shortcut_stats is None:
             self.shortcut_stats = AcceptanceStats(self.shortcut.name, self.name)
-        self.length = SpeculationLength(self.gamma_policy, self.gamma, has_shortcut=self.shortcut is not None)
+        self.length = SpeculationLength(
+            self.gamma_policy,
+            self.gamma,
+            has_shortcut=self.shortcut is not None,
+            self_steps=self.own_steps and self.proposer is not None and self.gamma_policy == "throughput",
+        )
 
     @property
     def uses_shortcut_next(self) -> bool:
         """Whether the next verification drafts from the shortcut, leaving the proposer idle."""
         return self.shortcut is not None and self.length.use_shortcut
+
+    @property
+    def proposer_drafts_next(self) -> bool:
+        """Whether the next step asks the proposer for drafts (not the shortcut, not an own step)."""
+        return self.proposer is not None and self.length.drafting and not self.uses_shortcut_next
+
+    def costs(self) -> TierCosts:
+        """What this tier's policy measured and decided so far."""
+        length = self.length
+        step_ms = {n: round(1000 * seconds, 3) for n, seconds in sorted(length.verify_seconds.items())}
+        return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped)
+
+    def _round_start(self) -> Mark:
+        """Where the step's timing starts: with own_steps, where the previous step ended, so that what the caller
+        did in between (the retrieval cache's upkeep, handing tokens out) is a cost of the round; else now."""
+        return self.last_end if self.own_steps and self.last_end is not None else self.clock.mark()
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
@@ -215,12 +262,18 @@ class ModelTier:
         is computed only to be thrown away.
         """
         device = self.model.inv_freq.device
-        if self.proposer is None or limit == 1:
+        if self.proposer is None or limit == 1 or not self.length.drafting:
+            chosen = self.proposer is not None and limit != 1  # an own step the policy chose: its cost is weighed
+            started = self._round_start() if chosen else None
             probs = self._forward(prefix, pending, torch.empty(0, dtype=torch.long, device=device))
-            return Proposal(sample(probs, self.generator), probs, [self.name])  # (1,) on the device, unread
+            token = sample(probs, self.generator)
+            if chosen:  # the caller reads the token next: timing it waits for nothing more
+                self.last_end = self.clock.mark()
+                self.length.record_own_step(self.clock.seconds(started, self.last_end))
+            return Proposal(token, probs, [self.name])  # (1,) on the device, unread
         if pending is not None:  # a verifying tier's own tokens are read; none is left pending before a draft
             prefix, pending = prefix + pending.tolist(), None
-        started = self.clock.mark()
+        started = self._round_start()
         proposer, stats = self.proposer, self.stats
         if self.uses_shortcut_next:
             proposer, stats = self.shortcut, self.shortcut_stats
@@ -231,6 +284,7 @@ class ModelTier:
         probs = self._forward(prefix, None, draft_ids)  # (len(draft) + 1, V)
         verdict = verify_draft(draft_ids, draft.probs.to(device), probs, self.generator)  # the one device read
         verified = self.clock.mark()  # after that read, so the verification's work is done
+        self.last_end = verified
         stats.drafted += len(draft)
         stats.accepted += verdict.accepted
         stats.verifications += 1

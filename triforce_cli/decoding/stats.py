@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from triforce_cli.decoding.speculative import AcceptanceStats
+from triforce_cli.decoding.speculative import AcceptanceStats, TierCosts
 
 
 def as_record(measurement) -> dict[str, Any]:
@@ -40,6 +40,7 @@ class GenerationStats:
     round_seconds: list[float] = field(default_factory=list)  # one entry per step of the top tier
     round_tokens: list[int] = field(default_factory=list)  # tokens that step committed
     acceptance: list[AcceptanceStats] = field(default_factory=list)
+    tier_costs: list[TierCosts] = field(default_factory=list)  # each adaptive tier's measured costs and decisions
     stop_reason: str = "max_new_tokens"  # or "eos", "interrupted"
     prompt_cached: bool = False  # the prompt's KV cache was restored instead of prefilled
 
