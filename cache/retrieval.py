@@ -5,7 +5,9 @@ represented by ``budget / chunk_size`` chunks per KV head: chunk 0, which holds 
 chunks whose mean key scores best against the current query. Positions from ``selected_until`` on are kept
 whole in a recent region after the selected chunks, at slot ``budget + position - selected_until``.
 
-Mean keys are computed once per chunk, when the chunk is complete. ``select_chunks`` re-selects with the query
+Chunks are scored by their mean key (``score="mean"``, TriForce's) or by Quest's bound from their minimum and
+maximum keys (``score="bound"``, kernels/retrieval.py). A chunk's summary is computed once, when the chunk is
+complete. ``select_chunks`` re-selects with the query
 the full model computed at the last cached position (the last full verification pass, no extra forward);
 ``sync_recent`` copies the full model's keys/values of newly verified tokens over the middle tier's own.
 
@@ -17,7 +19,7 @@ import torch
 
 from cache.base import CacheCapacityError, KVCache
 from cache.full import FullCache
-from kernels import chunk_mean_keys, gather_chunks, score_chunks, top_chunks
+from kernels import CHUNK_SCORES, SUMMARIES, chunk_summaries, gather_chunks, summary_scores, top_chunks
 
 
 class RetrievalCache(KVCache):
@@ -28,11 +30,16 @@ class RetrievalCache(KVCache):
         chunk_size: int,
         recent_capacity: int,
         device: torch.device | str | None = None,
+        score: str = "mean",
     ):
-        """device: where this cache lives and the model computes; None: where the full cache's storage is."""
+        """device: where this cache lives and the model computes; None: where the full cache's storage is.
+        score: how chunks are scored, one of kernels.CHUNK_SCORES."""
         if budget % chunk_size:
             raise ValueError(f"budget {budget} is not a multiple of chunk size {chunk_size}")
+        if score not in CHUNK_SCORES:
+            raise ValueError(f"unknown chunk score '{score}' (choose from {', '.join(CHUNK_SCORES)})")
         self.full = full
+        self.score = score
         self.budget = budget
         self.chunk_size = chunk_size
         self.recent_capacity = recent_capacity
@@ -41,9 +48,12 @@ class RetrievalCache(KVCache):
         shape = (num_layers, num_kv_heads, budget + recent_capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=full.keys.dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        # one mean key per chunk, in the cache dtype: 1/(2 chunk_size) of the full cache's bytes, scored in float32
-        self.mean_keys = torch.zeros(
-            (num_layers, num_kv_heads, capacity // chunk_size, head_dim), dtype=full.keys.dtype, device=device
+        # one (mean) or two (min and max) keys per chunk, in the cache dtype: 1/(2 chunk_size) of the full cache's
+        # bytes each, scored in float32
+        self.chunk_keys = torch.zeros(
+            (SUMMARIES[score], num_layers, num_kv_heads, capacity // chunk_size, head_dim),
+            dtype=full.keys.dtype,
+            device=device,
         )
         self.num_mean_keys = 0
         self.chunk_ids: torch.Tensor | None = None  # (layers, Hkv, budget/chunk) after the first selection
@@ -61,6 +71,11 @@ class RetrievalCache(KVCache):
         self.chunk_ids = None
 
     @property
+    def mean_keys(self) -> torch.Tensor:
+        """(layers, Hkv, chunks, D): the mean key of each chunk (score "mean"), the minimum key (score "bound")."""
+        return self.chunk_keys[0]
+
+    @property
     def recent_tokens(self) -> int:
         return self.length - self.selected_until
 
@@ -70,8 +85,9 @@ class RetrievalCache(KVCache):
         first, stop = self.num_mean_keys * self.chunk_size, complete_chunks * self.chunk_size
         self.full.settle()
         for layer in range(self.keys.shape[0]):
-            means = chunk_mean_keys(self.full.keys[layer, :, first:stop], self.chunk_size)
-            self.mean_keys[layer, :, self.num_mean_keys : complete_chunks] = means.to(self.mean_keys.device)
+            summaries = chunk_summaries(self.full.keys[layer, :, first:stop], self.chunk_size, self.score)
+            for kept, summary in zip(self.chunk_keys, summaries, strict=True):
+                kept[layer, :, self.num_mean_keys : complete_chunks] = summary.to(kept.device)
         self.num_mean_keys = complete_chunks
 
     def select_chunks(self) -> None:
@@ -85,8 +101,8 @@ class RetrievalCache(KVCache):
         ids = []
         storage = self.full.keys.device
         for layer in range(self.keys.shape[0]):
-            query = self.full.query_at(layer, length - 1).to(self.mean_keys.device)
-            scores = score_chunks(query, self.mean_keys[layer, :, :complete_chunks])
+            query = self.full.query_at(layer, length - 1).to(self.chunk_keys.device)
+            scores = summary_scores(query, self.chunk_keys[:, layer, :, :complete_chunks], self.score)
             chosen = top_chunks(scores, keep)  # (Hkv, keep)
             at_storage = chosen.to(storage)  # a device read where the storage is in host memory
             for buffer, source in ((self.keys, self.full.keys), (self.values, self.full.values)):

@@ -20,16 +20,28 @@ from kernels.linear import (
     pack_half_weight,
     unpack_half_weight,
 )
-from kernels.retrieval import chunk_mean_keys, gather_chunks, score_chunks, top_chunks
+from kernels.retrieval import (
+    CHUNK_SCORES,
+    SUMMARIES,
+    chunk_mean_keys,
+    chunk_summaries,
+    gather_chunks,
+    score_chunks,
+    summary_scores,
+    top_chunks,
+)
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "CHUNK_SCORES",
+    "SUMMARIES",
     "PackedPrefix",
     "attention",
     "attention_backend",
     "attention_in_cache",
     "attention_reference",
     "chunk_mean_keys",
+    "chunk_summaries",
     "gather_chunks",
     "half_weight_linear",
     "half_weight_linear_reference",
@@ -38,6 +50,7 @@ __all__ = [
     "linear_reference",
     "pack_half_weight",
     "score_chunks",
+    "summary_scores",
     "top_chunks",
     "unpack_half_weight",
 ]

@@ -1,12 +1,17 @@
-"""Retrieval-cache kernels: chunk mean keys, GQA-aware chunk scores, top-chunk choice and gather.
+"""Retrieval-cache kernels: chunk summaries, GQA-aware chunk scores, top-chunk choice and gather.
 
 TriForce (Sun et al., 2024, arXiv 2404.11912) scores each chunk of the prompt's cached keys by the current
-query against the chunk's mean key and keeps the best chunks that fit the budget.
+query against the chunk's mean key and keeps the best chunks that fit the budget (score "mean"). Quest (Tang et
+al., 2024, arXiv 2406.10774) keeps each chunk's elementwise minimum and maximum key instead and scores a chunk by
+an upper bound of the largest attention logit any of its keys can reach (score "bound"): a chunk with one key that
+matters is not averaged away.
 """
 
 import torch
 
 MEAN_KEY_BLOCK = 1024  # chunks averaged at once
+CHUNK_SCORES = ("mean", "bound")
+SUMMARIES = {"mean": 1, "bound": 2}  # keys kept per chunk: the mean; the minimum and the maximum
 
 
 def chunk_mean_keys(k: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -33,6 +38,37 @@ def score_chunks(q: torch.Tensor, mean_keys: torch.Tensor) -> torch.Tensor:
     num_kv_heads = mean_keys.shape[0]
     grouped = q.float().reshape(num_kv_heads, -1, q.shape[-1]).sum(dim=1)  # (Hkv, D)
     return torch.einsum("hd,hcd->hc", grouped, mean_keys.float())
+
+
+def chunk_key_bounds(k: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise minimum and maximum key of every complete chunk, exact in k's dtype.
+    k (Hkv, L, D) with L a multiple of chunk_size -> two (Hkv, L/chunk, D)."""
+    num_kv_heads, length, head_dim = k.shape
+    chunks = k.reshape(num_kv_heads, length // chunk_size, chunk_size, head_dim)
+    return chunks.amin(dim=2), chunks.amax(dim=2)
+
+
+def bound_scores(q: torch.Tensor, min_keys: torch.Tensor, max_keys: torch.Tensor) -> torch.Tensor:
+    """Quest's bound of each chunk for each KV head, summed over the query heads that share it: per query head,
+    sum over d of max(q_d * min_d, q_d * max_d), no smaller than q . k for any key k of the chunk. The positive
+    parts of the queries meet the maximum keys and the negative parts the minimum keys, so the group's sum is two
+    products. q (Hq, D), min_keys and max_keys (Hkv, C, D) -> float32 (Hkv, C)."""
+    num_kv_heads = min_keys.shape[0]
+    grouped = q.float().reshape(num_kv_heads, -1, q.shape[-1])  # (Hkv, group, D)
+    positive, negative = grouped.clamp(min=0).sum(dim=1), grouped.clamp(max=0).sum(dim=1)  # (Hkv, D)
+    return torch.einsum("hd,hcd->hc", positive, max_keys.float()) + torch.einsum(
+        "hd,hcd->hc", negative, min_keys.float()
+    )
+
+
+def chunk_summaries(k: torch.Tensor, chunk_size: int, score: str) -> tuple[torch.Tensor, ...]:
+    """What `score` keeps of every complete chunk of k (Hkv, L, D): its mean key, or its minimum and maximum keys."""
+    return (chunk_mean_keys(k, chunk_size),) if score == "mean" else chunk_key_bounds(k, chunk_size)
+
+
+def summary_scores(q: torch.Tensor, summaries: torch.Tensor, score: str) -> torch.Tensor:
+    """Chunk scores (Hkv, C) float32 of q (Hq, D) from the summaries (SUMMARIES[score], Hkv, C, D)."""
+    return score_chunks(q, summaries[0]) if score == "mean" else bound_scores(q, summaries[0], summaries[1])
 
 
 def top_chunks(scores: torch.Tensor, num_chunks: int) -> torch.Tensor:

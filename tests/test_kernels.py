@@ -32,6 +32,7 @@ from kernels.attention import (
     sdpa_attention,
 )
 from kernels.linear import FEW_ROWS, few_row_linear
+from kernels.retrieval import bound_scores, chunk_key_bounds
 
 HEAD_DIM = 8
 SCALE = HEAD_DIM**-0.5
@@ -358,3 +359,28 @@ def test_a_failed_build_of_the_cpu_kernels_is_tried_once(monkeypatch, tmp_path):
         with pytest.raises(kernels.native.KernelUnavailable, match="g\\+\\+: not found.*C\\+\\+ compiler"):
             kernels.native.load_native(tmp_path)
     assert len(builds) == 1
+
+
+def test_bound_scores_bound_every_key_of_a_chunk_and_sum_the_query_group():
+    """Quest's bound is no smaller than the best q . k of any key in the chunk, for each query head, and equals
+    the brute-force sum over the group of sum_d max(q_d min_d, q_d max_d)."""
+    torch.manual_seed(0)
+    kv_heads, group, chunks, chunk, dim = 2, 3, 5, 4, 8
+    keys = torch.randn(kv_heads, chunks * chunk, dim)
+    q = torch.randn(kv_heads * group, dim)
+    lows, highs = chunk_key_bounds(keys, chunk)
+    scores = bound_scores(q, lows, highs)
+    grouped = q.reshape(kv_heads, group, dim)
+    brute = torch.maximum(grouped[:, :, None] * lows[:, None], grouped[:, :, None] * highs[:, None]).sum(-1).sum(1)
+    torch.testing.assert_close(scores, brute)
+    logits = torch.einsum("hgd,hld->hgl", grouped, keys).reshape(kv_heads, group, chunks, chunk)
+    assert (scores >= logits.amax(dim=-1).sum(dim=1) - 1e-5).all()
+
+
+def test_a_chunk_with_one_matching_key_scores_first_by_bound_but_not_by_mean():
+    """One key along the query among keys that cancel out: its chunk's mean is average, its bound the highest."""
+    query = torch.tensor([[1.0, 0.0]])
+    keys = torch.tensor([[[0.5, 1], [0.5, -1], [0.5, 1], [0.5, -1], [4.0, 0], [-3.5, 0], [0.0, 1], [0.0, -1]]])
+    mean = score_chunks(query, chunk_mean_keys(keys, 2))
+    bound = bound_scores(query, *chunk_key_bounds(keys, 2))
+    assert mean.argmax() == 0 and bound.argmax() == 2

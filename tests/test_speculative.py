@@ -115,6 +115,17 @@ def test_greedy_speculative_equals_autoregressive(seed, mode, combo):
     check_caches_were_exercised(engine)
 
 
+@pytest.mark.parametrize("mode", ["retrieval", "triforce"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_with_the_bound_chunk_score_equals_autoregressive(seed, mode):
+    """Quest's bound picks other chunks than the mean key: the retrieval tier's drafts differ, the output not."""
+    config = engine_config(mode, gamma_policy="fixed", chunk_score="bound", **COMBOS["b32-r3-g3x4"])
+    engine = Engine(rich_model(seed).loaded, config)
+    assert engine.generate(prompt_for(seed)).token_ids == list(autoregressive_tokens(seed))
+    check_caches_were_exercised(engine)
+    assert engine._caches.retrieval.chunk_keys.shape[0] == 2  # minimum and maximum keys
+
+
 @pytest.mark.parametrize("combo", ["b64-r3-g2x6", "b32-r3-g3x4"])
 @pytest.mark.parametrize("mode", ["streaming", "triforce"])
 @pytest.mark.parametrize("seed", [0, 1])

@@ -49,6 +49,7 @@ def bench(
     modes: o.BenchModes = "default",
     budget: o.BudgetSweep = "auto",
     chunk_size: o.ChunkSizeSweep = str(DEFAULTS.chunk_size),
+    chunk_score: o.ChunkScore = DEFAULTS.chunk_score,
     max_new_tokens: o.MaxNewTokens = BENCH_DEFAULTS.max_new_tokens,
     ignore_eos: o.IgnoreEos = BENCH_DEFAULTS.ignore_eos,
     repeats: Annotated[
@@ -111,6 +112,7 @@ def bench(
             else {name: builtin_document(name) for name in builtin}
         )
         engine_config = EngineConfig(
+            chunk_score=chunk_score,
             sink_tokens=sink_tokens,
             draft_window=draft_window,
             gamma1=gamma1,

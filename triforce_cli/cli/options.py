@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from kernels import ATTENTION_BACKENDS
+from kernels import ATTENTION_BACKENDS, CHUNK_SCORES
 from triforce_cli.bench.runner import ALL_MODES
 from triforce_cli.decoding.config import GAMMA_POLICIES, MODES, OFFLOAD_CHOICES
 from triforce_cli.decoding.pipeline import DTYPES
@@ -138,6 +138,10 @@ Budget = Annotated[
     typer.Option(parser=token_count, metavar="TOKENS", help="Retrieval-cache budget [default: min(1024, prompt)]."),
 ]
 ChunkSize = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Retrieval-cache chunk size.")]
+ChunkScore = Annotated[
+    Literal[CHUNK_SCORES],
+    typer.Option(help="Retrieval chunk score: mean (the chunk's mean key) or bound (Quest's min/max-key bound)."),
+]
 DraftWindow = Annotated[
     int, typer.Option(parser=token_count, metavar="TOKENS", help="Drafter StreamingLLM recent window.")
 ]

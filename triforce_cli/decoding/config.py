@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass, field
 
+from kernels import CHUNK_SCORES
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculation_length import POLICIES
 from triforce_cli.errors import ConfigError
@@ -50,6 +51,8 @@ class EngineConfig:
     mode: ``autoregressive`` (target@full only), ``retrieval`` (target@retrieval -> target@full), ``streaming``
     (drafter@StreamingLLM -> target@full) or ``triforce`` (all three tiers).
     budget: tokens of prompt chunks the retrieval cache keeps; None picks min(1024, the prompt's whole chunks).
+    chunk_score: how the retrieval cache scores chunks against the query: ``mean`` (its mean key, TriForce's) or
+    ``bound`` (Quest's bound from its minimum and maximum keys; kernels/retrieval.py).
     gamma1: drafter tokens per verification by the tier above it; gamma2: tokens target@full verifies per pass
     in ``triforce`` and ``retrieval`` modes. The retrieval tier drafts fewer than gamma1 where target@full wants
     fewer tokens than gamma1 + 1.
@@ -71,6 +74,7 @@ class EngineConfig:
     mode: str = "triforce"
     budget: int | None = None
     chunk_size: int = 16
+    chunk_score: str = "mean"
     sink_tokens: int = 16
     draft_window: int = 496
     gamma1: int = 2
@@ -92,6 +96,10 @@ class EngineConfig:
         drafter_modes = " or ".join(mode for mode, tiers in MODE_TIERS.items() if tiers.drafter)
         checks = [
             (self.chunk_size > 0, "chunk size must be positive"),
+            (
+                self.chunk_score in CHUNK_SCORES,
+                f"unknown chunk score '{self.chunk_score}' (choose from {', '.join(CHUNK_SCORES)})",
+            ),
             (self.budget is None or self.budget > 0, "budget must be positive"),
             (
                 self.budget is None or self.chunk_size <= 0 or self.budget % self.chunk_size == 0,

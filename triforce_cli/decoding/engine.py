@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import FullCache, RetrievalCache, StreamingCache
+from kernels import SUMMARIES
 from offload import offload_kv, offload_weights
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
@@ -149,11 +150,13 @@ class Engine:
         itemsize = self.target.dtype.itemsize
         layer_position = 2 * target.num_kv_heads * target.head_dim * itemsize  # one layer's key and value
         full_bytes = layer_position * target.num_layers * full
-        mean_keys = layer_position // 2 * target.num_layers * (full // self.config.chunk_size) if retrieval else 0
+        summaries = SUMMARIES[self.config.chunk_score]  # keys kept per chunk to score it
+        chunk_keys = layer_position // 2 * summaries * target.num_layers * (full // self.config.chunk_size)
+        chunk_keys = chunk_keys if retrieval else 0
         step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * itemsize
         items = [*self._weight_items()]
         items += [
-            ("retrieval cache", layer_position * target.num_layers * retrieval + mean_keys, 0),
+            ("retrieval cache", layer_position * target.num_layers * retrieval + chunk_keys, 0),
             ("drafter cache", 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * streaming * itemsize, 0),
             ("step queries", step_queries if self.compiled and not self.offloaded else 0, 0),
         ]
@@ -237,7 +240,8 @@ class Engine:
         retrieval = None
         if cfg.uses_retrieval:
             budget = cfg.budget_for(prompt_tokens)
-            retrieval = RetrievalCache(full, budget, cfg.chunk_size, retrieval_capacity - budget, device)
+            recent = retrieval_capacity - budget
+            retrieval = RetrievalCache(full, budget, cfg.chunk_size, recent, device, cfg.chunk_score)
             if self.compiled:
                 retrieval.make_static()
         streaming = None
