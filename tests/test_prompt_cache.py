@@ -7,6 +7,7 @@ cannot be written to, a save that fails after the prefill, and the size limit wi
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -176,6 +177,25 @@ class TestSizeLimit:
         (folder / "big").write_bytes(b"x" * 1000)
         assert store.evict(folder, keep=folder / "big", limit=10) == []
         assert store.evict(folder, keep=folder / "big", limit=0) == []  # 0: no limit
+
+    def test_partials_left_by_a_killed_process_go_after_a_day_fresh_ones_stay(self, tmp_path):
+        """A killed writer's partial is removed by the next eviction once it is a day old, whatever the limit; a
+        younger one may be another process's write in progress."""
+        folder = tmp_path / "prompts"
+        folder.mkdir()
+        (folder / "entry").write_bytes(b"x" * 100)
+        stale_file = store.partial_path(folder / "entry")
+        stale_file.write_bytes(b"half")
+        stale_folder = store.partial_path(folder / "model")
+        (stale_folder / "weights").mkdir(parents=True)
+        fresh = store.partial_path(folder / "entry")
+        fresh.write_bytes(b"being written")
+        day_and_a_bit = time.time() - store.STALE_PARTIAL_SECONDS - 60
+        for path in (stale_file, stale_folder):
+            os.utime(path, (day_and_a_bit, day_and_a_bit))
+        os.utime(fresh, (time.time() - store.STALE_PARTIAL_SECONDS + 60,) * 2)  # a minute short of a day
+        assert store.evict(folder, keep=folder / "entry", limit=0) == []  # no entry removed: only partials
+        assert sorted(p.name for p in folder.iterdir()) == ["entry", fresh.name]
 
     def test_limit_from_the_environment(self, monkeypatch):
         monkeypatch.setenv(store.LIMIT_VARIABLE, "1.5G")
