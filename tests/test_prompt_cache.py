@@ -156,6 +156,28 @@ class TestNothingIsLost:
         assert result.stdout.split() == json_run(*args, "--json")["text"].split()
         assert not list(folder.glob("*.safetensors")) and not list(folder.glob("*.partial"))
 
+    @pytest.mark.parametrize("written", ["half", "whole"])
+    def test_a_save_killed_before_its_rename_is_never_served(
+        self, two_checkpoints, words, tmp_path, monkeypatch, written
+    ):
+        """What SIGKILL during a save leaves (tests/test_processes.py kills real runs): the entry's bytes, half or
+        all of them, under a partial name of that save's own. The next run prefills again, saves the entry and
+        gives the same output; `cache list` shows the entry only."""
+        folder = tmp_path / "prompts"
+        args = ("-p", words, "--target", two_checkpoints[0], "--prompt-cache", folder, *GREEDY_SHORT)
+        first = json_run(*args)
+        (entry,) = folder.glob("*.safetensors")
+        content = entry.read_bytes()
+        left = store.partial_path(entry)
+        left.write_bytes(content if written == "whole" else content[: len(content) // 2])
+        entry.unlink()
+        again = json_run(*args)
+        assert not again["prompt_cached"] and again["token_ids"] == first["token_ids"]
+        assert entry.is_file() and left.exists()  # saved anew; a fresh partial may be another run's write
+        monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+        listed = CliRunner().invoke(app, ["cache", "list", "--prompt-cache", str(folder)], env={"COLUMNS": "200"})
+        assert listed.exit_code == 0 and listed.stdout.count("prompt-") == 1, listed.output
+
 
 class TestSizeLimit:
     def test_least_recently_used_entries_go_first(self, tmp_path):
