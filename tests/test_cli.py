@@ -28,7 +28,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
+from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, InterruptWatch, interrupted_exit_code
 from triforce_cli.runtime.loading import LoadedModel
 
 LIBRARY_WEIGHTS_DEFAULT = inspect.signature(Pipeline.load).parameters["weights"].default
@@ -713,6 +713,23 @@ def test_a_deferred_watch_notes_ctrl_c_without_raising():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(KeyboardInterrupt), InterruptWatch() as watch:
         signal.raise_signal(signal.SIGINT)
+
+
+def test_sigterm_is_watched_like_ctrl_c_and_ends_with_143():
+    """SIGTERM inside a watch raises KeyboardInterrupt as Ctrl-C does, and the command then ends with 128 + SIGTERM;
+    the next command starts afresh, and a SIGTERM someone chose to ignore stays ignored."""
+    with pytest.raises(KeyboardInterrupt), InterruptWatch() as watch:
+        signal.raise_signal(signal.SIGTERM)
+    assert watch.seen and interrupted_exit_code() == 143
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with InterruptWatch():
+        assert interrupted_exit_code() == INTERRUPTED_EXIT_CODE
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with InterruptWatch():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.5, 3.0], ids=["importing", "loading", "later"])

@@ -7,6 +7,7 @@ cannot be written to, a save that fails after the prefill, and the size limit wi
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -155,6 +156,28 @@ class TestNothingIsLost:
         assert result.stdout.split() == json_run(*args, "--json")["text"].split()
         assert not list(folder.glob("*.safetensors")) and not list(folder.glob("*.partial"))
 
+    @pytest.mark.parametrize("written", ["half", "whole"])
+    def test_a_save_killed_before_its_rename_is_never_served(
+        self, two_checkpoints, words, tmp_path, monkeypatch, written
+    ):
+        """What SIGKILL during a save leaves (tests/test_processes.py kills real runs): the entry's bytes, half or
+        all of them, under a partial name of that save's own. The next run prefills again, saves the entry and
+        gives the same output; `cache list` shows the entry only."""
+        folder = tmp_path / "prompts"
+        args = ("-p", words, "--target", two_checkpoints[0], "--prompt-cache", folder, *GREEDY_SHORT)
+        first = json_run(*args)
+        (entry,) = folder.glob("*.safetensors")
+        content = entry.read_bytes()
+        left = store.partial_path(entry)
+        left.write_bytes(content if written == "whole" else content[: len(content) // 2])
+        entry.unlink()
+        again = json_run(*args)
+        assert not again["prompt_cached"] and again["token_ids"] == first["token_ids"]
+        assert entry.is_file() and left.exists()  # saved anew; a fresh partial may be another run's write
+        monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+        listed = CliRunner().invoke(app, ["cache", "list", "--prompt-cache", str(folder)], env={"COLUMNS": "200"})
+        assert listed.exit_code == 0 and listed.stdout.count("prompt-") == 1, listed.output
+
 
 class TestSizeLimit:
     def test_least_recently_used_entries_go_first(self, tmp_path):
@@ -176,6 +199,25 @@ class TestSizeLimit:
         (folder / "big").write_bytes(b"x" * 1000)
         assert store.evict(folder, keep=folder / "big", limit=10) == []
         assert store.evict(folder, keep=folder / "big", limit=0) == []  # 0: no limit
+
+    def test_partials_left_by_a_killed_process_go_after_a_day_fresh_ones_stay(self, tmp_path):
+        """A killed writer's partial is removed by the next eviction once it is a day old, whatever the limit; a
+        younger one may be another process's write in progress."""
+        folder = tmp_path / "prompts"
+        folder.mkdir()
+        (folder / "entry").write_bytes(b"x" * 100)
+        stale_file = store.partial_path(folder / "entry")
+        stale_file.write_bytes(b"half")
+        stale_folder = store.partial_path(folder / "model")
+        (stale_folder / "weights").mkdir(parents=True)
+        fresh = store.partial_path(folder / "entry")
+        fresh.write_bytes(b"being written")
+        day_and_a_bit = time.time() - store.STALE_PARTIAL_SECONDS - 60
+        for path in (stale_file, stale_folder):
+            os.utime(path, (day_and_a_bit, day_and_a_bit))
+        os.utime(fresh, (time.time() - store.STALE_PARTIAL_SECONDS + 60,) * 2)  # a minute short of a day
+        assert store.evict(folder, keep=folder / "entry", limit=0) == []  # no entry removed: only partials
+        assert sorted(p.name for p in folder.iterdir()) == ["entry", fresh.name]
 
     def test_limit_from_the_environment(self, monkeypatch):
         monkeypatch.setenv(store.LIMIT_VARIABLE, "1.5G")

@@ -2,12 +2,12 @@
 
 import sys
 
-from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, InterruptWatch
+from triforce_cli.interrupts import InterruptWatch, interrupted_exit_code
 
 
 def main() -> None:
-    """Run the command line; Ctrl-C while torch and transformers import (seconds) is one line once the imports end,
-    not a traceback or an abort inside a compiled module."""
+    """Run the command line; Ctrl-C or SIGTERM while torch and transformers import (seconds) is one line once the
+    imports end, not a traceback or an abort inside a compiled module."""
     with InterruptWatch(deferred=True) as watch:
         try:
             from triforce_cli.cli.app import app
@@ -16,7 +16,7 @@ def main() -> None:
                 raise
     if watch.seen:
         print("error: interrupted", file=sys.stderr)
-        sys.exit(INTERRUPTED_EXIT_CODE)
+        sys.exit(interrupted_exit_code())
     app()
 
 

@@ -14,7 +14,7 @@ from triforce_cli.cli.distill import distill
 from triforce_cli.cli.generate import generate
 from triforce_cli.cli.info import info
 from triforce_cli.cli.plan import plan
-from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
+from triforce_cli.interrupts import interrupted_exit_code
 
 # click's exceptions, wherever this typer takes click from (recent versions carry their own copy)
 click_exceptions = importlib.import_module(typer.BadParameter.__module__)
@@ -38,7 +38,7 @@ class OneLineErrors(TyperGroup):
             sys.exit(err.exit_code)
         except typer.Abort:
             print_error(Console(stderr=True), INTERRUPTED, "--json" in arguments)
-            sys.exit(INTERRUPTED_EXIT_CODE)
+            sys.exit(interrupted_exit_code())
         sys.exit(code if isinstance(code, int) else 0)
 
 

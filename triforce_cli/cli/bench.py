@@ -9,12 +9,11 @@ from typing import Annotated
 
 import torch
 import typer
-from rich.console import Console
 
 from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_results
 from triforce_cli.bench.runner import Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
-from triforce_cli.cli.console import command_console, print_note
+from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table
 from triforce_cli.corpus import DOCUMENTS, builtin_document
 from triforce_cli.decoding.config import EngineConfig
@@ -149,7 +148,7 @@ def bench(
                     raise PromptError(f"prompt {name} has {len(ids)} tokens, fewer than the context {length}")
                 print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")
                 rows += runner.run_context(name, ids[:length])
-        console = Console()
+        console = StdoutConsole()
         console.print(bench_header(machine_description()))
         for table in bench_tables(rows):
             console.print(table)

@@ -5,11 +5,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from triforce_cli.cli.console import command_console, print_note
+from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.decoding.tuning import tuning_folder
 from triforce_cli.runtime.store import (
     LIMIT_VARIABLE,
@@ -44,7 +43,7 @@ def list_entries(prompt_cache: PromptFolder = None) -> None:
     """What is cached, least recently used first, and the size limit each folder is kept under."""
     with command_console() as err:
         limit = cache_limit()
-        out = Console()
+        out = StdoutConsole()
         total = 0
         for kind, folder in cache_folders(prompt_cache):
             table = Table(title=Text(f"{kind}s in {folder}"), title_justify="left")

@@ -1,12 +1,15 @@
 """How commands speak to the terminal: dim status notes, and every failure as one line with a non-zero exit.
 
-Domain errors (TriforceError), running out of memory and Ctrl-C become one ``error:`` line on stderr here, at the
-command-line boundary only; with ``--json`` the same message also goes to stdout as ``{"error": ...}``, so a
-script reading stdout always gets one JSON object.
+Domain errors (TriforceError), running out of memory and Ctrl-C (or SIGTERM) become one ``error:`` line on stderr
+here, at the command-line boundary only; with ``--json`` the same message also goes to stdout as ``{"error": ...}``,
+so a script reading stdout always gets one JSON object. A reader that closes stdout early (``| head``) ends the
+command quietly.
 """
 
+import errno
 import json
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, redirect_stdout
 
@@ -16,12 +19,15 @@ from rich.console import Console
 from rich.text import Text
 
 from triforce_cli.errors import TriforceError
-from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, InterruptWatch
+from triforce_cli.interrupts import InterruptWatch, interrupted_exit_code
 from triforce_cli.runtime.parallel import launch_rank
 
 OUT_OF_MEMORY = "out of memory: lower --max-new-tokens, use a shorter prompt or a smaller --dtype"
 INTERRUPTED = "interrupted"
 CPU_ALLOCATION_FAILURES = ("can't allocate memory", "Storage size calculation overflowed")
+# 128 + SIGPIPE (13): what a shell reports for `yes | head` and every coreutils program whose reader went away, so that
+# `set -o pipefail` treats the tool like any other; 0 would claim the whole output was delivered.
+CLOSED_STDOUT_EXIT_CODE = 141
 
 
 def first_line(message: str) -> str:
@@ -55,11 +61,28 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+class StdoutConsole(Console):
+    """A console on stdout whose reader going away is left to command_console (quiet, exit 141): Rich's own handling
+    would exit with 1, which reads as a failure of the command."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+def drop_stdout() -> None:
+    """Point stdout at /dev/null, as the Python docs advise on BrokenPipeError: what is still buffered for a reader
+    that went away is then dropped at exit instead of failing once more as an 'Exception ignored' message."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 @contextmanager
 def command_console(threads: int | None = None, json_output: bool = False) -> Iterator[Console]:
     """A command's stderr console: libraries quieted, torch threads set, failures reported as one line.
 
-    Exit codes: 1 for a domain error or running out of memory, 130 for Ctrl-C (at any point: loading, prefill).
+    Exit codes: 1 for a domain error or running out of memory, 130 for Ctrl-C and 143 for SIGTERM (at any point:
+    loading, prefill), 141 with nothing said once stdout's reader has gone (stdout is flushed here for that).
     """
     follower = launch_rank() != 0  # under torchrun only rank 0 speaks; the others compute alongside
     err = Console(stderr=True, quiet=follower)
@@ -69,19 +92,25 @@ def command_console(threads: int | None = None, json_output: bool = False) -> It
         if follower:
             scope.enter_context(redirect_stdout(scope.enter_context(open(os.devnull, "w"))))
         try:
-            if threads is not None:
-                torch.set_num_threads(threads)
-            yield err
-        except TriforceError as error:
-            print_error(err, str(error), json_output)
-            raise typer.Exit(1) from None
-        except typer.Exit:
-            raise
-        except BaseException as error:
-            if watch.seen or isinstance(error, KeyboardInterrupt):
-                print_error(err, INTERRUPTED, json_output)
-                raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
-            if not is_out_of_memory(error):
+            try:
+                if threads is not None:
+                    torch.set_num_threads(threads)
+                yield err
+            except TriforceError as error:
+                print_error(err, str(error), json_output)
+                raise typer.Exit(1) from None
+            except (typer.Exit, BrokenPipeError):
                 raise
-            print_error(err, OUT_OF_MEMORY, json_output)
-            raise typer.Exit(1) from None
+            except BaseException as error:
+                if watch.seen or isinstance(error, KeyboardInterrupt):
+                    print_error(err, INTERRUPTED, json_output)
+                    raise typer.Exit(interrupted_exit_code()) from None
+                if not is_out_of_memory(error):
+                    raise
+                print_error(err, OUT_OF_MEMORY, json_output)
+                raise typer.Exit(1) from None
+            finally:
+                sys.stdout.flush()  # a closed stdout shows here, not in Python's exit
+        except BrokenPipeError:
+            drop_stdout()
+            raise typer.Exit(CLOSED_STDOUT_EXIT_CODE) from None

@@ -10,7 +10,7 @@ from triforce_cli.cli.console import command_console, print_note
 from triforce_cli.cli.render import DistillBar
 from triforce_cli.corpus import BUILTIN_NAMES
 from triforce_cli.distill.trainer import SAVE_DTYPES, DistillConfig, Distiller, load_teacher
-from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
+from triforce_cli.interrupts import interrupted_exit_code
 
 
 def layer_numbers(value: str | tuple) -> tuple[int, ...]:
@@ -131,4 +131,4 @@ def distill(
             print_note(err, f"drafter written to {result.folder}: use it with --draft {result.folder}")
         if not result.finished:
             print_note(err, f"stopped before --max-steps {config.max_steps}: continue with --resume")
-            raise typer.Exit(INTERRUPTED_EXIT_CODE if result.interrupted else 0)
+            raise typer.Exit(interrupted_exit_code() if result.interrupted else 0)

@@ -3,17 +3,16 @@
 import json
 
 import typer
-from rich.console import Console
 
 from triforce_cli.cli import options as o
-from triforce_cli.cli.console import command_console, print_note
+from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.cli.render import PrefillProgress, TokenStream, memory_plan_line, print_summary, tier_legend
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import as_record
-from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE
+from triforce_cli.interrupts import interrupted_exit_code
 from triforce_cli.runtime.prompts import read_prompt
 
 DEFAULTS = EngineConfig()
@@ -55,7 +54,7 @@ def generate(
     json_output: o.JsonOutput = False,
 ) -> None:
     """Generate a continuation of a (long) prompt, exactly as the target model would."""
-    out = Console(highlight=False)
+    out = StdoutConsole(highlight=False)
     with command_console(threads, json_output) as err:
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = EngineConfig(
@@ -111,4 +110,4 @@ def generate(
             stream.finish()
             print_summary(err, result.stats)
         if result.stats.stop_reason == "interrupted":
-            raise typer.Exit(INTERRUPTED_EXIT_CODE)
+            raise typer.Exit(interrupted_exit_code())

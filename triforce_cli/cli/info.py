@@ -3,12 +3,11 @@
 import json
 from dataclasses import asdict
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from triforce_cli.cli import options as o
-from triforce_cli.cli.console import command_console
+from triforce_cli.cli.console import StdoutConsole, command_console
 from triforce_cli.decoding.tuning import Tuning, remembered_tunings
 from triforce_cli.runtime.environment import describe_environment
 from triforce_cli.runtime.store import human_size
@@ -24,7 +23,7 @@ def info(json_output: o.JsonOutput = False) -> None:
         if json_output:
             print(json.dumps(facts))
             return
-        out = Console(highlight=False)
+        out = StdoutConsole(highlight=False)
         cpu = facts["cpu"]
         machine = Table(title="machine", show_header=False, title_justify="left")
         machine.add_column(style="bold")

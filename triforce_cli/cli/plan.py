@@ -13,7 +13,7 @@ from rich.text import Text
 from triforce_cli import plan as planner
 from triforce_cli.bench.report import pyplot
 from triforce_cli.cli import options as o
-from triforce_cli.cli.console import command_console
+from triforce_cli.cli.console import StdoutConsole, command_console
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import DTYPES
 from triforce_cli.errors import ConfigError
@@ -116,7 +116,7 @@ def plan(
         if json_output:
             print(json.dumps(plan_record(prediction, preset, machine, workload, dtype)))
         else:
-            print_plan(Console(highlight=False), prediction, preset, machine, workload, dtype)
+            print_plan(StdoutConsole(highlight=False), prediction, preset, machine, workload, dtype)
         if plot is not None:
             curves = [(w.context, planner.predict_rows(**setup, workload=w)) for w in planner.context_sweep(workload)]
             title = f"predicted: {preset.target.name} on {machine.name}, budget {workload.budget} at {context} tokens"

@@ -25,7 +25,7 @@ from kernels import PackedPrefix
 from kernels.attention import pack_prefix
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
-from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used
+from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically
 
 TENSOR_NAMES = ("prompt_ids", "keys", "values", "last_queries", "last_logits")
 
@@ -176,14 +176,12 @@ class PromptCache:
         fails is a note, never an error: the generation it belongs to goes on."""
         key = self.key(prompt_ids)
         path = self._path(key)
-        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        tensors = {name: t.contiguous() for name, t in state.tensors.items()}
         metadata = {"key": key, "checksum": state.checksum()}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            save_file({name: t.contiguous() for name, t in state.tensors.items()}, partial, metadata=metadata)
-            partial.replace(path)
+            write_atomically(path, lambda partial: save_file(tensors, partial, metadata=metadata))
         except (OSError, SafetensorError) as err:
-            partial.unlink(missing_ok=True)
             self._note(f"could not save the prefill to --prompt-cache {self.folder} ({err}); generating on")
             return
         evict(self.folder, keep=path)

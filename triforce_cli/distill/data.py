@@ -7,7 +7,6 @@ no code, unlike a pickle.
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from triforce_cli.corpus import BUILTIN_NAMES, builtin_document
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.prompts import read_prompt
+from triforce_cli.runtime.store import write_atomically
 
 ProgressCallback = Callable[[int, int], None]  # (done, total)
 RECORD_KEY = "triforce_distill"  # the safetensors metadata entry holding a saved file's JSON record
@@ -27,10 +27,8 @@ RECORD_KEY = "triforce_distill"  # the safetensors metadata entry holding a save
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], record: dict) -> None:
     """Write tensors and a JSON record to a new file, then move it to path: an interrupted write keeps the last."""
-    partial = path.with_name(path.name + ".partial")
     contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    save_file(contiguous, partial, metadata={RECORD_KEY: json.dumps(record)})
-    os.replace(partial, path)
+    write_atomically(path, lambda partial: save_file(contiguous, partial, metadata={RECORD_KEY: json.dumps(record)}))
 
 
 def load_tensors(path: Path, remedy: str) -> tuple[dict[str, torch.Tensor], dict]:

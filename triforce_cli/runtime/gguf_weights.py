@@ -9,7 +9,6 @@ A tied embedding is one set of blocks serving both the token lookup and the outp
 """
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 
 from kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, pack_blocks
 from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkpoint_linears
+from triforce_cli.runtime.store import write_atomically
 
 BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # in a converted checkpoint's folder: its packed blocks
 BLOCKS_LAYOUT = "tiles-of-16/1"  # kernels.gguf's layout; a kept copy in another is read anew
@@ -130,9 +130,7 @@ def gguf_blocks(gguf: Path, hf_config: PretrainedConfig, folder: Path) -> dict[s
     rows = json.dumps({name: p.out_features for name, p in found.items()})
     try:
         stored.parent.mkdir(parents=True, exist_ok=True)
-        partial = stored.with_suffix(".partial")
-        save_file(tensors, partial, metadata={"source": source, "rows": rows})
-        os.replace(partial, stored)
+        write_atomically(stored, lambda partial: save_file(tensors, partial, metadata={"source": source, "rows": rows}))
     except OSError:
         pass  # a read-only cache: read the file again next time
     return found

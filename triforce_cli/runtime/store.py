@@ -22,7 +22,8 @@ from triforce_cli.errors import ConfigError
 
 LIMIT_VARIABLE = "TRIFORCE_CACHE_LIMIT"
 DEFAULT_LIMIT = 4 * 2**30
-PARTIAL_SUFFIX = ".partial"  # an entry still being written: never listed, never evicted
+PARTIAL_SUFFIX = ".partial"  # an entry still being written: never listed, evicted only once stale
+STALE_PARTIAL_SECONDS = 24 * 3600  # a partial untouched this long was left by a process killed while writing it
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 IDENTITIES_FILE = "file-identities.json"  # in the cache root: content_identity's memory
 HASH_BLOCK = 1 << 24
@@ -181,9 +182,26 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def remove_stale_partials(folder: Path, now: float | None = None) -> list[Path]:
+    """Remove the partials of folder last written more than STALE_PARTIAL_SECONDS ago: a process killed while writing
+    (SIGKILL, a power cut) leaves its partial behind, and nothing else ever removes it. A fresher one may still be
+    another process's write in progress, so it stays. Returns what was removed."""
+    now = time.time() if now is None else now
+    stale = []
+    for path in folder.glob(f"*{PARTIAL_SUFFIX}"):
+        try:
+            if now - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
+                remove(path)
+                stale.append(path)
+        except OSError:  # renamed into place or removed meanwhile
+            continue
+    return stale
+
+
 def evict(folder: Path, keep: Path, limit: int | None = None) -> list[Entry]:
-    """Remove the least recently used entries of folder, never keep, until it holds at most limit bytes
-    (cache_limit() when None; 0: no limit). Returns what was removed."""
+    """Remove the stale partials of folder (remove_stale_partials), then its least recently used entries, never
+    keep, until it holds at most limit bytes (cache_limit() when None; 0: no limit). Returns the entries removed."""
+    remove_stale_partials(folder)
     limit = cache_limit() if limit is None else limit
     if limit <= 0:
         return []
