@@ -267,6 +267,7 @@ def write_tiny_gguf(path, hf_config) -> dict[str, torch.Tensor]:
 
 
 def test_a_gguf_file_gives_its_weights_in_hugging_face_row_order_and_is_kept_while_unchanged(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))  # where the file's identity is remembered
     from transformers import LlamaConfig
 
     from triforce_cli.runtime import gguf_weights
@@ -288,7 +289,14 @@ def test_a_gguf_file_gives_its_weights_in_hugging_face_row_order_and_is_kept_whi
     for name in held:
         assert torch.equal(kept[name].q, blocks[name].q) and torch.equal(kept[name].d, blocks[name].d)
 
-    stat = gguf.stat()  # a changed file is read anew, never served from the copy
+    stat = gguf.stat()  # touched, the same bytes (a copy installed elsewhere, say): still the kept copy
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
+    assert len(reads) == 1
+    with gguf.open("r+b") as handle:  # other bytes: read anew, never served from the copy
+        handle.seek(-1, os.SEEK_END)
+        last = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([last ^ 1]))
     gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
     assert len(reads) == 2

@@ -22,7 +22,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 
 from kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, pack_blocks
 from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkpoint_linears
-from triforce_cli.runtime.store import write_atomically
+from triforce_cli.runtime.store import content_identity, write_atomically
 
 BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # in a converted checkpoint's folder: its packed blocks
 BLOCKS_LAYOUT = "tiles-of-16/1"  # kernels.gguf's layout; a kept copy in another is read anew
@@ -104,10 +104,11 @@ def read_gguf_blocks(gguf: Path, hf_config: PretrainedConfig) -> dict[str, Packe
 
 def gguf_blocks(gguf: Path, hf_config: PretrainedConfig, folder: Path) -> dict[str, PackedBlocks]:
     """read_gguf_blocks, kept in folder (the checkpoint's converted folder) after the first time: reading the file's
-    metadata and name map takes seconds. The copy is used only while the GGUF file's size and modification time, and
-    the packed layout, are those it was written with."""
+    metadata and name map takes seconds. The copy is used only while the GGUF file's content (store.content_identity:
+    copies of one file installed in several places share the converted folder) and the packed layout are those it
+    was written with."""
     stored = folder / BLOCKS_FILE
-    source = f"{BLOCKS_LAYOUT}|{gguf.stat().st_size}|{gguf.stat().st_mtime_ns}"
+    source = f"{BLOCKS_LAYOUT}|{content_identity(gguf)}"
     if stored.is_file():
         try:
             with safe_open(stored, framework="pt") as handle:
