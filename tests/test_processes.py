@@ -187,9 +187,10 @@ def test_a_run_killed_at_any_moment_leaves_nothing_served_wrongly(
 
 
 def test_two_first_runs_measure_at_once(checkpoint, prompt, cache):
-    """Two first runs of a target both measure its fastest configuration (decoding.tuning) and keep it: both succeed
-    and one whole measurement is left, no partial. Compiled steps are measured with the compile left out, as in
-    test_tuning.py: compiling for real takes minutes."""
+    """Two first runs of a target both measure its fastest configuration (decoding.tuning) at once: both succeed,
+    and what is left is at most one whole measurement and no partial. Each run is the other's load on a small
+    machine, so neither may keep its measurement (decoding.tuning.BUSY_SHARE): then the next run measures again.
+    Compiled steps are measured with the compile left out, as in test_tuning.py: compiling for real takes minutes."""
     launch = (
         "from triforce_cli.runtime.model import Transformer; Transformer.compile_steps = lambda model, *args: None; "
         "from triforce_cli.__main__ import main; main()"
@@ -201,9 +202,11 @@ def test_two_first_runs_measure_at_once(checkpoint, prompt, cache):
     for proc, (stdout, stderr) in zip((first, second), outputs, strict=True):
         assert proc.returncode == 0, stderr
         assert "measuring the fastest configuration" in stderr
-    kept = list((cache / "tuning").iterdir())
-    assert len(kept) == 1 and kept[0].suffix == ".json", kept
-    assert json.loads(kept[0].read_text())["target"] == "tiny"
+    kept = list((cache / "tuning").iterdir()) if (cache / "tuning").is_dir() else []
+    assert len(kept) <= 1 and all(path.suffix == ".json" for path in kept), kept
+    assert all(json.loads(path.read_text())["target"] == "tiny" for path in kept)
+    busy = sum("busy while measuring" in stderr for _, stderr in outputs)
+    assert busy + len(kept) >= 1  # a run that kept nothing said why
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
