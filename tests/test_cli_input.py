@@ -59,6 +59,7 @@ def run(command: str, *args: str, prompt_file=None):
 def assert_clean(result, args) -> None:
     """Either success, or a non-zero exit with exactly one stderr line, an `error:` one; never a traceback."""
     assert "Traceback" not in result.output, (args, result.output)
+    assert "Value error" not in result.output, (args, result.output)  # pydantic's wording, under typer
     assert isinstance(result.exception, SystemExit | None), (args, repr(result.exception))
     if result.exit_code:
         lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -227,6 +227,7 @@ class TestCommandLine:
         [
             (("--model", "Llama-9", "--context", "8k"), "error: unknown model 'Llama-9'"),
             (("--hardware", "rtx-5090", "--context", "8k"), "error: Invalid value for '--hardware'"),
+            (("--context", "2k", "--dtype", "int8"), "error: Invalid value for '--dtype': 'int8' is not one of"),
             (("--context", "abc"), "error: Invalid value for '--context'"),
             (("--context", "0"), "error: Invalid value for '--context'"),
             (("--context", "2k", "--budget", "4k"), "error: budget 4096 is larger than the prompt"),
@@ -240,7 +241,7 @@ class TestCommandLine:
     )
     def test_bad_input_is_one_error_line(self, args, fragment):
         result = invoke(*args)
-        assert result.exit_code != 0 and "Traceback" not in result.output
+        assert result.exit_code != 0 and "Traceback" not in result.output and "Value error" not in result.output
         assert result.stderr.strip().startswith(fragment) and result.stderr.count("\n") == 1, result.stderr
 
     def test_a_model_folder_without_a_config_is_one_error_line(self, tmp_path):
