@@ -248,3 +248,11 @@ class TestEightyColumns:
 def test_threads_must_be_positive(prompt_file):
     for value in ("0", "-3"):
         assert_one_line_failure(run("generate", "--threads", value, prompt_file=prompt_file), value)
+
+
+def test_weights_help_says_what_auto_picks():
+    """auto is the measured fastest form on a CPU in float32 (decoding/tuning.py), dense elsewhere
+    (runtime/loading.resolve_weights): no longer 'half on x86 CPUs'."""
+    help_text = " ".join(CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "80"}).stdout.split())
+    assert "auto: on a CPU in float32 the one measured fastest for the target here" in help_text
+    assert "dense elsewhere" in help_text and "x86" not in help_text

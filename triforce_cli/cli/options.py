@@ -104,7 +104,10 @@ Draft = Annotated[
 ]
 Weights = Annotated[
     Literal[WEIGHT_CHOICES],
-    typer.Option(help="Weight form: auto picks the fastest exact one for the device (half on x86 CPUs, else dense)."),
+    typer.Option(
+        help="Weight form; auto: on a CPU in float32 the one measured fastest for the target here (gguf for a GGUF"
+        " file, half or dense), dense elsewhere.",
+    ),
 ]
 Dtype = Annotated[Literal[("auto", *DTYPES)], typer.Option(help="Compute dtype (auto: bfloat16 on GPU).")]
 Device = Annotated[
