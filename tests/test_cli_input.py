@@ -2,14 +2,16 @@
 
 A fuzz test feeds unreadable, out-of-range and random values to every option of both commands through Typer's test
 runner (models swapped for tiny in-memory ones, see the `tiny` fixture); Ctrl-C while loading or prefilling; the
-JSON error object of `--json`; tables that fit 80 columns.
+JSON error object of `--json`; tables and every command's --help that fit 80 columns.
 """
 
 import io
 import json
 import random
+import re
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import triforce_cli.decoding.pipeline
@@ -248,6 +250,29 @@ class TestEightyColumns:
 def test_threads_must_be_positive(prompt_file):
     for value in ("0", "-3"):
         assert_one_line_failure(run("generate", "--threads", value, prompt_file=prompt_file), value)
+
+
+def command_paths(command, path: tuple[str, ...] = ()):
+    """The words that name the application and each of its commands and groups, and the click command each names."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from command_paths(sub, (*path, name))
+
+
+@pytest.mark.parametrize(
+    ("path", "command"),
+    [pytest.param(*named, id=" ".join(named[0]) or "triforce") for named in command_paths(typer.main.get_command(app))],
+)
+def test_help_shows_what_each_value_is_within_80_columns(path, command):
+    """Every option that takes a value names it (TOKENS, FILE, N, auto|cpu|cuda[:N]), none Typer's <int range>,
+    <str> or <path>; and the help fits 80 columns."""
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert not re.search(r"(^|\s)--?[\w-]+ <", result.stdout, flags=re.MULTILINE), result.stdout
+    assert not re.search(r"<(int|float|str|path|list|bool)", result.stdout), result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80, result.stdout
+    options = [param for param in command.params if param.param_type_name == "option"]
+    assert all(param.is_flag or param.metavar for param in options), [param.name for param in options]
 
 
 def test_weights_help_says_what_auto_picks():
