@@ -46,6 +46,15 @@ def acceptance_rate(value: str | float) -> float:
     return number
 
 
+def hardware_name(value: str) -> str:
+    """Parser of a machine preset as people spell it (RTX 4090, rtx4090, a100): its name, or one line naming the
+    presets and the closest."""
+    try:
+        return planner.hardware_name(value)
+    except ConfigError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
 def figure(help_text: str) -> typer.models.OptionInfo:
     return typer.Option(parser=positive_number, metavar="NUMBER", help=help_text)
 
@@ -60,9 +69,11 @@ def plan(
         ),
     ] = planner.EMBEDDED_PRESET,
     hardware: Annotated[
-        Literal[planner.HARDWARE_CHOICES],
+        str,
         typer.Option(
+            parser=hardware_name,
             metavar="|".join(planner.HARDWARE_CHOICES),
+            autocompletion=o.completions(planner.HARDWARE_CHOICES),
             help="Machine figures; this-cpu measures this machine now (seconds).",
         ),
     ] = planner.THIS_CPU,
