@@ -2,20 +2,24 @@
 
 A fuzz test feeds unreadable, out-of-range and random values to every option of both commands through Typer's test
 runner (models swapped for tiny in-memory ones, see the `tiny` fixture); Ctrl-C while loading or prefilling; the
-JSON error object of `--json`; tables that fit 80 columns.
+JSON error object of `--json`; tables, notes and every command's --help that fit 80 columns.
 """
 
 import io
 import json
 import random
+import re
 
 import pytest
+import typer
+from rich.console import Console
 from typer.testing import CliRunner
 
 import triforce_cli.decoding.pipeline
 from triforce_cli.cli.app import app
-from triforce_cli.cli.render import bench_tables, print_summary
-from triforce_cli.decoding.engine import Engine
+from triforce_cli.cli.console import print_note
+from triforce_cli.cli.render import bench_tables, memory_plan_line, print_summary
+from triforce_cli.decoding.engine import Engine, MemoryPlan
 
 NUMERIC = {
     "generate": (
@@ -59,6 +63,7 @@ def run(command: str, *args: str, prompt_file=None):
 def assert_clean(result, args) -> None:
     """Either success, or a non-zero exit with exactly one stderr line, an `error:` one; never a traceback."""
     assert "Traceback" not in result.output, (args, result.output)
+    assert "Value error" not in result.output, (args, result.output)  # pydantic's wording, under typer
     assert isinstance(result.exception, SystemExit | None), (args, repr(result.exception))
     if result.exit_code:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -192,6 +197,7 @@ class TestEightyColumns:
         for line in tables:
             assert len(line) <= 80 and "…" not in line, line
         assert "acceptance per tier" in result.stderr
+        assert max(len(line) for line in result.stderr.splitlines()) <= 80, result.stderr  # the notes too
 
     def test_bench_tables(self, prompt_file, tiny, tmp_path):
         from rich.console import Console
@@ -247,3 +253,75 @@ class TestEightyColumns:
 def test_threads_must_be_positive(prompt_file):
     for value in ("0", "-3"):
         assert_one_line_failure(run("generate", "--threads", value, prompt_file=prompt_file), value)
+
+
+def command_paths(command, path: tuple[str, ...] = ()):
+    """The words that name the application and each of its commands and groups, and the click command each names."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from command_paths(sub, (*path, name))
+
+
+@pytest.mark.parametrize(
+    ("path", "command"),
+    [pytest.param(*named, id=" ".join(named[0]) or "triforce") for named in command_paths(typer.main.get_command(app))],
+)
+def test_help_shows_what_each_value_is_within_80_columns(path, command):
+    """Every option that takes a value names it (TOKENS, FILE, N, auto|cpu|cuda[:N]), none Typer's <int range>,
+    <str> or <path>; and the help fits 80 columns."""
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert not re.search(r"(^|\s)--?[\w-]+ <", result.stdout, flags=re.MULTILINE), result.stdout
+    assert not re.search(r"<(int|float|str|path|list|bool)", result.stdout), result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80, result.stdout
+    options = [param for param in command.params if param.param_type_name == "option"]
+    assert all(param.is_flag or param.metavar for param in options), [param.name for param in options]
+
+
+def test_weights_help_says_what_auto_picks():
+    """auto is the measured fastest form on a CPU in float32 (decoding/tuning.py), dense elsewhere
+    (runtime/loading.resolve_weights): no longer 'half on x86 CPUs'."""
+    help_text = " ".join(CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "80"}).stdout.split())
+    assert "auto: on a CPU in float32 the one measured fastest for the target here" in help_text
+    assert "dense elsewhere" in help_text and "x86" not in help_text
+
+
+SIZE = re.compile(r"\d+(?:\.\d+)? [KMG]?i?B")
+
+
+class TestNotesAt80:
+    PLAN = MemoryPlan(
+        "cuda:0",
+        (
+            ("weights", 15 * 2**30, 0),
+            ("retrieval cache", 1536 * 2**20, 0),
+            ("drafter cache", 90 * 2**20, 0),
+            ("full KV cache", 0, 16 * 2**30),
+            ("on-chip layers and ring", 3 * 2**30, 0),
+        ),
+    )
+
+    def printed(self, message: str, width: int = 80) -> list[str]:
+        console = Console(width=width, record=True, file=io.StringIO())
+        print_note(console, message)
+        return console.export_text().splitlines()
+
+    @pytest.mark.parametrize("width", [80, 40])
+    def test_memory_note_wraps_between_items(self, width):
+        message = memory_plan_line(self.PLAN)
+        lines = self.printed(message, width)
+        assert len(message) > 80 and len(lines) > 1
+        assert all(len(line) <= width for line in lines), lines
+        assert all(line.startswith("  ") and not line.startswith("   ") for line in lines[1:]), lines
+        assert " ".join(line.strip() for line in lines) == message
+        assert sum(len(SIZE.findall(line)) for line in lines) == len(SIZE.findall(message)) == 7  # none split
+        assert all(re.search(r"[,;:)]$", line) for line in lines[:-1]), lines  # each break ends an item
+
+    def test_a_long_path_stays_whole_on_a_line_of_its_own(self):
+        path = "/home/someone/" + "a-very-long-folder-name/" * 4 + "drafter"
+        message = f"drafter written to {path}: use it with --draft {path}"
+        assert self.printed(message) == [f"drafter written to {path}:", f"  use it with --draft {path}"]
+
+    def test_short_note_is_one_line(self):
+        message = "drafter: n-gram prompt lookup (training-free), else smollm2-135m-instruct"
+        assert self.printed(message) == [message]

@@ -19,7 +19,7 @@ from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.plan import DEFAULT_ACCEPTANCE, MODELS, Acceptance, Hardware, Workload, plan
 from triforce_cli.plan.model import RING_LAYERS, ModelShape
-from triforce_cli.plan.presets import GIB, HARDWARE, SMOLLM2_135M, SMOLLM2_135M_DRAFTER
+from triforce_cli.plan.presets import GIB, HARDWARE, HARDWARE_CHOICES, SMOLLM2_135M, SMOLLM2_135M_DRAFTER, hardware_name
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig, Transformer
@@ -223,10 +223,75 @@ class TestCommandLine:
         assert two["gpus"] == 2 and two["link_gbs"] == 50 and two["all_reduce_us"] > 0  # linked over PCIe
 
     @pytest.mark.parametrize(
+        ("spelling", "name"),
+        [
+            ("rtx4090", "rtx-4090"),
+            ("RTX 4090", "rtx-4090"),
+            ("4090", "rtx-4090"),
+            ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+            ("rtx_4090", "rtx-4090"),
+            ("2x RTX 4090", "2x-rtx-4090"),
+            ("a100", "a100-80gb"),
+            ("A100-80GB", "a100-80gb"),
+            ("nvidia a100 80gb", "a100-80gb"),
+            ("H100", "h100"),
+            ("h100-80gb", "h100"),
+            ("This CPU", "this-cpu"),
+        ],
+    )
+    def test_hardware_spelled_as_people_do(self, spelling, name):
+        assert plan_json("--hardware", spelling, "--context", "8k")["hardware"]["name"] == name
+
+    def test_every_hardware_preset_answers_to_its_own_name(self):
+        assert all(hardware_name(name) == name for name in HARDWARE_CHOICES)
+
+    @pytest.mark.parametrize(
+        ("spelling", "suggestion"),
+        [("rtx-5090", " (did you mean rtx-4090?)"), ("a100-40gb", " (did you mean a100-80gb?)"), ("xyz", "")],
+    )
+    def test_unknown_hardware_names_the_presets_and_the_closest(self, spelling, suggestion):
+        result = invoke("--hardware", spelling, "--context", "8k")
+        choices = ", ".join(HARDWARE_CHOICES)
+        line = (
+            f"error: Invalid value for '--hardware': unknown hardware '{spelling}': choose from {choices}{suggestion}"
+        )
+        assert result.exit_code == 2 and result.stderr.startswith(line + " (see ") and result.stderr.count("\n") == 1
+
+    @pytest.mark.parametrize(
+        ("spelling", "name"),
+        [
+            ("llama 3.1 8b", "Llama-3.1-8B"),
+            ("llama3.1-8B", "Llama-3.1-8B"),
+            ("qwen2_7b", "Qwen2-7B"),
+            ("LLAMA-2-7B-128K", "Llama-2-7B-128K"),
+        ],
+    )
+    def test_model_spelled_as_people_do(self, spelling, name):
+        assert plan_json("--model", spelling, "--hardware", "h100", "--context", "8k")["model"]["name"] == name
+
+    def test_a_folder_named_like_a_preset_is_read_where_the_spelling_differs(self, tmp_path, monkeypatch):
+        """A preset's exact name wins over a file of that name, as before; another spelling is a path where one
+        exists."""
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4).save_pretrained(
+            tmp_path / "llama-3.1_8b"
+        )
+        monkeypatch.chdir(tmp_path)
+        assert plan_json("--model", "llama-3.1_8b", "--hardware", "h100", "--context", "1k")["model"]["name"] == (
+            "llama-3.1_8b"
+        )
+
+    def test_unknown_model_names_the_closest_preset(self):
+        result = invoke("--model", "llama3", "--hardware", "h100", "--context", "8k")
+        assert result.exit_code == 1 and result.stderr.count("\n") == 1
+        assert result.stderr.startswith("error: unknown model 'llama3'")
+        assert result.stderr.endswith(" (did you mean Llama-3.1-8B?)\n")
+
+    @pytest.mark.parametrize(
         ("args", "fragment"),
         [
             (("--model", "Llama-9", "--context", "8k"), "error: unknown model 'Llama-9'"),
             (("--hardware", "rtx-5090", "--context", "8k"), "error: Invalid value for '--hardware'"),
+            (("--context", "2k", "--dtype", "int8"), "error: Invalid value for '--dtype': 'int8' is not one of"),
             (("--context", "abc"), "error: Invalid value for '--context'"),
             (("--context", "0"), "error: Invalid value for '--context'"),
             (("--context", "2k", "--budget", "4k"), "error: budget 4096 is larger than the prompt"),
@@ -240,7 +305,7 @@ class TestCommandLine:
     )
     def test_bad_input_is_one_error_line(self, args, fragment):
         result = invoke(*args)
-        assert result.exit_code != 0 and "Traceback" not in result.output
+        assert result.exit_code != 0 and "Traceback" not in result.output and "Value error" not in result.output
         assert result.stderr.strip().startswith(fragment) and result.stderr.count("\n") == 1, result.stderr
 
     def test_a_model_folder_without_a_config_is_one_error_line(self, tmp_path):

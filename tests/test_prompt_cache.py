@@ -15,6 +15,7 @@ from conftest import save_word_checkpoint
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
+from triforce_cli.cli.console import NOTE_INDENT
 from triforce_cli.decoding.prompt_state import PromptCache
 from triforce_cli.runtime import store
 
@@ -98,7 +99,9 @@ class TestEntriesMatchTheirInputs:
         result = generate(*args, "--mode", "autoregressive")
         assert result.exit_code == 0, result.output
         assert "Traceback" not in result.output
-        notes = [line for line in result.stderr.splitlines() if "prompt cache entry" in line]
+        notes = [
+            line for line in result.stderr.replace("\n" + NOTE_INDENT, " ").splitlines() if "prompt cache entry" in line
+        ]
         assert len(notes) == 1 and "prefilling again" in notes[0], result.stderr
         assert result.stdout.split() == expected["text"].split()
         again = json_run(*args, "--json")
@@ -151,7 +154,9 @@ class TestNothingIsLost:
         args = ("-p", words, "--target", two_checkpoints[0], "--max-new-tokens", 6, "--temperature", 0)
         result = generate(*args, "--prompt-cache", folder)
         assert result.exit_code == 0, result.output
-        warnings = [line for line in result.stderr.splitlines() if "could not save" in line]
+        warnings = [
+            line for line in result.stderr.replace("\n" + NOTE_INDENT, " ").splitlines() if "could not save" in line
+        ]
         assert len(warnings) == 1 and "No space left" in warnings[0]
         assert result.stdout.split() == json_run(*args, "--json")["text"].split()
         assert not list(folder.glob("*.safetensors")) and not list(folder.glob("*.partial"))

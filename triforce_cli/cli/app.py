@@ -42,8 +42,14 @@ class OneLineErrors(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+# How pydantic, which typer reads choices and numbers with, starts the message of a ValueError: no help to a user
+PYDANTIC_VALUE_ERROR = "Value error, "
+
+
 def usage_line(err) -> str:
     """'Invalid value for '--gamma1': 'x' is not a valid integer (see triforce generate --help)'."""
+    if isinstance(err, click_exceptions.BadParameter):
+        err.message = err.message.removeprefix(PYDANTIC_VALUE_ERROR)
     message = " ".join(err.format_message().split())
     context = getattr(err, "ctx", None)
     return f"{message} (see {context.command_path} --help)" if context is not None else message

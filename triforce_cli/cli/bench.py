@@ -34,7 +34,8 @@ MAX_REPEATS = 100
 
 def bench(
     prompt_file: Annotated[
-        list[Path] | None, typer.Option("--prompt-file", "-p", help="Prompt file; repeat for several.")
+        list[Path] | None,
+        typer.Option("--prompt-file", "-p", metavar="FILE", help="Prompt file; repeat for several."),
     ] = None,
     builtin: Annotated[
         tuple,
@@ -52,10 +53,10 @@ def bench(
     max_new_tokens: o.MaxNewTokens = BENCH_DEFAULTS.max_new_tokens,
     ignore_eos: o.IgnoreEos = BENCH_DEFAULTS.ignore_eos,
     repeats: Annotated[
-        int, typer.Option(min=1, max=MAX_REPEATS, help="Timed runs of every mode.")
+        int, typer.Option(min=1, max=MAX_REPEATS, metavar="N", help="Timed runs of every mode.")
     ] = BENCH_DEFAULTS.repeats,
     warmup: Annotated[
-        int, typer.Option(min=0, max=MAX_REPEATS, help="Untimed runs of every mode first.")
+        int, typer.Option(min=0, max=MAX_REPEATS, metavar="N", help="Untimed runs of every mode first.")
     ] = BENCH_DEFAULTS.warmup,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = SAMPLING_DEFAULTS.top_p,
@@ -80,8 +81,10 @@ def bench(
     context_window: o.ContextWindow = None,
     forward_costs: o.ForwardCosts = None,
     prompt_cache: o.PromptCache = None,
-    out: Annotated[Path | None, typer.Option(help="Write the results to a .json or .csv file.")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of latency against context length.")] = None,
+    out: Annotated[Path | None, typer.Option(metavar="FILE", help="Write the results to a .json or .csv file.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(metavar="FILE", help="Write a PNG of latency against context length.")
+    ] = None,
 ) -> None:
     """Per-token latency of every mode and the peers, and the seconds to the first token and to the answer."""
     with command_console(threads) as err:

@@ -26,7 +26,10 @@ cache_app = typer.Typer(
 )
 
 PromptFolder = Annotated[
-    Path | None, typer.Option("--prompt-cache", help="Also this --prompt-cache folder [default: the cache's prompts/].")
+    Path | None,
+    typer.Option(
+        "--prompt-cache", metavar="DIR", help="Also this --prompt-cache folder [default: the cache's prompts/]."
+    ),
 ]
 
 

@@ -9,6 +9,7 @@ command quietly.
 import errno
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, redirect_stdout
@@ -28,15 +29,31 @@ CPU_ALLOCATION_FAILURES = ("can't allocate memory", "Storage size calculation ov
 # 128 + SIGPIPE (13): what a shell reports for `yes | head` and every coreutils program whose reader went away, so that
 # `set -o pipefail` treats the tool like any other; 0 would claim the whole output was delivered.
 CLOSED_STDOUT_EXIT_CODE = 141
+ITEM_END = re.compile(r"(?<=[,;:)]) ")  # a space after the punctuation that ends an item of a note
+NOTE_INDENT = "  "  # before a note's continuation lines
 
 
 def first_line(message: str) -> str:
     return next((line.strip() for line in message.splitlines() if line.strip()), "unknown error")
 
 
+def wrap_note(message: str, width: int) -> list[str]:
+    """message in lines of at most width, the later ones indented. Lines break only between the items of a list,
+    after the ', ', '; ', ': ' or ') ' that ends one, so a size ('1.2 MiB'), a name or a command stays whole; an item
+    longer than a line (one holding a long path) gets a line of its own, for the terminal to wrap."""
+    lines = [""]
+    for item in ITEM_END.split(message):
+        if lines[-1] and len(f"{lines[-1]} {item}") > width:
+            lines.append(NOTE_INDENT + item)
+        else:
+            lines[-1] = f"{lines[-1]} {item}" if lines[-1] else item
+    return lines
+
+
 def print_note(console: Console, message: str) -> None:
-    """A dim status line, printed as it is (model names and paths may contain brackets)."""
-    console.print(Text(message, style="dim"), soft_wrap=True)
+    """A dim status note, printed as it is (model names and paths may contain brackets), wrapped to the console's
+    width by wrap_note rather than by Rich, which would break inside a size or a name."""
+    console.print(Text("\n".join(wrap_note(message, console.width)), style="dim"), soft_wrap=True)
 
 
 def print_error(console: Console, message: str, json_output: bool = False) -> None:

@@ -27,9 +27,10 @@ DISTILL_DEFAULTS = DistillConfig(builtin=("stdlib-train",))
 
 
 def distill(
-    out: Annotated[Path, typer.Option(help="Folder to write the drafter (and its checkpoint) to.")],
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder to write the drafter (and its checkpoint) to.")],
     data: Annotated[
-        list[Path] | None, typer.Option("--data", "-d", help="Training text file; repeat for several.")
+        list[Path] | None,
+        typer.Option("--data", "-d", metavar="FILE", help="Training text file; repeat for several."),
     ] = None,
     builtin: Annotated[
         tuple,
@@ -46,49 +47,74 @@ def distill(
     ] = ",".join(map(str, DISTILL_DEFAULTS.init_layers)),
     init_from: Annotated[
         Path | None,
-        typer.Option(help="Start from this drafter folder (distilled for the same target) instead of target layers."),
+        typer.Option(
+            metavar="DIR",
+            help="Start from this drafter folder (distilled for the same target) instead of target layers.",
+        ),
     ] = None,
     draft_vocab: Annotated[
-        int, typer.Option(help="Tokens the drafter's output layer covers (the most frequent in the data); 0: all.")
+        int,
+        typer.Option(
+            metavar="N", help="Tokens the drafter's output layer covers (the most frequent in the data); 0: all."
+        ),
     ] = DISTILL_DEFAULTS.draft_vocab,
     self_generate: Annotated[
-        int, typer.Option(help="Extra training windows the target writes itself (aligns the drafter's context).")
+        int,
+        typer.Option(
+            metavar="N", help="Extra training windows the target writes itself (aligns the drafter's context)."
+        ),
     ] = DISTILL_DEFAULTS.self_generate,
-    self_temperature: Annotated[float, typer.Option(help="Temperature of the target's own windows.")] = (
-        DISTILL_DEFAULTS.self_temperature
-    ),
-    top_k: Annotated[int, typer.Option(help="Target tokens per position in the top-K loss.")] = DISTILL_DEFAULTS.top_k,
-    seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = DISTILL_DEFAULTS.seq_len,
-    batch_size: Annotated[int, typer.Option(help="Windows per step.")] = DISTILL_DEFAULTS.batch_size,
-    learning_rate: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = DISTILL_DEFAULTS.learning_rate,
-    max_steps: Annotated[int, typer.Option(help="Training steps (the learning-rate schedule spans them).")] = (
-        DISTILL_DEFAULTS.max_steps
-    ),
+    self_temperature: Annotated[
+        float, typer.Option(metavar="FLOAT", help="Temperature of the target's own windows.")
+    ] = DISTILL_DEFAULTS.self_temperature,
+    top_k: Annotated[
+        int, typer.Option(metavar="K", help="Target tokens per position in the top-K loss.")
+    ] = DISTILL_DEFAULTS.top_k,
+    seq_len: Annotated[int, typer.Option(metavar="N", help="Tokens per training window.")] = DISTILL_DEFAULTS.seq_len,
+    batch_size: Annotated[int, typer.Option(metavar="N", help="Windows per step.")] = DISTILL_DEFAULTS.batch_size,
+    learning_rate: Annotated[
+        float, typer.Option(metavar="FLOAT", help="Peak AdamW learning rate.")
+    ] = DISTILL_DEFAULTS.learning_rate,
+    max_steps: Annotated[
+        int, typer.Option(metavar="N", help="Training steps (the learning-rate schedule spans them).")
+    ] = DISTILL_DEFAULTS.max_steps,
     max_minutes: Annotated[
         float | None,
-        typer.Option(min=0.0, max=1e6, help="Stop after this many minutes, saving a checkpoint to --resume from."),
+        typer.Option(
+            min=0.0,
+            max=1e6,
+            metavar="MINUTES",
+            help="Stop after this many minutes, saving a checkpoint to --resume from.",
+        ),
     ] = None,
-    eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = (
-        DISTILL_DEFAULTS.eval_every
-    ),
+    eval_every: Annotated[
+        int, typer.Option(metavar="STEPS", help="Steps between held-out evaluations and checkpoints.")
+    ] = DISTILL_DEFAULTS.eval_every,
     held_out_windows: Annotated[
-        int, typer.Option(help="Windows of real text the held-out acceptance is measured on (kept out of training).")
+        int,
+        typer.Option(
+            metavar="N", help="Windows of real text the held-out acceptance is measured on (kept out of training)."
+        ),
     ] = DISTILL_DEFAULTS.held_out_windows,
     held_out: Annotated[
         list[str] | None,
         typer.Option(
+            metavar="FILE|NAME",
             help="Measure the held-out acceptance on this text (a file, or a built-in name as for --builtin; repeat "
-            "for several) rather than on windows cut from the training text, which share its documents."
+            "for several) rather than on windows cut from the training text, which share its documents.",
         ),
     ] = None,
-    acceptance_temperature: Annotated[float, typer.Option(help="Temperature of the held-out acceptance.")] = (
-        DISTILL_DEFAULTS.acceptance_temperature
-    ),
-    save_dtype: Annotated[Literal[tuple(SAVE_DTYPES)], typer.Option(help="Dtype of the written weights.")] = (
-        DISTILL_DEFAULTS.save_dtype
-    ),
+    acceptance_temperature: Annotated[
+        float, typer.Option(metavar="FLOAT", help="Temperature of the held-out acceptance.")
+    ] = DISTILL_DEFAULTS.acceptance_temperature,
+    save_dtype: Annotated[
+        Literal[tuple(SAVE_DTYPES)], typer.Option(metavar="|".join(SAVE_DTYPES), help="Dtype of the written weights.")
+    ] = DISTILL_DEFAULTS.save_dtype,
     seed: Annotated[
-        int, typer.Option(min=0, max=o.MAX_SEED, help="Seed of the split, the sampling and the initial weights.")
+        int,
+        typer.Option(
+            min=0, max=o.MAX_SEED, metavar="SEED", help="Seed of the split, the sampling and the initial weights."
+        ),
     ] = (DISTILL_DEFAULTS.seed),
     resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --out.")] = False,
     threads: o.Threads = None,

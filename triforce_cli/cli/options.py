@@ -96,17 +96,30 @@ def device_name(value: str) -> str:
 
 # Models
 Target = Annotated[
-    str | None, typer.Option(help="Target model: folder, .safetensors, .gguf or hub id [default: embedded model].")
+    str | None,
+    typer.Option(
+        metavar="MODEL", help="Target model: folder, .safetensors, .gguf or hub id [default: embedded model]."
+    ),
 ]
 Draft = Annotated[
     str | None,
-    typer.Option(help="Drafter sharing the target's tokenizer, or 'self' [default: the shipped drafter, else self]."),
+    typer.Option(
+        metavar="MODEL|self",
+        help="Drafter sharing the target's tokenizer, or 'self' [default: the shipped drafter, else self].",
+    ),
 ]
 Weights = Annotated[
     Literal[WEIGHT_CHOICES],
-    typer.Option(help="Weight form: auto picks the fastest exact one for the device (half on x86 CPUs, else dense)."),
+    typer.Option(
+        metavar="|".join(WEIGHT_CHOICES),
+        help="Weight form; auto: on a CPU in float32 the one measured fastest for the target here (gguf for a GGUF"
+        " file, half or dense), dense elsewhere.",
+    ),
 ]
-Dtype = Annotated[Literal[("auto", *DTYPES)], typer.Option(help="Compute dtype (auto: bfloat16 on GPU).")]
+Dtype = Annotated[
+    Literal[("auto", *DTYPES)],
+    typer.Option(metavar="|".join(("auto", *DTYPES)), help="Compute dtype (auto: bfloat16 on GPU)."),
+]
 Device = Annotated[
     str,
     typer.Option(
@@ -115,7 +128,10 @@ Device = Annotated[
 ]
 Attention = Annotated[
     Literal[("auto", *ATTENTION_BACKENDS)],
-    typer.Option(help="Attention kernels: auto picks flash on CUDA where installed, else sdpa; cpu on a CPU."),
+    typer.Option(
+        metavar="|".join(("auto", *ATTENTION_BACKENDS)),
+        help="Attention kernels: auto picks flash on CUDA where installed, else sdpa; cpu on a CPU.",
+    ),
 ]
 Compile = Annotated[
     bool | None,
@@ -125,14 +141,16 @@ Compile = Annotated[
         show_default=False,
     ),
 ]
-Threads = Annotated[int | None, typer.Option(min=1, max=MAX_THREADS, help="CPU threads for torch [default: torch's].")]
+Threads = Annotated[
+    int | None, typer.Option(min=1, max=MAX_THREADS, metavar="N", help="CPU threads for torch [default: torch's].")
+]
 ContextWindow = Annotated[
     int | None,
     typer.Option(parser=token_count, metavar="TOKENS", help="Positions to accept, e.g. 32k (YaRN-scaled RoPE)."),
 ]
 
 # Decoding
-Mode = Annotated[Literal[MODES], typer.Option(help="Tiers to run (see the README).")]
+Mode = Annotated[Literal[MODES], typer.Option(metavar="|".join(MODES), help="Tiers to run (see the README).")]
 Budget = Annotated[
     int | None,
     typer.Option(parser=token_count, metavar="TOKENS", help="Retrieval-cache budget [default: min(1024, prompt)]."),
@@ -145,11 +163,20 @@ ChunkScore = Annotated[
 DraftWindow = Annotated[
     int, typer.Option(parser=token_count, metavar="TOKENS", help="Drafter StreamingLLM recent window.")
 ]
-SinkTokens = Annotated[int, typer.Option(min=0, max=MAX_TOKENS, help="Drafter StreamingLLM attention sinks.")]
-Gamma1 = Annotated[int, typer.Option(min=1, help="Drafter tokens per verification (a ceiling if adaptive).")]
-Gamma2 = Annotated[int, typer.Option(min=1, help="Tokens the full cache verifies per pass (a ceiling if adaptive).")]
+SinkTokens = Annotated[
+    int, typer.Option(min=0, max=MAX_TOKENS, metavar="N", help="Drafter StreamingLLM attention sinks.")
+]
+Gamma1 = Annotated[
+    int, typer.Option(min=1, metavar="N", help="Drafter tokens per verification (a ceiling if adaptive).")
+]
+Gamma2 = Annotated[
+    int, typer.Option(min=1, metavar="N", help="Tokens the full cache verifies per pass (a ceiling if adaptive).")
+]
 GammaPolicy = Annotated[
-    Literal[GAMMA_POLICIES], typer.Option(help="Speculation lengths: fixed, or adapted after every verification.")
+    Literal[GAMMA_POLICIES],
+    typer.Option(
+        metavar="|".join(GAMMA_POLICIES), help="Speculation lengths: fixed, or adapted after every verification."
+    ),
 ]
 Ngram = Annotated[
     bool | None,
@@ -159,33 +186,44 @@ Ngram = Annotated[
         show_default=False,
     ),
 ]
-RefreshInterval = Annotated[int, typer.Option(min=1, help="Full verifications between retrieval-chunk selections.")]
+RefreshInterval = Annotated[
+    int, typer.Option(min=1, metavar="N", help="Full verifications between retrieval-chunk selections.")
+]
 MaxNewTokens = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Tokens to generate at most.")]
 Offload = Annotated[
     Literal[OFFLOAD_CHOICES],
     typer.Option(
-        help="kv: the target's full KV cache in host memory, streamed to the GPU layer by layer; kv+weights: its layers' weights too."
+        metavar="|".join(OFFLOAD_CHOICES),
+        help="kv: the target's full KV cache in host memory, streamed to the GPU layer by layer; kv+weights: its"
+        " layers' weights too.",
     ),
 ]
 OnChipLayers = Annotated[
     int,
-    typer.Option(min=0, max=MAX_LAYERS, help="With --offload kv: the first layers whose KV cache stays on the GPU."),
+    typer.Option(
+        min=0, max=MAX_LAYERS, metavar="N", help="With --offload kv: the first layers whose KV cache stays on the GPU."
+    ),
 ]
 IgnoreEos = Annotated[
     bool, typer.Option("--ignore-eos", help="Generate --max-new-tokens tokens even past end-of-sequence.")
 ]
 
 # Sampling
-Temperature = Annotated[float, typer.Option(min=0.0, help="0 is greedy.")]
-TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass, above 0.")]
-TopK = Annotated[int, typer.Option(min=0, help="Keep the k most likely tokens; 0 keeps all.")]
-Seed = Annotated[int | None, typer.Option(min=0, max=MAX_SEED, help="Random seed for sampling.")]
+Temperature = Annotated[float, typer.Option(min=0.0, metavar="FLOAT", help="0 is greedy.")]
+TopP = Annotated[float, typer.Option(min=0.0, max=1.0, metavar="FLOAT", help="Nucleus sampling mass, above 0.")]
+TopK = Annotated[int, typer.Option(min=0, metavar="K", help="Keep the k most likely tokens; 0 keeps all.")]
+Seed = Annotated[int | None, typer.Option(min=0, max=MAX_SEED, metavar="SEED", help="Random seed for sampling.")]
 
 # Files
-PromptFile = Annotated[str, typer.Option("--prompt-file", "-p", help="Prompt text file; '-' reads stdin.")]
+PromptFile = Annotated[
+    str, typer.Option("--prompt-file", "-p", metavar="FILE", help="Prompt text file; '-' reads stdin.")
+]
 PromptCache = Annotated[
     Path | None,
-    typer.Option(help="Folder to save prefilled prompts in and reuse them from (e.g. ~/.cache/triforce-cli/prompts)."),
+    typer.Option(
+        metavar="DIR",
+        help="Folder to save prefilled prompts in and reuse them from (e.g. ~/.cache/triforce-cli/prompts).",
+    ),
 ]
 Chat = Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a user turn of the model's chat template.")]
 JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object and nothing else.")]

@@ -46,6 +46,15 @@ def acceptance_rate(value: str | float) -> float:
     return number
 
 
+def hardware_name(value: str) -> str:
+    """Parser of a machine preset as people spell it (RTX 4090, rtx4090, a100): its name, or one line naming the
+    presets and the closest."""
+    try:
+        return planner.hardware_name(value)
+    except ConfigError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
 def figure(help_text: str) -> typer.models.OptionInfo:
     return typer.Option(parser=positive_number, metavar="NUMBER", help=help_text)
 
@@ -60,8 +69,13 @@ def plan(
         ),
     ] = planner.EMBEDDED_PRESET,
     hardware: Annotated[
-        Literal[planner.HARDWARE_CHOICES],
-        typer.Option(help="Machine figures; this-cpu measures this machine now (seconds)."),
+        str,
+        typer.Option(
+            parser=hardware_name,
+            metavar="|".join(planner.HARDWARE_CHOICES),
+            autocompletion=o.completions(planner.HARDWARE_CHOICES),
+            help="Machine figures; this-cpu measures this machine now (seconds).",
+        ),
     ] = planner.THIS_CPU,
     budget: o.Budget = None,
     chunk_size: o.ChunkSize = DEFAULTS.chunk_size,
@@ -77,15 +91,20 @@ def plan(
         typer.Option(parser=acceptance_rate, metavar="RATE", help="Per-draft acceptance of the retrieval tier's."),
     ] = planner.DEFAULT_ACCEPTANCE.retrieval,
     gpus: Annotated[
-        int | None, typer.Option(min=1, max=MAX_GPUS, help="GPUs in tensor parallel [default: the machine's].")
+        int | None,
+        typer.Option(min=1, max=MAX_GPUS, metavar="N", help="GPUs in tensor parallel [default: the machine's]."),
     ] = None,
-    dtype: Annotated[Literal[tuple(DTYPES)], typer.Option(help="Dtype of weights and caches.")] = "bfloat16",
+    dtype: Annotated[
+        Literal[tuple(DTYPES)], typer.Option(metavar="|".join(DTYPES), help="Dtype of weights and caches.")
+    ] = "bfloat16",
     memory_gb: Annotated[float | None, figure("Memory per device, GB of 2^30 bytes.")] = None,
     bandwidth_gbs: Annotated[float | None, figure("Device memory bandwidth, GB/s.")] = None,
     pcie_gbs: Annotated[float | None, figure("Host-to-device bandwidth, GB/s.")] = None,
     tflops: Annotated[float | None, figure("Dense TFLOP/s in the dtype.")] = None,
     json_output: o.JsonOutput = False,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of predicted latency against context length.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(metavar="FILE", help="Write a PNG of predicted latency against context length.")
+    ] = None,
 ) -> None:
     """Predict memory and per-token latency of every mode, with and without the KV cache offloaded (no model runs)."""
     with command_console(json_output=json_output):

@@ -26,15 +26,16 @@ from triforce_cli.plan.presets import (
     MODELS,
     THIS_CPU,
     ModelPreset,
-    hardware_preset,
+    hardware_name,
     model_preset,
     with_figures,
 )
 
 
-def machine(name: str) -> Hardware:
-    """A machine preset by name, or this machine measured now for this-cpu."""
-    return measure.measure_this_cpu() if name.lower() == THIS_CPU else hardware_preset(name)
+def machine(spelling: str) -> Hardware:
+    """A machine preset by name (spelled as presets.hardware_name reads), or this machine measured now for this-cpu."""
+    name = hardware_name(spelling)
+    return measure.measure_this_cpu() if name == THIS_CPU else HARDWARE[name]
 
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "Row",
     "Workload",
     "context_sweep",
+    "hardware_name",
     "machine",
     "model_preset",
     "plan",

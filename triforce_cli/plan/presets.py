@@ -6,7 +6,9 @@ TriForce paper, with the target's vocabulary. Machine figures are vendors' peak 
 rounded; memory counts 2^30 bytes per GB as GPU vendors do.
 """
 
+import re
 from dataclasses import dataclass, replace
+from difflib import get_close_matches
 from pathlib import Path
 
 from triforce_cli.errors import ConfigError
@@ -168,19 +170,67 @@ HARDWARE = {
 }
 THIS_CPU = "this-cpu"  # measured on the spot (plan/measure.py)
 HARDWARE_CHOICES = (*HARDWARE, THIS_CPU)
+BRAND_WORDS = re.compile("nvidia|geforce|rtx")  # words a card's name is written with or without
+
+
+def spelling_key(text: str) -> str:
+    """A name as people type it with case, spaces, dashes, underscores and dots dropped: 'Llama 3.1 8B',
+    'llama-3.1-8b' and 'LLAMA_3.1_8B' all read 'llama318b'."""
+    return re.sub(r"[\s._-]+", "", text.lower())
+
+
+def hardware_key(text: str) -> str:
+    """spelling_key without the brand words a card's name is also written with: 'NVIDIA GeForce RTX 4090',
+    'rtx4090' and '4090' all read '4090'."""
+    return BRAND_WORDS.sub("", spelling_key(text))
+
+
+MODEL_SPELLINGS = {spelling_key(name): name for name in MODELS}
+
+
+def hardware_spellings() -> dict[str, str]:
+    """Each key a machine preset is known by (hardware_key), with and without its memory, as cards are named both
+    ways: 'a100' and 'a10080gb' for a100-80gb, 'h100' and 'h10080gb' for h100."""
+    spellings = {hardware_key(THIS_CPU): THIS_CPU}
+    for name, hardware in HARDWARE.items():
+        memory = f"{hardware.memory_bytes // GIB}gb"
+        bare = hardware_key(name).removesuffix(memory)
+        spellings |= {bare: name, bare + memory: name}
+    return spellings
+
+
+HARDWARE_SPELLINGS = hardware_spellings()
+
+
+def did_you_mean(key: str, spellings: dict[str, str]) -> str:
+    """' (did you mean rtx-4090?)' for the preset whose key is closest to key, or '' where none is close."""
+    close = get_close_matches(key, spellings, n=1)
+    return f" (did you mean {spellings[close[0]]}?)" if close else ""
+
+
+def hardware_name(spelling: str) -> str:
+    """The machine preset spelled (RTX 4090, rtx4090, 4090, A100-80GB, a100: see hardware_key), by its name."""
+    key = hardware_key(spelling)
+    if key in HARDWARE_SPELLINGS:
+        return HARDWARE_SPELLINGS[key]
+    choices = ", ".join(HARDWARE_CHOICES)
+    raise ConfigError(f"unknown hardware '{spelling}': choose from {choices}{did_you_mean(key, HARDWARE_SPELLINGS)}")
 
 
 def model_preset(name_or_path: str) -> ModelPreset:
-    """A preset by name (any case), else the config.json of a local folder or file, read with transformers; its
-    drafter is then a llama-68m-shaped one with its vocabulary. Nothing is downloaded."""
-    for name, preset in MODELS.items():
-        if name.lower() == name_or_path.lower():
-            return preset
+    """A preset by name, spelled any way spelling_key reads alike, else the config.json of a local folder or file,
+    read with transformers; its drafter is then a llama-68m-shaped one with its vocabulary. A preset's exact name
+    (any case) wins over a file of that name, another spelling only where no such file exists. Nothing is
+    downloaded."""
     path = Path(name_or_path).expanduser()
+    key = spelling_key(name_or_path)
+    named = MODEL_SPELLINGS.get(key)
+    if named is not None and (named.lower() == name_or_path.lower() or not path.exists()):
+        return MODELS[named]
     if not path.exists():
         raise ConfigError(
             f"unknown model '{name_or_path}': give a preset ({', '.join(MODELS)}) or a local config.json or a folder"
-            " holding one"
+            f" holding one{did_you_mean(key, MODEL_SPELLINGS)}"
         )
     from transformers import AutoConfig  # slow to import: only for a config file
 
@@ -193,14 +243,6 @@ def model_preset(name_or_path: str) -> ModelPreset:
     name = (path.parent if path.is_file() else path).name or str(path)
     target = ModelShape.from_config(name=name, config=config)
     return ModelPreset(target, llama_68m_drafter(target.vocab_size))
-
-
-def hardware_preset(name: str) -> Hardware:
-    """A machine preset by name (any case); this-cpu is measured by plan.measure, not here."""
-    for preset_name, hardware in HARDWARE.items():
-        if preset_name == name.lower():
-            return hardware
-    raise ConfigError(f"unknown hardware '{name}' (choose from {', '.join(HARDWARE_CHOICES)})")
 
 
 def with_figures(
