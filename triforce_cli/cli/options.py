@@ -158,7 +158,10 @@ Budget = Annotated[
 ChunkSize = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Retrieval-cache chunk size.")]
 ChunkScore = Annotated[
     Literal[CHUNK_SCORES],
-    typer.Option(help="Retrieval chunk score: mean (the chunk's mean key) or bound (Quest's min/max-key bound)."),
+    typer.Option(
+        metavar="|".join(CHUNK_SCORES),
+        help="Retrieval chunk score: mean (the chunk's mean key) or bound (Quest's min/max-key bound).",
+    ),
 ]
 DraftWindow = Annotated[
     int, typer.Option(parser=token_count, metavar="TOKENS", help="Drafter StreamingLLM recent window.")
