@@ -1,10 +1,11 @@
 """`triforce bench`: rows of every mode and peer on a tiny saved checkpoint, the seconds a user waits, --ignore-eos,
 the report files, the llama.cpp peer's wiring (with a stand-in module: llama-cpp-python is optional), prompts cut to
-a context length (chat turns too) and one-line errors."""
+a context length (chat turns too), the ratios over several prompts, and one-line errors."""
 
 import csv
 import io
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -36,6 +37,7 @@ from triforce_cli.bench.runner import (
     BenchConfig,
     BenchRow,
     default_modes,
+    over_prompts,
 )
 from triforce_cli.cli.app import app
 from triforce_cli.cli.render import bench_tables
@@ -456,6 +458,30 @@ def test_a_prompt_that_cannot_be_cut_says_why(chat_tokenizer, monkeypatch, reque
         cut_prompt(chat_tokenizer, DOCUMENT, request_, length)
 
 
+def test_over_several_prompts_a_table_gives_the_median_ratio_to_autoregressive_and_its_range():
+    rows = []
+    for prompt, speedup in (("stdlib-a", 4.0), ("qa-stdlib-b", 1.0), ("summary-stdlib-a", 2.0)):
+        ours = [
+            BenchRow(prompt, "autoregressive", 1024, None, None, 1.0, [40.0]),
+            BenchRow(prompt, "triforce-ngram", 1024, None, 16, 1.0, [40.0 / speedup], "throughput"),
+        ]
+        ours[0].speedup_vs_autoregressive, ours[1].speedup_vs_autoregressive = 1.0, speedup
+        rows += [*ours, BenchRow(prompt, "hf", 32768, None, None, 1.0, [80.0])]  # at 32768 no autoregressive ran
+    summaries = over_prompts(rows)
+    assert [(s.context, s.mode) for s in summaries] == [(1024, "autoregressive"), (1024, "triforce-ngram")]
+    triforce = summaries[1]
+    assert triforce.prompts == ["stdlib-a", "qa-stdlib-b", "summary-stdlib-a"]
+    assert (triforce.median_speedup_vs_autoregressive, triforce.min_speedup_vs_autoregressive) == (2.0, 1.0)
+    assert as_record(triforce)["max_speedup_vs_autoregressive"] == 4.0
+    text = rendered(rows)
+    table = text[text.index("×AR, median [min-max] over 3 prompts") :]
+    assert "2.00×" in next(line for line in table.splitlines() if "triforce-ngram" in line)
+    assert "1.00-4.00" in table and "32768" not in table and "hf" not in table
+    assert all(len(line) <= 80 and "…" not in line for line in text.splitlines())
+    one_prompt = rows[:3]
+    assert over_prompts(one_prompt) == [] and "×AR, median" not in rendered(one_prompt)
+
+
 def invoke_bench(*args):
     return CliRunner().invoke(app, ["bench", *map(str, args)])
 
@@ -487,6 +513,7 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     expected_weights = "half" if half_weights_available() else "dense"  # what auto resolves to for this checkpoint
     assert payload["setup"] == {"target": "tiny", "weights": expected_weights, "threads": torch.get_num_threads()}
     assert [row["mode"] for row in payload["rows"]] == ["autoregressive", "triforce"]
+    assert payload["speedup_vs_autoregressive_over_prompts"] == [] and "×AR, median" not in result.stdout  # one prompt
     assert all(row["matches_autoregressive"] for row in payload["rows"])
     for row in payload["rows"]:
         assert 0 < row["time_to_first_token_seconds"] < row["time_to_answer_seconds"]
@@ -499,6 +526,41 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     for row in csv.DictReader(lines):
         assert (row["processor"], row["cpu_features"]) == ("Test CPU 9000", "avx2 avx512f")
         assert row["repeats_new_tokens"] == "4" and float(row["time_to_answer_seconds"]) > 0
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """The tiny checkpoint's weights with a chat template."""
+    folder = tmp_path_factory.mktemp("bench") / "tiny-chat"
+    save_checkpoint(folder, seed=5, max_position_embeddings=128)
+    tokenizer = save_tokenizer(folder, 32)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_bench_command_gives_the_ratios_over_several_prompts(chat_checkpoint, tmp_path):
+    prompts = ["summary-stdlib-a", "code-stdlib-b"]  # a chat turn and a continuation
+    result = invoke_bench(
+        *("--target", chat_checkpoint, "--builtin", ",".join(prompts), "--context", CONTEXT, "--max-new-tokens", 4),
+        *("--repeats", 1, "--warmup", 0, "--modes", "autoregressive,ngram", "--out", tmp_path / "rows.json"),
+    )
+    assert result.exit_code == 0, result.output
+    assert "×AR, median [min-max] over 2 prompts" in result.stdout
+    payload = json.loads((tmp_path / "rows.json").read_text())
+    modes = ["autoregressive", "ngram"]
+    assert [(r["prompt"], r["mode"], r["context"]) for r in payload["rows"]] == [
+        (prompt, mode, CONTEXT) for prompt in prompts for mode in modes
+    ]
+    over = payload["speedup_vs_autoregressive_over_prompts"]
+    assert [(o["context"], o["mode"], o["prompts"]) for o in over] == [(CONTEXT, mode, prompts) for mode in modes]
+    ngram = [r["speedup_vs_autoregressive"] for r in payload["rows"] if r["mode"] == "ngram"]
+    assert over[1]["median_speedup_vs_autoregressive"] == pytest.approx(statistics.median(ngram))
+    assert (over[1]["min_speedup_vs_autoregressive"], over[1]["max_speedup_vs_autoregressive"]) == (
+        min(ngram),
+        max(ngram),
+    )
+    assert over[0]["median_speedup_vs_autoregressive"] == 1.0
 
 
 def test_bench_default_prompts_without_a_chat_template_fail_before_any_run(checkpoint):
