@@ -52,7 +52,7 @@ LIBRARY_SOURCE = "stdlib-source"
 REFERENCE = "python-reference"
 BUILTIN_NAMES = (*DOCUMENTS, *SOURCES, LIBRARY_SOURCE, REFERENCE)
 # Built-in texts that hold the text of others: a module's source holds its docstrings; the library's source holds
-# the source documents of every module but the benchmark's.
+# every source document, and so its document, but those of benchmark documents.
 HOLDS = {
     **{name: {of} for name, of in SOURCES.items()},
     LIBRARY_SOURCE: {text for name, of in SOURCES.items() if of not in BENCHMARK for text in (name, of)},
