@@ -563,8 +563,20 @@ def test_bench_command_gives_the_ratios_over_several_prompts(chat_checkpoint, tm
     assert over[0]["median_speedup_vs_autoregressive"] == 1.0
 
 
-def test_bench_default_prompts_without_a_chat_template_fail_before_any_run(checkpoint):
-    result = invoke_bench("--target", checkpoint, "--context", CONTEXT, "--repeats", 1, "--warmup", 0)
+def test_bench_default_prompts_without_a_chat_template_leave_the_chat_turns_out(checkpoint, tmp_path):
+    args = ["--target", checkpoint, "--context", CONTEXT, "--repeats", 1, "--warmup", 0, "--max-new-tokens", 2]
+    result = invoke_bench(*args, "--modes", "autoregressive", "--out", tmp_path / "run.json")
+    assert result.exit_code == 0, result.output
+    assert "no chat template: the default prompts qa-stdlib-b, summary-stdlib-a left out" in " ".join(
+        result.stderr.split()
+    )
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert {row["prompt"] for row in rows} == {"stdlib-a", "code-stdlib-b"}
+
+
+def test_bench_chat_prompts_asked_for_without_a_chat_template_fail_before_any_run(checkpoint):
+    args = ("--builtin", "stdlib-a,qa-stdlib-b", "--context", CONTEXT, "--repeats", 1, "--warmup", 0)
+    result = invoke_bench("--target", checkpoint, *args)
     assert result.exit_code == 1, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     message = "error: prompt qa-stdlib-b: a chat turn needs a chat template, and this model's tokenizer has none"

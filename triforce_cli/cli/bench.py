@@ -143,6 +143,14 @@ def bench(
         if "default" in modes:
             defaults = default_modes(pipe.target)
             config = replace(config, modes=tuple(dict.fromkeys((*defaults, *config.modes))))
+        if (
+            not prompt_file
+            and builtin == tuple(BENCH_DEFAULT)
+            and not getattr(pipe.target.tokenizer, "chat_template", None)
+        ):
+            asked = [name for name, (_, request) in prompts.items() if request is not None]
+            prompts = {name: prompt for name, prompt in prompts.items() if name not in asked}
+            print_note(err, f"{pipe.target.name} has no chat template: the default prompts {', '.join(asked)} left out")
         cut = {}  # every prompt at every length first: one that cannot be cut fails the run before it starts
         for name, (text, request) in prompts.items():
             for length in config.contexts:
