@@ -1,10 +1,11 @@
 """`triforce bench`: rows of every mode and peer on a tiny saved checkpoint, the seconds a user waits, --ignore-eos,
-the report files, the llama.cpp peer's wiring (with a stand-in module: llama-cpp-python is optional) and one-line
-errors."""
+the report files, the llama.cpp peer's wiring (with a stand-in module: llama-cpp-python is optional), prompts cut to
+a context length (chat turns too), the ratios over several prompts, and one-line errors."""
 
 import csv
 import io
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -14,7 +15,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import fixed_drafts_at_least, random_prompt, save_checkpoint
+from conftest import fixed_drafts_at_least, random_prompt, save_checkpoint, save_tokenizer
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -29,19 +30,34 @@ from triforce_cli.bench.llama_cpp import (
     llama_cpp_sampling_kwargs,
 )
 from triforce_cli.bench.peers import HF_PEERS, TimedRun
-from triforce_cli.bench.runner import ALL_MODES, DEFAULT_MODES, Bench, BenchConfig, BenchRow, default_modes
+from triforce_cli.bench.runner import (
+    ALL_MODES,
+    DEFAULT_MODES,
+    Bench,
+    BenchConfig,
+    BenchRow,
+    default_modes,
+    over_prompts,
+)
 from triforce_cli.cli.app import app
 from triforce_cli.cli.render import bench_tables
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import as_record
-from triforce_cli.errors import ConfigError
+from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.context_window import extend_context
+from triforce_cli.runtime.prompts import cut_prompt, encode_prompt
 
 CONTEXT = 48
 NEW_TOKENS = 6
 FAST = {"budgets": (16,), "chunk_sizes": (4,), "repeats": 1, "warmup": 0, "max_new_tokens": NEW_TOKENS}
+# A chat template of the tiny word-level tokenizer, shaped as real ones are: an opening, the user's message, the end
+# of the turn (w21) and the generation prompt (w22)
+CHAT_TEMPLATE = (
+    "w20 {% for message in messages %}{{ message['content'] }} w21 {% endfor %}"
+    "{% if add_generation_prompt %}w22{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -402,6 +418,70 @@ def test_llama_cpp_peer_stops_at_eos_and_reuses_the_prompt(monkeypatch, pipe):
     assert llm.calls[0]["temp"] == 0.6
 
 
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    tokenizer = save_tokenizer(tmp_path_factory.mktemp("chat-tokenizer"), 32)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+DOCUMENT = " ".join(f"w{i % 10}" for i in range(40))  # tokens 0-9, 40 of them
+REQUEST = "w11 w12"
+
+
+def test_a_chat_prompt_is_cut_to_the_context_in_its_document(chat_tokenizer):
+    opening, closing = [20], [11, 12, 21, 22]  # the template's opening; the request, the end of the turn, w22
+    for length in (6, 12, 30):
+        ids = cut_prompt(chat_tokenizer, DOCUMENT, REQUEST, length)
+        assert len(ids) == length and ids[:1] == opening and ids[-4:] == closing
+        assert ids[1:-4] == [i % 10 for i in range(length - 5)]  # the document's first tokens, fewer as length falls
+    # the whole document: the prompt `generate --chat` makes of the document and the request
+    whole = encode_prompt(chat_tokenizer, f"{DOCUMENT}\n\n{REQUEST}", chat=True)
+    assert cut_prompt(chat_tokenizer, DOCUMENT, REQUEST, 45) == whole
+    # a continuation: the document's first tokens, without the template
+    assert cut_prompt(chat_tokenizer, DOCUMENT, None, 12) == [i % 10 for i in range(12)]
+
+
+@pytest.mark.parametrize(
+    ("request_", "length", "template", "message"),
+    [
+        (REQUEST, 5, CHAT_TEMPLATE, "leaves no room for the document: the chat template and the request take 5"),
+        (REQUEST, 46, CHAT_TEMPLATE, "the document has 40 tokens, fewer than the 41 the context 46 leaves it"),
+        (None, 41, CHAT_TEMPLATE, "the text has 40 tokens, fewer than the context 41"),
+        (REQUEST, 12, None, "a chat turn needs a chat template, and this model's tokenizer has none"),
+        (REQUEST, 12, "w20 {% if add_generation_prompt %}w22{% endif %}", "changes the message"),
+    ],
+)
+def test_a_prompt_that_cannot_be_cut_says_why(chat_tokenizer, monkeypatch, request_, length, template, message):
+    monkeypatch.setattr(chat_tokenizer, "chat_template", template)
+    with pytest.raises(PromptError, match=message):
+        cut_prompt(chat_tokenizer, DOCUMENT, request_, length)
+
+
+def test_over_several_prompts_a_table_gives_the_median_ratio_to_autoregressive_and_its_range():
+    rows = []
+    for prompt, speedup in (("stdlib-a", 4.0), ("qa-stdlib-b", 1.0), ("summary-stdlib-a", 2.0)):
+        ours = [
+            BenchRow(prompt, "autoregressive", 1024, None, None, 1.0, [40.0]),
+            BenchRow(prompt, "triforce-ngram", 1024, None, 16, 1.0, [40.0 / speedup], "throughput"),
+        ]
+        ours[0].speedup_vs_autoregressive, ours[1].speedup_vs_autoregressive = 1.0, speedup
+        rows += [*ours, BenchRow(prompt, "hf", 32768, None, None, 1.0, [80.0])]  # at 32768 no autoregressive ran
+    summaries = over_prompts(rows)
+    assert [(s.context, s.mode) for s in summaries] == [(1024, "autoregressive"), (1024, "triforce-ngram")]
+    triforce = summaries[1]
+    assert triforce.prompts == ["stdlib-a", "qa-stdlib-b", "summary-stdlib-a"]
+    assert (triforce.median_speedup_vs_autoregressive, triforce.min_speedup_vs_autoregressive) == (2.0, 1.0)
+    assert as_record(triforce)["max_speedup_vs_autoregressive"] == 4.0
+    text = rendered(rows)
+    table = text[text.index("×AR, median [min-max] over 3 prompts") :]
+    assert "2.00×" in next(line for line in table.splitlines() if "triforce-ngram" in line)
+    assert "1.00-4.00" in table and "32768" not in table and "hf" not in table
+    assert all(len(line) <= 80 and "…" not in line for line in text.splitlines())
+    one_prompt = rows[:3]
+    assert over_prompts(one_prompt) == [] and "×AR, median" not in rendered(one_prompt)
+
+
 def invoke_bench(*args):
     return CliRunner().invoke(app, ["bench", *map(str, args)])
 
@@ -433,6 +513,7 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     expected_weights = "half" if half_weights_available() else "dense"  # what auto resolves to for this checkpoint
     assert payload["setup"] == {"target": "tiny", "weights": expected_weights, "threads": torch.get_num_threads()}
     assert [row["mode"] for row in payload["rows"]] == ["autoregressive", "triforce"]
+    assert payload["speedup_vs_autoregressive_over_prompts"] == [] and "×AR, median" not in result.stdout  # one prompt
     assert all(row["matches_autoregressive"] for row in payload["rows"])
     for row in payload["rows"]:
         assert 0 < row["time_to_first_token_seconds"] < row["time_to_answer_seconds"]
@@ -445,6 +526,62 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     for row in csv.DictReader(lines):
         assert (row["processor"], row["cpu_features"]) == ("Test CPU 9000", "avx2 avx512f")
         assert row["repeats_new_tokens"] == "4" and float(row["time_to_answer_seconds"]) > 0
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """The tiny checkpoint's weights with a chat template."""
+    folder = tmp_path_factory.mktemp("bench") / "tiny-chat"
+    save_checkpoint(folder, seed=5, max_position_embeddings=128)
+    tokenizer = save_tokenizer(folder, 32)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_bench_command_gives_the_ratios_over_several_prompts(chat_checkpoint, tmp_path):
+    prompts = ["summary-stdlib-a", "code-stdlib-b"]  # a chat turn and a continuation
+    result = invoke_bench(
+        *("--target", chat_checkpoint, "--builtin", ",".join(prompts), "--context", CONTEXT, "--max-new-tokens", 4),
+        *("--repeats", 1, "--warmup", 0, "--modes", "autoregressive,ngram", "--out", tmp_path / "rows.json"),
+    )
+    assert result.exit_code == 0, result.output
+    assert "×AR, median [min-max] over 2 prompts" in result.stdout
+    payload = json.loads((tmp_path / "rows.json").read_text())
+    modes = ["autoregressive", "ngram"]
+    assert [(r["prompt"], r["mode"], r["context"]) for r in payload["rows"]] == [
+        (prompt, mode, CONTEXT) for prompt in prompts for mode in modes
+    ]
+    over = payload["speedup_vs_autoregressive_over_prompts"]
+    assert [(o["context"], o["mode"], o["prompts"]) for o in over] == [(CONTEXT, mode, prompts) for mode in modes]
+    ngram = [r["speedup_vs_autoregressive"] for r in payload["rows"] if r["mode"] == "ngram"]
+    assert over[1]["median_speedup_vs_autoregressive"] == pytest.approx(statistics.median(ngram))
+    assert (over[1]["min_speedup_vs_autoregressive"], over[1]["max_speedup_vs_autoregressive"]) == (
+        min(ngram),
+        max(ngram),
+    )
+    assert over[0]["median_speedup_vs_autoregressive"] == 1.0
+
+
+def test_bench_default_prompts_without_a_chat_template_leave_the_chat_turns_out(checkpoint, tmp_path):
+    args = ["--target", checkpoint, "--context", CONTEXT, "--repeats", 1, "--warmup", 0, "--max-new-tokens", 2]
+    result = invoke_bench(*args, "--modes", "autoregressive", "--out", tmp_path / "run.json")
+    assert result.exit_code == 0, result.output
+    assert "no chat template: the default prompts qa-stdlib-b, summary-stdlib-a left out" in " ".join(
+        result.stderr.split()
+    )
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert {row["prompt"] for row in rows} == {"stdlib-a", "code-stdlib-b"}
+
+
+def test_bench_chat_prompts_asked_for_without_a_chat_template_fail_before_any_run(checkpoint):
+    args = ("--builtin", "stdlib-a,qa-stdlib-b", "--context", CONTEXT, "--repeats", 1, "--warmup", 0)
+    result = invoke_bench("--target", checkpoint, *args)
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    message = "error: prompt qa-stdlib-b: a chat turn needs a chat template, and this model's tokenizer has none"
+    assert errors == [message], result.output
+    assert "prefill, then" not in result.stderr  # stdlib-a, first, was cut but not run
 
 
 def test_bench_plot_without_matplotlib_fails_before_loading_anything(monkeypatch, tmp_path):

@@ -1,18 +1,21 @@
 """Built-in text: documentation of the Python standard library, for benchmark prompts and drafter training.
 
 Real prose, reference text and code written by the Python developers (PSF licence), present wherever Python runs, so
-benchmarks and `triforce distill` need no download and no text written by us. Each module document is the docstrings
-of a fixed list of modules and their public members, in a fixed order; "stdlib-train-source" is the Python source
-code of the stdlib-train modules (code, comments and the same docstrings), and "stdlib-source" that of the whole
-standard library but the benchmark prompts' modules; "python-reference" is the language reference topics pydoc
-shows. The benchmark prompts (stdlib-a, stdlib-b) share no module with the training text (stdlib-train, the two
-source documents, python-reference), so a drafter trained on the latter is measured on held-out text.
+benchmarks and `triforce distill` need no download. Each module document is the docstrings of a fixed list of
+modules and their public members, in a fixed order; a source document (SOURCES) is the Python source code of
+another document's modules (code, comments and the same docstrings), and "stdlib-source" that of the whole standard
+library but the benchmark documents' modules; "python-reference" is the language reference topics pydoc shows. The
+benchmark documents (stdlib-a, stdlib-b, and stdlib-b-source, the code of stdlib-b) share no module with the
+training text (stdlib-train, stdlib-train-source, stdlib-source, python-reference), so a drafter trained on the
+latter is measured on held-out text. BENCH_PROMPTS turn documents into the bench's prompts: most continue a
+document, some ask for something about it in a chat turn; those requests are the only text here written by us.
 """
 
 import importlib
 import inspect
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -42,16 +45,51 @@ DOCUMENTS = {
         "zipimport", "zoneinfo",
     ),
 }  # fmt: skip
-SOURCES = {"stdlib-train-source": "stdlib-train"}  # the Python source code of another document's modules
+BENCHMARK = ("stdlib-a", "stdlib-b")  # the documents whose modules every training text leaves out
+# the Python source code of another document's modules
+SOURCES = {"stdlib-train-source": "stdlib-train", "stdlib-b-source": "stdlib-b"}
 LIBRARY_SOURCE = "stdlib-source"
 REFERENCE = "python-reference"
 BUILTIN_NAMES = (*DOCUMENTS, *SOURCES, LIBRARY_SOURCE, REFERENCE)
-# Built-in texts that hold the text of others: a module's source holds its docstrings.
-HOLDS = {**{name: {of} for name, of in SOURCES.items()}, LIBRARY_SOURCE: {*SOURCES.values(), *SOURCES}}
+# Built-in texts that hold the text of others: a module's source holds its docstrings; the library's source holds
+# every source document, and so its document, but those of benchmark documents.
+HOLDS = {
+    **{name: {of} for name, of in SOURCES.items()},
+    LIBRARY_SOURCE: {text for name, of in SOURCES.items() if of not in BENCHMARK for text in (name, of)},
+}
 # Folders of the standard library that LIBRARY_SOURCE leaves out (and config-* ones): tests, GUI and packaging
 # tools, pydoc_data (the python-reference text) and distutils (deprecated; it repeats shutil's archive functions).
 NOT_LIBRARY = {"site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3",
                "ensurepip", "pydoc_data", "distutils", "__pycache__"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """A built-in prompt of `triforce bench`: a built-in document continued as raw text where request is None;
+    otherwise the document, then the request, as one user turn of the model's chat template. Prompts of several
+    kinds, since how much drafting gains depends on how much of the answer repeats the prompt."""
+
+    document: str  # one of BUILTIN_NAMES
+    request: str | None = None
+
+
+BENCH_PROMPTS = {
+    **{name: BenchPrompt(name) for name in DOCUMENTS},
+    # about datetime: the first module stdlib-b documents at length (asyncio's members belong to its submodules, so
+    # it has one line there), so every context length the document is cut to keeps what the answer needs
+    "qa-stdlib-b": BenchPrompt(
+        "stdlib-b",
+        "How do I get the number of days between two dates, and the time 90 minutes after a given datetime? "
+        "Answer briefly, with a short example.",
+    ),
+    "summary-stdlib-a": BenchPrompt(
+        "stdlib-a",
+        "Summarise the documentation above in a few paragraphs: what each module is for and its main functions.",
+    ),
+    "code-stdlib-b": BenchPrompt("stdlib-b-source"),
+}
+# the default prompts: one of each kind (documentation and code continued, a question and a summary)
+BENCH_DEFAULT = ("stdlib-a", "qa-stdlib-b", "summary-stdlib-a", "code-stdlib-b")
 
 
 def module_text(name: str) -> str:
@@ -85,7 +123,8 @@ def library_source_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
     benchmark = {
         Path(module.__file__).resolve()
-        for name in (*DOCUMENTS["stdlib-a"], *DOCUMENTS["stdlib-b"])
+        for document in BENCHMARK
+        for name in DOCUMENTS[document]
         if getattr(module := importlib.import_module(name), "__file__", None)
     }
     left_out = {file.parent for file in benchmark if file.name == "__init__.py"}  # benchmark packages

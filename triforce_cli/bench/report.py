@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from triforce_cli.bench.forward_costs import ForwardCost
-from triforce_cli.bench.runner import BenchRow
+from triforce_cli.bench.runner import BenchRow, over_prompts
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.environment import machine_description
@@ -33,9 +33,9 @@ def check_results_path(path: Path | None) -> None:
 def write_results(
     rows: list[BenchRow], path: Path, command: str, forward_costs: list[ForwardCost] = (), setup: dict | None = None
 ) -> None:
-    """JSON (rows and forward costs with the command, machine and setup) or CSV (one flat line per row, with the
-    CPU's model and vector extensions), by suffix. setup: what the run resolved its automatic settings to (the
-    target's weight form, the threads)."""
+    """JSON (rows, their ratios to autoregressive over the prompts where there are several, and forward costs, with
+    the command, machine and setup) or CSV (one flat line per row, with the CPU's model and vector extensions), by
+    suffix. setup: what the run resolved its automatic settings to (the target's weight form, the threads)."""
     check_results_path(path)
     machine = machine_description()
     if path.suffix == ".json":
@@ -44,6 +44,7 @@ def write_results(
             "machine": machine,
             "setup": setup or {},
             "rows": [as_record(r) for r in rows],
+            "speedup_vs_autoregressive_over_prompts": [as_record(o) for o in over_prompts(rows)],
             "forward_costs": [as_record(c) for c in forward_costs],
         }
         path.write_text(json.dumps(payload, indent=2))

@@ -161,6 +161,54 @@ class BenchRow:
 
 
 @dataclass
+class OverPrompts:
+    """One mode, with its settings, at one context over every prompt of a run: its ratios to our autoregressive mode,
+    one per prompt, summed up by their median and range. Drafting gains more where the answer repeats the prompt,
+    so one prompt's ratio says little; the median over prompts of several kinds is the figure to report."""
+
+    context: int
+    mode: str
+    budget: int | None
+    chunk_size: int | None
+    gamma_policy: str | None
+    prompts: list[str] = field(default_factory=list)
+    speedups_vs_autoregressive: list[float] = field(default_factory=list)  # one per prompt, in the order of prompts
+
+    DERIVED: ClassVar[tuple[str, ...]] = (
+        "median_speedup_vs_autoregressive",
+        "min_speedup_vs_autoregressive",
+        "max_speedup_vs_autoregressive",
+    )
+
+    @property
+    def median_speedup_vs_autoregressive(self) -> float:
+        return statistics.median(self.speedups_vs_autoregressive)
+
+    @property
+    def min_speedup_vs_autoregressive(self) -> float:
+        return min(self.speedups_vs_autoregressive)
+
+    @property
+    def max_speedup_vs_autoregressive(self) -> float:
+        return max(self.speedups_vs_autoregressive)
+
+
+def over_prompts(rows: list[BenchRow]) -> list[OverPrompts]:
+    """Per context, mode and setting, in the rows' order, the ratios to autoregressive over the prompts; none where
+    the rows cover one prompt, and none for rows without that ratio (no autoregressive run beside them)."""
+    if len({r.prompt for r in rows}) < 2:
+        return []
+    groups: dict[tuple, OverPrompts] = {}
+    for row in rows:
+        if row.speedup_vs_autoregressive is not None:
+            key = (row.context, row.mode, row.budget, row.chunk_size, row.gamma_policy)
+            group = groups.setdefault(key, OverPrompts(*key))
+            group.prompts.append(row.prompt)
+            group.speedups_vs_autoregressive.append(row.speedup_vs_autoregressive)
+    return list(groups.values())
+
+
+@dataclass
 class _OurRun:
     """One generation of our engine on the shared prefill, and its wall time."""
 

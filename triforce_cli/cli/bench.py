@@ -15,14 +15,14 @@ from triforce_cli.bench.runner import Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table
-from triforce_cli.corpus import DOCUMENTS, builtin_document
+from triforce_cli.corpus import BENCH_DEFAULT, BENCH_PROMPTS, builtin_document
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import PromptError
 from triforce_cli.runtime.environment import machine_description
-from triforce_cli.runtime.prompts import read_prompt
+from triforce_cli.runtime.prompts import cut_prompt, read_prompt
 
 DEFAULTS = EngineConfig()
 BENCH_DEFAULTS = BenchConfig()
@@ -30,6 +30,8 @@ SAMPLING_DEFAULTS = SamplingConfig()
 DEFAULT_CONTEXTS = ",".join(map(str, BENCH_DEFAULTS.contexts))
 DEFAULT_POLICIES = ",".join(BENCH_DEFAULTS.gamma_policies)
 MAX_REPEATS = 100
+CONTINUED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is None)
+ASKED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is not None)
 
 
 def bench(
@@ -40,11 +42,12 @@ def bench(
     builtin: Annotated[
         tuple,
         typer.Option(
-            parser=o.names_of(tuple(DOCUMENTS)),
+            parser=o.names_of(tuple(BENCH_PROMPTS)),
             metavar="NAME,...",
-            help=f"Built-in prompts when no file is given: {', '.join(DOCUMENTS)}.",
+            help=f"Built-in prompts when no file is given: documents continued ({CONTINUED}) and chat turns "
+            f"asking about a document ({ASKED}; they need a chat template). Files are continued.",
         ),
-    ] = next(iter(DOCUMENTS)),
+    ] = ",".join(BENCH_DEFAULT),
     context: o.Contexts = DEFAULT_CONTEXTS,
     modes: o.BenchModes = "default",
     budget: o.BudgetSweep = "auto",
@@ -108,11 +111,13 @@ def bench(
             pyplot()
         if prompt_cache is not None:
             check_writable(prompt_cache)
-        prompts = (
-            {path.name: read_prompt(str(path)) for path in prompt_file}
-            if prompt_file
-            else {name: builtin_document(name) for name in builtin}
-        )
+        if prompt_file:
+            prompts = {path.name: (read_prompt(str(path)), None) for path in prompt_file}
+        else:
+            documents = {
+                document: builtin_document(document) for document in {BENCH_PROMPTS[n].document for n in builtin}
+            }
+            prompts = {name: (documents[BENCH_PROMPTS[name].document], BENCH_PROMPTS[name].request) for name in builtin}
         engine_config = EngineConfig(
             chunk_score=chunk_score,
             sink_tokens=sink_tokens,
@@ -142,15 +147,26 @@ def bench(
         if "default" in modes:
             defaults = default_modes(pipe.target)
             config = replace(config, modes=tuple(dict.fromkeys((*defaults, *config.modes))))
+        if (
+            not prompt_file
+            and builtin == tuple(BENCH_DEFAULT)
+            and not getattr(pipe.target.tokenizer, "chat_template", None)
+        ):
+            asked = [name for name, (_, request) in prompts.items() if request is not None]
+            prompts = {name: prompt for name, prompt in prompts.items() if name not in asked}
+            print_note(err, f"{pipe.target.name} has no chat template: the default prompts {', '.join(asked)} left out")
+        cut = {}  # every prompt at every length first: one that cannot be cut fails the run before it starts
+        for name, (text, request) in prompts.items():
+            for length in config.contexts:
+                try:
+                    cut[name, length] = cut_prompt(pipe.target.tokenizer, text, request, length)
+                except PromptError as error:
+                    raise PromptError(f"prompt {name}: {error}") from None
         runner = Bench(pipe, config)
         rows = []
-        for name, text in prompts.items():
-            ids = pipe.encode(text)
-            for length in config.contexts:
-                if length > len(ids):
-                    raise PromptError(f"prompt {name} has {len(ids)} tokens, fewer than the context {length}")
-                print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")
-                rows += runner.run_context(name, ids[:length])
+        for (name, length), ids in cut.items():
+            print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")
+            rows += runner.run_context(name, ids)
         console = StdoutConsole()
         console.print(bench_header(machine_description()))
         for table in bench_tables(rows):

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from triforce_cli.bench.forward_costs import ForwardCost
 from triforce_cli.bench.report import acceptance_text
-from triforce_cli.bench.runner import BenchRow
+from triforce_cli.bench.runner import BenchRow, OverPrompts, over_prompts
 from triforce_cli.decoding.engine import MemoryPlan
 from triforce_cli.decoding.stats import GenerationStats
 from triforce_cli.distill.trainer import DistillProgress
@@ -204,7 +204,8 @@ def bench_header(machine: dict) -> Text:
 
 def bench_tables(rows: list[BenchRow]) -> list[Table]:
     """Per prompt and context, a table of ms per token and one of the seconds a user waits (each fits 80 columns);
-    then one of the acceptance per mode."""
+    then one of the acceptance per mode; where there are several prompts, one of the ratios to autoregressive over
+    them."""
     tables = []
     settings = {}  # mode -> the retrieval settings and policies its rows ran
     for r in rows:
@@ -221,7 +222,26 @@ def bench_tables(rows: list[BenchRow]) -> list[Table]:
         for row in accepted:
             table.add_row(_mode_cell(row, swept), Text(acceptance_text(row)))
         tables.append(table)
+    summaries = over_prompts(rows)
+    if summaries:
+        tables.append(_over_prompts_table(summaries, swept))
     return tables
+
+
+def _over_prompts_table(summaries: list[OverPrompts], swept: bool) -> Table:
+    """Per context and mode, the median over the prompts of the ratio to autoregressive, and its range."""
+    prompts = len(dict.fromkeys(p for s in summaries for p in s.prompts))
+    table = Table(title=Text(f"×AR, median [min-max] over {prompts} prompts"), title_justify="left")
+    for column in ("context", "mode", "×AR", "[min-max]"):
+        table.add_column(Text(column), justify="left" if column == "mode" else "right")
+    for summary in summaries:
+        table.add_row(
+            str(summary.context),
+            _mode_cell(summary, swept),
+            _ratio(summary.median_speedup_vs_autoregressive),
+            f"{summary.min_speedup_vs_autoregressive:.2f}-{summary.max_speedup_vs_autoregressive:.2f}",
+        )
+    return table
 
 
 def _latency_table(rows: list[BenchRow], swept: bool) -> Table:
@@ -277,7 +297,7 @@ def _seconds(value: float | None, mark: str) -> str:
     return f"{value:.2f}{mark}" if value is not None else "-"
 
 
-def _mode_cell(row: BenchRow, swept: bool) -> Text:
+def _mode_cell(row: BenchRow | OverPrompts, swept: bool) -> Text:
     """The mode, and where budgets, chunk sizes or policies are swept, which of them the row ran."""
     if not swept or not (row.chunk_size or row.gamma_policy):
         return Text(row.mode)

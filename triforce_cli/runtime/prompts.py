@@ -45,3 +45,50 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> 
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
     return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+DOCUMENT_PLACEHOLDER = "<<triforce-document>>"  # stands for the document while the chat template is rendered
+
+
+def cut_prompt(tokenizer: PreTrainedTokenizerBase, document: str, request: str | None, length: int) -> list[int]:
+    """Token ids of a benchmark prompt, exactly length of them: a bench compares modes at a context length, so the
+    prompt must be that long whatever its kind.
+
+    request None: the document as raw text (encode_prompt without chat), its first length tokens. Otherwise one
+    user turn of the model's chat template, the document, a blank line and the request, with the generation prompt,
+    as `generate --chat` makes it. The template's text before the document and the text after it (the request, the
+    end of the turn and the generation prompt) are tokenized apart from the document and kept whole; only the
+    document's tokens are cut, so a shorter context drops the end of the document, never the request.
+    One PromptError where that cannot be done: no chat template, a context too short for the template and the
+    request, a document too short for the context.
+    """
+    if request is None:
+        ids = encode_prompt(tokenizer, document, chat=False)
+        if len(ids) < length:
+            raise PromptError(f"the text has {len(ids)} tokens, fewer than the context {length}")
+        return ids[:length]
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("a chat turn needs a chat template, and this model's tokenizer has none")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{DOCUMENT_PLACEHOLDER}\n\n{request}"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    if rendered.count(DOCUMENT_PLACEHOLDER) != 1:
+        raise PromptError("the chat template changes the message it is given, so the document cannot be cut in it")
+    before, after = (
+        tokenizer(part, add_special_tokens=False).input_ids for part in rendered.split(DOCUMENT_PLACEHOLDER)
+    )
+    room = length - len(before) - len(after)
+    if room < 1:
+        raise PromptError(
+            f"the context {length} leaves no room for the document: the chat template and the request take "
+            f"{len(before) + len(after)} tokens"
+        )
+    ids = tokenizer(document, add_special_tokens=False).input_ids
+    if len(ids) < room:
+        raise PromptError(
+            f"the document has {len(ids)} tokens, fewer than the {room} the context {length} leaves it beside the "
+            "chat template and the request"
+        )
+    return before + ids[:room] + after
