@@ -247,8 +247,11 @@ def test_measurements_no_run_can_use_are_dropped(checkpoint_folder, monkeypatch,
     earlier_layout = tuning.tuning_folder() / "earlier.json"  # without the files it was measured on
     earlier_layout.write_text(json.dumps({"target": "model", "choice": {"weights": "dense", "threads": 1}}))
     assert len(tuning.remembered_tunings()) == 1 and not earlier_layout.exists()
+    assert "measurements in" in CliRunner().invoke(app, ["cache", "list"]).output
 
     for file in checkpoint_folder.iterdir():  # the checkpoint is deleted (a temporary folder, say)
         file.unlink()
     checkpoint_folder.rmdir()
+    listed = CliRunner().invoke(app, ["cache", "list"])
+    assert listed.exit_code == 0 and "measurements in" not in listed.output  # nothing left to list
     assert tuning.remembered_tunings() == [] and not list(tuning.tuning_folder().glob("*.json"))

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
-from triforce_cli.decoding.tuning import tuning_folder
+from triforce_cli.decoding.tuning import remembered_tunings, tuning_folder
 from triforce_cli.runtime.store import (
     LIMIT_VARIABLE,
     cache_limit,
@@ -43,8 +43,10 @@ def cache_folders(prompt_cache: Path | None) -> list[tuple[str, Path]]:
 
 @cache_app.command("list")
 def list_entries(prompt_cache: PromptFolder = None) -> None:
-    """What is cached, least recently used first, and the size limit each folder is kept under."""
+    """What is cached, least recently used first, and the size limit each folder is kept under. Measurements no run
+    can use any more (their checkpoint's files are gone) are dropped first, as `triforce info` drops them."""
     with command_console() as err:
+        remembered_tunings()
         limit = cache_limit()
         out = StdoutConsole()
         total = 0
