@@ -16,6 +16,7 @@ import torch
 from conftest import full_cache_for, llama_config, make_model, random_prompt, small_config, wrap
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
@@ -164,12 +165,28 @@ def test_the_device_is_read_once_per_verification_and_never_while_drafting(sampl
 
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counted(name))
-    result = engine.generate(prompt)
+    with ScalarReads() as scalar_reads:
+        result = engine.generate(prompt)
     monkeypatch.undo()
     verifications = sum(stats.verifications for stats in result.stats.acceptance)
     drafted = sum(stats.drafted for stats in result.stats.acceptance if stats.proposer == "drafter")
     assert drafted > verifications > 0
     assert 1 + verifications <= len(reads) <= 2 + verifications, reads
+    # a read the Python methods above do not see: indexing with a 0-d tensor reads it inside torch's C++
+    assert scalar_reads.count == sum(name != "tolist" for name in reads), scalar_reads.count
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts every read of one value from a tensor to the host (aten._local_scalar_dense), from Python's .item()
+    and int() or from inside torch: what waits for a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
 
 
 class TestFlashDecoding:

@@ -28,8 +28,8 @@ class SamplingConfig:
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Sampling distribution (N, V) in float32 for logits (N, V)."""
     logits = logits.float()
-    if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    if cfg.greedy:  # one-hot argmax by a scatter: F.one_hot reads its indices' range back on a CPU
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     logits = logits / cfg.temperature
     if 0 < cfg.top_k < logits.shape[-1]:
         kth = logits.topk(cfg.top_k, dim=-1).values[:, -1:]
@@ -110,11 +110,11 @@ def verify_draft(
     #    where p and q agree); where all are accepted, the bonus token comes from p at position n.
     after_drafts = target_probs.new_zeros((1, target_probs.shape[-1]))  # q is 0 after the last draft (or none)
     draft_rows = torch.cat([draft_probs, after_drafts])  # (n+1, V)
-    residual = (target_probs[accepted] - draft_rows[accepted]).clamp_min(0.0)  # (V,)
+    at = accepted.reshape(1)  # rows picked by index_select: indexing with a 0-d tensor reads it to the host
+    after_accepted = target_probs.index_select(0, at)[0]  # (V,)
+    residual = (after_accepted - draft_rows.index_select(0, at)[0]).clamp_min(0.0)  # (V,)
     total = residual.sum()
-    next_probs = torch.where(
-        total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), target_probs[accepted]
-    )
+    next_probs = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), after_accepted)
     next_token = sample(next_probs[None], generator)[0]
     accepted_count, token, *drafts = torch.cat([accepted.long()[None], next_token[None], draft_tokens]).tolist()
     return Verdict(accepted_count, token, tuple(drafts))  # that was the one read of the device
