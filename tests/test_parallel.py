@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -91,3 +92,53 @@ def test_torchrun_runs_generate_and_only_rank_0_prints(tmp_path):
     assert len(lines) == 1  # rank 1 printed nothing
     assert json.loads(lines[0])["token_ids"] == json.loads(single.stdout)["token_ids"]
     assert torch.distributed.is_available()
+
+
+def disagreeing(rank: int, world: int, folder: str) -> None:
+    """Rank 1 computes distributions that differ from rank 0's (far more than the rounding of another summation
+    order does), so left to itself it would draw and accept other tokens."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        if rank == 1:
+            from triforce_cli.decoding import engine, speculative
+
+            def skewed(logits, cfg, real=speculative.probabilities):
+                probs = real(logits, cfg)
+                flipped = probs.flip(-1)
+                return flipped / flipped.sum(dim=-1, keepdim=True)
+
+            speculative.probabilities = engine.probabilities = skewed
+        loaded = tiny()
+        apply_tp(loaded.model)
+        prompt = random_prompt(PROMPT, 64, seed=3)
+        tokens = {}
+        for mode in MODES:
+            config = small_config(mode=mode, sampling=SAMPLINGS["seeded"], gamma_policy="heuristic")
+            tokens[mode] = Engine(loaded, config, drafter=loaded).generate(prompt).token_ids
+        with open(f"{folder}/rank{rank}.json", "w") as file:
+            json.dump(tokens, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_takes_rank_zeros_tokens_even_where_its_own_distributions_differ(tmp_path):
+    """Rank 0's sampled tokens and verification outcomes are every rank's: a rank whose distributions differ still
+    emits rank 0's tokens (the single process's) and never hangs in a collective of another shape."""
+    prompt = random_prompt(PROMPT, 64, seed=3)
+    expected = {
+        mode: Engine(
+            tiny(), small_config(mode=mode, sampling=SAMPLINGS["seeded"], gamma_policy="heuristic"), drafter=tiny()
+        )
+        .generate(prompt)
+        .token_ids
+        for mode in MODES
+    }
+    context = mp.spawn(disagreeing, args=(2, str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):  # False until every rank has ended
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("a rank waited in a collective: the ranks disagreed")
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank

@@ -24,7 +24,7 @@ from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.environment import available_memory, torch_threads
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, weight_bytes
-from triforce_cli.runtime.parallel import shared_seed, world_size
+from triforce_cli.runtime.parallel import from_rank_zero, shared_seed, world_size
 from triforce_cli.runtime.store import human_size
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
@@ -352,7 +352,8 @@ class Engine:
             raise PromptError("the saved prompt state belongs to another prompt")
         cfg = self.config
         generator = torch.Generator(device=self.target.device)
-        generator.manual_seed(shared_seed(cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed()))
+        seed = cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed()
+        generator.manual_seed(shared_seed(seed, self.target.device))
         stats = GenerationStats(cfg.mode, self.drafter_description, len(prompt_ids))
         generated: list[int] = []
         chain: list[ModelTier] = []  # the tiers, top first, once built
@@ -383,7 +384,7 @@ class Engine:
                     caches.streaming.fill_from(caches.full)
                 else:
                     self._prefill(self.drafter.name, self.drafter.model, caches.streaming, prompt_ids, on_prefill)
-            first = int(sample(probabilities(logits, cfg.sampling), generator))
+            first = int(from_rank_zero(sample(probabilities(logits, cfg.sampling), generator)))
             stats.prefill_seconds = time.perf_counter() - started
             generated.append(first)
             if on_tokens is not None:

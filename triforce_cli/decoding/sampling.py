@@ -6,6 +6,7 @@ every draft is accepted sample a bonus token from p. Temperature, top-k and top-
 temperature 0 turns both into one-hot argmax distributions, so greedy decoding runs through the same code.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,12 +93,14 @@ def verify_draft(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Verdict:
     """Speculative sampling of n draft tokens (n,) drawn from draft_probs (n, V) against target_probs (n+1, V).
 
     Everything stays on the device until one read at the end (how many were accepted, the next token, and the
     drafts themselves, which a drafter on the device has not read), so a verification on a GPU waits for the
-    device once.
+    device once. agree: applied to that outcome (n+2,) on the device before the read; under tensor parallelism,
+    parallel.from_rank_zero, so that every rank goes on with rank 0's.
     """
     n = draft_tokens.shape[0]
     rows = torch.arange(n, device=draft_tokens.device)
@@ -116,7 +119,8 @@ def verify_draft(
     total = residual.sum()
     next_probs = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), after_accepted)
     next_token = sample(next_probs[None], generator)[0]
-    accepted_count, token, *drafts = torch.cat([accepted.long()[None], next_token[None], draft_tokens]).tolist()
+    outcome = torch.cat([accepted.long()[None], next_token[None], draft_tokens])  # (n+2,)
+    accepted_count, token, *drafts = (outcome if agree is None else agree(outcome)).tolist()
     return Verdict(accepted_count, token, tuple(drafts))  # that was the one read of the device
 
 

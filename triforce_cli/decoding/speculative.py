@@ -18,6 +18,7 @@ from triforce_cli.decoding.clock import DeviceClock, Mark
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities, sample, verify_draft
 from triforce_cli.decoding.speculation_length import SpeculationLength
 from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.parallel import from_rank_zero
 
 
 @dataclass
@@ -266,7 +267,7 @@ class ModelTier:
             chosen = self.proposer is not None and limit != 1  # an own step the policy chose: its cost is weighed
             started = self._round_start() if chosen else None
             probs = self._forward(prefix, pending, torch.empty(0, dtype=torch.long, device=device))
-            token = sample(probs, self.generator)
+            token = from_rank_zero(sample(probs, self.generator))
             if chosen:  # the caller reads the token next: timing it waits for nothing more
                 self.last_end = self.clock.mark()
                 self.length.record_own_step(self.clock.seconds(started, self.last_end))
@@ -282,7 +283,7 @@ class ModelTier:
         drafted = self.clock.mark()
         draft_ids = draft.ids(device)
         probs = self._forward(prefix, None, draft_ids)  # (len(draft) + 1, V)
-        verdict = verify_draft(draft_ids, draft.probs.to(device), probs, self.generator)  # the one device read
+        verdict = verify_draft(draft_ids, draft.probs.to(device), probs, self.generator, from_rank_zero)  # one read
         verified = self.clock.mark()  # after that read, so the verification's work is done
         self.last_end = verified
         stats.drafted += len(draft)

@@ -48,13 +48,24 @@ def init_parallel(device: torch.device) -> torch.device:
     return device
 
 
-def shared_seed(seed: int) -> int:
-    """Rank 0's seed on every rank, so that all draw the same random numbers."""
+def shared_seed(seed: int, device: torch.device) -> int:
+    """Rank 0's seed on every rank, so that all draw the same random numbers. device: the model's, where the
+    broadcast's tensor must live (NCCL carries only CUDA tensors)."""
     if world_size() == 1:
         return seed
-    value = torch.tensor([seed % (1 << 63)], dtype=torch.long)
+    value = torch.tensor([seed % (1 << 63)], dtype=torch.long, device=device)
     dist.broadcast(value, src=0)
     return int(value)
+
+
+def from_rank_zero(tokens: torch.Tensor) -> torch.Tensor:
+    """Rank 0's copy of tokens (or of a verification's outcome) on every rank, in place, on their device. Ranks
+    compute the same logits only up to rounding (their all-reduces may sum in another order), and a token drawn
+    or accepted differently on one rank would send it down another path until a collective hangs: every rank takes
+    rank 0's choices."""
+    if world_size() > 1:
+        dist.broadcast(tokens, src=0)
+    return tokens
 
 
 class AllReduce(nn.Module):
