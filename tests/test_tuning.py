@@ -230,6 +230,8 @@ def test_a_run_much_slower_than_its_measurement_says_so(checkpoint_folder, monke
     assert "triforce cache clear --measurements" in note
     assert tuning.slower_than_measured(kept, [0.006, 0.006, 0.1]) is None  # its first chunks as measured
     assert tuning.slower_than_measured(kept, [0.5]) is None  # a prompt shorter than the measured prefill
+    busy = made_tuning(checkpoint, tuning.Choice("dense", 2), prefill_chunk_ms=[5.0, 6.0], others_share=0.6)
+    assert tuning.slower_than_measured(busy, [0.010, 0.012, 0.004]) is None  # not kept: no yardstick
 
     quick = made_tuning(checkpoint, tuning.Choice("dense", 1), prefill_chunk_ms=[1e-6])  # no run is this quick
     monkeypatch.setattr(tuning, "measure", lambda spec, checkpoint: quick)

@@ -292,9 +292,10 @@ def fastest_configuration(spec: str | None, checkpoint: Checkpoint, status: Stat
 
 def slower_than_measured(tuning: Tuning, chunk_seconds: list[float]) -> str | None:
     """A note where a run's first prefill chunks took SLOW_FACTOR times what they took when the set-up was
-    measured (the same chunks of the same model on the same cores), saying what to do; None otherwise."""
+    measured (the same chunks of the same model on the same cores), saying what to do; None otherwise, and for a
+    measurement taken on a busy machine, which was not kept and is no yardstick."""
     measured = tuning.prefill_chunk_ms
-    if not measured or len(chunk_seconds) < len(measured):
+    if tuning.busy_reason is not None or not measured or len(chunk_seconds) < len(measured):
         return None
     ratio = sum(chunk_seconds[: len(measured)]) * 1e3 / sum(measured)
     if ratio < SLOW_FACTOR:
