@@ -422,3 +422,16 @@ class TestMemory:
         with pytest.raises(ConfigError, match=r"need [\d.]+ KiB on cpu, which has 1000 B free: use a shorter prompt"):
             engine.generate(list(range(PROMPT)))
         assert engine._caches is None  # nothing was allocated
+
+
+def test_free_gpu_memory_counts_the_allocators_unused_cache_and_leaves_the_slack(monkeypatch):
+    """torch's caching allocator holds memory the driver reports as used: it is free for the caches; 5% of the card
+    stays for the allocator's rounding, graph pools and activations (the CUDA context exists already)."""
+    from triforce_cli.runtime import environment
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 24 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gib)
+    free = environment.available_memory(torch.device("cuda", 0))
+    assert free == 12 * gib - int(0.05 * 24 * gib)

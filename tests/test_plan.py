@@ -32,6 +32,7 @@ FAKE_CPU = Hardware(
     flops=100e9,
     layer_overhead_s=100e-6,
     measured=True,
+    gpu=False,
 )
 ROW_KEYS = {"mode", "offload", "ms_per_token", "device_bytes", "host_bytes", "fits", "on_chip_layers"}
 DEFAULTS = EngineConfig()
@@ -122,7 +123,8 @@ class TestMemory:
             acceptance=Acceptance(draft=0.5, retrieval=0.9),
             dtype_bytes=4,
         )
-        small = replace(HARDWARE["rtx-4090"], memory_bytes=850 * 2**20, cuda_graphs=False)
+        # the tensors alone: no CUDA reserve (test_a_gpu_plan_leaves_the_cuda_reserve_free)
+        small = replace(HARDWARE["rtx-4090"], memory_bytes=850 * 2**20, cuda_graphs=False, gpu=False)
         prediction = plan(target=SMOLLM2_135M, drafter=SMOLLM2_135M_DRAFTER, hardware=small, workload=workload)
         for offload in ("none", "kv"):
             row = prediction.row(mode, offload)
@@ -141,18 +143,33 @@ class TestMemory:
         assert kv["device_bytes"] <= 24 * GIB < none["device_bytes"]
         assert payload["recommendation"]["offload"] == "kv" and payload["recommendation"]["fits"]
 
+    def test_a_gpu_plan_leaves_the_cuda_reserve_free(self):
+        """Beside the tensors, a row on a GPU holds the CUDA context and the allocator's slack (1 GiB and 5% of the
+        card), so a row that fits leaves them free; on a CPU there is none."""
+        payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
+        kv = row(payload, "triforce", "kv")
+        reserve = kv["memory"]["CUDA reserve"]["device"]
+        assert reserve == 2**30 + int(0.05 * 24 * GIB)
+        assert kv["fits"] and kv["device_bytes"] <= 24 * GIB
+        tensors = kv["device_bytes"] - reserve
+        assert tensors <= 24 * GIB - reserve  # on-chip layers only as many as leave the reserve
+        one_more_layer = kv_bytes(MODELS["Llama-3.1-8B"].target, 131072) // 32
+        assert kv["device_bytes"] + one_more_layer > 24 * GIB  # and not fewer than fit
+        cpu = plan_json("--model", "SmolLM2-135M", "--hardware", "this-cpu", "--context", "8k")
+        assert all("CUDA reserve" not in r["memory"] for r in cpu["rows"])
+
     def test_offload_none_is_recommended_where_it_fits(self):
         advice = plan_json("--model", "SmolLM2-135M", "--hardware", "a100-80gb", "--context", "32k")["recommendation"]
         assert advice["offload"] == "none" and advice["fits"] and advice["on_chip_layers"] == 0
 
     def test_two_gpus_hold_what_one_cannot(self):
         """Tensor parallel: weights and KV heads split, the drafter whole on each GPU, forwards faster."""
-        one = predict("Llama-2-7B-128K", HARDWARE["rtx-4090"], 65536)
-        two = predict("Llama-2-7B-128K", replace(HARDWARE["rtx-4090"], gpus=2, link=25e9, all_reduce_s=30e-6), 65536)
+        one = predict("Llama-2-7B-128K", HARDWARE["rtx-4090"], 49152)
+        two = predict("Llama-2-7B-128K", replace(HARDWARE["rtx-4090"], gpus=2, link=25e9, all_reduce_s=30e-6), 49152)
         single, split = one.row("triforce", "none"), two.row("triforce", "none")
         assert not single.fits and split.fits
-        drafter = {i.what: i.device_bytes for i in single.memory if i.what.startswith("drafter")}
-        assert split.device_bytes - single.device_bytes == sum(drafter.values())  # one more copy of the drafter
+        per_device = {i.what: i.device_bytes for i in single.memory if i.what.startswith("drafter") or "CUDA" in i.what}
+        assert split.device_bytes - single.device_bytes == sum(per_device.values())  # the drafter and reserve twice
         assert split.full_ms < single.full_ms
 
 

@@ -82,4 +82,5 @@ def measure_this_cpu() -> Hardware:
         flops=matmul_flops(),
         layer_overhead_s=layer_overhead_seconds(),
         measured=True,
+        gpu=False,
     )

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from triforce_cli.decoding.config import MODE_TIERS, MODES, EngineConfig
 from triforce_cli.decoding.speculation_length import expected_tokens
 from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.environment import device_reserve
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig
 
 # the offload settings planned: streamed weights (kv+weights, for models larger than the card) are not modelled
@@ -113,6 +114,7 @@ class Hardware:
     Python). gpus: devices in tensor parallel, each holding 1/gpus of the weights and KV heads. link and
     all_reduce_s: bytes/s between them and the fixed seconds of one all-reduce. cuda_graphs: whether decode steps
     replay as CUDA graphs (the tool's default on CUDA), which doubles the caches' headroom (Engine._capacities).
+    gpu: whether a device is a GPU, which keeps runtime.environment.device_reserve free.
     """
 
     name: str
@@ -126,6 +128,7 @@ class Hardware:
     all_reduce_s: float = 0.0
     cuda_graphs: bool = False
     measured: bool = False  # figures measured on this machine rather than taken from a preset
+    gpu: bool = True
 
     def __post_init__(self) -> None:
         figures = (self.memory_bytes, self.bandwidth, self.pcie, self.flops)
@@ -147,6 +150,7 @@ class Hardware:
             "all_reduce_us": self.all_reduce_s * 1e6,
             "cuda_graphs": self.cuda_graphs,
             "measured": self.measured,
+            "gpu": self.gpu,
         }
 
 
@@ -360,7 +364,8 @@ def memory_items(
     *, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload, mode: str, offload: str
 ) -> tuple[list[MemoryItem], int]:
     """What a mode holds, and where, before the on-chip layers: weights, the caches, the compiled steps' query
-    buffers; the full KV cache on the device or, offloaded, in host memory. Also the bytes of one layer's full
+    buffers; the full KV cache on the device or, offloaded, in host memory; on a GPU the reserve the CUDA runtime
+    and the allocator need (runtime.environment.device_reserve, which the engine's memory check leaves too). Also the bytes of one layer's full
     keys and values, the unit of the on-chip layers. The drafter and its cache are held whole on every device."""
     size = workload.dtype_bytes
     caps = capacities(workload=workload, mode=mode, cuda_graphs=hardware.cuda_graphs)
@@ -376,6 +381,7 @@ def memory_items(
         MemoryItem("drafter cache", drafter.kv_elements(caps.streaming) * size * copies, 0),
         MemoryItem("step queries", step_queries * size if hardware.cuda_graphs and offload == "none" else 0, 0),
         MemoryItem("full KV cache", *((full_bytes, 0) if offload == "none" else (0, full_bytes))),
+        MemoryItem("CUDA reserve", device_reserve(hardware.memory_bytes) * copies if hardware.gpu else 0, 0),
     ]
     return [item for item in items if item.device_bytes or item.host_bytes], full_bytes // target.num_layers
 

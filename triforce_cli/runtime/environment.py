@@ -117,11 +117,27 @@ def machine_description() -> dict:
     }
 
 
+# What a GPU needs beyond the tensors a plan lists (assumptions, not measurements: no GPU has run this tool yet):
+# the CUDA context, cuBLAS's workspace and kernels, about 1 GiB with torch; and the caching allocator's rounding and
+# fragmentation, CUDA graph pools, float32 logits and prefill activations, held to 5% of the card.
+CUDA_CONTEXT_BYTES = 1 << 30
+CUDA_SLACK_SHARE = 0.05
+
+
+def device_reserve(total_bytes: int, context_included: bool = False) -> int:
+    """Bytes of a GPU of total_bytes a plan must leave free: CUDA_CONTEXT_BYTES (unless the context exists already, as
+    it does once a process has touched the GPU) and CUDA_SLACK_SHARE of the card."""
+    return (0 if context_included else CUDA_CONTEXT_BYTES) + int(CUDA_SLACK_SHARE * total_bytes)
+
+
 def available_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on device: free GPU memory, or the host's MemAvailable (None where the
-    system does not say)."""
+    """Bytes that can still be allocated for tensors on device: on a GPU the driver's free memory plus what torch's
+    caching allocator holds unused, less device_reserve; the host's MemAvailable (None where the system does not
+    say)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return max(0, free + cached - device_reserve(total, context_included=True))
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
