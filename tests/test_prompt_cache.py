@@ -61,6 +61,15 @@ class TestEntriesMatchTheirInputs:
             assert data["token_ids"] == expected
         assert len(list(folder.glob("*.safetensors"))) == 2
 
+    @pytest.mark.parametrize("offload", ["none", "kv"])
+    def test_a_saved_state_serves_a_run_whose_full_cache_is_offloaded(self, two_checkpoints, words, tmp_path, offload):
+        """The saved keys and values are read and checked in host memory and copied to wherever the run's full
+        cache lives (the device, or host memory offloaded): the reused run is the fresh one."""
+        folder, args = tmp_path / "prompts", ("-p", words, "--target", two_checkpoints[0], *GREEDY_SHORT)
+        fresh = json_run(*args, "--offload", offload, "--prompt-cache", folder)
+        reused = json_run(*args, "--offload", offload, "--prompt-cache", folder)
+        assert not fresh["prompt_cached"] and reused["prompt_cached"] and reused["token_ids"] == fresh["token_ids"]
+
     def test_weights_changed_in_place_miss_the_cache(self, two_checkpoints, words, tmp_path):
         first, second = two_checkpoints
         folder = tmp_path / "prompts"

@@ -375,7 +375,7 @@ class Engine:
                     caches.full.pack_prefix()
             else:
                 prompt_state.restore(caches.full, pack=self.target.half_prompt_cache)
-                logits = prompt_state.last_logits
+                logits = prompt_state.last_logits.to(self.target.device)
                 stats.prompt_cached = True
             if caches.retrieval is not None:
                 caches.retrieval.select_chunks()

@@ -157,7 +157,9 @@ class PromptCache:
 
     def _read(self, path: Path, key: str, prompt_ids: list[int]) -> PromptState:
         try:
-            with safe_open(path, framework="pt", device=str(self.target.device)) as handle:
+            # read and checked in host memory: restore copies the keys and values to wherever the run's cache lives
+            # (the GPU, or host memory when it is offloaded), so nothing crosses to the device only to come back
+            with safe_open(path, framework="pt", device="cpu") as handle:
                 metadata = handle.metadata() or {}
                 tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
         except (OSError, SafetensorError, ValueError, RuntimeError) as err:
