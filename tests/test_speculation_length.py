@@ -375,7 +375,7 @@ def feed(length: SpeculationLength, rounds: int, accepted: bool, draft_seconds: 
 
 
 def test_drafting_that_does_not_pay_is_dropped_for_own_steps_and_retried_ever_less_often():
-    length = SpeculationLength("throughput", ceiling=3, self_steps=True)
+    length = SpeculationLength("throughput", ceiling=3, own_steps=True)
     lengths = feed(length, 200, accepted=False, draft_seconds=0.1, own_seconds=0.9)
     assert lengths[:4] == [3, 2, 1, 0]  # every length tried once, then one own step to measure it
     retries = [i for i in range(1, len(lengths)) if lengths[i] and not lengths[i - 1]]
@@ -385,14 +385,14 @@ def test_drafting_that_does_not_pay_is_dropped_for_own_steps_and_retried_ever_le
 
 
 def test_drafting_that_pays_is_kept_after_one_own_step():
-    length = SpeculationLength("throughput", ceiling=3, self_steps=True)
+    length = SpeculationLength("throughput", ceiling=3, own_steps=True)
     lengths = feed(length, 60, accepted=True, draft_seconds=0.01, own_seconds=0.9)
     assert lengths.count(0) == 1 and length.dropped == 0 and lengths[-1] == 3
 
 
 def test_own_steps_are_tried_again_after_the_text_changes():
     """Drafts that stopped paying are dropped; once they pay again, the next retry keeps them."""
-    length = SpeculationLength("throughput", ceiling=3, self_steps=True)
+    length = SpeculationLength("throughput", ceiling=3, own_steps=True)
     feed(length, 40, accepted=False, draft_seconds=0.1, own_seconds=0.9)
     assert length.current == 0 or length.retrying
     lengths = feed(length, 120, accepted=True, draft_seconds=0.01, own_seconds=0.9)
@@ -400,6 +400,6 @@ def test_own_steps_are_tried_again_after_the_text_changes():
     assert first_draft <= MAX_DRAFT_RETRY and 0 not in lengths[first_draft + 1 :]
 
 
-def test_without_self_steps_the_length_never_drops_to_zero():
+def test_without_own_steps_the_length_never_drops_to_zero():
     length = SpeculationLength("throughput", ceiling=3)
     assert 0 not in feed(length, 50, accepted=False, draft_seconds=0.1, own_seconds=0.01)

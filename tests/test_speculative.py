@@ -539,7 +539,7 @@ def test_own_steps_of_the_top_tier_are_exact(monkeypatch):
     distribution (forced here from the first round on, so the second token always comes from an own step)."""
     from triforce_cli.decoding.speculation_length import SpeculationLength
 
-    monkeypatch.setattr(SpeculationLength, "drafting", property(lambda length: not length.self_steps))
+    monkeypatch.setattr(SpeculationLength, "drafting", property(lambda length: not length.own_steps))
     pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="throughput")
     first, second = target_joint()
     assert joint_chi_square(pairs, first, second) > P_THRESHOLD

@@ -26,7 +26,7 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   so its averages follow the generation. Which source drafts depends only on what came before, so every
   verification stays exact.
 
-  The top tier may also draft nothing (length 0, ``self_steps``): it then samples its own tokens, one forward each,
+  The top tier may also draft nothing (length 0, ``own_steps``): it then samples its own tokens, one forward each,
   which is plain decoding with every tier below dropped. Its measured costs are whole rounds (what the engine does
   between two verifications included), so length 0 wins wherever drafting, all overheads counted, yields fewer
   tokens per second than plain steps: speculation is never slower than decoding without it by more than what the
@@ -143,7 +143,7 @@ class SpeculationLength:
     policy: str
     ceiling: int
     has_shortcut: bool = False  # the tier can draft from its proposer's proposer instead (throughput policy only)
-    self_steps: bool = False  # the tier may draft nothing and sample itself (length 0; throughput policy only)
+    own_steps: bool = False  # the tier may draft nothing and sample itself (length 0; throughput policy only)
     current: int = field(init=False)  # starts at the ceiling; 0: the tier's own step, nothing drafted
     use_shortcut: bool = field(init=False, default=False)  # where the next drafts come from
     proposer_averages: DraftSource = field(default_factory=DraftSource)
@@ -214,7 +214,7 @@ class SpeculationLength:
             self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
         # the source just recorded is measured; one not measured yet drafts the measured one's length
         _, self.current = best.get(self.use_shortcut, next(iter(best.values())))
-        if self.self_steps:
+        if self.own_steps:
             self._weigh_own_steps(max(r for r, _ in best.values()))
 
     def _weigh_own_steps(self, drafting_rate: float) -> None:

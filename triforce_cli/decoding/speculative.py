@@ -176,7 +176,7 @@ class ModelTier:
             self.gamma_policy,
             self.gamma,
             has_shortcut=self.shortcut is not None,
-            self_steps=self.own_steps and self.proposer is not None and self.gamma_policy == "throughput",
+            own_steps=self.own_steps and self.proposer is not None and self.gamma_policy == "throughput",
         )
 
     @property
