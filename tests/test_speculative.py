@@ -377,9 +377,9 @@ def drafter8():
     return rich_model(101, vocab_size=VOCAB, num_layers=1, name="drafter")
 
 
-def wrong_verify_draft(draft_tokens, draft_probs, target_probs, generator):
+def wrong_verify_draft(draft_tokens, draft_probs, target_probs, generator, agree=None):
     """After a rejection, resample from p instead of the residual: NOT exact (as the reference reads)."""
-    verdict = verify_draft(draft_tokens, draft_probs, target_probs, generator)
+    verdict = verify_draft(draft_tokens, draft_probs, target_probs, generator, agree)
     if verdict.accepted == draft_tokens.shape[0]:
         return verdict
     return Verdict(verdict.accepted, int(sample(target_probs[verdict.accepted][None], generator)))
