@@ -142,7 +142,7 @@ def test_info_shows_the_kept_choice_and_when_and_how_busy(checkpoint_folder, mon
     result = CliRunner().invoke(app, ["info"])
     assert result.exit_code == 0, result.output
     assert "dense weights, 1 thread, compile off" in result.output
-    assert "measured now, load average 0.42, other programs 3% of the CPU" in result.output
+    assert "measured now, load average 0.42, other programs 3% of the CPU" in " ".join(result.output.split())
     facts = json.loads(CliRunner().invoke(app, ["info", "--json"]).output)
     assert facts["tuned"][0]["choice"] == {"weights": "dense", "threads": 1, "compiled": False}
     other_machine = tuning.tuning_folder() / "elsewhere.json"  # measured on another CPU, torch or version

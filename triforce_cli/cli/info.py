@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from triforce_cli.cli import options as o
-from triforce_cli.cli.console import StdoutConsole, command_console
+from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.decoding.tuning import Tuning, remembered_tunings
 from triforce_cli.runtime.environment import describe_environment
 from triforce_cli.runtime.store import human_size
@@ -60,9 +60,9 @@ def info(json_output: o.JsonOutput = False) -> None:
             )
         for kept in map(Tuning.from_record, facts["tuned"]):
             out.print(Text(f"{kept.target}: {kept.choice.label}"))
-            out.print(Text(f"  {kept.conditions}", style="dim"))
+            print_note(out, f"  {kept.conditions}")
             candidates = "; ".join(f"{label} {ms:g}" for label, ms in kept.ms_per_token.items())
-            out.print(Text(f"  ms/token of plain decoding: {candidates}", style="dim"))
+            print_note(out, f"  ms/token of plain decoding: {candidates}")
         if not facts["tuned"]:
             out.print(
                 Text("nothing measured yet: a target's first run on the CPU measures its fastest set-up", style="dim")

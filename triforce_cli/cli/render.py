@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from triforce_cli.bench.forward_costs import ForwardCost
 from triforce_cli.bench.report import acceptance_text
 from triforce_cli.bench.runner import BenchRow, OverPrompts, over_prompts
+from triforce_cli.cli.console import print_note
 from triforce_cli.decoding.engine import MemoryPlan
 from triforce_cli.decoding.stats import GenerationStats
 from triforce_cli.distill.trainer import DistillProgress
@@ -189,7 +190,7 @@ def print_summary(console: Console, stats: GenerationStats) -> None:
     if table is not None:
         console.print(table)
     for note in filter(None, (costs.note for costs in stats.tier_costs)):
-        console.print(Text(note, style="dim"))
+        print_note(console, note)
 
 
 def _ratio(value: float | None) -> str:
