@@ -150,14 +150,13 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
 
 
-def write_atomically(path: Path, write: Callable[[Path], None]) -> bool:
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Give path its content whole or not at all: write(partial) fills a file or folder of this call's own, which
     then takes path's place in one rename. A reader never sees half of it; two processes writing the same path at
     once never share a partial; a process killed midway leaves only a partial, which nothing reads.
 
-    A folder cannot replace a folder: where another process put path there first, its copy stays and this one is
-    dropped. Returns whether this call's content is at path. Errors of write (and OSError of the rename) propagate,
-    with the partial removed.
+    A folder cannot replace a folder: where another process put path there first, its copy (of the same content)
+    stays and this one is dropped. Errors of write (and OSError of the rename) propagate, with the partial removed.
     """
     partial = partial_path(path)
     try:
@@ -168,11 +167,9 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> bool:
             if not (partial.is_dir() and path.is_dir()):
                 raise
             remove(partial)  # another process's folder got there first: it holds the same content
-            return False
     except BaseException:
         remove(partial)
         raise
-    return True
 
 
 def remove(path: Path) -> None:
@@ -182,20 +179,16 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def remove_stale_partials(folder: Path, now: float | None = None) -> list[Path]:
+def remove_stale_partials(folder: Path) -> None:
     """Remove the partials of folder last written more than STALE_PARTIAL_SECONDS ago: a process killed while writing
     (SIGKILL, a power cut) leaves its partial behind, and nothing else ever removes it. A fresher one may still be
-    another process's write in progress, so it stays. Returns what was removed."""
-    now = time.time() if now is None else now
-    stale = []
+    another process's write in progress, so it stays."""
     for path in folder.glob(f"*{PARTIAL_SUFFIX}"):
         try:
-            if now - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
+            if time.time() - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
                 remove(path)
-                stale.append(path)
         except OSError:  # renamed into place or removed meanwhile
             continue
-    return stale
 
 
 def evict(folder: Path, keep: Path, limit: int | None = None) -> list[Entry]:
