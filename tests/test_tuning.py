@@ -102,7 +102,7 @@ def test_compiled_steps_are_measured_only_where_dense_comes_close(
 
 def made_tuning(checkpoint, choice: tuning.Choice, ms_per_token=None, **conditions) -> tuning.Tuning:
     """A measurement of checkpoint as measure() returns one, taken on a quiet machine unless conditions say else."""
-    files = [str(f.resolve()) for f in tuning.checkpoint_files(checkpoint)]
+    files = tuning.checkpoint_paths(checkpoint)
     quiet = {"load": 0.1, "others_share": 0.01, "spread": 0.02, "prefill_chunk_ms": [5.0, 6.0]}
     return tuning.Tuning(
         "tiny", "cpu", choice, ms_per_token or {}, "now", tuning.machine_key(), files, **{**quiet, **conditions}

@@ -122,6 +122,16 @@ def tuning_key(checkpoint: Checkpoint) -> str:
     return digest.hexdigest()[:24]
 
 
+def tuning_path(checkpoint: Checkpoint) -> Path:
+    """Where the measurement of checkpoint on this machine is kept."""
+    return tuning_folder() / f"{tuning_key(checkpoint)}.json"
+
+
+def checkpoint_paths(checkpoint: Checkpoint) -> list[str]:
+    """The checkpoint's files as the measurement records them: resolved paths."""
+    return [str(f.resolve()) for f in checkpoint_files(checkpoint)]
+
+
 def _read(path: Path) -> Tuning | None:
     try:
         return Tuning.from_record(json.loads(path.read_text()))
@@ -140,11 +150,11 @@ def _keep(path: Path, tuning: Tuning) -> None:
 def remembered(checkpoint: Checkpoint) -> Tuning | None:
     """The kept measurement for checkpoint on this machine, or None (none kept, or unreadable). A copy of the
     checkpoint found at a path the measurement does not list yet is added to it."""
-    path = tuning_folder() / f"{tuning_key(checkpoint)}.json"
+    path = tuning_path(checkpoint)
     tuning = _read(path)
     if tuning is None:
         return None
-    here = [str(f.resolve()) for f in checkpoint_files(checkpoint)]
+    here = checkpoint_paths(checkpoint)
     if not set(here) <= set(tuning.files):
         tuning.files = [*tuning.files, *(f for f in here if f not in tuning.files)]
         _keep(path, tuning)
@@ -257,7 +267,7 @@ def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
         },
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine_key(),
-        [str(f.resolve()) for f in checkpoint_files(checkpoint)],
+        checkpoint_paths(checkpoint),
         None if load is None else round(load, 2),
         None if (share := others_share(before, after)) is None else round(share, 3),
         round(max(runs[choice]) / min(runs[choice]) - 1, 3),
@@ -277,7 +287,7 @@ def fastest_configuration(spec: str | None, checkpoint: Checkpoint, status: Stat
     tuning = measure(spec, checkpoint)
     busy = tuning.busy_reason
     if busy is None:
-        _keep(tuning_folder() / f"{tuning_key(checkpoint)}.json", tuning)
+        _keep(tuning_path(checkpoint), tuning)
         if status is not None:
             status(f"fastest here: {tuning.choice.label}")
         return tuning
