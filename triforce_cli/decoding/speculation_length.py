@@ -150,7 +150,7 @@ class SpeculationLength:
     shortcut_averages: DraftSource = field(default_factory=DraftSource)
     verify_seconds: dict[int, float] = field(default_factory=dict)  # per verification, by length; 0: an own step
     since_retry: int = SHORTCUT_RETRY - 1  # verifications since the last forced retry; the first comes at once
-    draft_retry: int = DRAFT_RETRY  # own steps to take before drafting again, once length 0 is chosen
+    draft_retry: int = field(init=False, default=DRAFT_RETRY)  # own steps before drafting again, once length 0 wins
     own_steps_left: int = field(init=False, default=0)
     retrying: bool = field(init=False, default=False)  # the current drafts are a retry after own steps
     resume: tuple[int, bool] = field(init=False, default=(1, False))  # (length, use_shortcut) a retry drafts with
