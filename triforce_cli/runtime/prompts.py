@@ -41,10 +41,14 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> 
         return tokenizer(text).input_ids
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("--chat needs a chat template, and this model's tokenizer has none")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    return tokenizer(user_turn(tokenizer, text), add_special_tokens=False).input_ids
+
+
+def user_turn(tokenizer: PreTrainedTokenizerBase, content: str) -> str:
+    """content as one user turn of the tokenizer's chat template, with the prompt for the model's answer."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
-    return tokenizer(rendered, add_special_tokens=False).input_ids
 
 
 DOCUMENT_PLACEHOLDER = "<<triforce-document>>"  # stands for the document while the chat template is rendered
@@ -69,11 +73,7 @@ def cut_prompt(tokenizer: PreTrainedTokenizerBase, document: str, request: str |
         return ids[:length]
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("a chat turn needs a chat template, and this model's tokenizer has none")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{DOCUMENT_PLACEHOLDER}\n\n{request}"}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    rendered = user_turn(tokenizer, f"{DOCUMENT_PLACEHOLDER}\n\n{request}")
     if rendered.count(DOCUMENT_PLACEHOLDER) != 1:
         raise PromptError("the chat template changes the message it is given, so the document cannot be cut in it")
     before, after = (
