@@ -112,6 +112,10 @@ def test_every_mode_and_transformers_peer_matches_greedy_autoregressive(pipe):
     # the n-gram before a model drafter)
     assert [(a["proposer"], a["verifier"]) for a in by_mode["streaming-ngram"].acceptance] == [("ngram", "target")]
     assert by_mode["triforce"].budget == 16 and by_mode["triforce"].chunk_size == 4
+    # the throughput policy's measured step costs come with each adaptive tier, as generate --json gives them
+    assert by_mode["autoregressive"].tier_costs == []
+    costs = {c["tier"]: c for c in by_mode["triforce"].tier_costs}
+    assert "target" in costs and all(ms > 0 for ms in costs["target"]["step_ms"].values())
 
 
 def test_with_a_separate_drafter_only_the_ngram_modes_put_the_ngram_first(checkpoint, tmp_path):

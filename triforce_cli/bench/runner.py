@@ -127,6 +127,7 @@ class BenchRow:
     time_to_first_token_seconds: float | None = None
     time_to_answer_seconds: float | None = None
     acceptance: list[dict] = field(default_factory=list)
+    tier_costs: list[dict] = field(default_factory=list)  # each adaptive tier's step costs and decisions, last repeat
     matches_autoregressive: bool | None = None
     speedup_vs_autoregressive: float | None = None
     speedup_vs_hf: float | None = None
@@ -374,6 +375,7 @@ class Bench:
                 ms = [s.ms_per_token for s in stats]
                 row = BenchRow(prompt, v.mode, context, v.budget, v.chunk_size, prefill_seconds, ms, v.gamma_policy)
                 row.acceptance = [as_record(a) for a in stats[-1].acceptance]
+                row.tier_costs = [as_record(c) for c in stats[-1].tier_costs]
                 row.prompt_cached = cached
                 # the engine's own prefill_seconds: restoring the shared prefill, the drafter's and the first token
                 first_token = [prefill_seconds + s.prefill_seconds for s in stats]
