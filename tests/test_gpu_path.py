@@ -433,5 +433,21 @@ def test_free_gpu_memory_counts_the_allocators_unused_cache_and_leaves_the_slack
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 24 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
     free = environment.available_memory(torch.device("cuda", 0))
     assert free == 12 * gib - int(0.05 * 24 * gib)
+
+
+def test_a_per_process_memory_fraction_is_the_card_the_caches_must_fit(monkeypatch):
+    """An 80 GiB card limited to 0.3 of itself (torch.cuda.set_per_process_memory_fraction) offers 24 GiB less what
+    is allocated, whatever the driver reports free, and the slack is a share of those 24 GiB."""
+    from triforce_cli.runtime import environment
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 5 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.3)
+    free = environment.available_memory(torch.device("cuda", 0))
+    allowed = int(80 * gib * 0.3)
+    assert free == allowed - 5 * gib - int(0.05 * allowed)

@@ -132,12 +132,15 @@ def device_reserve(total_bytes: int, context_included: bool = False) -> int:
 
 def available_memory(device: torch.device) -> int | None:
     """Bytes that can still be allocated for tensors on device: on a GPU the driver's free memory plus what torch's
-    caching allocator holds unused, less device_reserve; the host's MemAvailable (None where the system does not
-    say)."""
+    caching allocator holds unused, within the share of the card this process may use
+    (torch.cuda.set_per_process_memory_fraction), less device_reserve of that share; the host's MemAvailable (None
+    where the system does not say)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return max(0, free + cached - device_reserve(total, context_included=True))
+        reserved = torch.cuda.memory_reserved(device)
+        allowed = int(total * torch.cuda.get_per_process_memory_fraction(device))
+        unused = min(free + reserved, allowed) - torch.cuda.memory_allocated(device)
+        return max(0, unused - device_reserve(allowed, context_included=True))
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
