@@ -10,6 +10,9 @@
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -451,3 +454,24 @@ def test_a_per_process_memory_fraction_is_the_card_the_caches_must_fit(monkeypat
     free = environment.available_memory(torch.device("cuda", 0))
     allowed = int(80 * gib * 0.3)
     assert free == allowed - 5 * gib - int(0.05 * allowed)
+
+
+def test_the_gpu_check_script_runs_its_random_weight_comparison_on_the_cpu(tmp_path):
+    """scripts/gpu_check.py, which scripts/gpu-check.sh runs on a GPU, on a tiny shape here: every context, offload
+    and mode runs to its tokens and lands in the JSON; bash can parse the shell script."""
+    root = Path(__file__).resolve().parent.parent
+    assert subprocess.run(["bash", "-n", str(root / "scripts" / "gpu-check.sh")]).returncode == 0
+    out = tmp_path / "runs.json"
+    command = [sys.executable, str(root / "scripts" / "gpu_check.py"), "--device", "cpu", "--shape", "tiny"]
+    command += ["--contexts", "256,384", "--new-tokens", "4", "--memory-limit-gib", "0", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = json.loads(out.read_text())
+    assert [(r["context"], r["offload"], r["mode"]) for r in runs] == [
+        (context, offload, mode)
+        for context in (256, 384)
+        for offload in ("none", "kv")
+        for mode in ("autoregressive", "triforce")
+    ]
+    assert all(r["outcome"] == "ran" and r["ms_per_token"] > 0 for r in runs)
+    assert "acceptance is not" in result.stdout
