@@ -162,6 +162,18 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out[0]
 
 
+def float32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched product a @ b, a (B, M, K) and b (B, K, N) of one dtype, accumulated and returned in float32 (B, M, N).
+
+    16-bit inputs on CUDA go through bmm's out_dtype (CUDA-only in torch 2.13, float16/bfloat16 to float32): the
+    tensor cores' product without a rounding of the result to 16 bits. Elsewhere both factors are upcast (a no-op
+    for float32).
+    """
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """FlashAttention 2: bottom-right causal masking and grouped-query heads are native."""
     out = optional.flash_attn_func(
@@ -207,8 +219,17 @@ def attention_in_cache(
     slots [0, start + t]. Nothing depends on a host-side length, so the step compiles once for every position.
     Output (Hq, T, D).
 
-    'flash' reads through flash_decode; any other backend computes grouped-query attention over the whole
-    buffers with a mask (the CPU's own kernels take variable-length views and run in eager steps only).
+    'flash' reads through flash_decode, which stops at slot start + T. Any other backend computes grouped-query
+    attention over the whole buffers with a mask (the CPU's own kernels take variable-length views and run in eager
+    steps only): float32 scores (float32_bmm, the scale applied to them, not to 16-bit queries), softmax in float32,
+    the weights rounded to the values' dtype for their product, as FlashAttention does.
+
+    Those backends read all S slots, whatever the position: the graph's shapes are fixed and the position lives on
+    the device, so reading only a length bucket would put a host-side bucket into the graph, one more compiled
+    graph (and CUDA graph) per bucket for every padded length and cache kind. The cost is the unused slots: a full
+    cache holds prompt + max_new_tokens + headroom (Engine._capacities), so at most the new tokens' share is read
+    in vain, small for the long prompts TriForce serves; the drafts' caches are as long as their budget and window.
+    A full cache kept from a longer earlier prompt (Engine._allocate reuses it) is read to its whole capacity.
     """
     num_q_heads, num_queries, head_dim = q.shape
     if backend == "flash":
@@ -217,9 +238,10 @@ def attention_in_cache(
     group = num_q_heads // num_kv_heads
     last_visible = start.long() + torch.arange(num_queries, device=q.device)  # (T,)
     hidden = torch.arange(keys.shape[1], device=q.device)[None, :] > last_visible[:, None]  # (T, S)
-    qg = q.reshape(num_kv_heads, group * num_queries, head_dim) * scale  # (Hkv, G*T, D)
-    scores = torch.bmm(qg, keys.transpose(1, 2)).masked_fill(hidden.repeat(group, 1), float("-inf"))
-    out = torch.bmm(scores.float().softmax(dim=-1).to(values.dtype), values)  # (Hkv, G*T, D)
+    qg = q.reshape(num_kv_heads, group * num_queries, head_dim)  # (Hkv, G*T, D)
+    scores = float32_bmm(qg, keys.transpose(1, 2)).mul_(scale)  # (Hkv, G*T, S) float32
+    scores.masked_fill_(hidden.repeat(group, 1), float("-inf"))
+    out = torch.bmm(scores.softmax(dim=-1).to(values.dtype), values)  # (Hkv, G*T, D)
     return out.reshape(num_q_heads, num_queries, head_dim)
 
 
