@@ -368,7 +368,7 @@ def test_retrieval_side_structures_stay_in_the_cache_dtype(small):
 @CUDA
 class TestOnAGpu:
     def test_flash_and_sdpa_agree(self):
-        from kernels.attention import flash_attention, sdpa_attention
+        from kernels.attention import flash_attention, torch_attention
         from kernels.optional import flash_attn_func
 
         if flash_attn_func is None:
@@ -376,8 +376,23 @@ class TestOnAGpu:
         q = torch.randn(8, 5, 64, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         torch.testing.assert_close(
-            flash_attention(q, k, v, 0.125), sdpa_attention(q, k, v, 0.125), rtol=2e-2, atol=2e-2
+            flash_attention(q, k, v, 0.125), torch_attention(q, k, v, 0.125), rtol=2e-2, atol=2e-2
         )
+
+    @pytest.mark.parametrize(("num_queries", "num_keys"), [(1, 3000), (300, 300), (5, 3000)])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_the_sdpa_backend_matches_the_reference(self, dtype, num_queries, num_keys):
+        """SDPA's flash kernel (one query, or a square call, in bfloat16) and blocked_attention with float32
+        scores from bmm's out_dtype (bfloat16) or float32 factors."""
+        from kernels.attention import torch_attention
+
+        generator = torch.Generator().manual_seed(num_keys)
+        q = torch.randn(8, num_queries, 64, generator=generator).to("cuda", dtype)
+        k, v = (torch.randn(2, num_keys, 64, generator=generator).to("cuda", dtype) for _ in range(2))
+        exact = attention_reference(q.double(), k.double(), v.double(), 0.125)
+        reference_error = (attention_reference(q, k, v, 0.125).double() - exact).abs().max().item()
+        error = (torch_attention(q, k, v, 0.125).double() - exact).abs().max().item()
+        assert error <= 4 * reference_error + 1e-5
 
     def test_a_compiled_step_scores_bfloat16_inputs_in_float32(self):
         q, keys, values, start, exact = (x.cuda() for x in bfloat16_step())
