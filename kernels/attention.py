@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import optional
 from kernels.linear import half_weight_linear, pack_half_weight
@@ -19,6 +20,9 @@ from kernels.native import native_loaded
 
 FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here
 HEAD_AT_A_TIME_SCORES = 1 << 19  # packed-prefix scores (float32 values) above which each KV head goes alone
+# keys per block of blocked_attention: a block's scores are Hkv * G*T * KEY_BLOCK float32 values, 64 MiB for a
+# 512-query chunk of Llama-3.1-8B (32 query heads), whatever the context length
+KEY_BLOCK = 1024
 
 
 def new_token_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
@@ -156,10 +160,99 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """torch scaled_dot_product_attention with an explicit bottom-right mask (SDPA's is_causal is top-left)."""
+    """torch scaled_dot_product_attention with an explicit bottom-right mask (SDPA's is_causal is top-left): the
+    CPU kernels' choice for many queries where chunk_attention cannot run. On the CPU SDPA takes the mask into its
+    own flash kernel; on CUDA a mask with grouped heads sends it to the math kernel, which expands K/V to every
+    query head and materialises (Hq, T, L) scores, so the 'sdpa' backend runs torch_attention instead."""
     mask = None if q.shape[1] == 1 else new_token_mask(q.shape[1], k.shape[1], q.device)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0]
+
+
+def float32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched product a @ b, a (B, M, K) and b (B, K, N) of one dtype, accumulated and returned in float32 (B, M, N).
+
+    16-bit inputs on CUDA go through bmm's out_dtype (CUDA-only in torch 2.13, float16/bfloat16 to float32): the
+    tensor cores' product without a rounding of the result to 16 bits. Elsewhere both factors are upcast (a no-op
+    for float32).
+    """
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def hidden_new_keys(num_queries: int, group: int, first: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Boolean (G*T, stop - first), True where query row g*T + t may not read key n of [first, stop), keys counted
+    from the first new key (negative: context, seen by every query): where n > t."""
+    keys = torch.arange(first, stop, device=device)[None, :]
+    queries = torch.arange(num_queries, device=device)[:, None]
+    return (keys > queries).repeat(group, 1)
+
+
+def blocked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int = KEY_BLOCK
+) -> torch.Tensor:
+    """Grouped-query attention read in blocks of keys with an online softmax, in plain torch ops on any device.
+
+    The G = Hq / Hkv query heads of a KV head are stacked into (Hkv, G*T, D) rows, so K/V are never expanded to
+    the query heads. Keys and values are read block positions at a time; each block's float32 scores update a
+    running row maximum, a running sum of exponentials and a float32 output accumulator, both rescaled when the
+    maximum grows. Only blocks reaching into the last T keys (the new ones) are masked. The extra memory is that of
+    one block, O(Hkv * G*T * block), whatever L; the first block holds key 0, which every query sees, so every
+    row's maximum is finite from then on.
+
+    Args:
+        q: (Hq, T, D) queries.
+        k, v: (Hkv, L, D) keys and values, L >= T, the last T keys the queries' own.
+        scale: the factor on the scores.
+        block: keys per block.
+
+    Returns:
+        (Hq, T, D) in q's dtype.
+    """
+    num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads, num_keys, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    rows = group * num_queries
+    first_new = num_keys - num_queries
+    qg = q.reshape(num_kv_heads, rows, head_dim)  # (Hkv, G*T, D)
+    top = torch.full((num_kv_heads, rows, 1), float("-inf"), device=q.device)  # running maximum
+    total = torch.zeros(num_kv_heads, rows, 1, device=q.device)  # running sum of exponentials
+    out = torch.zeros(num_kv_heads, rows, head_dim, device=q.device)  # float32 accumulator
+    for start in range(0, num_keys, block):
+        stop = min(start + block, num_keys)
+        scores = float32_bmm(qg, k[:, start:stop].transpose(1, 2)).mul_(scale)  # (Hkv, G*T, B)
+        if stop > first_new:
+            hidden = hidden_new_keys(num_queries, group, start - first_new, stop - first_new, q.device)
+            scores.masked_fill_(hidden, float("-inf"))
+        new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
+        rescale = (top - new_top).exp_()  # (Hkv, G*T, 1), 0 before the first block
+        weights = scores.sub_(new_top).exp_()
+        total.mul_(rescale).add_(weights.sum(dim=-1, keepdim=True))
+        out.mul_(rescale).add_(float32_bmm(weights.to(v.dtype), v[:, start:stop]))  # (Hkv, G*T, D)
+        top = new_top
+    return out.div_(total).to(q.dtype).reshape(num_q_heads, num_queries, head_dim)
+
+
+def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The 'sdpa' backend: torch ops only, any device, memory bounded by the chunk rather than the context.
+    q (Hq, T, D), k and v (Hkv, L, D) as attention() takes them; output (Hq, T, D).
+
+    Where the bottom-right mask is one SDPA knows without a mask tensor (none for one query, its top-left causal
+    mask for a square T == L) and torch.backends.cuda.can_use_flash_attention accepts the call, SDPA runs with its
+    flash kernel alone enabled: the one fused kernel that takes grouped heads without expanding K/V. Any other call
+    runs blocked_attention: SDPA with a mask tensor and grouped heads falls back, on CUDA, to its math kernel.
+    """
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    if q.is_cuda and num_queries in (1, num_keys):
+        causal = num_queries > 1
+        q4, k4, v4 = q[None], k[None], v[None]  # (1, H, T or L, D)
+        params = torch.backends.cuda.SDPAParams(q4, k4, v4, None, 0.0, causal, True)
+        if torch.backends.cuda.can_use_flash_attention(params):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, scale=scale, enable_gqa=True)
+            return out[0]
+    return blocked_attention(q, k, v, scale)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -207,8 +300,17 @@ def attention_in_cache(
     slots [0, start + t]. Nothing depends on a host-side length, so the step compiles once for every position.
     Output (Hq, T, D).
 
-    'flash' reads through flash_decode; any other backend computes grouped-query attention over the whole
-    buffers with a mask (the CPU's own kernels take variable-length views and run in eager steps only).
+    'flash' reads through flash_decode, which stops at slot start + T. Any other backend computes grouped-query
+    attention over the whole buffers with a mask (the CPU's own kernels take variable-length views and run in eager
+    steps only): float32 scores (float32_bmm, the scale applied to them, not to 16-bit queries), softmax in float32,
+    the weights rounded to the values' dtype for their product, as FlashAttention does.
+
+    Those backends read all S slots, whatever the position: the graph's shapes are fixed and the position lives on
+    the device, so reading only a length bucket would put a host-side bucket into the graph, one more compiled
+    graph (and CUDA graph) per bucket for every padded length and cache kind. The cost is the unused slots: a full
+    cache holds prompt + max_new_tokens + headroom (Engine._capacities), so at most the new tokens' share is read
+    in vain, small for the long prompts TriForce serves; the drafts' caches are as long as their budget and window.
+    A full cache kept from a longer earlier prompt (Engine._allocate reuses it) is read to its whole capacity.
     """
     num_q_heads, num_queries, head_dim = q.shape
     if backend == "flash":
@@ -217,9 +319,10 @@ def attention_in_cache(
     group = num_q_heads // num_kv_heads
     last_visible = start.long() + torch.arange(num_queries, device=q.device)  # (T,)
     hidden = torch.arange(keys.shape[1], device=q.device)[None, :] > last_visible[:, None]  # (T, S)
-    qg = q.reshape(num_kv_heads, group * num_queries, head_dim) * scale  # (Hkv, G*T, D)
-    scores = torch.bmm(qg, keys.transpose(1, 2)).masked_fill(hidden.repeat(group, 1), float("-inf"))
-    out = torch.bmm(scores.float().softmax(dim=-1).to(values.dtype), values)  # (Hkv, G*T, D)
+    qg = q.reshape(num_kv_heads, group * num_queries, head_dim)  # (Hkv, G*T, D)
+    scores = float32_bmm(qg, keys.transpose(1, 2)).mul_(scale)  # (Hkv, G*T, S) float32
+    scores.masked_fill_(hidden.repeat(group, 1), float("-inf"))
+    out = torch.bmm(scores.softmax(dim=-1).to(values.dtype), values)  # (Hkv, G*T, D)
     return out.reshape(num_q_heads, num_queries, head_dim)
 
 
@@ -228,8 +331,8 @@ ATTENTION_BACKENDS = ("flash", "sdpa", "cpu")
 
 def attention_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
     """The kernel family attention() uses for tensors on device in dtype: 'flash' (FlashAttention, CUDA and a 16-bit
-    dtype, where flash-attn is installed), 'sdpa' (torch scaled_dot_product_attention, anywhere) or 'cpu' (the CPU
-    kernels below). 'auto' picks the fastest that runs; a requested one that cannot run is a ValueError saying why.
+    dtype, where flash-attn is installed), 'sdpa' (torch ops, anywhere: torch_attention) or 'cpu' (the CPU kernels
+    below). 'auto' picks the fastest that runs; a requested one that cannot run is a ValueError saying why.
     """
     flash_runs = (
         device.type == "cuda" and optional.flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16)
@@ -271,7 +374,7 @@ def attention(
     if backend == "flash":
         return flash_attention(q, k, v, scale)
     if backend == "sdpa":
-        return sdpa_attention(q, k, v, scale)
+        return torch_attention(q, k, v, scale)
     if prefix is not None:
         return packed_prefix_attention(q, prefix, k[:, prefix.length :], v[:, prefix.length :], scale)
     if q.shape[1] <= FEW_QUERIES:

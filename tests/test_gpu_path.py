@@ -192,6 +192,33 @@ class ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def bfloat16_step(sigma: float = 3.0):
+    """A fixed-shape step's bfloat16 inputs with peaked scores (standard deviation about sigma**2: rounding them to
+    bfloat16 moves a weight by percents) and the float64 attention of the same values: query t reads slots
+    [0, 200 + t] of 300."""
+    generator = torch.Generator().manual_seed(0)
+    q = (sigma * torch.randn(8, 3, 64, generator=generator)).bfloat16()
+    keys = (sigma * torch.randn(2, 300, 64, generator=generator)).bfloat16()
+    values = torch.randn(2, 300, 64, generator=generator).bfloat16()
+    start = torch.tensor([200], dtype=torch.int32)
+    seen = 200 + 3
+    exact = attention_reference(q.double(), keys[:, :seen].double(), values[:, :seen].double(), 64**-0.5)
+    return q, keys, values, start, exact
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_step_scores_bfloat16_inputs_in_float32(compiled):
+    """The non-flash fixed-shape step keeps its scores in float32: its error against float64 stays within twice
+    bfloat16's relative precision of the outputs (the output's and the weights' roundings). Scores rounded to
+    bfloat16, as the step once computed them, were off by 0.054 here against a bound of 0.024 (now 0.011)."""
+    q, keys, values, start, exact = bfloat16_step()
+    step = torch.compile(attention_in_cache, fullgraph=True, dynamic=False) if compiled else attention_in_cache
+    out = step(q, keys, values, start, 64**-0.5, "sdpa")
+    assert out.dtype == torch.bfloat16
+    bound = 2 * 2**-8 * exact.abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= bound
+
+
 class TestFlashDecoding:
     """flash_attn_with_kvcache's contract, checked on the CPU by a stand-in that enforces it and computes the
     reference: the same call runs the real kernel on a GPU."""
@@ -344,7 +371,7 @@ def test_retrieval_side_structures_stay_in_the_cache_dtype(small):
 @CUDA
 class TestOnAGpu:
     def test_flash_and_sdpa_agree(self):
-        from kernels.attention import flash_attention, sdpa_attention
+        from kernels.attention import flash_attention, torch_attention
         from kernels.optional import flash_attn_func
 
         if flash_attn_func is None:
@@ -352,8 +379,29 @@ class TestOnAGpu:
         q = torch.randn(8, 5, 64, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         torch.testing.assert_close(
-            flash_attention(q, k, v, 0.125), sdpa_attention(q, k, v, 0.125), rtol=2e-2, atol=2e-2
+            flash_attention(q, k, v, 0.125), torch_attention(q, k, v, 0.125), rtol=2e-2, atol=2e-2
         )
+
+    @pytest.mark.parametrize(("num_queries", "num_keys"), [(1, 3000), (300, 300), (5, 3000)])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_the_sdpa_backend_matches_the_reference(self, dtype, num_queries, num_keys):
+        """SDPA's flash kernel (one query, or a square call, in bfloat16) and blocked_attention with float32
+        scores from bmm's out_dtype (bfloat16) or float32 factors."""
+        from kernels.attention import torch_attention
+
+        generator = torch.Generator().manual_seed(num_keys)
+        q = torch.randn(8, num_queries, 64, generator=generator).to("cuda", dtype)
+        k, v = (torch.randn(2, num_keys, 64, generator=generator).to("cuda", dtype) for _ in range(2))
+        exact = attention_reference(q.double(), k.double(), v.double(), 0.125)
+        reference_error = (attention_reference(q, k, v, 0.125).double() - exact).abs().max().item()
+        error = (torch_attention(q, k, v, 0.125).double() - exact).abs().max().item()
+        assert error <= 4 * reference_error + 1e-5
+
+    def test_a_compiled_step_scores_bfloat16_inputs_in_float32(self):
+        q, keys, values, start, exact = (x.cuda() for x in bfloat16_step())
+        step = torch.compile(attention_in_cache, fullgraph=True, dynamic=False)
+        out = step(q, keys, values, start, 64**-0.5, "sdpa")
+        assert (out.double() - exact).abs().max().item() <= 2 * 2**-8 * exact.abs().max().item()
 
     @staticmethod
     def gpu_model(dtype: torch.dtype = torch.float32, compiled: bool = False):

@@ -1,10 +1,14 @@
 """Attention and retrieval kernels against plain-torch references and explicit formulas."""
 
+import contextlib
 import importlib
 import sys
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import kernels.retrieval
 from kernels import (
@@ -24,12 +28,15 @@ from kernels import (
 )
 from kernels.attention import (
     FEW_QUERIES,
+    KEY_BLOCK,
+    blocked_attention,
     chunk_attention,
     chunk_attention_available,
     grouped_attention,
     new_token_mask,
     pack_prefix,
     sdpa_attention,
+    torch_attention,
 )
 from kernels.linear import FEW_ROWS, few_row_linear
 from kernels.retrieval import bound_scores, chunk_key_bounds
@@ -94,7 +101,11 @@ def test_reference_matches_explicit_loop(group, num_queries, num_keys):
 
 @pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (1, 13), (4, 4), (5, 17), (8, 40)])
 @pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("kernel", [attention, grouped_attention, sdpa_attention], ids=["dispatch", "grouped", "sdpa"])
+@pytest.mark.parametrize(
+    "kernel",
+    [attention, grouped_attention, sdpa_attention, torch_attention],
+    ids=["dispatch", "grouped", "sdpa", "torch"],
+)
 def test_attention_kernels_match_reference(kernel, group, num_queries, num_keys):
     q, k, v = qkv(4, 4 // group, num_queries, num_keys, seed=num_keys)
     out = kernel(q, k, v, SCALE)
@@ -111,13 +122,15 @@ def test_grouped_single_query_matches_reference(group, num_keys):
     torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
 @pytest.mark.parametrize("num_queries", [1, 2, FEW_QUERIES, FEW_QUERIES + 1])
-def test_dispatch_matches_reference_on_a_long_strided_cache(num_queries):
-    """The cache hands attention views of a larger buffer; every CPU path must read them as they are."""
+def test_dispatch_matches_reference_on_a_long_strided_cache(num_queries, backend):
+    """The cache hands attention views of a larger buffer; every path must read them as they are."""
     q, _, _ = qkv(6, 2, num_queries, 1, seed=num_queries)
     buffer = torch.randn(2, 2, 3064, HEAD_DIM, generator=torch.Generator().manual_seed(9))
     k, v = buffer[0, :, :3003], buffer[1, :, :3003]  # (Hkv, L, D), head stride > L * D
-    torch.testing.assert_close(attention(q, k, v, SCALE), attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
+    out = attention(q, k, v, SCALE, backend=backend)
+    torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
 
 
 MANY_QUERIES = "chunk_attention" if chunk_attention_available(torch.zeros(1)) else "sdpa_attention"
@@ -187,6 +200,77 @@ def test_masking_ignores_future_keys():
     out2 = attention(q, k2, v2, SCALE)
     torch.testing.assert_close(out[:, :2], out2[:, :2])
     assert not torch.allclose(out[:, 2], out2[:, 2])
+
+
+# --- the sdpa backend: blocked attention ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_keys", "block"), [(17, 16), (48, 16), (100, 16), (100, 1024), (40, 1)])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("num_queries", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_attention_matches_reference(dtype, num_queries, group, num_keys, block):
+    """Blocks that divide L and blocks that leave a partial one, a block of one key, one block for all; the new keys
+    spread over several blocks (17 queries in blocks of 16). bfloat16: within twice the reference's own error, the
+    output's rounding."""
+    q, k, v = (x.to(dtype) for x in qkv(4, 4 // group, num_queries, num_keys, seed=num_keys + num_queries))
+    out = blocked_attention(q, k, v, SCALE, block=block)
+    assert out.shape == q.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
+        return
+    exact = attention_reference(q.double(), k.double(), v.double(), SCALE)
+    reference_error = (attention_reference(q, k, v, SCALE).double() - exact).abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= 2 * reference_error + 1e-6
+
+
+def test_torch_attention_runs_sdpa_where_its_flash_kernel_takes_the_call(monkeypatch):
+    """One query (no mask) or a square call (SDPA's top-left causal mask is then the bottom-right one) go to SDPA
+    when its flash kernel accepts them; here its CPU kernel stands in for the CUDA one."""
+    module = sys.modules["kernels.attention"]
+    calls = []
+    original_blocked = module.blocked_attention
+    monkeypatch.setattr(module, "blocked_attention", lambda *a: calls.append("blocked") or original_blocked(*a))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", lambda params: True)
+    for num_queries, num_keys in [(1, 30), (6, 6), (5, 30)]:
+        q, k, v = qkv(4, 2, num_queries, num_keys, seed=num_keys)
+        out = torch_attention(q, k, v, SCALE)
+        torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
+    assert calls == ["blocked"]  # only the 5 queries against 30 keys, which need a mask
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the size in bytes of the largest tensor any op produces while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel() * tensor.element_size())
+        return out
+
+
+@pytest.mark.parametrize("math_only", [False, True], ids=["default", "math"])
+def test_sdpa_backend_memory_is_bounded_by_the_chunk_not_the_context(math_only):
+    """64 queries against 4,096 and 16,384 keys: the largest tensor any op makes is the same, one block's scores,
+    far below the (Hq, T, L) float32 scores of SDPA's math kernel, which CUDA runs for a mask with grouped heads
+    ("math" holds SDPA to that kernel here; "default" lets the CPU choose its own)."""
+    num_q_heads, num_kv_heads, num_queries = 8, 2, 64
+    largest = {}
+    for num_keys in (4096, 16384):
+        q, k, v = qkv(num_q_heads, num_kv_heads, num_queries, num_keys, seed=1)
+        recorder = LargestTensor()
+        with sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext(), recorder:
+            attention(q, k, v, SCALE, backend="sdpa")
+        largest[num_keys] = recorder.largest
+    block_scores = num_q_heads * num_queries * KEY_BLOCK * 4  # Hkv * G*T * block float32 values
+    assert largest[4096] == largest[16384] <= 2 * block_scores
+    assert 8 * largest[16384] <= num_q_heads * num_queries * 16384 * 4
 
 
 # --- retrieval kernels --------------------------------------------------------------------------------------
