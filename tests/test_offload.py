@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import make_model, random_prompt, small_config
 
-from cache import FullCache
+from cache import FullCache, RetrievalCache
+from kernels import gather_chunks, summary_scores, top_chunks
 from offload import HostQueue, offload_kv
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -179,6 +180,58 @@ def test_a_prefill_short_of_device_memory_runs_in_segments_each_fetching_the_one
     assert copies_back == 4 * full.keys.shape[0] * 2 * full.keys.shape[1]
     assert torch.equal(state.last_logits, expected.last_logits) and torch.equal(state.keys, expected.keys)
     assert progress == sorted(progress) and progress[-1] == 128 and len(progress) == 4 * full.keys.shape[0]
+
+
+def per_layer_selection(retrieval: RetrievalCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference: the selection layer by layer, as the retrieval cache made it before it served every layer at
+    once. Returns the chunk ids (layers, Hkv, keep) and the chosen keys and values (layers, Hkv, budget, D)."""
+    full, chunk = retrieval.full, retrieval.chunk_size
+    full.settle()
+    complete = full.length // chunk
+    ids, keys, values = [], [], []
+    for layer in range(full.keys.shape[0]):
+        query = full.query_at(layer, full.length - 1)
+        scores = summary_scores(query, retrieval.chunk_keys[:, layer, :, :complete], retrieval.score)
+        ids.append(top_chunks(scores, retrieval.budget // chunk))
+        keys.append(gather_chunks(full.keys[layer], ids[-1], chunk))
+        values.append(gather_chunks(full.values[layer], ids[-1], chunk))
+    return torch.stack(ids), torch.stack(keys), torch.stack(values)
+
+
+@pytest.mark.parametrize("score", ["mean", "bound"])
+@pytest.mark.parametrize("offloaded", [False, True])
+@pytest.mark.parametrize("score_block_bytes", [1, None])
+def test_selecting_every_layer_at_once_gives_the_per_layer_selection(score, offloaded, score_block_bytes, monkeypatch):
+    """The same chunk ids and cache contents as layer by layer (score_block_bytes 1: the scores one layer per op),
+    on the device and offloaded, where every layer's chosen chunks and recent positions go up through the queue:
+    one contiguous copy per layer, KV head and tensor, each after the copies back it reads."""
+    if score_block_bytes is not None:
+        monkeypatch.setattr("kernels.retrieval.SCORE_BLOCK_BYTES", score_block_bytes)
+    model = loaded_model().model
+    cfg = model.config
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
+    queue = CountingQueue()
+    if offloaded:
+        offload_kv(full, torch.device("cpu"), on_chip_layers=1, queue=queue)
+    model(torch.tensor(random_prompt(100, 64, seed=7)), 0, full)
+    retrieval = RetrievalCache(full, budget=32, chunk_size=8, recent_capacity=32, score=score)
+    assert (retrieval.staging is not None) == offloaded
+    retrieval.select_chunks()
+    ids, keys, values = per_layer_selection(retrieval)
+    assert torch.equal(retrieval.chunk_ids, ids)
+    assert torch.equal(retrieval.keys[:, :, :32], keys) and torch.equal(retrieval.values[:, :, :32], values)
+    model(torch.tensor([1, 2, 3]), 100, full)
+    retrieval.sync_recent()
+    recent = slice(32, 32 + 7)  # positions 96-102: 4 of the prompt's last, incomplete chunk and the 3 new
+    assert torch.equal(retrieval.keys[:, :, recent], full.keys[:, :, 96:103])
+    assert torch.equal(retrieval.values[:, :, recent], full.values[:, :, 96:103])
+    targets = {retrieval.keys.untyped_storage().data_ptr(), retrieval.values.untyped_storage().data_ptr()}
+    uploads = [size for dst, _, size in queue.copies if dst in targets]
+    per_copy = cfg.head_dim * 4  # bytes of one position of one KV head
+    expected = [32 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # the selection, one copy per layer and head
+    expected += [4 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # its recent positions
+    expected += [3 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # sync_recent's
+    assert uploads == (expected if offloaded else [])
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
