@@ -2,6 +2,10 @@
 
 Offloaded (offload/kv.py), its storage lives in host memory and a stream object installed as ``stream`` serves
 the forwards on the device; the cache keeps its bookkeeping, and calls the stream where storage is touched.
+
+A prompt may be written layer by layer instead of forward by forward (LayerwiseWrite, for
+Transformer.prefill_layerwise): offloaded, each layer's keys and values then cross between host and device once
+for the whole prompt, where each forward over it would stream every layer's prefix to the device again.
 """
 
 from typing import Protocol
@@ -22,6 +26,12 @@ class StorageStream(Protocol):
     def update(
         self, full: "FullCache", layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def buffers(self, full: "FullCache", layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def write_back(self, full: "FullCache", layer: int, positions: slice) -> None: ...
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
     def forget_beyond(self, length: int) -> None: ...
 
@@ -91,6 +101,20 @@ class FullCache(KVCache):
         if self.stream is not None:
             self.stream.settle()
 
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst[...] = src, for a cache on the compute device that reads this cache's storage: offloaded, queued on
+        the stream's copy stream (LayerStream.upload: asynchronous, ordered after the copies back to the host, and
+        before the compute queued later); else at once.
+
+        Args:
+            dst: (..., S, D), each (S, D) matrix contiguous, on the device the model computes on.
+            src: dst's shape in the storage (or a staging buffer beside it), each (S, D) matrix contiguous.
+        """
+        if self.stream is None:
+            dst.copy_(src)
+        else:
+            self.stream.upload(dst, src)
+
     def make_static(self, num_query_heads: int, max_step: int) -> None:
         """As KVCache.make_static, with room for the queries of steps of up to max_step tokens (padding included),
         which a fixed-shape step writes into a buffer instead of handing them over."""
@@ -131,3 +155,65 @@ class FullCache(KVCache):
         if queries is None or not 0 <= row < queries.shape[1]:
             raise ValueError(f"no query for position {position} in the last forward")
         return queries[:, row]
+
+    def queries_at(self, position: int) -> torch.Tensor:
+        """The (layers, Hq, D) queries every layer of the last forward computed at ``position``."""
+        return torch.stack([self.query_at(layer, position) for layer in range(len(self.queries))])
+
+
+class LayerwiseWrite:
+    """Positions [start, start + T) of a FullCache written one layer at a time (Transformer.prefill_layerwise): all
+    of a layer's forwards, each over the positions after the one before, then the next layer's.
+
+    Attention reads it as it reads the cache: ``update`` stores a forward's keys and values and returns the views
+    up to them, as FullCache.update does. ``begin_layer`` takes the layer's (Hkv, capacity, D) keys and values once:
+    the storage's own, or offloaded, its device buffer from the stream (LayerStream.buffers: an on-chip layer's, or
+    its ring slot with its positions before start copied in); ``end_layer`` copies the layer's T positions back to
+    the host storage at once (LayerStream.write_back). The queries of each layer's last forward are kept, as after
+    forwards chunk by chunk (query_at).
+    """
+
+    static_step = False  # eager forwards of any length
+
+    def __init__(self, full: FullCache, start: int, num_tokens: int):
+        """Prepare full for the positions [start, start + num_tokens) (FullCache.prepare)."""
+        full.prepare(start, num_tokens)
+        self.full = full
+        self.start = start
+        self.layer = -1  # the layer being written, once begun
+        self.written = start  # positions the layer being written holds
+        self._keys: torch.Tensor | None = None  # (Hkv, capacity, D) of the layer being written
+        self._values: torch.Tensor | None = None
+
+    def begin_layer(self, layer: int) -> None:
+        """Take layer's keys and values for its forwards."""
+        full = self.full
+        self._keys, self._values = (
+            (full.keys[layer], full.values[layer]) if full.stream is None else full.stream.buffers(full, layer)
+        )
+        self.layer, self.written = layer, self.start
+
+    def update(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (Hkv, T', D) of the layer's next T' positions, and its queries q (Hq, T', D); return the
+        (Hkv, L, D) views attention reads, L the last new position + 1."""
+        positions = slice(self.written, self.written + k.shape[1])
+        if layer != self.layer or positions.stop > self.full.length:
+            raise ValueError(f"layer {layer} cannot write positions {positions.start}-{positions.stop} now")
+        self._keys[:, positions] = k
+        self._values[:, positions] = v
+        self.full.queries[layer] = q
+        self.full.query_start = positions.start
+        self.written = positions.stop
+        return self._keys[:, : positions.stop], self._values[:, : positions.stop]
+
+    def packed_prefix(self, layer: int) -> PackedPrefix | None:
+        return self.full.packed_prefix(layer)
+
+    def end_layer(self) -> None:
+        """The layer has written every position: offloaded, copy them back to the host storage."""
+        if self.written != self.full.length:
+            raise ValueError(f"layer {self.layer} wrote positions up to {self.written} of {self.full.length}")
+        if self.full.stream is not None:
+            self.full.stream.write_back(self.full, self.layer, slice(self.start, self.written))

@@ -12,7 +12,12 @@ the full model computed at the last cached position (the last full verification 
 ``sync_recent`` copies the full model's keys/values of newly verified tokens over the middle tier's own.
 
 The full cache's storage may live elsewhere (in host memory, offload/kv.py): selection then gathers the chosen
-chunks there and copies only them, and the mean keys, to this cache's device.
+chunks there and copies only them, and the mean keys, to this cache's device. Selection serves every layer at once:
+one scoring op on the device, and where the storage is elsewhere one read of the chosen ids, one gather of every
+layer's chunks into a staging buffer beside the storage (pinned where the storage is, allocated once) and one
+upload of it through the full cache (FullCache.upload: offloaded, asynchronous on the copy stream, one contiguous
+copy per layer and KV head, as the stream copies every range); ``sync_recent`` uploads its positions the same way,
+straight from the storage.
 """
 
 import torch
@@ -57,6 +62,15 @@ class RetrievalCache(KVCache):
         )
         self.num_mean_keys = 0
         self.chunk_ids: torch.Tensor | None = None  # (layers, Hkv, budget/chunk) after the first selection
+        # the chosen chunks' keys and values of every layer, gathered where the storage is when that is elsewhere
+        self.staging: torch.Tensor | None = None  # (2, layers, Hkv, budget, D)
+        if full.stream is not None or full.keys.device != self.keys.device:
+            self.staging = torch.empty(
+                (2, num_layers, num_kv_heads, budget, head_dim),
+                dtype=full.keys.dtype,
+                device=full.keys.device,
+                pin_memory=full.keys.is_pinned(),
+            )
         self.selected_until = 0
         self.synced_until = 0
         self.length = 0
@@ -91,39 +105,46 @@ class RetrievalCache(KVCache):
         self.num_mean_keys = complete_chunks
 
     def select_chunks(self) -> None:
-        """Choose the best chunks for the query at the full cache's last position and rebuild the view."""
+        """Choose the best chunks for the query at the full cache's last position and rebuild the view.
+
+        Every layer at once (module docstring): the scores of all layers in one op (kernels.summary_scores), then
+        the chosen chunks gathered straight into this cache where the storage is on its device, else on the
+        storage into the staging buffer and uploaded from there.
+        """
         length = self.full.length
         complete_chunks = length // self.chunk_size
         keep = self.budget // self.chunk_size
         if complete_chunks < keep:
             raise ValueError(f"budget {self.budget} exceeds the {length} cached tokens")
         self._update_mean_keys(complete_chunks)
-        ids = []
-        storage = self.full.keys.device
-        for layer in range(self.keys.shape[0]):
-            query = self.full.query_at(layer, length - 1).to(self.chunk_keys.device)
-            scores = summary_scores(query, self.chunk_keys[:, layer, :, :complete_chunks], self.score)
-            chosen = top_chunks(scores, keep)  # (Hkv, keep)
-            at_storage = chosen.to(storage)  # a device read where the storage is in host memory
-            for buffer, source in ((self.keys, self.full.keys), (self.values, self.full.values)):
-                gathered = gather_chunks(source[layer], at_storage, self.chunk_size)
-                buffer[layer, :, : self.budget] = gathered.to(buffer.device)  # only the budget crosses
-            ids.append(chosen)
-        self.chunk_ids = torch.stack(ids)
+        queries = self.full.queries_at(length - 1).to(self.chunk_keys.device)  # (layers, Hq, D)
+        scores = summary_scores(queries, self.chunk_keys[:, :, :, :complete_chunks], self.score)  # (layers, Hkv, C)
+        self.chunk_ids = top_chunks(scores, keep)  # (layers, Hkv, keep)
+        selected = slice(0, self.budget)
+        pairs = ((self.keys, self.full.keys), (self.values, self.full.values))
+        if self.staging is None:
+            for buffer, source in pairs:
+                gather_chunks(source, self.chunk_ids, self.chunk_size, out=buffer[:, :, selected])
+        else:
+            self.full.settle()  # the storage holds every write, and the staging buffer's last upload is done
+            at_storage = self.chunk_ids.to(self.full.keys.device)  # the one read of the device
+            for (buffer, source), staged in zip(pairs, self.staging, strict=True):
+                gather_chunks(source, at_storage, self.chunk_size, out=staged)
+                self.full.upload(buffer[:, :, selected], staged)
         self.selected_until = complete_chunks * self.chunk_size
         self.synced_until = self.selected_until
         self.sync_recent()
 
     def sync_recent(self) -> None:
-        """Copy the full cache's positions [synced_until, full.length) into the recent region."""
+        """Copy the full cache's positions [synced_until, full.length) into the recent region (FullCache.upload:
+        offloaded, queued after the copies that write them to the host storage)."""
         start, stop = self.synced_until, self.full.length
         if stop - self.selected_until > self.recent_capacity:
             raise CacheCapacityError("recent region of the retrieval cache is full; select chunks again first")
         if stop > start:
             slots = slice(self.budget + start - self.selected_until, self.budget + stop - self.selected_until)
-            self.full.settle()
-            self.keys[:, :, slots] = self.full.keys[:, :, start:stop].to(self.keys.device)
-            self.values[:, :, slots] = self.full.values[:, :, start:stop].to(self.values.device)
+            self.full.upload(self.keys[:, :, slots], self.full.keys[:, :, start:stop])
+            self.full.upload(self.values[:, :, slots], self.full.values[:, :, start:stop])
         self.synced_until = stop
         self.length = stop
 

@@ -5,6 +5,9 @@ query against the chunk's mean key and keeps the best chunks that fit the budget
 al., 2024, arXiv 2406.10774) keeps each chunk's elementwise minimum and maximum key instead and scores a chunk by
 an upper bound of the largest attention logit any of its keys can reach (score "bound"): a chunk with one key that
 matters is not averaged away.
+
+Scores, top-chunk choice and gather take any leading dimensions (the layers of a cache), so that one call serves
+every layer at once.
 """
 
 import torch
@@ -12,6 +15,7 @@ import torch
 MEAN_KEY_BLOCK = 1024  # chunks averaged at once
 CHUNK_SCORES = ("mean", "bound")
 SUMMARIES = {"mean": 1, "bound": 2}  # keys kept per chunk: the mean; the minimum and the maximum
+SCORE_BLOCK_BYTES = 1 << 28  # float32 copy of summaries that one scoring op makes at most (summary_scores)
 
 
 def chunk_mean_keys(k: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -32,12 +36,11 @@ def chunk_mean_keys(k: torch.Tensor, chunk_size: int) -> torch.Tensor:
 def score_chunks(q: torch.Tensor, mean_keys: torch.Tensor) -> torch.Tensor:
     """Score of each chunk for each KV head, summed over the query heads that share it.
 
-    q (Hq, D), mean_keys (Hkv, C, D) in any float dtype -> float32 (Hkv, C). The sum of the group's dot products
-    with a mean key is the dot product of the group's summed query with it.
+    q (..., Hq, D), mean_keys (..., Hkv, C, D) in any float dtype -> float32 (..., Hkv, C). The sum of the group's
+    dot products with a mean key is the dot product of the group's summed query with it.
     """
-    num_kv_heads = mean_keys.shape[0]
-    grouped = q.float().reshape(num_kv_heads, -1, q.shape[-1]).sum(dim=1)  # (Hkv, D)
-    return torch.einsum("hd,hcd->hc", grouped, mean_keys.float())
+    grouped = q.float().unflatten(-2, (mean_keys.shape[-3], -1)).sum(dim=-2)  # (..., Hkv, D)
+    return torch.einsum("...hd,...hcd->...hc", grouped, mean_keys.float())
 
 
 def chunk_key_bounds(k: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,12 +55,11 @@ def bound_scores(q: torch.Tensor, min_keys: torch.Tensor, max_keys: torch.Tensor
     """Quest's bound of each chunk for each KV head, summed over the query heads that share it: per query head,
     sum over d of max(q_d * min_d, q_d * max_d), no smaller than q . k for any key k of the chunk. The positive
     parts of the queries meet the maximum keys and the negative parts the minimum keys, so the group's sum is two
-    products. q (Hq, D), min_keys and max_keys (Hkv, C, D) -> float32 (Hkv, C)."""
-    num_kv_heads = min_keys.shape[0]
-    grouped = q.float().reshape(num_kv_heads, -1, q.shape[-1])  # (Hkv, group, D)
-    positive, negative = grouped.clamp(min=0).sum(dim=1), grouped.clamp(max=0).sum(dim=1)  # (Hkv, D)
-    return torch.einsum("hd,hcd->hc", positive, max_keys.float()) + torch.einsum(
-        "hd,hcd->hc", negative, min_keys.float()
+    products. q (..., Hq, D), min_keys and max_keys (..., Hkv, C, D) -> float32 (..., Hkv, C)."""
+    grouped = q.float().unflatten(-2, (min_keys.shape[-3], -1))  # (..., Hkv, group, D)
+    positive, negative = grouped.clamp(min=0).sum(dim=-2), grouped.clamp(max=0).sum(dim=-2)  # (..., Hkv, D)
+    return torch.einsum("...hd,...hcd->...hc", positive, max_keys.float()) + torch.einsum(
+        "...hd,...hcd->...hc", negative, min_keys.float()
     )
 
 
@@ -67,20 +69,38 @@ def chunk_summaries(k: torch.Tensor, chunk_size: int, score: str) -> tuple[torch
 
 
 def summary_scores(q: torch.Tensor, summaries: torch.Tensor, score: str) -> torch.Tensor:
-    """Chunk scores (Hkv, C) float32 of q (Hq, D) from the summaries (SUMMARIES[score], Hkv, C, D)."""
+    """Chunk scores (..., Hkv, C) float32 of q (..., Hq, D) from the summaries (SUMMARIES[score], ..., Hkv, C, D).
+
+    Each op copies the summaries it scores to float32. With a leading dimension (layers), q's rows are scored in
+    blocks whose copy takes at most SCORE_BLOCK_BYTES: for 128K tokens in chunks of 16, every layer's mean keys of
+    Llama-3.1-8B would take 1 GiB in float32, one layer's 32 MiB. Each (row, KV head) is the same product in any
+    block, so the blocks give the scores one op would.
+    """
+    if q.dim() == 2:
+        return _scores(q, summaries, score)
+    rows = max(1, SCORE_BLOCK_BYTES // (summaries[:, 0].numel() * 4))
+    blocks = [_scores(q[i : i + rows], summaries[:, i : i + rows], score) for i in range(0, q.shape[0], rows)]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def _scores(q: torch.Tensor, summaries: torch.Tensor, score: str) -> torch.Tensor:
     return score_chunks(q, summaries[0]) if score == "mean" else bound_scores(q, summaries[0], summaries[1])
 
 
 def top_chunks(scores: torch.Tensor, num_chunks: int) -> torch.Tensor:
-    """Indices (Hkv, num_chunks), ascending, of the best chunks per KV head; chunk 0 (the sinks) always kept."""
+    """Indices (..., Hkv, num_chunks), ascending, of the best chunks per KV head of scores (..., Hkv, C); chunk 0
+    (the sinks) always kept."""
     scores = scores.clone()
-    scores[:, 0] = float("inf")
+    scores[..., 0] = float("inf")
     chosen = scores.topk(num_chunks, dim=-1).indices
     return chosen.sort(dim=-1).values
 
 
-def gather_chunks(k: torch.Tensor, chunk_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Tokens of the chosen chunks. k (Hkv, L, D), chunk_ids (Hkv, n) -> (Hkv, n*chunk_size, D)."""
+def gather_chunks(
+    k: torch.Tensor, chunk_ids: torch.Tensor, chunk_size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Tokens of the chosen chunks. k (..., Hkv, L, D), chunk_ids (..., Hkv, n) -> (..., Hkv, n*chunk_size, D),
+    written into out (a view of that shape, any strides) where given."""
     offsets = torch.arange(chunk_size, device=k.device)
-    token_ids = (chunk_ids[:, :, None] * chunk_size + offsets).reshape(chunk_ids.shape[0], -1)  # (Hkv, n*chunk)
-    return torch.gather(k, 1, token_ids[:, :, None].expand(-1, -1, k.shape[-1]))
+    token_ids = (chunk_ids[..., None] * chunk_size + offsets).flatten(-2)  # (..., Hkv, n*chunk)
+    return torch.gather(k, -2, token_ids[..., None].expand(*token_ids.shape, k.shape[-1]), out=out)

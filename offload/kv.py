@@ -9,6 +9,10 @@ synchronises the whole device. The new tokens' keys and values are written into 
 host asynchronously. ``on_chip_layers`` keeps the first layers' keys and values on the device for good: they need
 no transfer.
 
+A prompt is prefilled layer by layer instead (cache.full.LayerwiseWrite, Transformer.prefill_layerwise): each layer
+takes its device buffer once (``buffers``), runs every chunk of the prompt in it and copies its new positions back
+once (``write_back``), so no chunk streams the prefix written by the chunks before it again.
+
 The head-major (layers, Hkv, positions, D) layout every cache uses keeps each KV head's prefix one contiguous range,
 so a layer streams as Hkv contiguous asynchronous copies (a copy of a strided range would be staged through
 pageable memory on the host, synchronously); a few copies more per layer cost microseconds against the
@@ -24,8 +28,9 @@ from offload.queues import HostQueue, Ring, queue_for
 
 class LayerStream:
     """The device side of an offloaded FullCache: the on-chip layers, the ring, and the copies between them and
-    the host storage (see the module docstring). FullCache calls begin() from prepare, update() per layer,
-    forget_beyond() on rollback and settle() before the host storage is read."""
+    the host storage (see the module docstring). FullCache calls begin() from prepare, update() per layer of a
+    forward (a layerwise write: buffers() and write_back() per layer), forget_beyond() on rollback and settle()
+    before the host storage is read; upload() serves the retrieval cache, which reads the host storage."""
 
     def __init__(self, full: FullCache, device: torch.device, on_chip_layers: int, queue: HostQueue):
         num_layers, num_kv_heads, capacity, head_dim = full.keys.shape
@@ -77,28 +82,59 @@ class LayerStream:
         copies = self._head_copies(self.ring_keys[slot], full.keys[layer], prefix)
         self.ring.fetch(layer, copies + self._head_copies(self.ring_values[slot], full.values[layer], prefix))
 
+    def _device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's (Hkv, capacity, D) keys and values on the device: its on-chip buffers, or its ring slot."""
+        if layer < self.on_chip:
+            return self.chip_keys[layer], self.chip_values[layer]
+        slot = self.ring.slot(layer)
+        return self.ring_keys[slot], self.ring_values[slot]
+
+    def buffers(self, full: FullCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where layer computes: its (Hkv, capacity, D) keys and values on the device, holding the positions before
+        the prepared write; an offloaded layer's once its copy has arrived. Starts copying the next layer into the
+        other slot, whose last reader (the layer before) has its compute queued by now."""
+        if layer >= self.on_chip:
+            self.ring.arrive(layer)
+            if layer + 1 < self.num_layers:
+                self._fetch(full, layer + 1)
+        return self._device(layer)
+
+    def write_back(self, full: FullCache, layer: int, positions: slice) -> None:
+        """Copy layer's positions, written into its buffers() by the compute queued so far, back to the host
+        storage, asynchronously: one contiguous copy per KV head of the keys and of the values."""
+        keys, values = self._device(layer)
+        if layer == self.on_chip - 1:
+            self.chip_valid = positions.stop
+        self.queue.wait("copy", self.queue.record("compute"))  # the new rows are written
+        self._copy_heads(full.keys[layer], keys, positions)
+        self._copy_heads(full.values[layer], values, positions)
+
     def update(
         self, full: FullCache, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """FullCache.update for layer: store k, v (Hkv, T, D) on the device and back on the host; return the
         (Hkv, L, D) device views attention reads."""
+        keys, values = self.buffers(full, layer)
         write = full._write
-        if layer < self.on_chip:
-            keys, values = self.chip_keys[layer], self.chip_values[layer]
-        else:
-            self.ring.arrive(layer)  # the layer's prefix is on the device
-            if layer + 1 < self.num_layers:
-                self._fetch(full, layer + 1)  # into the slot layer - 1 read, whose compute is queued by now
-            slot = self.ring.slot(layer)
-            keys, values = self.ring_keys[slot], self.ring_values[slot]
         keys[:, write] = k
         values[:, write] = v
-        if layer == self.on_chip - 1:
-            self.chip_valid = write.stop
-        self.queue.wait("copy", self.queue.record("compute"))  # the new rows are written
-        self._copy_heads(full.keys[layer], keys, write)
-        self._copy_heads(full.values[layer], values, write)
+        self.write_back(full, layer, write)
         return keys[:, : write.stop], values[:, : write.stop]
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst[...] = src asynchronously, for a cache on the device reading the host storage (or a staging buffer
+        beside it): after the compute queued so far, which may still read dst, and before any compute queued
+        later. Copies queued after the write-backs, on the same copy stream, read the host storage as they left it.
+
+        Args:
+            dst: (..., S, D) on the device, each (S, D) matrix contiguous, as in every cache's head-major layout.
+            src: dst's shape in host memory, each (S, D) matrix contiguous (pinned on a CUDA machine).
+        """
+        matrices = (-1, *dst.shape[-2:])  # a view, never a copy: each (S, D) matrix is one contiguous range
+        self.queue.wait("copy", self.queue.record("compute"))
+        for to, source in zip(dst.view(matrices), src.view(matrices), strict=True):
+            self.queue.copy(to, source)
+        self.queue.wait("compute", self.queue.record("copy"))
 
     def forget_beyond(self, length: int) -> None:
         self.chip_valid = min(self.chip_valid, length)

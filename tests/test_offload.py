@@ -1,11 +1,13 @@
 """The full KV cache offloaded to host memory (offload/): the same tokens as on the device, and the copies in an
-order a GPU can overlap, checked with a queue that defers every copy until something waits for it."""
+order a GPU can overlap, checked with a queue that defers every copy until something waits for it, and counted
+(CountingQueue): the prefill, layer by layer, moves each layer's keys and values across once."""
 
 import pytest
 import torch
 from conftest import make_model, random_prompt, small_config
 
-from cache import FullCache
+from cache import FullCache, RetrievalCache
+from kernels import gather_chunks, summary_scores, top_chunks
 from offload import HostQueue, offload_kv
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -52,12 +54,32 @@ class DeferredQueue(HostQueue):
         self.pending = self.pending[len(self.pending) - (self.issued - self.done) :]
 
 
+class CountingQueue(DeferredQueue):
+    """A DeferredQueue that also keeps, for every copy, the storages it writes and reads and its bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[tuple[int, int, int]] = []  # (destination storage, source storage, bytes)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copies.append((dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr(), dst.nbytes))
+        super().copy(dst, src)
+
+    def moved(self, full: FullCache) -> tuple[int, int, int]:
+        """Bytes copied from full's host storage to the device, bytes copied back to it, and how many copies back."""
+        host = {full.keys.untyped_storage().data_ptr(), full.values.untyped_storage().data_ptr()}
+        fetched = sum(size for dst, src, size in self.copies if src in host and dst not in host)
+        back = [size for dst, src, size in self.copies if dst in host and src not in host]
+        return fetched, sum(back), len(back)
+
+
 def loaded_model():
     return make_model(seed=5, vocab_size=64, num_layers=4, initializer_range=0.3, tie_word_embeddings=False).loaded
 
 
 def config(mode: str, sampling: SamplingConfig, **changes) -> EngineConfig:
-    return small_config(mode=mode, sampling=sampling, gamma_policy="fixed", **changes)
+    """Prefill chunks of 24 tokens: a 64-token prompt is three forwards, the last shorter, or three per layer."""
+    return small_config(mode=mode, sampling=sampling, gamma_policy="fixed", **{"prefill_chunk": 24, **changes})
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
@@ -100,6 +122,116 @@ def test_each_offloaded_layer_is_fetched_once_per_forward_and_waited_for_before_
     held = slice(0, PROMPT + 6)
     torch.testing.assert_close(full.keys[:, :, held], reference.keys[:, :, held])
     assert stream.device_bytes == (1 + 2) * 2 * full.keys[0].nbytes
+
+
+def kv_bytes(full: FullCache, positions: int) -> int:
+    """Bytes of the keys and values of every layer at that many positions."""
+    num_layers, num_kv_heads, _, head_dim = full.keys.shape
+    return 2 * num_layers * num_kv_heads * positions * head_dim * full.keys.element_size()
+
+
+@pytest.mark.parametrize("on_chip_layers", [0, 1])
+def test_an_offloaded_prefill_moves_each_layer_across_once_and_gives_the_device_caches_numbers(
+    on_chip_layers, monkeypatch
+):
+    """A 128-token prompt in 8 chunks of 16, 4 layers: nothing of the prompt is fetched from the host (every layer
+    holds its keys and values on the device while all its chunks run), and each layer's keys and values go back once,
+    in one copy per layer, tensor and KV head. Chunk by chunk, every chunk fetched the prefix of every offloaded
+    layer (229,376 bytes here with no layer on chip) and copied each chunk back apart (64 copies per layer). The
+    keys, values, queries and logits are the device cache's, bit for bit (the same forwards, in another order)."""
+    queues = []
+    monkeypatch.setattr("offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1])
+    model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
+    greedy = SamplingConfig(temperature=0)
+    expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk)).prefill(prompt)
+    engine = Engine(model, config("triforce", greedy, prefill_chunk=chunk, offload="kv", on_chip_layers=on_chip_layers))
+    progress, chunk_seconds = [], []
+    state = engine.prefill(prompt, lambda name, done, total: progress.append((done, total)), chunk_seconds.append)
+    full = engine._caches.full
+    fetched, back, copies_back = queues[0].moved(full)
+    num_layers, num_kv_heads = full.keys.shape[:2]
+    assert (fetched, back, copies_back) == (0, kv_bytes(full, 128), num_layers * 2 * num_kv_heads)
+    assert back == 65_536
+    assert torch.equal(state.last_logits, expected.last_logits)
+    assert torch.equal(state.keys, expected.keys) and torch.equal(state.values, expected.values)
+    assert torch.equal(state.last_queries, expected.last_queries)
+    assert progress == [(128 * layers // num_layers, 128) for layers in range(1, num_layers + 1)]
+    assert len(chunk_seconds) == 128 // chunk
+
+
+def test_a_prefill_short_of_device_memory_runs_in_segments_each_fetching_the_ones_before_it_once(monkeypatch):
+    """Room for the hidden states of 32 tokens: four segments of two chunks, each later one fetching the prompt
+    before it once per layer (0 + 32 + 64 + 96 positions), and the same numbers as the device cache's."""
+    import triforce_cli.decoding.engine as engine_module
+
+    queues = []
+    monkeypatch.setattr("offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1])
+    model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
+    greedy = SamplingConfig(temperature=0)
+    expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk)).prefill(prompt)
+    engine = Engine(model, config("triforce", greedy, prefill_chunk=chunk, offload="kv"))
+    full = engine._allocate(len(prompt)).full
+    room = 2 * model.model.prefill_layerwise_bytes(32)  # the prefill takes half the free memory
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: room)
+    progress = []
+    state = engine.prefill(prompt, lambda name, done, total: progress.append(done))
+    fetched, back, copies_back = queues[0].moved(full)
+    assert (fetched, back) == (kv_bytes(full, 0 + 32 + 64 + 96), kv_bytes(full, 128))
+    assert copies_back == 4 * full.keys.shape[0] * 2 * full.keys.shape[1]
+    assert torch.equal(state.last_logits, expected.last_logits) and torch.equal(state.keys, expected.keys)
+    assert progress == sorted(progress) and progress[-1] == 128 and len(progress) == 4 * full.keys.shape[0]
+
+
+def per_layer_selection(retrieval: RetrievalCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference: the selection layer by layer, as the retrieval cache made it before it served every layer at
+    once. Returns the chunk ids (layers, Hkv, keep) and the chosen keys and values (layers, Hkv, budget, D)."""
+    full, chunk = retrieval.full, retrieval.chunk_size
+    full.settle()
+    complete = full.length // chunk
+    ids, keys, values = [], [], []
+    for layer in range(full.keys.shape[0]):
+        query = full.query_at(layer, full.length - 1)
+        scores = summary_scores(query, retrieval.chunk_keys[:, layer, :, :complete], retrieval.score)
+        ids.append(top_chunks(scores, retrieval.budget // chunk))
+        keys.append(gather_chunks(full.keys[layer], ids[-1], chunk))
+        values.append(gather_chunks(full.values[layer], ids[-1], chunk))
+    return torch.stack(ids), torch.stack(keys), torch.stack(values)
+
+
+@pytest.mark.parametrize("score", ["mean", "bound"])
+@pytest.mark.parametrize("offloaded", [False, True])
+@pytest.mark.parametrize("score_block_bytes", [1, None])
+def test_selecting_every_layer_at_once_gives_the_per_layer_selection(score, offloaded, score_block_bytes, monkeypatch):
+    """The same chunk ids and cache contents as layer by layer (score_block_bytes 1: the scores one layer per op),
+    on the device and offloaded, where every layer's chosen chunks and recent positions go up through the queue:
+    one contiguous copy per layer, KV head and tensor, each after the copies back it reads."""
+    if score_block_bytes is not None:
+        monkeypatch.setattr("kernels.retrieval.SCORE_BLOCK_BYTES", score_block_bytes)
+    model = loaded_model().model
+    cfg = model.config
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
+    queue = CountingQueue()
+    if offloaded:
+        offload_kv(full, torch.device("cpu"), on_chip_layers=1, queue=queue)
+    model(torch.tensor(random_prompt(100, 64, seed=7)), 0, full)
+    retrieval = RetrievalCache(full, budget=32, chunk_size=8, recent_capacity=32, score=score)
+    assert (retrieval.staging is not None) == offloaded
+    retrieval.select_chunks()
+    ids, keys, values = per_layer_selection(retrieval)
+    assert torch.equal(retrieval.chunk_ids, ids)
+    assert torch.equal(retrieval.keys[:, :, :32], keys) and torch.equal(retrieval.values[:, :, :32], values)
+    model(torch.tensor([1, 2, 3]), 100, full)
+    retrieval.sync_recent()
+    recent = slice(32, 32 + 7)  # positions 96-102: 4 of the prompt's last, incomplete chunk and the 3 new
+    assert torch.equal(retrieval.keys[:, :, recent], full.keys[:, :, 96:103])
+    assert torch.equal(retrieval.values[:, :, recent], full.values[:, :, 96:103])
+    targets = {retrieval.keys.untyped_storage().data_ptr(), retrieval.values.untyped_storage().data_ptr()}
+    uploads = [size for dst, _, size in queue.copies if dst in targets]
+    per_copy = cfg.head_dim * 4  # bytes of one position of one KV head
+    expected = [32 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # the selection, one copy per layer and head
+    expected += [4 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # its recent positions
+    expected += [3 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # sync_recent's
+    assert uploads == (expected if offloaded else [])
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])

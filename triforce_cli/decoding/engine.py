@@ -292,11 +292,16 @@ class Engine:
         self, name: str, model: Transformer, cache, ids: list[int], on_prefill, on_chunk: ChunkCallback | None = None
     ) -> torch.Tensor:
         """Run the prompt through model in chunks on prefill_threads; return the logits (1, V) after its last token.
-        on_chunk receives each chunk's seconds."""
+        on_chunk receives each chunk's seconds.
+
+        A full cache in host memory is prefilled layer by layer (_prefill_layerwise); any other cache chunk by chunk.
+        """
         chunk = self.prefill_chunk
         tokens = torch.tensor(ids, dtype=torch.long, device=self.target.device)
         logits = None
         with torch_threads(self.prefill_threads):
+            if isinstance(cache, FullCache) and cache.stream is not None:
+                return self._prefill_layerwise(name, model, cache, tokens, on_prefill, on_chunk)
             for start in range(0, len(ids), chunk):
                 began = time.perf_counter()
                 logits = model(tokens[start : start + chunk], start, cache, num_logits=1, decoding=False)
@@ -304,6 +309,46 @@ class Engine:
                     on_chunk(time.perf_counter() - began)
                 if on_prefill is not None:
                     on_prefill(name, min(start + chunk, len(ids)), len(ids))
+        return logits
+
+    def _prefill_layerwise(
+        self,
+        name: str,
+        model: Transformer,
+        full: FullCache,
+        tokens: torch.Tensor,
+        on_prefill,
+        on_chunk: ChunkCallback | None,
+    ) -> torch.Tensor:
+        """_prefill of an offloaded full cache, layer by layer (Transformer.prefill_layerwise): each layer's keys and
+        values go back to the host once, where chunk by chunk every chunk would stream every layer's whole prefix to
+        the device again (about 2 TB over PCIe for 128K tokens of an 8B model).
+
+        The hidden states of the tokens in flight stay on the device: the whole prompt where they take at most half
+        of the device's free memory (the rest left to one forward's activations), else segments of as many chunks as
+        fit there, each fetching the segments before it once per offloaded layer. on_prefill counts a segment's
+        tokens in proportion to the layers done; each chunk of a segment gets the segment's mean seconds.
+        """
+        chunk, total = self.prefill_chunk, len(tokens)
+        free = available_memory(self.target.device)
+        segment = total
+        if free is not None and model.prefill_layerwise_bytes(total) > free // 2:
+            segment = max(1, free // 2 // model.prefill_layerwise_bytes(chunk)) * chunk
+        num_layers = model.config.num_layers
+        logits = None
+        for start in range(0, total, segment):
+            size = min(segment, total - start)
+            on_layer = None
+            if on_prefill is not None:
+                on_layer = lambda layers, start=start, size=size: on_prefill(
+                    name, start + size * layers // num_layers, total
+                )
+            began = time.perf_counter()
+            logits = model.prefill_layerwise(tokens[start : start + size], start, full, chunk, on_layer)
+            seconds, chunks = time.perf_counter() - began, -(-size // chunk)
+            if on_chunk is not None:
+                for _ in range(chunks):
+                    on_chunk(seconds / chunks)
         return logits
 
     def check_prompt(self, prompt_ids: list[int]) -> None:

@@ -43,7 +43,7 @@ class PromptState:
     def capture(cls, full: FullCache, prompt_ids: list[int], last_logits: torch.Tensor) -> "PromptState":
         length = full.length
         full.settle()
-        queries = torch.stack([full.query_at(layer, length - 1) for layer in range(full.keys.shape[0])])
+        queries = full.queries_at(length - 1)
         return cls(
             torch.tensor(prompt_ids, dtype=torch.long),
             full.keys[:, :, :length].clone(),

@@ -14,6 +14,9 @@ torch.compile(fullgraph=True): the tokens are padded to a power of two, position
 device tensors, and attention runs over the cache's whole buffers with a mask (kernels.attention_in_cache), so
 one graph per padded length serves every position; on CUDA each is captured as a CUDA graph. Prefill chunks and
 steps on caches not made static stay eager.
+
+prefill_layerwise() runs a prompt layer by layer instead of chunk by chunk (for a full cache in host memory, whose
+every forward streams every layer's prefix to the device): the same forwards of the same chunks, in another order.
 """
 
 from collections.abc import Callable
@@ -25,7 +28,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from cache import KVCache
+from cache import FullCache, KVCache, LayerwiseWrite
 from kernels import attention, attention_backend, attention_in_cache, linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -191,7 +194,9 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.backend: str | None = None  # kernels.attention_backend's choice; None: the fastest for the tensors
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | LayerwiseWrite
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         rotated_heads = self.num_heads + self.num_kv_heads  # queries, then keys
         qkv = self.qkv_proj(x).view(num_tokens, rotated_heads + self.num_kv_heads, self.head_dim).transpose(0, 1)
@@ -227,9 +232,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | LayerwiseWrite,
+        chunk: int | None = None,
+    ) -> torch.Tensor:
+        """The hidden states (T, C) after this layer of x (T, C), whose positions rotate by cos and sin (T, D).
+
+        chunk: None for one forward of the T tokens over a cache prepared for them; else a layerwise write's
+        forwards (Transformer.prefill_layerwise) of chunk tokens each, in turn, each one's output written over its
+        rows of x, which is returned. Either way the layer is called once, so that its forward hooks run once per
+        pass over it (offload/weights.py streams the layer's weights in one).
+        """
+        if chunk is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        for first in range(0, x.shape[0], chunk):
+            rows = slice(first, first + chunk)
+            x[rows] = self.forward(x[rows], cos[rows], sin[rows], cache)
+        return x
 
 
 class Backbone(nn.Module):
@@ -355,10 +379,69 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache)
         if num_logits is not None:
             x = x[-num_logits:]
-        logits = self.lm_head(self.model.norm(x)).float()  # (T, V) or (T, V')
+        return self.output(x)
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (N, V) of the last layer's hidden states x (N, C): -inf outside restrict_output's tokens."""
+        logits = self.lm_head(self.model.norm(x)).float()  # (N, V) or (N, V')
         if self.output_ids is None:
             return logits
         return spread_over_vocabulary(logits, self.output_ids, self.config.vocab_size)
+
+    def prefill_layerwise(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        cache: FullCache,
+        chunk: int,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits after the last of tokens at positions [start, start + T), written to cache layer by layer: each
+        layer runs every chunk of the tokens before the next layer runs any (cache.full.LayerwiseWrite).
+
+        Each (layer, chunk) is the forward that forward() runs for that chunk, with the same shapes and inputs: the
+        chunk's rows of the embedding, rotary cos and sin of its own positions, and keys and values (Hkv, L, D)
+        with the cache's strides. So the keys, values and logits are those of forward() chunk by chunk, bit for
+        bit wherever the same kernels run on the same shapes (the CPU's, and CUDA's fixed-algorithm ones).
+
+        What this holds on the device besides one forward's activations (prefill_layerwise_bytes): the hidden
+        states of all T tokens between layers, (T, hidden_size) in the model's dtype, and their rotary cos and sin,
+        (T, head_dim) each: for 128K tokens of Llama-3.1-8B in bfloat16, 128K x 4096 x 2 bytes = 1 GiB and
+        2 x 128K x 128 x 2 bytes = 64 MiB. A prompt whose share does not fit is run in segments, one call each
+        (Engine._prefill): each call fetches the positions before its start once per offloaded layer.
+
+        Args:
+            tokens: (T,) token ids on the model's device.
+            start: the position of the first; cache holds [0, start) already.
+            cache: the full cache, on the device or offloaded (offload.offload_kv).
+            chunk: tokens per forward of a layer.
+            on_layer: called with the number of layers done, after each.
+        Returns:
+            Float32 logits (1, V) after the last token.
+        """
+        num_tokens = tokens.shape[0]
+        with torch.inference_mode():
+            x = self.model.embed_tokens(tokens)  # (T, C)
+            end = start + num_tokens
+            positions = [
+                torch.arange(first, min(first + chunk, end), device=x.device) for first in range(start, end, chunk)
+            ]
+            rotary = [self.rotary(chunk_positions, x.dtype) for chunk_positions in positions]  # as forward() does
+            cos, sin = (torch.cat(parts) for parts in zip(*rotary, strict=True))  # (T, D) each
+            write = LayerwiseWrite(cache, start, num_tokens)
+            for index, layer in enumerate(self.model.layers):
+                write.begin_layer(index)
+                x = layer(x, cos, sin, write, chunk)
+                write.end_layer()
+                if on_layer is not None:
+                    on_layer(index + 1)
+            return self.output(x[-1:])
+
+    def prefill_layerwise_bytes(self, num_tokens: int) -> int:
+        """Device bytes prefill_layerwise holds for num_tokens besides one forward's: their hidden states (T, C) and
+        rotary cos and sin (T, D) each, in the model's dtype."""
+        cfg = self.config
+        return num_tokens * (cfg.hidden_size + 2 * cfg.head_dim) * self.model.norm.weight.element_size()
 
 
 def weight_bytes(*models: nn.Module) -> int:
