@@ -230,7 +230,7 @@ class Engine:
             self.check_memory(prompt_tokens)
             shape = (model.num_layers, model.num_kv_heads, model.head_dim, capacity, dtype)
             if self.offloaded:
-                full = FullCache(*shape, "cpu", pin_memory=device.type == "cuda")
+                full = FullCache(*shape, "cpu")  # offload_kv pins it, exactly its bytes
                 offload_kv(full, device, cfg.on_chip_layers)  # its forwards run eager, on the streamed views
             else:
                 full = FullCache(*shape, device)
