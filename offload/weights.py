@@ -49,6 +49,11 @@ class WeightStream:
         return param.detach().to("cpu")
 
     @property
+    def streamed_layers(self) -> list[nn.Module]:
+        """The layers whose weights live in host memory."""
+        return [self.layers[index] for index in self.host]
+
+    @property
     def device_bytes(self) -> int:
         return sum(t.nbytes for slot in self.slots for t in slot)
 
