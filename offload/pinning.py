@@ -4,8 +4,9 @@
 allocator, which rounds each block up to a power of two: a 17 GB KV cache would lock 32 GB that the system can never
 swap. ``pin_exactly`` instead page-locks a tensor's own ordinary memory in place with the CUDA runtime's
 ``cudaHostRegister`` (as torch.distributed's checkpoint stager does for its staging buffers) and unregisters it when
-the tensor's storage is freed. Without CUDA nothing is locked, but the bytes are counted all the same, so tests on a
-CPU-only machine can check that what is pinned is what the memory plan says.
+the tensor's storage is freed. Without CUDA, or for a fake tensor (which has no memory), nothing is locked but the
+bytes are counted all the same, so tests on a CPU-only machine can check that what is pinned is what the memory
+plan says.
 """
 
 import weakref
@@ -47,7 +48,8 @@ def pin_exactly(tensor: torch.Tensor) -> torch.Tensor:
     if key in _pinned:
         return tensor
     pointer = None
-    if torch.cuda.is_available() and storage.nbytes() > 0:
+    holds_memory = storage.device.type == "cpu"  # not a fake tensor's (tests/memory_accounting.py), which has none
+    if torch.cuda.is_available() and holds_memory and storage.nbytes() > 0:
         pointer = storage.data_ptr()
         # flags 1: cudaHostRegisterPortable, pinned for every CUDA context of the process, not just the current one
         error = torch.cuda.cudart().cudaHostRegister(pointer, storage.nbytes(), 1)
