@@ -47,11 +47,10 @@ class FullCache(KVCache):
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        pin_memory: bool = False,
     ):
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-        self.values = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.stream: StorageStream | None = None  # set by offload.offload_kv
         self.capacity = capacity
         self.length = 0

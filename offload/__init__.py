@@ -1,8 +1,20 @@
 """CPU offload for GPUs too small for the model: the full KV cache (kv.py) and decoder layers' weights (weights.py)
-in host memory, streamed to the device layer by layer."""
+in host memory, streamed to the device layer by layer; on a CUDA machine that host memory is page-locked, exactly
+its bytes (pinning.py)."""
 
 from offload.kv import LayerStream, offload_kv
+from offload.pinning import pin_exactly, pinned_bytes
 from offload.queues import CudaQueue, HostQueue, queue_for
 from offload.weights import WeightStream, offload_weights
 
-__all__ = ["CudaQueue", "HostQueue", "LayerStream", "WeightStream", "offload_kv", "offload_weights", "queue_for"]
+__all__ = [
+    "CudaQueue",
+    "HostQueue",
+    "LayerStream",
+    "WeightStream",
+    "offload_kv",
+    "offload_weights",
+    "pin_exactly",
+    "pinned_bytes",
+    "queue_for",
+]

@@ -23,6 +23,7 @@ device), so only its budget crosses PCIe; the drafter and its cache never touch 
 import torch
 
 from cache import FullCache
+from offload.pinning import pin_exactly
 from offload.queues import HostQueue, Ring, queue_for
 
 
@@ -150,7 +151,8 @@ def offload_kv(
     """Serve full's forwards on device from its host storage, streaming layer by layer (module docstring).
 
     Args:
-        full: a FullCache built on the host (pinned memory where CUDA is there, FullCache's pin_memory).
+        full: a FullCache built on the host in ordinary memory; for a CUDA device its keys and values are
+            page-locked here, exactly their bytes (offload/pinning.py).
         device: where the model computes.
         on_chip_layers: the first layers kept on the device, never streamed.
         queue: streams and events for the copies; by default CUDA's on a GPU, the host's (no-ops) on the CPU.
@@ -159,6 +161,9 @@ def offload_kv(
     """
     if full.keys.device.type != "cpu":
         raise ValueError(f"an offloaded full cache lives in host memory, not on {full.keys.device}")
+    if torch.device(device).type == "cuda":  # asynchronous copies need page-locked host memory
+        pin_exactly(full.keys)
+        pin_exactly(full.values)
     stream = LayerStream(full, torch.device(device), on_chip_layers, queue or queue_for(torch.device(device)))
     full.stream = stream
     return stream

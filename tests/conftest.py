@@ -8,7 +8,7 @@ output embedding so distributions are far from uniform (drafts then get both acc
 import copy
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 import triforce_cli.decoding.pipeline
 from cache import FullCache
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.runtime.loading import Checkpoint, LoadedModel
+from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
 from triforce_cli.runtime.model import Transformer
 from triforce_cli.runtime.native import kernel_error
 
@@ -107,6 +107,13 @@ def wrap(ref: torch.nn.Module, cfg, name: str = "tiny", eos_token_id: int | None
     assert set(missing) <= {"lm_head.weight"}, missing
     cfg.eos_token_id = eos_token_id
     return LoadedModel(name, model.eval(), StubTokenizer(cfg.vocab_size, eos_token_id), cfg)
+
+
+def load_tiny(tiny: TinyModel, options: LoadOptions) -> LoadedModel:
+    """tiny's weights as the loader builds a checkpoint's (build_model, with options), in place of its runtime model
+    copied from the reference."""
+    model = build_model(tiny.ref.state_dict(), tiny.loaded.hf_config, options, Checkpoint(tiny.loaded.name, Path(), []))
+    return replace(tiny.loaded, model=model)
 
 
 def make_model(seed: int = 0, peak: float = 1.0, name: str = "tiny", eos_token_id=None, **config) -> TinyModel:
@@ -261,7 +268,16 @@ def tiny(monkeypatch, tiny_models) -> dict:
     calls = []
 
     def fake_load_model(
-        spec, dtype=torch.float32, device="cpu", status=None, weights="dense", shared_from=None, context_window=None
+        spec,
+        dtype=torch.float32,
+        device="cpu",
+        status=None,
+        weights="dense",
+        shared_from=None,
+        context_window=None,
+        tensor_parallel=False,
+        offload_weights=False,
+        resident_layers=0,
     ):
         calls.append(
             SimpleNamespace(

@@ -216,6 +216,24 @@ def test_load_model_with_scaled_rope(tmp_path, rope):
     torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_model_gives_the_logits_of_the_checkpoint_copied_into_the_model(tmp_path, dtype):
+    """Transformed in host memory before crossing to the device, the weights compute exactly the logits of the
+    checkpoint's tensors copied into a model built whole (conftest.wrap), and so do they with layers 1 on streamed
+    from host memory (--offload kv+weights)."""
+    folder = tmp_path / "ckpt"
+    ref = save_checkpoint(folder, seed=3, num_layers=3, tie_word_embeddings=False)
+    copied = wrap(ref, ref.config).model
+    for param in copied.parameters():
+        param.data = param.data.to(dtype)
+    ids = random_prompt(SEQ, 31, seed=4)
+    expected = our_logits(copied, ids)
+    assert torch.equal(our_logits(load_model(str(folder), dtype=dtype).model, ids), expected)
+    streamed = load_model(str(folder), dtype=dtype, offload_weights=True, resident_layers=1).model
+    assert sorted(streamed.weight_stream.host) == [1, 2]
+    assert torch.equal(our_logits(streamed, ids), expected)
+
+
 def test_load_model_from_single_safetensors_file(tmp_path):
     folder = tmp_path / "ckpt"
     ref = save_checkpoint(folder, seed=2)

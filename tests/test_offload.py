@@ -4,16 +4,18 @@ order a GPU can overlap, checked with a queue that defers every copy until somet
 
 import pytest
 import torch
-from conftest import make_model, random_prompt, small_config
+from conftest import load_tiny, make_model, random_prompt, save_word_checkpoint, small_config
 
 from cache import FullCache, RetrievalCache
-from kernels import gather_chunks, summary_scores, top_chunks
+from kernels import gather_chunks, half_weights_available, summary_scores, top_chunks
 from offload import HostQueue, offload_kv
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.loading import LoadOptions
 
 PROMPT = 64
 MODES = ("autoregressive", "retrieval", "streaming", "triforce")
@@ -73,8 +75,18 @@ class CountingQueue(DeferredQueue):
         return fetched, sum(back), len(back)
 
 
+def tiny_model():
+    return make_model(seed=5, vocab_size=64, num_layers=4, initializer_range=0.3, tie_word_embeddings=False)
+
+
 def loaded_model():
-    return make_model(seed=5, vocab_size=64, num_layers=4, initializer_range=0.3, tie_word_embeddings=False).loaded
+    return tiny_model().loaded
+
+
+def streamed_model(resident_layers: int, weights: str = "dense"):
+    """loaded_model()'s weights loaded as for --offload kv+weights: the layers from resident_layers on streamed."""
+    options = LoadOptions(torch.device("cpu"), weights=weights, offload_weights=True, resident_layers=resident_layers)
+    return load_tiny(tiny_model(), options)
 
 
 def config(mode: str, sampling: SamplingConfig, **changes) -> EngineConfig:
@@ -239,7 +251,7 @@ def test_streamed_weights_give_the_tokens_of_the_resident_model(sampling, monkey
     """--offload kv+weights: layers 1-3 of 4 stream their weights and KV cache through the deferred queue."""
     monkeypatch.setattr("offload.kv.queue_for", lambda device: DeferredQueue())
     monkeypatch.setattr("offload.weights.queue_for", lambda device: DeferredQueue())
-    resident, streamed = loaded_model(), loaded_model()
+    resident, streamed = loaded_model(), streamed_model(resident_layers=1)
     prompt = random_prompt(PROMPT, 64, seed=3)
     for mode in MODES:
         expected = Engine(resident, config(mode, sampling)).generate(prompt).token_ids
@@ -252,15 +264,25 @@ def test_streamed_weights_give_the_tokens_of_the_resident_model(sampling, monkey
     assert plan.bytes_of("weight ring") == 2 * stream.layer_bytes
 
 
-def test_streamed_weights_need_dense_eager_steps():
-    half = loaded_model()
-    half.model.model.layers[0].mlp.down_proj.packed_bytes = 0  # what a packed half-weight module carries
+@pytest.mark.skipif(not half_weights_available(), reason="half weights need fbgemm")
+def test_streamed_weights_must_be_dense():
     with pytest.raises(ConfigError, match="kv\\+weights: streamed weights must be dense"):
-        Engine(half, config("triforce", SamplingConfig(), offload="kv+weights"))
-    compiled = loaded_model()
-    compiled.model.compile_steps(backend="aot_eager")
-    with pytest.raises(ConfigError, match="use --no-compile"):
-        Engine(compiled, config("triforce", SamplingConfig(), offload="kv+weights"))
+        streamed_model(resident_layers=1, weights="half")
+
+
+def test_streamed_weights_run_eager_steps(tmp_path):
+    with pytest.raises(ConfigError, match="kv\\+weights runs eager steps: use --no-compile"):
+        Pipeline.load(
+            str(save_word_checkpoint(tmp_path / "words")),
+            config=EngineConfig(offload="kv+weights"),
+            device="cpu",
+            compile_steps=True,
+        )
+
+
+def test_streamed_weights_are_chosen_at_load():
+    with pytest.raises(ConfigError, match="kv\\+weights needs a target loaded with its weights streamed"):
+        Engine(loaded_model(), config("triforce", SamplingConfig(), offload="kv+weights"))
 
 
 def test_a_restored_prompt_refills_the_on_chip_layers():
@@ -314,17 +336,18 @@ def test_generate_prints_the_memory_plan_and_offloads_on_request(tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text(" ".join(f"w{i % 31}" for i in range(40)))
     runs = {}
-    for offload in ("none", "kv"):
+    for offload in ("none", "kv", "kv+weights"):
         args = ["generate", "-p", str(prompt), "--target", str(folder), "--temperature", "0", "--max-new-tokens", "12"]
         result = CliRunner().invoke(app, [*args, "--offload", offload, "--on-chip-layers", "1"])
         assert result.exit_code == 0, result.output
         runs[offload] = result
-    assert runs["kv"].stdout == runs["none"].stdout
+    assert runs["kv"].stdout == runs["kv+weights"].stdout == runs["none"].stdout
     notes = {
         offload: result.stderr.replace("\n" + NOTE_INDENT, " ").splitlines()[0] for offload, result in runs.items()
     }
     assert "host" not in notes["none"]  # the memory note, its wrapped lines joined
     assert notes["kv"].startswith("memory: cpu ") and "full KV cache" in notes["kv"].split("host ")[1]
+    assert "streamed weights" in notes["kv+weights"].split("host ")[1]  # loaded streamed: layer 1 of 2
 
 
 @pytest.mark.cuda

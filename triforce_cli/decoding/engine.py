@@ -13,7 +13,7 @@ import torch
 
 from cache import FullCache, RetrievalCache, StreamingCache
 from kernels import SUMMARIES
-from offload import offload_kv, offload_weights
+from offload import offload_kv
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
@@ -80,12 +80,10 @@ class Engine:
         self.eos_ids = set() if config.ignore_eos else target.eos_token_ids
         self._caches: _Caches | None = None
         if config.offload == "kv+weights" and getattr(target.model, "weight_stream", None) is None:
-            if target.model.fixed_step is not None:
-                raise ConfigError("--offload kv+weights runs eager steps: use --no-compile")
-            try:  # a transform of the model: every engine on it streams its weights from then on
-                offload_weights(target.model, target.device, config.on_chip_layers)
-            except ValueError as err:
-                raise ConfigError(f"--offload kv+weights: {err}") from None
+            raise ConfigError(
+                "--offload kv+weights needs a target loaded with its weights streamed: load_model(...,"
+                " offload_weights=True), as Pipeline.load does for this offload"
+            )
 
     @property
     def uses_ngram(self) -> bool:
@@ -230,7 +228,7 @@ class Engine:
             self.check_memory(prompt_tokens)
             shape = (model.num_layers, model.num_kv_heads, model.head_dim, capacity, dtype)
             if self.offloaded:
-                full = FullCache(*shape, "cpu", pin_memory=device.type == "cuda")
+                full = FullCache(*shape, "cpu")  # offload_kv pins it, exactly its bytes
                 offload_kv(full, device, cfg.on_chip_layers)  # its forwards run eager, on the streamed views
             else:
                 full = FullCache(*shape, device)

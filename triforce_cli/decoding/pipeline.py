@@ -29,7 +29,7 @@ from triforce_cli.runtime.loading import (
     resolve_compile,
     resolve_weights,
 )
-from triforce_cli.runtime.parallel import apply_tp, init_parallel, world_size
+from triforce_cli.runtime.parallel import init_parallel, world_size
 from triforce_cli.runtime.prompts import encode_prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,7 +135,10 @@ class Pipeline:
         if parallel and compile_steps:
             raise ConfigError("tensor-parallel steps run eager (an all-reduce per block): use --no-compile")
         compiled = resolve_compile(False if parallel else compile_steps, torch_device, weights)
-        if weights == "auto" and (config.offload == "kv+weights" or parallel):
+        streamed = config.offload == "kv+weights"
+        if streamed and compiled:
+            raise ConfigError("--offload kv+weights runs eager steps: use --no-compile")
+        if weights == "auto" and (streamed or parallel):
             weights = "dense"  # streamed and sharded weights are parameters, which packed half weights are not
         tunable = torch_device.type == "cpu" and torch_dtype == torch.float32 and backend == "cpu" and not parallel
         # only there can 'auto' become gguf, so only there does it matter whether the target is a GGUF file
@@ -149,7 +152,17 @@ class Pipeline:
                 torch.set_num_threads(tuning.choice.threads)
         gguf_source = checkpoint is not None and checkpoint.gguf is not None
         weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled, gguf_source)
-        target_model = load_model(target, torch_dtype, torch_device, status, weights, context_window=context_window)
+        target_model = load_model(
+            target,
+            torch_dtype,
+            torch_device,
+            status,
+            weights,
+            context_window=context_window,
+            tensor_parallel=parallel,  # the drafter stays whole on every rank
+            offload_weights=streamed,
+            resident_layers=config.on_chip_layers,
+        )
         draft = drafter_spec(target, draft)
         drafter = None
         if draft is not None:
@@ -162,7 +175,6 @@ class Pipeline:
                 shared_from=target_model,
                 context_window=context_window,
             )
-        apply_tp(target_model.model)  # the drafter stays whole on every rank
         for loaded in (target_model, drafter):
             if loaded is not None:
                 loaded.model.use_attention(backend)

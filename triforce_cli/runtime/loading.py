@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -25,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+import offload
 from kernels import half_weights_available
 from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.runtime.context_window import extend_context
@@ -33,6 +35,7 @@ from triforce_cli.runtime.gguf_weights import GGUFEmbedding, use_gguf_weights
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
 from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 from triforce_cli.runtime.native import kernel_error
+from triforce_cli.runtime.parallel import apply_tp
 from triforce_cli.runtime.store import (
     content_identity,
     entries,
@@ -324,6 +327,145 @@ def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype
         raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """What build_model makes of a checkpoint's state, and where it puts it.
+
+    Attributes:
+        device: where the model computes.
+        dtype: the weights' dtype; the checkpoint's tensors are cast to it in host memory.
+        weights: the weight form, one of WEIGHT_FORMATS ('half' and 'gguf' exist on the CPU in float32 only).
+        tensor_parallel: shard the decoder layers over the default process group (parallel.apply_tp; with one
+            process, nothing changes).
+        offload_weights: keep the decoder layers from resident_layers on in host memory and stream them to the
+            device for each forward (offload.offload_weights, ``--offload kv+weights``).
+        resident_layers: with offload_weights, the first layers whose weights live on the device.
+    """
+
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    weights: str = "dense"
+    tensor_parallel: bool = False
+    offload_weights: bool = False
+    resident_layers: int = 0
+
+
+def runtime_config(hf_config: PretrainedConfig, name: str) -> ModelConfig:
+    """The runtime's config of a checkpoint, or a ModelLoadError naming it where this runtime cannot run it."""
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except UnsupportedModelError as err:
+        raise ModelLoadError(f"{name}: {err}") from None
+
+
+def read_host_state(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's safetensors files by name, in host memory as the files store them."""
+    state = {}
+    for file in files:
+        try:
+            state.update(load_file(file))
+        except (OSError, SafetensorError) as err:
+            raise ModelLoadError(f"cannot read weights {file}: {err}") from None
+    return state
+
+
+def move_to_device(model: nn.Module, device: torch.device) -> None:
+    """Move model's parameters and buffers to device one tensor at a time, so that each host copy is freed (where
+    nothing else holds it) as its device copy exists; a tensor several modules share (a tied output layer) moves
+    once and stays shared, and one on the device already (a drafter's borrowed embedding) stays as it is. The
+    layers whose weights stream from host memory (model.weight_stream) stay there.
+    """
+    stream = getattr(model, "weight_stream", None)
+    layers = [] if stream is None else stream.streamed_layers
+    streamed = {id(module) for layer in layers for module in layer.modules()}
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # id of each tensor -> the modules holding it, its names
+    for module in model.modules():
+        if id(module) not in streamed:
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                holders.setdefault(id(tensor), []).append((module, name))
+    with torch.no_grad():
+        for places in holders.values():
+            tensor = getattr(*places[0])
+            on_device = tensor.to(device)
+            if on_device is tensor:
+                continue
+            if isinstance(tensor, nn.Parameter):
+                on_device = nn.Parameter(on_device, tensor.requires_grad)
+            for module, name in places:
+                setattr(module, name, on_device)
+
+
+def build_model(
+    state: dict[str, torch.Tensor], hf_config: PretrainedConfig, options: LoadOptions, checkpoint: Checkpoint
+) -> Transformer:
+    """The runtime model of a checkpoint's state: every transform applied once, in host memory, in a fixed order,
+    before any tensor crosses to the device (gpt-fast's _load_model and apply_tp have the same shape).
+
+    1. cast each tensor to options.dtype (before fusing: the fused copies are then of the smaller dtype);
+    2. build the model, fusing q/k/v and gate/up (fuse_checkpoint: each projection's parts freed as its fused
+       tensor exists), and restrict a distilled drafter's output layer to its tokens (Transformer.restrict_output);
+    3. the weight form (half or gguf weights; the CPU only);
+    4. shard the decoder layers (options.tensor_parallel, parallel.apply_tp);
+    5. weight offload (options.offload_weights): the streamed layers stay in host memory, page-locked for a CUDA
+       device, and their two-slot ring is allocated on the device;
+    6. every other tensor crosses to the device, once, already cast and sharded (move_to_device).
+
+    The device thus holds at most the weights it keeps: no unfused or unsharded copy, no streamed layer.
+
+    Args:
+        state: the checkpoint's tensors by Hugging Face's names, in host memory (a tensor already on the device,
+            such as a drafter's borrowed embedding, stays there); emptied as the model takes them over.
+        hf_config: the checkpoint's config, its context window set.
+        options: dtype, device, weight form, sharding and weight offload.
+        checkpoint: where the state comes from: its name for errors, its GGUF file for gguf weights.
+    Returns:
+        The model in eval mode, on options.device but for its streamed layers.
+    Raises:
+        ModelLoadError: weights that do not fit the config, or that it lacks or does not use.
+        ConfigError: a transform that cannot apply (heads that do not divide by the processes, weights that
+            are not dense to shard or stream).
+    """
+    name = checkpoint.name
+    model_config = runtime_config(hf_config, name)
+    for key, tensor in state.items():
+        state[key] = tensor.to(options.dtype)
+    inv_freq, rope_scale = rope_frequencies(hf_config, model_config.head_dim)  # in host memory, as everything here
+    with torch.device("meta"):
+        model = Transformer(model_config, inv_freq, rope_scale)
+    try:
+        missing, unexpected = model.load_hf_state(state, assign=True)
+    except RuntimeError as err:  # a tensor whose shape is not the one config.json implies
+        detail = next((line.strip() for line in str(err).splitlines() if "mismatch" in line), str(err).splitlines()[0])
+        raise ModelLoadError(f"{name}: its weights do not fit its config.json ({detail})") from None
+    state.clear()  # the model holds them now: a transform below that replaces one frees it
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing:
+        raise ModelLoadError(f"{name}: checkpoint lacks weights such as {missing[0]}")
+    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise ModelLoadError(f"{name}: checkpoint has weights this runtime does not use, such as {unexpected[0]}")
+    output_ids = (getattr(hf_config, DRAFTER_METADATA, None) or {}).get("output_ids")
+    if output_ids:  # before the weight form, which then packs the restricted output layer too
+        model.restrict_output(torch.tensor(output_ids))
+    if options.weights == "gguf":
+        use_gguf_weights(model, checkpoint.gguf, hf_config, checkpoint.folder)
+    if options.weights == "half":
+        use_half_weights(model)
+    if options.tensor_parallel:
+        apply_tp(model)
+    if options.offload_weights:
+        try:
+            offload.offload_weights(model, options.device, options.resident_layers)
+        except ValueError as err:
+            raise ConfigError(f"--offload kv+weights: {err}") from None
+    move_to_device(model, options.device)
+    if model.output_ids is not None:  # a plain attribute, no buffer: move_to_device leaves it
+        model.output_ids = model.output_ids.to(options.device)
+    return model.eval()
+
+
 def load_model(
     spec: str | None,
     dtype: torch.dtype = torch.float32,
@@ -332,8 +474,12 @@ def load_model(
     weights: str = "dense",
     shared_from: LoadedModel | None = None,
     context_window: int | None = None,
+    tensor_parallel: bool = False,
+    offload_weights: bool = False,
+    resident_layers: int = 0,
 ) -> LoadedModel:
-    """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config.
+    """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config: its tensors are read
+    into host memory and transformed there, once, before they cross to the device (build_model).
 
     shared_from: the target, when loading a drafter; a drafter written by `triforce distill` borrows its
     embedding and output layer (see borrow_shared_weights).
@@ -344,6 +490,8 @@ def load_model(
     source, CPU, float32; gguf_weights.py), with the prompt's keys and values packed as float16 too.
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
+
+    tensor_parallel, offload_weights, resident_layers: see LoadOptions.
     """
     checkpoint = resolve_checkpoint(spec, status)
     name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files
@@ -357,45 +505,14 @@ def load_model(
         raise ModelLoadError(f"cannot read config or tokenizer of {name}: {err}") from None
     if context_window is not None:
         extend_context(hf_config, context_window)
-    try:
-        model_config = ModelConfig.from_hf(hf_config)
-    except UnsupportedModelError as err:
-        raise ModelLoadError(f"{name}: {err}") from None
-    inv_freq, rope_scale = rope_frequencies(hf_config, model_config.head_dim)  # on the CPU, not the meta device
-    with torch.device("meta"):
-        model = Transformer(model_config, inv_freq, rope_scale)
-    state = {}
-    for file in files:
-        try:
-            tensors = load_file(file)
-        except (OSError, SafetensorError) as err:
-            raise ModelLoadError(f"cannot read weights {file}: {err}") from None
-        state.update({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
+    runtime_config(hf_config, name)  # an architecture this runtime cannot run fails before any weight is read
+    state = read_host_state(files)
     borrow_shared_weights(name, hf_config, state, shared_from)
-    try:
-        missing, unexpected = model.load_hf_state(state, assign=True)
-    except RuntimeError as err:  # a tensor whose shape is not the one config.json implies
-        detail = next((line.strip() for line in str(err).splitlines() if "mismatch" in line), str(err).splitlines()[0])
-        raise ModelLoadError(f"{name}: its weights do not fit its config.json ({detail})") from None
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing:
-        raise ModelLoadError(f"{name}: checkpoint lacks weights such as {missing[0]}")
-    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
-    if unexpected:
-        raise ModelLoadError(f"{name}: checkpoint has weights this runtime does not use, such as {unexpected[0]}")
-    model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-    output_ids = (getattr(hf_config, DRAFTER_METADATA, None) or {}).get("output_ids")
-    if output_ids:
-        model.restrict_output(torch.tensor(output_ids, device=device))
-    if weights == "gguf":
-        use_gguf_weights(model, checkpoint.gguf, hf_config, folder)
-    if weights == "half":
-        use_half_weights(model)
+    options = LoadOptions(torch.device(device), dtype, weights, tensor_parallel, offload_weights, resident_layers)
+    model = build_model(state, hf_config, options, checkpoint)
     if shared_from is not None and isinstance(shared_from.model.model.embed_tokens, GGUFEmbedding):
         model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's blocks, not a float copy
-    return LoadedModel(name, model.eval(), tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
+    return LoadedModel(name, model, tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
 
 
 def load_hf_model(

@@ -131,20 +131,24 @@ def checkpoint_parts(module: str, cfg: ModelConfig) -> tuple[tuple[str, int], ..
 
 
 def fuse_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A state dict with Hugging Face's names as the runtime names it: each layer's q, k and v weights (and biases)
-    concatenated along their output rows into qkv_proj's, its gate and up weights (and biases) into gate_up_proj's.
+    """Rename a state dict with Hugging Face's names, in place, as the runtime names it: each layer's q, k and v
+    weights (and biases) concatenated along their output rows into qkv_proj's, its gate and up weights (and biases)
+    into gate_up_proj's.
 
-    Every other entry stays as it is, and so do the parts of a projection the state holds only in part, for
-    load_state_dict to report.
+    Each projection's parts leave state as their fused tensor enters it, so (unless held elsewhere) they are freed
+    projection by projection, and memory never holds more than one projection twice. Every other entry stays as it
+    is, and so do the parts of a projection the state holds only in part, for load_state_dict to report.
+
+    Returns:
+        state itself.
     """
-    fused = dict(state)
     for layer in range(cfg.num_layers):
         for projection, parts in fused_projections(cfg).items():
             for param in ("weight", "bias"):
                 names = [f"model.layers.{layer}.{part}.{param}" for part, _ in parts]
-                if all(name in fused for name in names):
-                    fused[f"model.layers.{layer}.{projection}.{param}"] = torch.cat([fused.pop(name) for name in names])
-    return fused
+                if all(name in state for name in names):
+                    state[f"model.layers.{layer}.{projection}.{param}"] = torch.cat([state.pop(name) for name in names])
+    return state
 
 
 class RMSNorm(nn.Module):
@@ -292,8 +296,9 @@ class Transformer(nn.Module):
         self.output_ids = output_ids.to(rows.device)
 
     def load_hf_state(self, state: dict[str, torch.Tensor], assign: bool = False) -> tuple[list[str], list[str]]:
-        """Load a state dict with Hugging Face's names (fuse_checkpoint), not strictly; return the missing and the
-        unexpected keys as load_state_dict does, a missing fused projection named by its parts absent from state.
+        """Load a state dict with Hugging Face's names (fused in place by fuse_checkpoint), not strictly; return the
+        missing and the unexpected keys as load_state_dict does, a missing fused projection named by its parts
+        absent from state.
 
         assign: take state's tensors as the parameters, as load_state_dict(assign=True) does.
         """

@@ -6,7 +6,8 @@ MLP), the output and down projections by input columns, each followed by one all
 and the vocabulary projection stay whole, so every rank computes the full logits and, with the same seed, samples
 the same tokens: no rank drifts. The model's config then counts the rank's own heads, so every cache built for it
 (full, retrieval, offloaded) holds only those; retrieval scoring works per KV head and needs no communication.
-NCCL on CUDA, gloo on the CPU (``init_parallel``).
+NCCL on CUDA, gloo on the CPU (``init_parallel``). The loader applies it while the weights are still in host memory
+(loading.build_model), so that each rank's device receives its shard only.
 """
 
 import atexit

@@ -1,0 +1,162 @@
+"""What loading Llama-3.1-8B (and offloading its 128K-token KV cache) puts on a GPU and pins in host memory, counted
+without a GPU and without the memory: the real load path on fake tensors (tests/memory_accounting.py)."""
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from memory_accounting import DEVICE, MemoryLedger, checkpoint_shapes, fake_memory, fake_state
+from transformers import LlamaConfig
+
+from cache import FullCache
+from offload import HostQueue, offload_kv, pin_exactly, pinned_bytes
+from triforce_cli.runtime.loading import Checkpoint, LoadOptions, build_model
+
+LLAMA_31_8B = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    },
+)
+SHAPES = checkpoint_shapes(LLAMA_31_8B)
+NUM_LAYERS = LLAMA_31_8B.num_hidden_layers
+DTYPE = torch.bfloat16
+INV_FREQ_BYTES = 64 * 4  # the RoPE frequencies: head_dim / 2 float32 values, a buffer beside the weights
+
+
+def bytes_of(prefix: str = "") -> int:
+    """Bytes of the checkpoint's tensors whose names start with prefix, in DTYPE."""
+    return sum(shape.numel() for name, shape in SHAPES.items() if name.startswith(prefix)) * DTYPE.itemsize
+
+
+WEIGHTS = bytes_of()
+LAYER = bytes_of("model.layers.0.")  # every decoder layer has the same shapes
+OUTSIDE_LAYERS = WEIGHTS - NUM_LAYERS * LAYER  # embedding, final norm, output layer
+
+
+@pytest.fixture
+def host_queues(monkeypatch):
+    """Copies ordered by the host's queue: the fake GPU has no CUDA streams."""
+    monkeypatch.setattr("offload.weights.queue_for", lambda device: HostQueue())
+    monkeypatch.setattr("offload.kv.queue_for", lambda device: HostQueue())
+
+
+def load(ledger: MemoryLedger, options: LoadOptions):
+    """build_model on a fake Llama-3.1-8B state in host memory, the peaks counted from the state's reading on."""
+    state = fake_state(SHAPES, DTYPE)
+    assert ledger.live("cpu") == WEIGHTS
+    ledger.reset_peaks()
+    return build_model(state, LLAMA_31_8B, options, Checkpoint("Llama-3.1-8B", Path(), []))
+
+
+def test_the_ledger_counts_allocations_once_and_frees():
+    with fake_memory() as ledger:
+        weights = torch.empty(1024, 1024, dtype=DTYPE, device=DEVICE)
+        rows = weights.view(2048, 512).narrow(0, 0, 1024)  # a view allocates nothing
+        copy = rows.to("cpu")  # half of them
+        assert (ledger.live(DEVICE), ledger.live("cpu")) == (2 << 20, 1 << 20)
+        del weights
+        assert ledger.live(DEVICE) == 2 << 20  # the view keeps the storage
+        del rows, copy
+        assert (ledger.live(DEVICE), ledger.live("cpu"), ledger.peak(DEVICE)) == (0, 0, 2 << 20)
+
+
+def test_pinned_bytes_are_a_storages_own_bytes_counted_once_while_it_lives():
+    cache = torch.zeros(3, 1000)
+    before = pinned_bytes()
+    assert pin_exactly(cache) is cache
+    pin_exactly(cache.view(1000, 3))  # the same storage: pinned once
+    assert pinned_bytes() - before == 12_000
+    with pytest.raises(ValueError, match="does not span its storage"):
+        pin_exactly(cache[1:])
+    del cache
+    assert pinned_bytes() == before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_memory_is_page_locked_in_place_for_asynchronous_copies():
+    host = torch.arange(3 * 1000, dtype=torch.float32).view(3, 1000)
+    address = host.data_ptr()
+    assert not host.is_pinned()
+    assert pin_exactly(host).is_pinned() and host.data_ptr() == address  # locked where it is, not copied
+    on_device = host.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_device.cpu(), host)
+
+
+def test_loading_on_the_device_peaks_at_its_weights():
+    """gpt-fast's load shape: fused and cast in host memory, each tensor crossing once. Moving the checkpoint to the
+    device and fusing it there held every q/k/v and gate/up projection twice: 25 GB for these 16 GB."""
+    with fake_memory() as ledger:
+        model = load(ledger, LoadOptions(DEVICE, DTYPE))
+        resident = ledger.live(DEVICE)
+        assert resident == WEIGHTS + INV_FREQ_BYTES
+        assert ledger.peak(DEVICE) <= resident + LAYER
+        assert ledger.live("cpu") == 0  # the host's copy went as each tensor crossed
+        assert model.model.layers[0].self_attn.qkv_proj.weight.device == DEVICE
+
+
+@pytest.mark.parametrize("resident_layers", [0, 8, NUM_LAYERS])
+def test_streamed_layers_stay_in_host_memory_pinned_exactly(resident_layers, host_queues):
+    """--offload kv+weights: the device holds the embedding, output layer, resident layers and the two-slot ring
+    (one layer more at most during the load); the host holds the streamed layers, page-locked to the byte."""
+    streamed = NUM_LAYERS - resident_layers
+    ring = min(2, streamed) * LAYER
+    pinned_before = pinned_bytes()
+    with fake_memory() as ledger:
+        model = load(ledger, LoadOptions(DEVICE, DTYPE, offload_weights=True, resident_layers=resident_layers))
+        resident = ledger.live(DEVICE)
+        assert resident == OUTSIDE_LAYERS + resident_layers * LAYER + ring + INV_FREQ_BYTES
+        assert ledger.peak(DEVICE) <= resident + LAYER
+        assert ledger.live("cpu") == streamed * LAYER == model.weight_stream.host_bytes
+        assert pinned_bytes() - pinned_before == streamed * LAYER  # no power-of-two rounding: 24 layers, 10.5 GB
+        assert all(p.device.type == "cpu" for layer in model.weight_stream.streamed_layers for p in layer.parameters())
+        del model
+        gc.collect()  # the stream's hooks and the model refer to each other
+    assert pinned_bytes() == pinned_before  # unpinned as the host copies were freed
+
+
+def test_sharded_layers_cross_to_the_device_already_sharded(monkeypatch):
+    """Rank 0 of 2: each decoder layer's projections reach the device halved; the embedding, the norms and the
+    output layer whole."""
+    monkeypatch.setattr("triforce_cli.runtime.parallel.world_size", lambda: 2)
+    monkeypatch.setattr("triforce_cli.runtime.parallel.rank", lambda: 0)
+    norms = 2 * LLAMA_31_8B.hidden_size * DTYPE.itemsize
+    shard = (LAYER - norms) // 2 + norms
+    with fake_memory() as ledger:
+        model = load(ledger, LoadOptions(DEVICE, DTYPE, tensor_parallel=True))
+        resident = ledger.live(DEVICE)
+        assert resident == OUTSIDE_LAYERS + NUM_LAYERS * shard + INV_FREQ_BYTES
+        assert ledger.peak(DEVICE) <= resident + shard
+        assert model.config.num_kv_heads == 4
+
+
+def test_an_offloaded_128k_kv_cache_pins_exactly_its_bytes(host_queues):
+    """The full cache of a 128K-token prompt and 256 positions more in bfloat16 is just over 16 GiB: pinned through
+    the caching host allocator, it locked a 32 GiB block. The device holds the on-chip layer and the ring."""
+    shape = (NUM_LAYERS, LLAMA_31_8B.num_key_value_heads, 131072 + 256, LLAMA_31_8B.head_dim)
+    cache_bytes = 2 * torch.Size(shape).numel() * DTYPE.itemsize
+    pinned_before = pinned_bytes()
+    with fake_memory() as ledger:
+        full = FullCache(*shape, DTYPE)
+        assert ledger.live("cpu") == cache_bytes
+        stream = offload_kv(full, DEVICE, on_chip_layers=1)
+        assert pinned_bytes() - pinned_before == cache_bytes == (16 << 30) + (32 << 20)  # not 32 GiB
+        assert ledger.live(DEVICE) == stream.device_bytes == (1 + 2) * cache_bytes // NUM_LAYERS
+        del full, stream
+    assert pinned_bytes() == pinned_before
