@@ -20,6 +20,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.cli.console import print_note
 from triforce_cli.cli.render import bench_tables, memory_plan_line, print_summary
 from triforce_cli.decoding.engine import Engine, MemoryPlan
+from triforce_cli.decoding.sizing import MemoryItem
 
 NUMERIC = {
     "generate": (
@@ -293,11 +294,11 @@ class TestNotesAt80:
     PLAN = MemoryPlan(
         "cuda:0",
         (
-            ("weights", 15 * 2**30, 0),
-            ("retrieval cache", 1536 * 2**20, 0),
-            ("drafter cache", 90 * 2**20, 0),
-            ("full KV cache", 0, 16 * 2**30),
-            ("on-chip layers and ring", 3 * 2**30, 0),
+            MemoryItem("weights", 15 * 2**30, 0),
+            MemoryItem("retrieval cache", 1536 * 2**20, 0),
+            MemoryItem("drafter cache", 90 * 2**20, 0),
+            MemoryItem("full KV cache", 0, 16 * 2**30),
+            MemoryItem("on-chip layers and ring", 3 * 2**30, 0),
         ),
     )
 

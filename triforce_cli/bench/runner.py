@@ -293,10 +293,12 @@ class Bench:
         )
 
     def _engine(self, mode: str = "autoregressive", **changes) -> Engine:
+        """An engine for mode with changes to the bench's settings, sharing the pipeline engine's caches: every run
+        reuses the buffers (and compiled steps) that fit it instead of allocating its own."""
         bench_mode = OUR_MODES[mode]
         drafter = self.pipe.drafter if bench_mode.model_drafter else None
         config = replace(self.base_config, **bench_mode.engine_changes, **changes)
-        return Engine(self.pipe.target, config, drafter, self.pipe.engine.prefill_threads)
+        return self.pipe.engine.reconfigured(config, drafter)
 
     def _run_ours(self, variant: _Variant, prompt_ids: list[int], state) -> _OurRun:
         changes = {}
