@@ -138,6 +138,11 @@ def cache_items(
     ]
 
 
+def kv_layer_bytes(shape: KVShape, positions: int, dtype_bytes: int) -> int:
+    """Bytes of one layer's keys and values for this many positions: the unit an offloaded cache stages."""
+    return kv_bytes(shape, positions, dtype_bytes) // shape.num_layers
+
+
 def staged_layers(num_layers: int, on_chip: int) -> int:
     """Layers of an offloaded full cache held on the device: the on-chip ones and the ring the others pass through."""
     on_chip = min(on_chip, num_layers)
@@ -146,5 +151,5 @@ def staged_layers(num_layers: int, on_chip: int) -> int:
 
 def staged_item(target: KVShape, caps: Capacities, dtype_bytes: int, on_chip: int) -> MemoryItem:
     """The device's share of an offloaded full cache: on_chip whole layers and the ring."""
-    layer = kv_bytes(target, caps.full, dtype_bytes) // target.num_layers
-    return MemoryItem("on-chip layers and ring", staged_layers(target.num_layers, on_chip) * layer, 0)
+    layers = staged_layers(target.num_layers, on_chip)
+    return MemoryItem("on-chip layers and ring", layers * kv_layer_bytes(target, caps.full, dtype_bytes), 0)
