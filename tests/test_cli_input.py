@@ -20,6 +20,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.cli.console import print_note
 from triforce_cli.cli.render import bench_tables, memory_plan_line, print_summary
 from triforce_cli.decoding.engine import Engine, MemoryPlan
+from triforce_cli.decoding.sizing import MemoryItem
 
 NUMERIC = {
     "generate": (
@@ -244,10 +245,16 @@ class TestEightyColumns:
 
         stats = GenerationStats("triforce", "n-gram prompt lookup (training-free), else a-drafter", 32768, 256)
         stats.acceptance = [AcceptanceStats("ngram/drafter", "retrieval", 300, 150, 120, 90)]
-        console = Console(width=80, record=True, file=io.StringIO())
-        print_summary(console, stats)
-        for line in console.export_text().splitlines():
-            assert len(line) <= 80 and "…" not in line, line
+        texts = []
+        for compile_seconds in (0.0, 123.456):  # a row of its own only where steps were compiled
+            stats.compile_seconds = compile_seconds
+            console = Console(width=80, record=True, file=io.StringIO())
+            print_summary(console, stats)
+            texts.append(console.export_text())
+            for line in texts[-1].splitlines():
+                assert len(line) <= 80 and "…" not in line, line
+        assert "compile" not in texts[0]
+        assert re.search(r"│ compile +│ 123\.46 s \(decode steps, before the prefill\)", texts[1])
 
 
 def test_threads_must_be_positive(prompt_file):
@@ -293,11 +300,11 @@ class TestNotesAt80:
     PLAN = MemoryPlan(
         "cuda:0",
         (
-            ("weights", 15 * 2**30, 0),
-            ("retrieval cache", 1536 * 2**20, 0),
-            ("drafter cache", 90 * 2**20, 0),
-            ("full KV cache", 0, 16 * 2**30),
-            ("on-chip layers and ring", 3 * 2**30, 0),
+            MemoryItem("weights", 15 * 2**30, 0),
+            MemoryItem("retrieval cache", 1536 * 2**20, 0),
+            MemoryItem("drafter cache", 90 * 2**20, 0),
+            MemoryItem("full KV cache", 0, 16 * 2**30),
+            MemoryItem("on-chip layers and ring", 3 * 2**30, 0),
         ),
     )
 

@@ -472,7 +472,7 @@ class TestMemory:
         engine = Engine(small, self.CONFIG)
         with pytest.raises(ConfigError, match=r"need [\d.]+ KiB on cpu, which has 1000 B free: use a shorter prompt"):
             engine.generate(list(range(PROMPT)))
-        assert engine._caches is None  # nothing was allocated
+        assert engine._caches.full is None  # nothing was allocated
 
 
 def test_free_gpu_memory_counts_the_allocators_unused_cache_and_leaves_the_slack(monkeypatch):

@@ -15,10 +15,11 @@ from typer.testing import CliRunner
 
 import triforce_cli.plan.measure
 from triforce_cli.cli.app import app
-from triforce_cli.decoding.config import MODES, EngineConfig
+from triforce_cli.decoding.config import MODES, PREFILL_CHUNK, EngineConfig
 from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sizing import RING_LAYERS
 from triforce_cli.plan import DEFAULT_ACCEPTANCE, MODELS, Acceptance, Hardware, Workload, plan
-from triforce_cli.plan.model import RING_LAYERS, ModelShape
+from triforce_cli.plan.model import ModelShape
 from triforce_cli.plan.presets import GIB, HARDWARE, HARDWARE_CHOICES, SMOLLM2_135M, SMOLLM2_135M_DRAFTER, hardware_name
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
 from triforce_cli.runtime.loading import LoadedModel
@@ -112,14 +113,15 @@ class TestMemory:
     @pytest.mark.parametrize("mode", MODES)
     def test_embedded_memory_is_the_engines_memory_plan(self, mode):
         """Every cache, on the device or in host memory, as Engine.memory_plan sizes it, with the KV cache on the
-        device and offloaded with the on-chip layers the planner finds room for (some, not all, in 850 MiB)."""
+        device and offloaded with the on-chip layers the planner finds room for (some, not all, in 850 MiB). The
+        meta device stands for the CPU, whose prefill chunk (the drafter's cache holds one) it is given."""
         hf = AutoConfig.from_pretrained(EMBEDDED_DRAFTER)
         with torch.device("meta"):  # float32, as on a CPU; nothing allocated
             target = loaded(Transformer.from_hf_config(hf_config(SMOLLM2_135M)), hf_config(SMOLLM2_135M))
             drafter = loaded(Transformer.from_hf_config(hf), hf)
         workload = Workload(
             context=7680,
-            engine=EngineConfig(mode=mode, budget=2048),
+            engine=EngineConfig(mode=mode, budget=2048, prefill_chunk=PREFILL_CHUNK["cpu"]),
             acceptance=Acceptance(draft=0.5, retrieval=0.9),
             dtype_bytes=4,
         )
@@ -133,6 +135,15 @@ class TestMemory:
             expected = {what: (device, host) for what, device, host in engine_plan.items if what != "weights"}
             assert {i.what: (i.device_bytes, i.host_bytes) for i in row.memory if "weights" not in i.what} == expected
         assert 0 < prediction.row(mode, "kv").on_chip_layers < SMOLLM2_135M.num_layers
+
+    @pytest.mark.parametrize(("hardware", "device"), [("rtx-4090", "cuda"), ("this-cpu", "cpu")])
+    def test_the_drafter_cache_holds_a_prefill_chunk_of_the_planned_device(self, hardware, device):
+        """A CPU prefills in chunks of 256 tokens, a GPU in chunks of 512, and the drafter's StreamingLLM cache
+        holds its sinks, its window and one chunk (EngineConfig.prefill_chunk_on)."""
+        payload = plan_json("--model", "SmolLM2-135M", "--hardware", hardware, "--context", "8k")
+        positions = DEFAULTS.sink_tokens + DEFAULTS.draft_window + PREFILL_CHUNK[device]
+        expected = kv_bytes(MODELS["SmolLM2-135M"].drafter, positions)
+        assert row(payload, "triforce", "none")["memory"]["drafter cache"]["device"] == expected
 
     def test_llama_3_1_8b_at_128k_needs_offloading_on_an_rtx_4090(self):
         payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from kernels.native import library_name
 from triforce_cli.cli.app import app
 from triforce_cli.runtime.native import kernel_error, kernel_folder
-from triforce_cli.runtime.store import PARTIAL_SUFFIX
+from triforce_cli.runtime.store import INDUCTOR_CACHE_VARIABLE, PARTIAL_SUFFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 120  # seconds any one run may take
@@ -207,6 +207,29 @@ def test_two_first_runs_measure_at_once(checkpoint, prompt, cache):
     assert all(json.loads(path.read_text())["target"] == "tiny" for path in kept)
     busy = sum("busy while measuring" in stderr for _, stderr in outputs)
     assert busy + len(kept) >= 1  # a run that kept nothing said why
+
+
+# ---------------------------------------------------------------------------------------------- compiled steps
+
+
+def test_compiled_steps_are_timed_apart_and_kept_in_the_cache_folder(checkpoint, cache, tmp_path):
+    """--compile: a first run compiles its decode step (autoregressive: one graph) before the prefill, reports the
+    seconds as compile_seconds, and torch's inductor keeps the graph in the cache folder's inductor/ rather than
+    the system's temporary folder; a second process finds it there and writes nothing new. One compile (seconds)."""
+    prompt = words(tmp_path / "prompt.txt", 40)
+    env = environment(cache)
+    env.pop(INDUCTOR_CACHE_VARIABLE, None)  # as a shell starts the command: this test process's torch set it
+    args = ("generate", "-p", prompt, "--target", checkpoint, "--mode", "autoregressive", "--compile", *GREEDY)
+    runs = []
+    for _ in range(2):
+        result = run(command(*args, "--json"), env)
+        assert result.returncode == 0, result.stderr.decode()
+        graphs = sorted((cache / "inductor" / "fxgraph").rglob("*"))
+        runs.append((json.loads(result.stdout), graphs))
+    (first, graphs), (second, graphs_then) = runs
+    assert first["compile_seconds"] > 0 and first["ms_per_token"] > 0
+    assert graphs and graphs_then == graphs
+    assert second["token_ids"] == first["token_ids"]
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM

@@ -137,6 +137,7 @@ class DistillBar:
 
 
 def summary_table(stats: GenerationStats) -> Table:
+    """The generation's figures, one per row; compiling the decode steps, timed apart, only where it happened."""
     table = Table(title="generation", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -148,6 +149,10 @@ def summary_table(stats: GenerationStats) -> Table:
             "prefill",
             f"{stats.prefill_seconds:.2f} s" + (" (restored from the prompt cache)" if stats.prompt_cached else ""),
         ),
+    ]
+    if stats.compile_seconds:
+        rows.append(("compile", f"{stats.compile_seconds:.2f} s (decode steps, before the prefill)"))
+    rows += [
         ("new tokens", str(stats.new_tokens)),
         ("per-token latency", f"{stats.ms_per_token:.1f} ms (median step {stats.median_ms_per_token:.1f} ms)"),
         ("throughput", f"{stats.tokens_per_second:.1f} tokens/s"),

@@ -69,6 +69,10 @@ class EngineConfig:
     offload: ``none`` (every cache on the device) or ``kv`` (the target's full KV cache in host memory, streamed to
     the device layer by layer for each forward over it, offload/kv.py), with the first ``on_chip_layers`` layers
     kept on the device; ``kv+weights`` streams the other layers' weights too (offload/weights.py).
+    cache_positions: positions (prompt plus new tokens) the caches are allocated for at the first generation, for
+    an engine that serves many prompts (a chat, a server, a benchmark): every prompt up to that long then reuses
+    the same buffers, and compiled steps their graphs. None: sized to the first prompt. Either way a longer prompt
+    grows them, the old ones released first, and they never shrink (decoding/sizing.py).
     """
 
     mode: str = "triforce"
@@ -88,6 +92,7 @@ class EngineConfig:
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
     offload: str = "none"
     on_chip_layers: int = 0
+    cache_positions: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
@@ -136,6 +141,7 @@ class EngineConfig:
                 f"unknown offload '{self.offload}' (choose from {', '.join(OFFLOAD_CHOICES)})",
             ),
             (self.on_chip_layers >= 0, "on-chip layers must not be negative"),
+            (self.cache_positions is None or self.cache_positions > 0, "cache positions must be positive"),
             (not self.ngram or self.uses_drafter, f"--ngram needs a mode with a drafter tier ({drafter_modes})"),
             (0 <= self.sampling.temperature < math.inf, "temperature must be a finite number, 0 or more"),
             (0 < self.sampling.top_p <= 1, "top-p must lie in (0, 1]"),

@@ -3,27 +3,32 @@
 Data path (docs/architecture.md): chunked prefill of target@full -> retrieval cache selected with the last prompt token's
 queries -> drafter StreamingLLM cache -> loop of top-tier steps, each rolling every cache back to the accepted
 length and refreshing the retrieval cache on its policy.
+
+The caches are allocated once and kept across generations, sized as decoding/sizing.py says (EngineConfig.
+cache_positions for an engine serving many prompts, else the first prompt; grown, the old buffers released first,
+for a longer one). They keep their addresses, so compiled steps, whose graphs are guarded on them, compile once per
+padded length and cache kind: on the first generation, before its prefill, timed apart as compile_seconds.
 """
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
-from cache import FullCache, RetrievalCache, StreamingCache
-from kernels import SUMMARIES
+from cache import FullCache, KVCache, RetrievalCache, StreamingCache
 from offload import offload_kv
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import probabilities, sample
+from triforce_cli.decoding.sizing import Capacities, MemoryItem, cache_items, capacities, staged_item
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.environment import available_memory, torch_threads
 from triforce_cli.runtime.loading import LoadedModel
-from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, weight_bytes
+from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, padded_length, weight_bytes
 from triforce_cli.runtime.parallel import from_rank_zero, shared_seed, world_size
 from triforce_cli.runtime.store import human_size
 
@@ -32,27 +37,71 @@ TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier t
 ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took
 
 
+CACHE_KINDS = ("full", "retrieval", "streaming")
+KIND_OF_ITEM = {  # the memory plan's items of each cache kind
+    "full KV cache": "full",
+    "step queries": "full",
+    "on-chip layers and ring": "full",
+    "retrieval cache": "retrieval",
+    "drafter cache": "streaming",
+}
+WEIGHT_ITEMS = ("weights", "streamed weights", "weight ring")
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """What a generation holds, and where: (what, bytes on the device, bytes in host memory) per item."""
 
     device: str
-    items: tuple[tuple[str, int, int], ...]
+    items: tuple[MemoryItem, ...]
 
     @property
     def device_bytes(self) -> int:
-        return sum(device for _, device, _ in self.items)
+        return sum(item.device_bytes for item in self.items)
 
     @property
     def host_bytes(self) -> int:
-        return sum(host for _, _, host in self.items)
+        return sum(item.host_bytes for item in self.items)
 
     def bytes_of(self, what: str) -> int:
-        return sum(device + host for name, device, host in self.items if name == what)
+        return sum(item.device_bytes + item.host_bytes for item in self.items if item.what == what)
+
+    def bytes_by_kind(self) -> dict[str, tuple[int, int]]:
+        """(device, host) bytes of each cache kind (CACHE_KINDS) in the plan."""
+        kinds = dict.fromkeys(CACHE_KINDS, (0, 0))
+        for what, device, host in self.items:
+            if what in KIND_OF_ITEM:
+                held = kinds[KIND_OF_ITEM[what]]
+                kinds[KIND_OF_ITEM[what]] = (held[0] + device, held[1] + host)
+        return kinds
 
 
 @dataclass
 class _Caches:
+    """The caches an engine keeps across generations, shared with the engines made from it (Engine.reconfigured),
+    which generate one at a time: at most one cache of each kind (CACHE_KINDS). layouts: per kind, the settings
+    its cache was built with, which an engine must share to reuse it; held: per kind, its (device, host) bytes;
+    warmed: the compiled steps already run on it, as (kind, padded length, id of the model)."""
+
+    full: FullCache | None = None
+    retrieval: RetrievalCache | None = None
+    streaming: StreamingCache | None = None
+    layouts: dict[str, tuple] = field(default_factory=dict)
+    held: dict[str, tuple[int, int]] = field(default_factory=dict)
+    warmed: set[tuple[str, int, int]] = field(default_factory=set)
+
+    def release(self, kind: str) -> None:
+        """Drop the cache of kind, so that its buffers are freed before a new one is allocated."""
+        setattr(self, kind, None)
+        self.layouts.pop(kind, None)
+        self.held.pop(kind, None)
+        self.warmed = {step for step in self.warmed if step[0] != kind}
+
+
+@dataclass(frozen=True)
+class _InUse:
+    """The caches one generation uses: the full cache, and the retrieval and StreamingLLM caches of its tiers."""
+
     full: FullCache
     retrieval: RetrievalCache | None
     streaming: StreamingCache | None
@@ -78,7 +127,7 @@ class Engine:
         ):
             raise ConfigError(f"drafter {self.drafter.name} does not share the vocabulary of {target.name}")
         self.eos_ids = set() if config.ignore_eos else target.eos_token_ids
-        self._caches: _Caches | None = None
+        self._caches = _Caches()
         if config.offload == "kv+weights" and getattr(target.model, "weight_stream", None) is None:
             raise ConfigError(
                 "--offload kv+weights needs a target loaded with its weights streamed: load_model(...,"
@@ -117,17 +166,66 @@ class Engine:
         """Whether the target runs its decode steps as compiled fixed-shape graphs (Transformer.compile_steps)."""
         return self.target.model.fixed_step is not None
 
-    def _capacities(self, prompt_tokens: int) -> tuple[int, int, int]:
-        """Positions of the full cache, of the retrieval cache (budget + recent region; 0 without one) and of the
-        drafter's StreamingLLM cache (0 without one) for a generation after prompt_tokens. Compiled steps write up
-        to a step's length again in padding, past the committed tokens."""
+    def reconfigured(self, config: EngineConfig, drafter: LoadedModel | None) -> "Engine":
+        """An engine for the same target with config and drafter, sharing this engine's caches (and prefill
+        threads): a cache it holds is reused where the new engine's layout matches, with the steps compiled on it,
+        instead of being allocated again beside it. The two generate one at a time."""
+        engine = Engine(self.target, config, drafter, self.prefill_threads)
+        engine._caches = self._caches
+        return engine
+
+    def _capacities(self, prompt_tokens: int) -> Capacities:
+        """The positions of each cache for a generation after prompt_tokens (sizing.capacities), a full cache held
+        with this engine's layout kept where it is large enough."""
+        held = self._caches.full
+        kept = held is not None and self._caches.layouts["full"] == self._full_layout()
+        return capacities(
+            self.config,
+            prompt_tokens,
+            compiled=self.compiled,
+            device_type=self.target.device.type,
+            model_drafter=self.uses_model_drafter,
+            held=held.capacity if kept else 0,
+        )
+
+    def _full_layout(self) -> tuple:
+        """What a held full cache must have been built with for this engine to reuse it, besides room enough: where
+        it lives (the host, with its on-chip layers) and whether steps on it compile."""
+        return self.offloaded, self.config.on_chip_layers if self.offloaded else 0, self.compiled and not self.offloaded
+
+    def _layout(self, kind: str, caps: Capacities) -> tuple:
+        """What a held cache of kind (CACHE_KINDS) must have been built with for this engine to reuse it, besides
+        room enough: the full cache's _full_layout; the retrieval cache's chunks, recent region and compiled steps;
+        the drafter cache's shape and compiled steps."""
         cfg = self.config
-        headroom = cfg.speculation_depth * (2 if self.compiled else 1)
-        full = prompt_tokens + cfg.max_new_tokens + headroom
-        recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
-        retrieval = cfg.budget_for(prompt_tokens) + recent if cfg.uses_retrieval else 0
-        streaming = cfg.sink_tokens + cfg.draft_window + max(self.prefill_chunk, headroom)
-        return full, retrieval, streaming if self.uses_model_drafter else 0
+        if kind == "full":
+            return self._full_layout()
+        if kind == "retrieval":
+            return cfg.chunk_size, cfg.chunk_score, caps.recent, self.compiled
+        draft = self._drafter_model
+        shape = draft.config.num_layers, draft.config.num_kv_heads, draft.config.head_dim
+        return *shape, cfg.sink_tokens, cfg.draft_window, caps.draft_step, draft.fixed_step is not None
+
+    def _renewal(self, caps: Capacities) -> tuple[list[str], list[str]]:
+        """The cache kinds to build for a generation with caps, and the held caches to release before: those
+        rebuilt, and the retrieval cache of a full cache rebuilt. A held retrieval cache serves any budget up to
+        the one it was built for."""
+        held = self._caches
+        build = []
+        if held.full is None or held.layouts["full"] != self._full_layout() or held.full.capacity < caps.full:
+            build.append("full")
+        retrieval = held.retrieval
+        if self.config.uses_retrieval and (
+            "full" in build
+            or retrieval is None
+            or held.layouts["retrieval"] != self._layout("retrieval", caps)
+            or retrieval.keys.shape[2] - retrieval.recent_capacity < caps.budget
+        ):
+            build.append("retrieval")
+        if self.uses_model_drafter and held.layouts.get("streaming") != self._layout("streaming", caps):
+            build.append("streaming")
+        replaced = [*build, *(["retrieval"] if "full" in build else [])]
+        return build, [kind for kind in CACHE_KINDS if kind in replaced and getattr(held, kind) is not None]
 
     @property
     def prefill_chunk(self) -> int:
@@ -141,73 +239,64 @@ class Engine:
 
     def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
         """What a generation after prompt_tokens holds, and where, before anything is allocated: the models'
-        weights, the full, retrieval and StreamingLLM caches (with the retrieval cache's chunk mean keys), and,
-        offloaded, the device's on-chip layers and two-slot ring."""
-        full, retrieval, streaming = self._capacities(prompt_tokens)
-        target, draft = self.target.model.config, self._drafter_model.config
-        itemsize = self.target.dtype.itemsize
-        layer_position = 2 * target.num_kv_heads * target.head_dim * itemsize  # one layer's key and value
-        full_bytes = layer_position * target.num_layers * full
-        summaries = SUMMARIES[self.config.chunk_score]  # keys kept per chunk to score it
-        chunk_keys = layer_position // 2 * summaries * target.num_layers * (full // self.config.chunk_size)
-        chunk_keys = chunk_keys if retrieval else 0
-        step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * itemsize
+        weights, and the caches as sizing.cache_items sizes them (the full, retrieval and StreamingLLM caches, the
+        compiled steps' queries and, offloaded, the device's on-chip layers and ring), a full cache held that is
+        large enough at its own size."""
+        caps = self._capacities(prompt_tokens)
+        target, itemsize = self.target.model.config, self.target.dtype.itemsize
         items = [*self._weight_items()]
-        items += [
-            ("retrieval cache", layer_position * target.num_layers * retrieval + chunk_keys, 0),
-            ("drafter cache", 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * streaming * itemsize, 0),
-            ("step queries", step_queries if self.compiled and not self.offloaded else 0, 0),
-        ]
+        items += cache_items(
+            self.config,
+            caps,
+            target,
+            self._drafter_model.config,
+            itemsize,
+            compiled=self.compiled,
+            offloaded=self.offloaded,
+        )
         if self.offloaded:
-            on_chip = min(self.config.on_chip_layers, target.num_layers)
-            ring = min(2, target.num_layers - on_chip)
-            items += [
-                ("full KV cache", 0, full_bytes),
-                ("on-chip layers and ring", layer_position * full * (on_chip + ring), 0),
-            ]
-        else:
-            items.append(("full KV cache", full_bytes, 0))
-        return MemoryPlan(str(self.target.device), tuple(item for item in items if item[1] or item[2]))
+            items.append(staged_item(target, caps, itemsize, self.config.on_chip_layers))
+        held = tuple(item for item in items if item.device_bytes or item.host_bytes)
+        return MemoryPlan(str(self.target.device), held)
 
-    def _weight_items(self) -> list[tuple[str, int, int]]:
+    def _weight_items(self) -> list[MemoryItem]:
         """The weights' items of the memory plan: all on the device, or, streamed, the layers from on_chip_layers on
         in host memory and two of them at a time on the device."""
         stream = getattr(self.target.model, "weight_stream", None)
         if stream is None:
-            return [("weights", weight_bytes(self.target.model, self._drafter_model), 0)]
+            return [MemoryItem("weights", weight_bytes(self.target.model, self._drafter_model), 0)]
         model = self.target.model
         fixed = (model.model.embed_tokens, model.model.norm, model.lm_head)  # never streamed
         resident = weight_bytes(*fixed, self._drafter_model) + stream.first * stream.layer_bytes
         streamed = (len(stream.layers) - stream.first) * stream.layer_bytes
-        return [("weights", resident, 0), ("streamed weights", 0, streamed), ("weight ring", stream.device_bytes, 0)]
+        return [
+            MemoryItem("weights", resident, 0),
+            MemoryItem("streamed weights", 0, streamed),
+            MemoryItem("weight ring", stream.device_bytes, 0),
+        ]
 
     def cache_bytes(self, prompt_tokens: int) -> int:
-        """Bytes of the caches (everything but the weights) a generation after prompt_tokens allocates."""
+        """Bytes of the caches (everything but the weights) a generation after prompt_tokens holds."""
         plan = self.memory_plan(prompt_tokens)
-        weights = sum(plan.bytes_of(name) for name in ("weights", "streamed weights", "weight ring"))
-        return plan.device_bytes + plan.host_bytes - weights
+        return plan.device_bytes + plan.host_bytes - sum(plan.bytes_of(name) for name in WEIGHT_ITEMS)
 
     def check_memory(self, prompt_tokens: int) -> None:
-        """A ConfigError with the figures, before any allocation, where the caches cannot fit the device (or, the
-        full cache offloaded, the host)."""
-        plan = self.memory_plan(prompt_tokens)
-        reused = 0 if self._caches is None else self._caches.full.keys.nbytes + self._caches.full.values.nbytes
-        weights = plan.bytes_of("weights") + plan.bytes_of("weight ring")  # allocated already
-        on_device = plan.device_bytes - weights - (0 if self.offloaded else reused)
-        host = torch.device("cpu")
-        for where, needed, advice in (
-            (self.target.device, on_device, self._device_advice()),
-            (
-                host,
-                plan.host_bytes - plan.bytes_of("streamed weights") - reused,
-                "use a shorter prompt or fewer --max-new-tokens",
-            ),
+        """A ConfigError with the figures, before any allocation, where what a generation after prompt_tokens
+        allocates cannot fit the device (or, the full cache offloaded, the host): the caches it builds, less those
+        it releases first (_allocate). The weights and the caches it keeps are there already."""
+        build, release = self._renewal(self._capacities(prompt_tokens))
+        built = self.memory_plan(prompt_tokens).bytes_by_kind()
+        held = self._caches.held
+        needed = [sum(built[k][i] for k in build) - sum(held[k][i] for k in release) for i in (0, 1)]
+        for where, bytes_needed, advice in (
+            (self.target.device, needed[0], self._device_advice()),
+            (torch.device("cpu"), needed[1], "use a shorter prompt or fewer --max-new-tokens"),
         ):
             free = available_memory(where)
-            if needed > 0 and free is not None and needed > free:
+            if bytes_needed > 0 and free is not None and bytes_needed > free:
                 raise ConfigError(
                     f"the KV caches for {prompt_tokens} prompt tokens and {self.config.max_new_tokens} new ones need"
-                    f" {human_size(needed)} on {where}, which has {human_size(free)} free: {advice}"
+                    f" {human_size(bytes_needed)} on {where}, which has {human_size(free)} free: {advice}"
                 )
 
     def _device_advice(self) -> str:
@@ -216,51 +305,113 @@ class Engine:
         offload = "--offload kv (the full KV cache in host memory), " if self.target.device.type == "cuda" else ""
         return f"use {offload}a shorter prompt, fewer --max-new-tokens, a smaller --budget or a 16-bit --dtype"
 
-    def _allocate(self, prompt_tokens: int) -> _Caches:
+    def _allocate(self, prompt_tokens: int) -> _InUse:
+        """This engine's caches for a generation after prompt_tokens, emptied, the retrieval cache set to the
+        prompt's budget: those held where they fit (sizing's policy), the others built after a memory check and
+        after the caches they replace are released."""
         cfg = self.config
-        model = self.target.model.config
-        dtype, device = self.target.dtype, self.target.device
-        capacity, retrieval_capacity, _ = self._capacities(prompt_tokens)
-        old = self._caches
-        if old is not None and old.full.capacity >= capacity:
-            full = old.full
-        else:
+        caps = self._capacities(prompt_tokens)
+        build, release = self._renewal(caps)
+        caches = self._caches
+        if build:
             self.check_memory(prompt_tokens)
-            shape = (model.num_layers, model.num_kv_heads, model.head_dim, capacity, dtype)
-            if self.offloaded:
-                full = FullCache(*shape, "cpu")  # offload_kv pins it, exactly its bytes
-                offload_kv(full, device, cfg.on_chip_layers)  # its forwards run eager, on the streamed views
-            else:
-                full = FullCache(*shape, device)
-                if self.compiled:
-                    full.make_static(model.num_heads, MAX_STEP_TOKENS)
-        full.reset()
-        retrieval = None
-        if cfg.uses_retrieval:
-            budget = cfg.budget_for(prompt_tokens)
-            recent = retrieval_capacity - budget
-            retrieval = RetrievalCache(full, budget, cfg.chunk_size, recent, device, cfg.chunk_score)
-            if self.compiled:
-                retrieval.make_static()
-        streaming = None
-        if self.uses_model_drafter:
-            draft = self._drafter_model.config
-            streaming = StreamingCache(
-                draft.num_layers,
-                draft.num_kv_heads,
-                draft.head_dim,
-                cfg.sink_tokens,
-                cfg.draft_window,
-                max(self.prefill_chunk, cfg.speculation_depth),
-                dtype,
-                device,
-            )
-            if self._drafter_model.fixed_step is not None:
-                streaming.make_static()
-        self._caches = _Caches(full, retrieval, streaming)
-        return self._caches
+            sizes = self.memory_plan(prompt_tokens).bytes_by_kind()
+            for kind in release:
+                caches.release(kind)
+            builders = {"full": self._new_full, "retrieval": self._new_retrieval, "streaming": self._new_streaming}
+            for kind in build:
+                setattr(caches, kind, builders[kind](caps))
+                caches.layouts[kind] = self._layout(kind, caps)
+                caches.held[kind] = sizes[kind]
+        caches.full.reset()
+        retrieval = caches.retrieval if cfg.uses_retrieval else None
+        if retrieval is not None:
+            retrieval.reset()
+            # at most the budget it was built for: the recent region then starts sooner, within the same buffers
+            retrieval.budget = cfg.budget_for(prompt_tokens)
+        streaming = caches.streaming if self.uses_model_drafter else None
+        if streaming is not None:
+            streaming.reset()
+        return _InUse(caches.full, retrieval, streaming)
 
-    def _build_tiers(self, caches: _Caches, generator: torch.Generator) -> ModelTier:
+    def _new_full(self, caps: Capacities) -> FullCache:
+        model = self.target.model.config
+        device = self.target.device
+        shape = (model.num_layers, model.num_kv_heads, model.head_dim, caps.full, self.target.dtype)
+        if self.offloaded:
+            full = FullCache(*shape, "cpu")  # offload_kv pins it, exactly its bytes
+            offload_kv(full, device, self.config.on_chip_layers)  # its forwards run eager, on the streamed views
+        else:
+            full = FullCache(*shape, device)
+            if self.compiled:
+                full.make_static(model.num_heads, MAX_STEP_TOKENS)
+        return full
+
+    def _new_retrieval(self, caps: Capacities) -> RetrievalCache:
+        cfg = self.config
+        retrieval = RetrievalCache(
+            self._caches.full, caps.budget, cfg.chunk_size, caps.recent, self.target.device, cfg.chunk_score
+        )
+        if self.compiled:
+            retrieval.make_static()
+        return retrieval
+
+    def _new_streaming(self, caps: Capacities) -> StreamingCache:
+        cfg, draft = self.config, self._drafter_model.config
+        streaming = StreamingCache(
+            draft.num_layers,
+            draft.num_kv_heads,
+            draft.head_dim,
+            cfg.sink_tokens,
+            cfg.draft_window,
+            caps.draft_step,
+            self.target.dtype,
+            self.target.device,
+        )
+        if self._drafter_model.fixed_step is not None:
+            streaming.make_static()
+        return streaming
+
+    def _compiled_steps(self, caches: _InUse) -> Iterator[tuple[str, Transformer, KVCache, int]]:
+        """The compiled decode steps a generation takes: (cache kind, model, cache, most tokens of one step). The
+        full tier verifies its proposer's drafts and one token more; the retrieval tier gamma1 drafts and one more
+        (one without a drafter); the drafter catches up on committed tokens it has not seen in writes of up to its
+        cache's max_write (ModelTier._forward)."""
+        cfg = self.config
+        top = cfg.gamma2 if cfg.uses_retrieval else cfg.gamma1 if cfg.uses_drafter else 0
+        steps = [("full", self.target.model, caches.full, top + 1)]
+        if caches.retrieval is not None:
+            steps.append(("retrieval", self.target.model, caches.retrieval, cfg.gamma1 + 1 if cfg.uses_drafter else 1))
+        if caches.streaming is not None:
+            longest = min(MAX_STEP_TOKENS, caches.streaming.max_write)
+            steps.append(("streaming", self._drafter_model, caches.streaming, longest))
+        for kind, model, cache, longest in steps:
+            if model.fixed_step is not None and cache.write_start is not None:
+                yield kind, model, cache, longest
+
+    def _warm_up(self, caches: _InUse) -> float:
+        """Compile every padded length of every compiled step (_compiled_steps) not yet run on these caches, and
+        return the seconds it took. Each runs twice at position 0 of the emptied cache, emptied again after: the
+        first call compiles (and, on CUDA, warms up), the second records the CUDA graph (CUDAGraph Trees record on
+        a function's second call), so that neither happens in the timed decode loop."""
+        pending = []
+        for kind, model, cache, longest in self._compiled_steps(caches):
+            lengths = [1 << power for power in range(padded_length(longest).bit_length())]
+            pending += [(kind, model, cache, n) for n in lengths if (kind, n, id(model)) not in self._caches.warmed]
+        if not pending:
+            return 0.0
+        started = time.perf_counter()
+        for kind, model, cache, length in pending:
+            tokens = torch.zeros(length, dtype=torch.long, device=self.target.device)
+            for _ in range(2):
+                model(tokens, 0, cache, num_logits=1)
+                cache.reset()
+            self._caches.warmed.add((kind, length, id(model)))
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)  # the warm-up's work stays out of the prefill's time
+        return time.perf_counter() - started
+
+    def _build_tiers(self, caches: _InUse, generator: torch.Generator) -> ModelTier:
         cfg = self.config
         sampling = cfg.sampling
         model = self.target.model
@@ -360,6 +511,9 @@ class Engine:
                 f" the {context}-token context of {self.target.name}: use --context-window {-(-needed // 1024)}k"
                 " or more (RoPE scaled with YaRN), a shorter prompt or fewer --max-new-tokens"
             )
+        positions = self.config.cache_positions
+        if positions is not None and positions > context:
+            raise ConfigError(f"cache positions {positions} exceed the {context}-token context of {self.target.name}")
         if self.config.uses_retrieval:
             self.config.budget_for(len(prompt_ids))
 
@@ -402,6 +556,7 @@ class Engine:
         chain: list[ModelTier] = []  # the tiers, top first, once built
         try:
             caches = self._allocate(len(prompt_ids))
+            stats.compile_seconds = self._warm_up(caches)
             started = time.perf_counter()
             if prompt_state is None:
                 logits = self._prefill(

@@ -188,8 +188,8 @@ class Pipeline:
         return self.engine.config
 
     def reconfigure(self, **changes) -> None:
-        """Change settings (mode, budget, sampling, ...) keeping the loaded models."""
-        self.engine = Engine(self.target, replace(self.config, **changes), self.drafter, self.engine.prefill_threads)
+        """Change settings (mode, budget, sampling, ...) keeping the loaded models and the caches they fit."""
+        self.engine = self.engine.reconfigured(replace(self.config, **changes), self.drafter)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt, chat)

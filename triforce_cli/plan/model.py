@@ -21,15 +21,23 @@ import math
 from dataclasses import dataclass, replace
 
 from triforce_cli.decoding.config import MODE_TIERS, MODES, EngineConfig
+from triforce_cli.decoding.sizing import (
+    Capacities,
+    MemoryItem,
+    cache_items,
+    capacities,
+    kv_layer_bytes,
+    staged_item,
+    staged_layers,
+)
 from triforce_cli.decoding.speculation_length import expected_tokens
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.environment import device_reserve
-from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig
+from triforce_cli.runtime.model import ModelConfig
 
 # the offload settings planned: streamed weights (kv+weights, for models larger than the card) are not modelled
 PLANNED_OFFLOADS = ("none", "kv")
 
-RING_LAYERS = 2  # layers of keys and values an offloaded forward stages on the device (offload/kv.py's ring)
 # budgets the recommendation tries: from the engine's default, at which this tool measured its acceptance, up past
 # the TriForce paper's 4K, 8K and 12K
 BUDGET_CANDIDATES = (1024, 2048, 4096, 8192, 12288, 16384)
@@ -113,8 +121,9 @@ class Hardware:
     FLOP/s in the compute dtype. layer_overhead_s: fixed seconds per decoder layer per forward (kernel launches,
     Python). gpus: devices in tensor parallel, each holding 1/gpus of the weights and KV heads. link and
     all_reduce_s: bytes/s between them and the fixed seconds of one all-reduce. cuda_graphs: whether decode steps
-    replay as CUDA graphs (the tool's default on CUDA), which doubles the caches' headroom (Engine._capacities).
-    gpu: whether a device is a GPU, which keeps runtime.environment.device_reserve free.
+    replay as CUDA graphs (the tool's default on CUDA), which doubles the caches' headroom (decoding.sizing).
+    gpu: whether a device is a GPU, which keeps runtime.environment.device_reserve free and prefills in the
+    GPU's chunks (EngineConfig.prefill_chunk_on), which the drafter's cache holds.
     """
 
     name: str
@@ -181,13 +190,6 @@ class Workload:
     def budget(self) -> int:
         """The retrieval budget the engine would use (a ConfigError where it does not fit the context)."""
         return self.engine.budget_for(self.context)
-
-
-@dataclass(frozen=True)
-class MemoryItem:
-    what: str
-    device_bytes: int
-    host_bytes: int
 
 
 @dataclass(frozen=True)
@@ -337,60 +339,49 @@ def forward_cost(
     return ForwardCost(layers + fixed + output, streamed_layers * transfer)
 
 
-@dataclass(frozen=True)
-class Capacities:
-    """Positions each cache is allocated for, as Engine._capacities sizes them (0 for a cache a mode lacks)."""
-
-    full: int
-    retrieval: int
-    streaming: int
-
-
-def capacities(*, workload: Workload, mode: str, cuda_graphs: bool) -> Capacities:
-    """The engine's cache sizes: the prompt, the new tokens and headroom for one step's drafts (twice that with
-    compiled steps, which write padding); the budget plus a recent region; sinks plus the drafter's window plus
-    room for a prefill chunk."""
-    cfg = workload.engine
-    tiers = MODE_TIERS[mode]
-    headroom = cfg.speculation_depth * (2 if cuda_graphs else 1)
-    full = workload.context + cfg.max_new_tokens + headroom
-    recent = cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) + headroom
-    retrieval = workload.budget + recent if tiers.retrieval else 0
-    streaming = cfg.sink_tokens + cfg.draft_window + max(cfg.prefill_chunk_on("cuda"), headroom) if tiers.drafter else 0
-    return Capacities(full, retrieval, streaming)
-
-
 def memory_items(
     *, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload, mode: str, offload: str
-) -> tuple[list[MemoryItem], int]:
-    """What a mode holds, and where, before the on-chip layers: weights, the caches, the compiled steps' query
-    buffers; the full KV cache on the device or, offloaded, in host memory; on a GPU the reserve the CUDA runtime
-    and the allocator need (runtime.environment.device_reserve, which the engine's memory check leaves too). Also the bytes of one layer's full
-    keys and values, the unit of the on-chip layers. The drafter and its cache are held whole on every device."""
+) -> tuple[list[MemoryItem], Capacities]:
+    """What a mode holds, and where, before the on-chip layers: the weights, the caches as the engine sizes them
+    (decoding.sizing: the full KV cache on the device or, offloaded, in host memory, the retrieval and drafter
+    caches, the compiled steps' query buffers), and on a GPU the reserve the CUDA runtime and the allocator need
+    (runtime.environment.device_reserve, which the engine's memory check leaves too). Also the caches' capacities.
+    The drafter and its cache are held whole on every device."""
     size = workload.dtype_bytes
-    caps = capacities(workload=workload, mode=mode, cuda_graphs=hardware.cuda_graphs)
+    engine = replace(workload.engine, mode=mode)
     tiers = MODE_TIERS[mode]
-    full_bytes = target.kv_elements(caps.full) * size
-    mean_keys = target.kv_elements(caps.full // workload.engine.chunk_size) // 2 if tiers.retrieval else 0
+    caps = capacities(
+        engine,
+        workload.context,
+        compiled=hardware.cuda_graphs,
+        device_type="cuda" if hardware.gpu else "cpu",
+        model_drafter=tiers.drafter,
+    )
     copies = hardware.gpus
-    step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim
+    caches = cache_items(
+        engine,
+        caps,
+        target,
+        drafter,
+        size,
+        compiled=hardware.cuda_graphs,
+        offloaded=offload != "none",
+        drafter_copies=copies,
+    )
     items = [
         MemoryItem("target weights", target.parameters * size, 0),
         MemoryItem("drafter weights", drafter.parameters * size * copies if tiers.drafter else 0, 0),
-        MemoryItem("retrieval cache", (target.kv_elements(caps.retrieval) + mean_keys) * size, 0),
-        MemoryItem("drafter cache", drafter.kv_elements(caps.streaming) * size * copies, 0),
-        MemoryItem("step queries", step_queries * size if hardware.cuda_graphs and offload == "none" else 0, 0),
-        MemoryItem("full KV cache", *((full_bytes, 0) if offload == "none" else (0, full_bytes))),
+        *caches,
         MemoryItem("CUDA reserve", device_reserve(hardware.memory_bytes) * copies if hardware.gpu else 0, 0),
     ]
-    return [item for item in items if item.device_bytes or item.host_bytes], full_bytes // target.num_layers
+    return [item for item in items if item.device_bytes or item.host_bytes], caps
 
 
 def on_chip_layers(*, device_bytes: int, layer_bytes: int, num_layers: int, memory_limit: int) -> int:
-    """How many layers' full keys and values fit on the device next to device_bytes and the ring of RING_LAYERS
-    layers an offloaded forward stages the others in; 0 where not even the ring fits."""
+    """How many layers' full keys and values fit on the device next to device_bytes and the ring an offloaded
+    forward stages the others in (sizing.staged_layers); 0 where not even the ring fits."""
     for layers in range(num_layers, 0, -1):
-        if device_bytes + (layers + min(RING_LAYERS, num_layers - layers)) * layer_bytes <= memory_limit:
+        if device_bytes + staged_layers(num_layers, layers) * layer_bytes <= memory_limit:
             return layers
     return 0
 
@@ -400,18 +391,18 @@ def mode_row(
 ) -> Row:
     """The predicted latency and memory of one mode with one offload setting (see the module docstring)."""
     cfg, size, alpha = workload.engine, workload.dtype_bytes, workload.acceptance
-    items, layer_bytes = memory_items(
+    items, caps = memory_items(
         target=target, drafter=drafter, hardware=hardware, workload=workload, mode=mode, offload=offload
     )
     limit = hardware.memory_bytes * hardware.gpus
     on_chip = 0
     if offload == "kv":
         device = sum(item.device_bytes for item in items)
+        layer_bytes = kv_layer_bytes(target, caps.full, size)
         on_chip = on_chip_layers(
             device_bytes=device, layer_bytes=layer_bytes, num_layers=target.num_layers, memory_limit=limit
         )
-        staged = on_chip + min(RING_LAYERS, target.num_layers - on_chip)
-        items.append(MemoryItem("on-chip layers and ring", staged * layer_bytes, 0))
+        items.append(staged_item(target, caps, size, on_chip))
     streamed = target.num_layers - on_chip if offload == "kv" else 0
     tiers = MODE_TIERS[mode]
     gamma = (cfg.gamma2 if tiers.retrieval else cfg.gamma1) if tiers.speculative else 0

@@ -2,8 +2,8 @@
 
 The cache root is ``$TRIFORCE_CACHE``, else ``$XDG_CACHE_HOME/triforce-cli``, else ``~/.cache/triforce-cli``. It
 holds ``models/`` (GGUF files converted to safetensors) and, by convention, ``prompts/`` (``--prompt-cache``
-may name any other folder). Each entry of such a folder (a file or a folder) counts its bytes; when a write
-takes a folder past the limit (``$TRIFORCE_CACHE_LIMIT``, e.g. ``4G``, ``500M``, ``0`` for none; default 4 GiB),
+may name any other folder); ``inductor/`` holds torch's compiled decode steps, which torch manages, outside the
+limit. Each entry of such a folder (a file or a folder) counts its bytes; when a write takes a folder past the limit (``$TRIFORCE_CACHE_LIMIT``, e.g. ``4G``, ``500M``, ``0`` for none; default 4 GiB),
 the entries used least recently are removed until it fits again, never the one just written. Using an entry
 sets its modification time, so that time is when it was last used.
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 from triforce_cli.errors import ConfigError
 
 LIMIT_VARIABLE = "TRIFORCE_CACHE_LIMIT"
+INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"  # torch's folder of compiled artefacts
 DEFAULT_LIMIT = 4 * 2**30
 PARTIAL_SUFFIX = ".partial"  # an entry still being written: never listed, evicted only once stale
 STALE_PARTIAL_SECONDS = 24 * 3600  # a partial untouched this long was left by a process killed while writing it
@@ -43,6 +44,20 @@ def models_folder() -> Path:
 
 def prompts_folder() -> Path:
     return cache_root() / "prompts"
+
+
+def compiled_folder() -> Path:
+    """Where torch's inductor keeps compiled decode steps across processes (runtime.model.Transformer.compile_steps),
+    instead of the system's temporary folder."""
+    return cache_root() / "inductor"
+
+
+def keep_compiled_steps() -> None:
+    """Have inductor's FX graph and AOT autograd caches (on by default) write to compiled_folder(), unless
+    INDUCTOR_CACHE_VARIABLE names a folder already. Their folder is that variable, read when inductor first needs it
+    (https://docs.pytorch.org/tutorials/recipes/torch_compile_caching_configuration_tutorial.html), which may be
+    as transformers imports: the command calls this first thing."""
+    os.environ.setdefault(INDUCTOR_CACHE_VARIABLE, str(compiled_folder()))
 
 
 def content_identity(path: Path) -> str:

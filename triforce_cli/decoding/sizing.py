@@ -1,0 +1,155 @@
+"""One sizing model of the caches: the positions each holds and the bytes of every item a generation keeps.
+
+The engine feeds it its loaded models' configs (runtime.model.ModelConfig) and the planner its shapes
+(plan.model.ModelShape); both have the fields of KVShape, so the memory `generate` prints and the memory `triforce
+plan` predicts are the same functions' results. Weights are each caller's own: the engine counts the tensors it
+holds, the planner the parameters of a shape.
+
+Sizing policy (Engine, docs/architecture.md): the caches are allocated once and kept across generations. The full
+cache holds max(prompt + new tokens, EngineConfig.cache_positions) positions plus one step's headroom, and never
+shrinks: a cache already held that is large enough is kept, a longer prompt grows it (the old one released first).
+The retrieval cache holds the largest budget any prompt that fits the full cache can use (EngineConfig.budget_for
+of the longest such prompt), so a shorter prompt's smaller budget reuses its buffers.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from kernels import SUMMARIES
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.runtime.model import MAX_STEP_TOKENS
+
+RING_LAYERS = 2  # layers of keys and values an offloaded forward stages on the device (offload/kv.py's ring)
+
+
+class KVShape(Protocol):
+    """The sizes of a decoder that decide its caches' bytes (ModelConfig and ModelShape both have them)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class MemoryItem(NamedTuple):
+    """One thing a generation holds: its name, its bytes on the device and in host memory."""
+
+    what: str
+    device_bytes: int
+    host_bytes: int
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Positions each cache is allocated for; 0 for a cache the generation does not build.
+
+    full: positions of the full KV cache. budget: the largest retrieval budget the retrieval cache holds; recent:
+    the positions of its recent region after the budget. draft_step: slots of the drafter's StreamingLLM cache for
+    one write past its sinks and window (StreamingCache.max_step); streaming: all its slots.
+    """
+
+    full: int
+    budget: int
+    recent: int
+    draft_step: int
+    streaming: int
+
+    @property
+    def retrieval(self) -> int:
+        """Slots of the retrieval cache: its budget and its recent region."""
+        return self.budget + self.recent
+
+
+def headroom(config: EngineConfig, compiled: bool) -> int:
+    """Positions a cache may need past the committed tokens within one step: the speculation depth, twice that
+    with compiled steps, which also write their padding."""
+    return config.speculation_depth * (2 if compiled else 1)
+
+
+def capacities(
+    config: EngineConfig,
+    prompt_tokens: int,
+    *,
+    compiled: bool,
+    device_type: str,
+    model_drafter: bool,
+    held: int = 0,
+) -> Capacities:
+    """The positions of every cache a generation after prompt_tokens holds (see the module docstring).
+
+    Args:
+        config: the engine's settings (mode, budget, gammas, windows, new tokens, cache_positions).
+        prompt_tokens: the prompt's length.
+        compiled: whether decode steps run compiled (headroom).
+        device_type: 'cpu' or 'cuda', which decides the prefill chunk a StreamingLLM cache takes at once.
+        model_drafter: whether a model drafts on a StreamingLLM cache (not for an n-gram drafter alone).
+        held: positions of a full cache already held, kept where they suffice (0: none).
+
+    Returns:
+        The capacities; a ConfigError (EngineConfig.budget_for) where the budget fits no prompt the full cache
+        takes.
+    """
+    spare = headroom(config, compiled)
+    full = max(max(prompt_tokens + config.max_new_tokens, config.cache_positions or 0) + spare, held)
+    budget = recent = 0
+    if config.uses_retrieval:
+        budget = config.budget_for(full - spare - config.max_new_tokens)  # the longest prompt the full cache takes
+        recent = config.chunk_size + config.refresh_interval * (config.gamma2 + 1) + spare
+    draft_step = max(config.prefill_chunk_on(device_type), spare) if model_drafter else 0
+    streaming = config.sink_tokens + config.draft_window + draft_step if model_drafter else 0
+    return Capacities(full, budget, recent, draft_step, streaming)
+
+
+def kv_bytes(shape: KVShape, positions: int, dtype_bytes: int) -> int:
+    """Bytes of the keys and values of every layer of shape for this many positions."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * positions * dtype_bytes
+
+
+def cache_items(
+    config: EngineConfig,
+    caps: Capacities,
+    target: KVShape,
+    drafter: KVShape,
+    dtype_bytes: int,
+    *,
+    compiled: bool,
+    offloaded: bool,
+    drafter_copies: int = 1,
+) -> list[MemoryItem]:
+    """The caches' items: the retrieval cache with its chunk summaries (one key per chunk of the full cache, two for
+    the bound score), the drafter's StreamingLLM cache, the compiled steps' query buffer (FullCache.make_static;
+    not offloaded, where the full tier runs eager) and the full KV cache, on the device or, offloaded, in host
+    memory. Items of caches the capacities leave out are 0.
+
+    Args:
+        drafter_copies: devices holding the drafter's cache whole (tensor parallel); the target's caches are
+            counted once, split over the devices.
+    """
+    full_bytes = kv_bytes(target, caps.full, dtype_bytes)
+    summaries = 0
+    if caps.retrieval:
+        summaries = SUMMARIES[config.chunk_score] * kv_bytes(target, caps.full // config.chunk_size, dtype_bytes) // 2
+    step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * dtype_bytes
+    return [
+        MemoryItem("retrieval cache", kv_bytes(target, caps.retrieval, dtype_bytes) + summaries, 0),
+        MemoryItem("drafter cache", kv_bytes(drafter, caps.streaming, dtype_bytes) * drafter_copies, 0),
+        MemoryItem("step queries", step_queries if compiled and not offloaded else 0, 0),
+        MemoryItem("full KV cache", *((0, full_bytes) if offloaded else (full_bytes, 0))),
+    ]
+
+
+def kv_layer_bytes(shape: KVShape, positions: int, dtype_bytes: int) -> int:
+    """Bytes of one layer's keys and values for this many positions: the unit an offloaded cache stages."""
+    return kv_bytes(shape, positions, dtype_bytes) // shape.num_layers
+
+
+def staged_layers(num_layers: int, on_chip: int) -> int:
+    """Layers of an offloaded full cache held on the device: the on-chip ones and the ring the others pass through."""
+    on_chip = min(on_chip, num_layers)
+    return on_chip + min(RING_LAYERS, num_layers - on_chip)
+
+
+def staged_item(target: KVShape, caps: Capacities, dtype_bytes: int, on_chip: int) -> MemoryItem:
+    """The device's share of an offloaded full cache: on_chip whole layers and the ring."""
+    layers = staged_layers(target.num_layers, on_chip)
+    return MemoryItem("on-chip layers and ring", layers * kv_layer_bytes(target, caps.full, dtype_bytes), 0)
