@@ -83,7 +83,17 @@ def random_model(name: str, shape: tuple, context: int, device: torch.device, dt
 
 def planned(context: int, hardware: str) -> dict[tuple[str, str], dict]:
     """`triforce plan --json` rows for Llama-3.1-8B at context on hardware, by (mode, offload)."""
-    command = ["triforce", "plan", "--model", "Llama-3.1-8B", "--hardware", hardware, "--context", str(context), "--json"]
+    command = [
+        "triforce",
+        "plan",
+        "--model",
+        "Llama-3.1-8B",
+        "--hardware",
+        hardware,
+        "--context",
+        str(context),
+        "--json",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return {(row["mode"], row["offload"]): row for row in json.loads(result.stdout)["rows"]}
 
@@ -153,7 +163,9 @@ def main() -> int:
     parser.add_argument("--offloads", default="none,kv")
     parser.add_argument("--modes", default="autoregressive,triforce")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--memory-limit-gib", type=float, default=24.0, help="the card's share this run may use; 0: all")
+    parser.add_argument(
+        "--memory-limit-gib", type=float, default=24.0, help="the card's share this run may use; 0: all"
+    )
     parser.add_argument("--hardware", default="rtx-4090", help="the planner's machine to compare with")
     parser.add_argument("--attention", default="auto", help="as triforce generate's --attention")
     parser.add_argument(
@@ -176,8 +188,11 @@ def main() -> int:
         loaded.model.use_attention(backend)
         if compiled:
             loaded.model.compile_steps("reduce-overhead" if device.type == "cuda" else None)
-    print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: attention {backend}, "
-          f"compiled steps {'on' if compiled else 'off'}, {dtype}", flush=True)
+    print(
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: attention {backend}, "
+        f"compiled steps {'on' if compiled else 'off'}, {dtype}",
+        flush=True,
+    )
     runs = []
     for context in contexts:
         plan = planned(context, args.hardware) if args.shape == "llama-3.1-8b" else {}
@@ -186,13 +201,17 @@ def main() -> int:
                 run = measure(target, drafter, context, offload, mode, args.new_tokens, plan.get((mode, offload)))
                 runs.append(run)
                 print(json.dumps(run.__dict__), flush=True)
-    print(f"\n{'context':>8} {'offload':>7} {'mode':>14} {'outcome':>13} {'ms/token':>9} {'planned':>8} "
-          f"{'peak GiB':>9} {'planned GiB':>11} {'planned fits':>12}")
+    print(
+        f"\n{'context':>8} {'offload':>7} {'mode':>14} {'outcome':>13} {'ms/token':>9} {'planned':>8} "
+        f"{'peak GiB':>9} {'planned GiB':>11} {'planned fits':>12}"
+    )
     for run in runs:
         figures = (run.ms_per_token, run.planned_ms_per_token, run.peak_device_gib, run.planned_device_gib)
         shown = ["-" if f is None else f"{f:.1f}" for f in figures]
-        print(f"{run.context:>8} {run.offload:>7} {run.mode:>14} {run.outcome:>13} {shown[0]:>9} {shown[1]:>8} "
-              f"{shown[2]:>9} {shown[3]:>11} {str(run.planned_fits):>12}")
+        print(
+            f"{run.context:>8} {run.offload:>7} {run.mode:>14} {run.outcome:>13} {shown[0]:>9} {shown[1]:>8} "
+            f"{shown[2]:>9} {shown[3]:>11} {run.planned_fits!s:>12}"
+        )
     print("\nrandom weights: step costs and memory are real, acceptance is not (drafts are rarely accepted)")
     if args.out:
         with open(args.out, "w") as handle:
