@@ -69,8 +69,7 @@ class RetrievalCache(KVCache):
                 (2, num_layers, num_kv_heads, budget, head_dim),
                 dtype=full.keys.dtype,
                 device=full.keys.device,
-                pin_memory=full.keys.is_pinned(),
-            )
+            )  # page-locked by whoever placed the storage there (offload.pin_exactly), exactly its bytes
         self.selected_until = 0
         self.synced_until = 0
         self.length = 0

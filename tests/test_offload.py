@@ -306,8 +306,12 @@ def test_the_memory_plan_puts_the_full_cache_in_host_memory():
     on_device = Engine(model, config("triforce", SamplingConfig())).memory_plan(PROMPT)
     offloaded = Engine(model, config("triforce", SamplingConfig(), offload="kv", on_chip_layers=1)).memory_plan(PROMPT)
     full = on_device.bytes_of("full KV cache")
-    assert on_device.host_bytes == 0 and offloaded.host_bytes == full > 0
-    per_layer = full // model.model.config.num_layers
+    staging = offloaded.bytes_of("retrieval staging")  # every layer's chosen chunks, gathered beside the storage
+    assert on_device.host_bytes == 0 and offloaded.host_bytes == full + staging and full > 0
+    cfg = model.model.config
+    budget = config("triforce", SamplingConfig()).budget_for(PROMPT)
+    assert staging == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * budget * 4  # float32
+    per_layer = full // cfg.num_layers
     assert offloaded.device_bytes == on_device.device_bytes - full + (1 + 2) * per_layer
 
 

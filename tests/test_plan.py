@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import triforce_cli.plan.measure
 from triforce_cli.cli.app import app
-from triforce_cli.decoding.config import MODES, PREFILL_CHUNK, EngineConfig
+from triforce_cli.decoding.config import MODE_TIERS, MODES, PREFILL_CHUNK, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sizing import RING_LAYERS
 from triforce_cli.plan import DEFAULT_ACCEPTANCE, MODELS, Acceptance, Hardware, Workload, plan
@@ -82,7 +82,8 @@ class TestJson:
     def test_offload_kv_moves_the_full_kv_cache_to_the_host_less_the_on_chip_layers(self):
         """Device bytes drop by the full KV cache, less the layers kept on chip and the two-layer ring an
         offloaded forward stages the others in (and the compiled steps' query buffers, which run eager
-        offloaded); the host holds the whole cache."""
+        offloaded); the host holds the whole cache, and where the retrieval tier runs, the staging buffer its
+        selection gathers every layer's chosen chunks into before one upload (budget 1,024 at 128K)."""
         target = MODELS["Llama-3.1-8B"].target
         payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
         headroom = 2 * (DEFAULTS.gamma1 + DEFAULTS.gamma2 + 2)  # doubled by CUDA graphs
@@ -90,7 +91,8 @@ class TestJson:
         step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * 2
         for mode in MODES:
             none, kv = row(payload, mode, "none"), row(payload, mode, "kv")
-            assert none["host_bytes"] == 0 and kv["host_bytes"] == full
+            staging = kv_bytes(target, 1024) if MODE_TIERS[mode].retrieval else 0
+            assert none["host_bytes"] == 0 and kv["host_bytes"] == full + staging
             staged = kv["on_chip_layers"] + min(RING_LAYERS, target.num_layers - kv["on_chip_layers"])
             assert none["device_bytes"] - kv["device_bytes"] == full + step_queries - staged * full // 32
 

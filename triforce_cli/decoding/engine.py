@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import FullCache, KVCache, RetrievalCache, StreamingCache
-from offload import offload_kv
+from offload import offload_kv, pin_exactly
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
@@ -43,6 +43,7 @@ KIND_OF_ITEM = {  # the memory plan's items of each cache kind
     "step queries": "full",
     "on-chip layers and ring": "full",
     "retrieval cache": "retrieval",
+    "retrieval staging": "retrieval",
     "drafter cache": "streaming",
 }
 WEIGHT_ITEMS = ("weights", "streamed weights", "weight ring")
@@ -352,6 +353,8 @@ class Engine:
         retrieval = RetrievalCache(
             self._caches.full, caps.budget, cfg.chunk_size, caps.recent, self.target.device, cfg.chunk_score
         )
+        if retrieval.staging is not None and self.target.device.type == "cuda":
+            pin_exactly(retrieval.staging)  # its uploads are asynchronous, as the offloaded storage's are
         if self.compiled:
             retrieval.make_static()
         return retrieval
