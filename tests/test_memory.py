@@ -2,16 +2,22 @@
 without a GPU and without the memory: the real load path on fake tensors (tests/memory_accounting.py)."""
 
 import gc
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import StubTokenizer
 from memory_accounting import DEVICE, MemoryLedger, checkpoint_shapes, fake_memory, fake_state
 from transformers import LlamaConfig
+from typer.testing import CliRunner
 
 from cache import FullCache
 from offload import HostQueue, offload_kv, pin_exactly, pinned_bytes
-from triforce_cli.runtime.loading import Checkpoint, LoadOptions, build_model
+from triforce_cli.cli.app import app
+from triforce_cli.decoding.config import MODES, EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
 
 LLAMA_31_8B = LlamaConfig(
     vocab_size=128256,
@@ -160,3 +166,64 @@ def test_an_offloaded_128k_kv_cache_pins_exactly_its_bytes(host_queues):
         assert ledger.live(DEVICE) == stream.device_bytes == (1 + 2) * cache_bytes // NUM_LAYERS
         del full, stream
     assert pinned_bytes() == pinned_before
+
+
+LLAMA_68M_SHAPED = LlamaConfig(  # the planner's drafter for a model the tool ships none for (plan/presets.py)
+    vocab_size=LLAMA_31_8B.vocab_size,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=2,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+)
+
+
+def plan_rows(*args: str) -> list[dict]:
+    result = CliRunner().invoke(app, ["plan", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["rows"]
+
+
+def fake_loaded(ledger: MemoryLedger, name: str, hf_config: LlamaConfig) -> LoadedModel:
+    """A checkpoint of hf_config's shape built by the loader on the fake GPU in bfloat16, compiled as on CUDA."""
+    state = fake_state(checkpoint_shapes(hf_config), DTYPE)
+    model = build_model(state, hf_config, LoadOptions(DEVICE, DTYPE), Checkpoint(name, Path(), []))
+    model.compile_steps("reduce-overhead")  # what Pipeline.load does on CUDA: the caches' headroom doubles
+    return LoadedModel(name, model, StubTokenizer(hf_config.vocab_size), hf_config)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(mode, host_queues, monkeypatch):
+    """`triforce plan --model Llama-3.1-8B --hardware rtx-4090 --context 128k`: for each offload setting, the device
+    and host bytes it predicts (less the CUDA reserve it keeps free) are within 5% of what the loader and the engine
+    allocate for that generation, counted on fake tensors: the weights of both models, then every cache. Prefill
+    activations are not counted on either side: the layer-by-layer prefill sizes its segments to what is free."""
+    monkeypatch.setattr("triforce_cli.decoding.engine.available_memory", lambda device: None)  # no real GPU to ask
+    rows = {
+        (r["mode"], r["offload"]): r
+        for r in plan_rows("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
+    }
+    for offload in ("none", "kv"):
+        row = rows[mode, offload]
+        reserve = row["memory"]["CUDA reserve"]["device"]
+        with fake_memory() as ledger:
+            target = fake_loaded(ledger, "Llama-3.1-8B", LLAMA_31_8B)
+            drafter = fake_loaded(ledger, "llama-68m-shaped drafter", LLAMA_68M_SHAPED)
+            config = EngineConfig(mode=mode, offload=offload, on_chip_layers=row["on_chip_layers"])
+            engine = Engine(target, config, drafter if config.uses_drafter else None)
+            engine._allocate(131072)
+            device, host = ledger.live(DEVICE), ledger.live("cpu")
+            if not config.uses_drafter:  # loaded all the same, but no engine of this mode holds it
+                device -= ledger_weights(drafter)
+            del engine, target, drafter
+            gc.collect()
+        assert device == pytest.approx(row["device_bytes"] - reserve, rel=0.05), (offload, device, row)
+        assert host == pytest.approx(row["host_bytes"], rel=0.05, abs=1), (offload, host, row)
+
+
+def ledger_weights(loaded: LoadedModel) -> int:
+    """Bytes of a model's parameters and buffers, each storage once."""
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
