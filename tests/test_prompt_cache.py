@@ -274,3 +274,18 @@ class TestCacheCommand:
         cleared = CliRunner().invoke(app, ["cache", "clear", "--prompts"])
         assert cleared.exit_code == 0 and "removed 1 entries" in cleared.stderr
         assert not list(prompts.iterdir()) and len(list(other.iterdir())) == 1
+
+    def test_compiled_steps_are_listed_and_cleared_apart(self, tmp_path, monkeypatch):
+        """torch inductor's caches of compiled decode steps (store.compiled_folder) are cache entries like the
+        others: listed, cleared by --compiled alone, left alone by --prompts."""
+        monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+        compiled = tmp_path / "cache" / "inductor"
+        (compiled / "fxgraph").mkdir(parents=True)
+        (compiled / "fxgraph" / "entry").write_bytes(b"x" * 2048)
+        listed = CliRunner().invoke(app, ["cache", "list"], env={"COLUMNS": "200"})
+        assert listed.exit_code == 0 and "compiled steps in" in listed.stdout and "fxgraph" in listed.stdout
+        assert CliRunner().invoke(app, ["cache", "clear", "--prompts"]).exit_code == 0
+        assert (compiled / "fxgraph").exists()
+        cleared = CliRunner().invoke(app, ["cache", "clear", "--compiled"])
+        assert cleared.exit_code == 0 and "removed 1 entries, 2.0 KiB" in cleared.stderr
+        assert not list(compiled.iterdir())

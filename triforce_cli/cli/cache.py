@@ -13,6 +13,7 @@ from triforce_cli.decoding.tuning import remembered_tunings, tuning_folder
 from triforce_cli.runtime.store import (
     LIMIT_VARIABLE,
     cache_limit,
+    compiled_folder,
     entries,
     human_size,
     models_folder,
@@ -21,7 +22,7 @@ from triforce_cli.runtime.store import (
 )
 
 cache_app = typer.Typer(
-    help="List or clear the converted models, saved prefills and speed measurements kept on disk.",
+    help="List or clear the converted models, saved prefills, speed measurements and compiled steps kept on disk.",
     no_args_is_help=True,
 )
 
@@ -35,7 +36,12 @@ PromptFolder = Annotated[
 
 def cache_folders(prompt_cache: Path | None) -> list[tuple[str, Path]]:
     """Each folder of cached entries, with the kind of entry it holds."""
-    folders = [("model", models_folder()), ("prompt", prompts_folder()), ("measurement", tuning_folder())]
+    folders = [
+        ("model", models_folder()),
+        ("prompt", prompts_folder()),
+        ("measurement", tuning_folder()),
+        ("compiled step", compiled_folder()),  # torch inductor's caches of --compile's graphs
+    ]
     if prompt_cache is not None:
         folders.append(("prompt", prompt_cache.expanduser()))
     return folders
@@ -71,13 +77,23 @@ def clear(
     measurements: Annotated[
         bool, typer.Option("--measurements", help="Forget the measured fastest set-ups only (measured again next run).")
     ] = False,
+    compiled: Annotated[
+        bool, typer.Option("--compiled", help="Clear compiled decode steps only (compiled again when next needed).")
+    ] = False,
     prompt_cache: PromptFolder = None,
 ) -> None:
-    """Remove cached entries (all of them unless --models, --prompts or --measurements narrows it)."""
+    """Remove cached entries (all of them unless --models, --prompts, --measurements or --compiled narrows it)."""
     with command_console() as err:
         freed = removed = 0
         chosen = {
-            kind for kind, asked in (("model", models), ("prompt", prompts), ("measurement", measurements)) if asked
+            kind
+            for kind, asked in (
+                ("model", models),
+                ("prompt", prompts),
+                ("measurement", measurements),
+                ("compiled step", compiled),
+            )
+            if asked
         }
         for kind, folder in cache_folders(prompt_cache):
             if chosen and kind not in chosen:
