@@ -79,8 +79,11 @@ class RetrievalCache(KVCache):
         self.length = min(self.length, length)
         self.synced_until = min(self.synced_until, length)
 
-    def reset(self) -> None:
-        self.length = self.selected_until = self.synced_until = self.num_mean_keys = 0
+    def reset(self, keep: int = 0) -> None:
+        """Forget every position; keep: the first positions of the full cache that hold what they held (a prompt
+        prefix reused), whose complete chunks' summaries are kept rather than computed again."""
+        self.length = self.selected_until = self.synced_until = 0
+        self.num_mean_keys = min(self.num_mean_keys, keep // self.chunk_size)
         self.chunk_ids = None
 
     @property

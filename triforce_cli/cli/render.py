@@ -136,6 +136,15 @@ class DistillBar:
         self.progress.update(self.tasks[event.phase], completed=event.done, metrics=metrics)
 
 
+def _prefill_source(stats: GenerationStats) -> str:
+    """What the prefill line adds about where the prompt's keys and values came from."""
+    if stats.prompt_cached:
+        return " (restored from the prompt cache)"
+    if stats.reused_tokens:
+        return f" ({stats.reused_tokens} prompt tokens kept from the previous prompt, the rest prefilled)"
+    return ""
+
+
 def summary_table(stats: GenerationStats) -> Table:
     """The generation's figures, one per row; compiling the decode steps, timed apart, only where it happened."""
     table = Table(title="generation", show_header=False, title_justify="left")
@@ -145,10 +154,7 @@ def summary_table(stats: GenerationStats) -> Table:
         ("mode", stats.mode),
         ("drafter", stats.drafter or "-"),
         ("prompt tokens", str(stats.prompt_tokens)),
-        (
-            "prefill",
-            f"{stats.prefill_seconds:.2f} s" + (" (restored from the prompt cache)" if stats.prompt_cached else ""),
-        ),
+        ("prefill", f"{stats.prefill_seconds:.2f} s" + _prefill_source(stats)),
     ]
     if stats.compile_seconds:
         rows.append(("compile", f"{stats.compile_seconds:.2f} s (decode steps, before the prefill)"))

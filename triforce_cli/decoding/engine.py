@@ -90,9 +90,12 @@ class _Caches:
     layouts: dict[str, tuple] = field(default_factory=dict)
     held: dict[str, tuple[int, int]] = field(default_factory=dict)
     warmed: set[tuple[str, int, int]] = field(default_factory=set)
+    prefilled: "_Prefilled | None" = None  # what the full cache's first positions hold, for the next prompt to reuse
 
     def release(self, kind: str) -> None:
         """Drop the cache of kind, so that its buffers are freed before a new one is allocated."""
+        if kind == "full":
+            self.prefilled = None
         setattr(self, kind, None)
         self.layouts.pop(kind, None)
         self.held.pop(kind, None)
@@ -100,12 +103,33 @@ class _Caches:
 
 
 @dataclass(frozen=True)
+class _Prefilled:
+    """A prompt the full cache holds at positions [0, len(ids)) as a prefill in chunks of `chunk` computed them."""
+
+    ids: tuple[int, ...]
+    chunk: int
+
+    def reusable(self, prompt_ids: list[int], chunk: int) -> int:
+        """Positions a prefill of prompt_ids in chunks of `chunk` may keep instead of computing: the whole chunks
+        both prompts share, short of prompt_ids' last token (its logits are computed). A chunk is kept only where
+        this prefill computed it whole with the same chunking, so every kept position holds what a fresh prefill
+        of prompt_ids would write there, bit for bit: the same forward of the same tokens on the same cache."""
+        if chunk != self.chunk:
+            return 0
+        limit = min(len(self.ids), len(prompt_ids) - 1)
+        shared = next((i for i in range(limit) if self.ids[i] != prompt_ids[i]), limit)
+        return shared // chunk * chunk
+
+
+@dataclass(frozen=True)
 class _InUse:
-    """The caches one generation uses: the full cache, and the retrieval and StreamingLLM caches of its tiers."""
+    """The caches one generation uses: the full cache, and the retrieval and StreamingLLM caches of its tiers;
+    kept: the prompt positions the full cache kept from the last prefill (Engine._allocate)."""
 
     full: FullCache
     retrieval: RetrievalCache | None
     streaming: StreamingCache | None
+    kept: int = 0
 
 
 class Engine:
@@ -306,14 +330,20 @@ class Engine:
         offload = "--offload kv (the full KV cache in host memory), " if self.target.device.type == "cuda" else ""
         return f"use {offload}a shorter prompt, fewer --max-new-tokens, a smaller --budget or a 16-bit --dtype"
 
-    def _allocate(self, prompt_tokens: int) -> _InUse:
+    def _allocate(self, prompt_tokens: int, keep: int = 0) -> _InUse:
         """This engine's caches for a generation after prompt_tokens, emptied, the retrieval cache set to the
         prompt's budget: those held where they fit (sizing's policy), the others built after a memory check and
-        after the caches they replace are released."""
+        after the caches they replace are released.
+
+        keep: prompt positions to keep in a full cache that is held, with the retrieval cache's summaries of the
+        chunks they fill (a prefix shared with the last prefill, _Prefilled.reusable); _InUse.kept says how many
+        were kept (none where the full cache is built anew).
+        """
         cfg = self.config
         caps = self._capacities(prompt_tokens)
         build, release = self._renewal(caps)
         caches = self._caches
+        kept = 0 if "full" in build else keep
         if build:
             self.check_memory(prompt_tokens)
             sizes = self.memory_plan(prompt_tokens).bytes_by_kind()
@@ -324,16 +354,16 @@ class Engine:
                 setattr(caches, kind, builders[kind](caps))
                 caches.layouts[kind] = self._layout(kind, caps)
                 caches.held[kind] = sizes[kind]
-        caches.full.reset()
+        caches.full.rollback(kept)  # 0: empty
         retrieval = caches.retrieval if cfg.uses_retrieval else None
         if retrieval is not None:
-            retrieval.reset()
+            retrieval.reset(0 if "retrieval" in build else kept)
             # at most the budget it was built for: the recent region then starts sooner, within the same buffers
             retrieval.budget = cfg.budget_for(prompt_tokens)
         streaming = caches.streaming if self.uses_model_drafter else None
         if streaming is not None:
             streaming.reset()
-        return _InUse(caches.full, retrieval, streaming)
+        return _InUse(caches.full, retrieval, streaming, kept)
 
     def _new_full(self, caps: Capacities) -> FullCache:
         model = self.target.model.config
@@ -441,10 +471,18 @@ class Engine:
         )
 
     def _prefill(
-        self, name: str, model: Transformer, cache, ids: list[int], on_prefill, on_chunk: ChunkCallback | None = None
+        self,
+        name: str,
+        model: Transformer,
+        cache,
+        ids: list[int],
+        on_prefill,
+        on_chunk: ChunkCallback | None = None,
+        first: int = 0,
     ) -> torch.Tensor:
         """Run the prompt through model in chunks on prefill_threads; return the logits (1, V) after its last token.
-        on_chunk receives each chunk's seconds.
+        on_chunk receives each chunk's seconds. first: a multiple of the chunk, the positions before it already
+        in the cache (kept from the last prefill).
 
         A full cache in host memory is prefilled layer by layer (_prefill_layerwise); any other cache chunk by chunk.
         """
@@ -453,8 +491,8 @@ class Engine:
         logits = None
         with torch_threads(self.prefill_threads):
             if isinstance(cache, FullCache) and cache.stream is not None:
-                return self._prefill_layerwise(name, model, cache, tokens, on_prefill, on_chunk)
-            for start in range(0, len(ids), chunk):
+                return self._prefill_layerwise(name, model, cache, tokens, on_prefill, on_chunk, first)
+            for start in range(first, len(ids), chunk):
                 began = time.perf_counter()
                 logits = model(tokens[start : start + chunk], start, cache, num_logits=1, decoding=False)
                 if on_chunk is not None:
@@ -471,6 +509,7 @@ class Engine:
         tokens: torch.Tensor,
         on_prefill,
         on_chunk: ChunkCallback | None,
+        first: int = 0,
     ) -> torch.Tensor:
         """_prefill of an offloaded full cache, layer by layer (Transformer.prefill_layerwise): each layer's keys and
         values go back to the host once, where chunk by chunk every chunk would stream every layer's whole prefix to
@@ -483,12 +522,12 @@ class Engine:
         """
         chunk, total = self.prefill_chunk, len(tokens)
         free = available_memory(self.target.device)
-        segment = total
-        if free is not None and model.prefill_layerwise_bytes(total) > free // 2:
+        segment = total - first
+        if free is not None and model.prefill_layerwise_bytes(segment) > free // 2:
             segment = max(1, free // 2 // model.prefill_layerwise_bytes(chunk)) * chunk
         num_layers = model.config.num_layers
         logits = None
-        for start in range(0, total, segment):
+        for start in range(first, total, segment):
             size = min(segment, total - start)
             on_layer = None
             if on_prefill is not None:
@@ -558,9 +597,12 @@ class Engine:
         generated: list[int] = []
         chain: list[ModelTier] = []  # the tiers, top first, once built
         try:
-            caches = self._allocate(len(prompt_ids))
+            held = self._caches.prefilled
+            keep = 0 if prompt_state is not None or held is None else held.reusable(prompt_ids, self.prefill_chunk)
+            caches = self._allocate(len(prompt_ids), keep)
             stats.compile_seconds = self._warm_up(caches)
             started = time.perf_counter()
+            self._caches.prefilled = None  # until the full cache holds this prompt whole
             if prompt_state is None:
                 logits = self._prefill(
                     self.target.name,
@@ -569,7 +611,9 @@ class Engine:
                     prompt_ids,
                     on_prefill,
                     stats.prefill_chunk_seconds.append,
+                    first=caches.kept,
                 )
+                stats.reused_tokens = caches.kept
                 if on_prompt_state is not None:
                     on_prompt_state(PromptState.capture(caches.full, prompt_ids, logits))
                 if self.target.half_prompt_cache:
@@ -578,6 +622,7 @@ class Engine:
                 prompt_state.restore(caches.full, pack=self.target.half_prompt_cache)
                 logits = prompt_state.last_logits.to(self.target.device)
                 stats.prompt_cached = True
+            self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
             if caches.retrieval is not None:
                 caches.retrieval.select_chunks()
             if caches.streaming is not None:

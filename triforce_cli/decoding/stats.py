@@ -44,6 +44,7 @@ class GenerationStats:
     tier_costs: list[TierCosts] = field(default_factory=list)  # each adaptive tier's measured costs and decisions
     stop_reason: str = "max_new_tokens"  # or "eos", "interrupted"
     prompt_cached: bool = False  # the prompt's KV cache was restored instead of prefilled
+    reused_tokens: int = 0  # prompt positions kept from the previous prompt's prefill (a shared prefix)
 
     DERIVED: ClassVar[tuple[str, ...]] = ("ms_per_token", "median_ms_per_token", "tokens_per_second")
 
