@@ -475,33 +475,30 @@ class TestMemory:
         assert engine._caches.full is None  # nothing was allocated
 
 
-def test_free_gpu_memory_counts_the_allocators_unused_cache_and_leaves_the_slack(monkeypatch):
-    """torch's caching allocator holds memory the driver reports as used: it is free for the caches; 5% of the card
-    stays for the allocator's rounding, graph pools and activations (the CUDA context exists already)."""
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("free", "total", "reserved", "allocated", "fraction", "expected"),
+    [
+        # torch's caching allocator holds memory the driver reports as used: it is free for the caches; 5% of the
+        # card stays for the allocator's rounding, graph pools and activations (the CUDA context exists already)
+        (10 * GIB, 24 * GIB, 3 * GIB, 1 * GIB, 1.0, 12 * GIB - int(0.05 * 24 * GIB)),
+        # an 80 GiB card held to 0.3 of itself (torch.cuda.set_per_process_memory_fraction) offers 24 GiB less what
+        # is allocated, whatever the driver reports free, and the slack is a share of those 24 GiB
+        (70 * GIB, 80 * GIB, 6 * GIB, 5 * GIB, 0.3, int(80 * GIB * 0.3) - 5 * GIB - int(0.05 * int(80 * GIB * 0.3))),
+    ],
+)
+def test_free_gpu_memory_is_what_this_process_may_still_allocate(
+    free, total, reserved, allocated, fraction, expected, monkeypatch
+):
     from triforce_cli.runtime import environment
 
-    gib = 2**30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 24 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gib)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gib)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
-    free = environment.available_memory(torch.device("cuda", 0))
-    assert free == 12 * gib - int(0.05 * 24 * gib)
-
-
-def test_a_per_process_memory_fraction_is_the_card_the_caches_must_fit(monkeypatch):
-    """An 80 GiB card limited to 0.3 of itself (torch.cuda.set_per_process_memory_fraction) offers 24 GiB less what
-    is allocated, whatever the driver reports free, and the slack is a share of those 24 GiB."""
-    from triforce_cli.runtime import environment
-
-    gib = 2**30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * gib, 80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 5 * gib)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.3)
-    free = environment.available_memory(torch.device("cuda", 0))
-    allowed = int(80 * gib * 0.3)
-    assert free == allowed - 5 * gib - int(0.05 * allowed)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    assert environment.available_memory(torch.device("cuda", 0)) == expected
 
 
 def test_the_gpu_check_script_runs_its_random_weight_comparison_on_the_cpu(tmp_path):

@@ -17,6 +17,8 @@ from offload import HostQueue, offload_kv, pin_exactly, pinned_bytes
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
+from triforce_cli.plan import MODELS
+from triforce_cli.plan.model import ModelShape
 from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
 
 LLAMA_31_8B = LlamaConfig(
@@ -168,16 +170,21 @@ def test_an_offloaded_128k_kv_cache_pins_exactly_its_bytes(host_queues):
     assert pinned_bytes() == pinned_before
 
 
-LLAMA_68M_SHAPED = LlamaConfig(  # the planner's drafter for a model the tool ships none for (plan/presets.py)
-    vocab_size=LLAMA_31_8B.vocab_size,
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=2,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    max_position_embeddings=131072,
-    tie_word_embeddings=False,
-)
+def llama_config(shape: ModelShape) -> LlamaConfig:
+    """A Llama config of a planner's model shape (plan/presets.py)."""
+    return LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tie_word_embeddings,
+    )
+
+
+PLANNED_DRAFTER = MODELS["Llama-3.1-8B"].drafter  # the drafter the planner sizes for this target
 
 
 def plan_rows(*args: str) -> list[dict]:
@@ -210,7 +217,7 @@ def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(m
         reserve = row["memory"]["CUDA reserve"]["device"]
         with fake_memory() as ledger:
             target = fake_loaded(ledger, "Llama-3.1-8B", LLAMA_31_8B)
-            drafter = fake_loaded(ledger, "llama-68m-shaped drafter", LLAMA_68M_SHAPED)
+            drafter = fake_loaded(ledger, PLANNED_DRAFTER.name, llama_config(PLANNED_DRAFTER))
             config = EngineConfig(mode=mode, offload=offload, on_chip_layers=row["on_chip_layers"])
             engine = Engine(target, config, drafter if config.uses_drafter else None)
             engine._allocate(131072)
