@@ -20,20 +20,40 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import resolve_attention
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
+from triforce_cli.plan import MODELS
+from triforce_cli.plan.model import ModelShape
 from triforce_cli.runtime.loading import LoadedModel, resolve_compile
-from triforce_cli.runtime.model import Transformer, rope_frequencies
+from triforce_cli.runtime.model import ModelConfig, RMSNorm, Transformer, rope_frequencies
 
 GIB = 2**30
-SHAPES = {  # (layers, hidden, intermediate, heads, KV heads, vocabulary): the target and a llama-68m-shaped drafter
-    "llama-3.1-8b": ((32, 4096, 14336, 32, 8, 128256), (2, 768, 3072, 12, 12, 128256)),
-    "tiny": ((2, 128, 256, 4, 2, 512), (1, 64, 128, 2, 2, 512)),
+TINY = ModelShape(  # a smoke run's target and drafter on any machine
+    name="tiny",
+    num_layers=2,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    tie_word_embeddings=False,
+)
+SHAPES = {  # the target and its drafter: for Llama-3.1-8B, the shapes `triforce plan` predicts for
+    "llama-3.1-8b": (MODELS["Llama-3.1-8B"].target, MODELS["Llama-3.1-8B"].drafter),
+    "tiny": (TINY, TINY),
+}
+LLAMA_31_ROPE = {  # Llama 3.1's RoPE scaling, for step costs at 128K as the real model pays them
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
 }
 
 
@@ -52,33 +72,22 @@ class IdTokenizer:
         return " ".join(map(str, ids))
 
 
-def random_model(name: str, shape: tuple, context: int, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def random_model(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """A runtime Transformer of shape with weights drawn N(0, 0.02) on device, RoPE scaled as Llama 3.1's."""
-    layers, hidden, intermediate, heads, kv_heads, vocab = shape
-    hf = LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=max(context * 2, 131072 * 2),
-        rope_theta=500000.0,
-    )
-    inv_freq, rope_scale = rope_frequencies(hf, hidden // heads)
-    with torch.device("meta"):
-        model = Transformer.from_hf_config(hf)
+    hf = shape.llama_config(max_position_embeddings=131072, rope_parameters=LLAMA_31_ROPE)
+    inv_freq, rope_scale = rope_frequencies(hf, shape.head_dim)
+    with torch.device("meta"):  # as the loader builds a model: nothing allocated until to_empty
+        model = Transformer(ModelConfig.from_hf(hf), inv_freq, rope_scale)
     model = model.to_empty(device=device).to(dtype)
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.02, generator=generator)
         for module in model.modules():
-            if module.__class__.__name__ == "RMSNorm":
+            if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-    model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-    model.rope_scale = rope_scale
-    return LoadedModel(name, model.eval(), IdTokenizer(vocab), hf)
+    model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # float32, as the loader keeps it
+    return LoadedModel(f"random {shape.name}", model.eval(), IdTokenizer(shape.vocab_size), hf)
 
 
 def planned(context: int, hardware: str) -> dict[tuple[str, str], dict]:
@@ -179,9 +188,7 @@ def main() -> int:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_limit_gib * GIB / total), device)
     contexts = [int(c) for c in args.contexts.split(",")]
-    target_shape, drafter_shape = SHAPES[args.shape]
-    target = random_model(f"random {args.shape}", target_shape, max(contexts), device, dtype)
-    drafter = random_model(f"random {args.shape} drafter", drafter_shape, max(contexts), device, dtype)
+    target, drafter = (random_model(shape, device, dtype) for shape in SHAPES[args.shape])
     backend = resolve_attention(args.attention, device, dtype, "dense")
     compiled = resolve_compile(args.compile, device, "dense")
     for loaded in (target, drafter):  # as Pipeline.load sets up the models it loads

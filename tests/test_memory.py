@@ -18,7 +18,6 @@ from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.plan import MODELS
-from triforce_cli.plan.model import ModelShape
 from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
 
 LLAMA_31_8B = LlamaConfig(
@@ -170,20 +169,6 @@ def test_an_offloaded_128k_kv_cache_pins_exactly_its_bytes(host_queues):
     assert pinned_bytes() == pinned_before
 
 
-def llama_config(shape: ModelShape) -> LlamaConfig:
-    """A Llama config of a planner's model shape (plan/presets.py)."""
-    return LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tie_word_embeddings,
-    )
-
-
 PLANNED_DRAFTER = MODELS["Llama-3.1-8B"].drafter  # the drafter the planner sizes for this target
 
 
@@ -217,7 +202,7 @@ def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(m
         reserve = row["memory"]["CUDA reserve"]["device"]
         with fake_memory() as ledger:
             target = fake_loaded(ledger, "Llama-3.1-8B", LLAMA_31_8B)
-            drafter = fake_loaded(ledger, PLANNED_DRAFTER.name, llama_config(PLANNED_DRAFTER))
+            drafter = fake_loaded(ledger, PLANNED_DRAFTER.name, PLANNED_DRAFTER.llama_config())
             config = EngineConfig(mode=mode, offload=offload, on_chip_layers=row["on_chip_layers"])
             engine = Engine(target, config, drafter if config.uses_drafter else None)
             engine._allocate(131072)

@@ -108,7 +108,7 @@ class TestMemory:
         with torch.device("meta"):
             drafter = Transformer.from_hf_config(hf)
             drafter.restrict_output(torch.tensor(hf.triforce_drafter["output_ids"]))
-            target = Transformer.from_hf_config(hf_config(SMOLLM2_135M))
+            target = Transformer.from_hf_config(SMOLLM2_135M.llama_config())
         assert SMOLLM2_135M_DRAFTER.parameters == sum(p.numel() for p in drafter.parameters())
         assert SMOLLM2_135M.parameters == sum(p.numel() for p in target.parameters()) == 134_515_008
 
@@ -119,7 +119,7 @@ class TestMemory:
         meta device stands for the CPU, whose prefill chunk (the drafter's cache holds one) it is given."""
         hf = AutoConfig.from_pretrained(EMBEDDED_DRAFTER)
         with torch.device("meta"):  # float32, as on a CPU; nothing allocated
-            target = loaded(Transformer.from_hf_config(hf_config(SMOLLM2_135M)), hf_config(SMOLLM2_135M))
+            target = loaded(Transformer.from_hf_config(SMOLLM2_135M.llama_config()), SMOLLM2_135M.llama_config())
             drafter = loaded(Transformer.from_hf_config(hf), hf)
         workload = Workload(
             context=7680,
@@ -363,19 +363,6 @@ class TestCommandLine:
         result = invoke("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k", "--plot", str(path))
         assert result.exit_code == 0, result.output
         assert path.read_bytes().startswith(b"\x89PNG")
-
-
-def hf_config(shape: ModelShape) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tie_word_embeddings,
-    )
 
 
 def loaded(model: Transformer, hf) -> LoadedModel:

@@ -20,6 +20,8 @@ pass yields.
 import math
 from dataclasses import dataclass, replace
 
+from transformers import LlamaConfig
+
 from triforce_cli.decoding.config import MODE_TIERS, MODES, EngineConfig
 from triforce_cli.decoding.sizing import (
     Capacities,
@@ -81,6 +83,22 @@ class ModelShape:
             vocab_size=config.vocab_size,
             tie_word_embeddings=config.tie_word_embeddings,
             attention_bias=config.attention_bias,
+        )
+
+    def llama_config(self, **settings) -> LlamaConfig:
+        """A transformers config of a Llama of this shape, to build one (random-weight checks, tests); settings:
+        other fields of the config (context length, RoPE)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias,
+            **settings,
         )
 
     @property
