@@ -28,6 +28,7 @@ from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan import MODELS
 from triforce_cli.plan.model import ModelShape
+from triforce_cli.plan.presets import LLAMA_3_1_ROPE
 from triforce_cli.runtime.loading import LoadedModel, resolve_compile
 from triforce_cli.runtime.model import ModelConfig, RMSNorm, Transformer, rope_frequencies
 
@@ -46,14 +47,6 @@ TINY = ModelShape(  # a smoke run's target and drafter on any machine
 SHAPES = {  # the target and its drafter: for Llama-3.1-8B, the shapes `triforce plan` predicts for
     "llama-3.1-8b": (MODELS["Llama-3.1-8B"].target, MODELS["Llama-3.1-8B"].drafter),
     "tiny": (TINY, TINY),
-}
-LLAMA_31_ROPE = {  # Llama 3.1's RoPE scaling, for step costs at 128K as the real model pays them
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
 }
 
 
@@ -74,7 +67,7 @@ class IdTokenizer:
 
 def random_model(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """A runtime Transformer of shape with weights drawn N(0, 0.02) on device, RoPE scaled as Llama 3.1's."""
-    hf = shape.llama_config(max_position_embeddings=131072, rope_parameters=LLAMA_31_ROPE)
+    hf = shape.llama_config(max_position_embeddings=131072, rope_parameters=LLAMA_3_1_ROPE)
     inv_freq, rope_scale = rope_frequencies(hf, shape.head_dim)
     with torch.device("meta"):  # as the loader builds a model: nothing allocated until to_empty
         model = Transformer(ModelConfig.from_hf(hf), inv_freq, rope_scale)

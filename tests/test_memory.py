@@ -18,26 +18,11 @@ from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.plan import MODELS
+from triforce_cli.plan.presets import LLAMA_3_1_ROPE
 from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
 
-LLAMA_31_8B = LlamaConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    rope_parameters={
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_theta": 500000.0,
-    },
+LLAMA_31_8B = MODELS["Llama-3.1-8B"].target.llama_config(
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA_3_1_ROPE
 )
 SHAPES = checkpoint_shapes(LLAMA_31_8B)
 NUM_LAYERS = LLAMA_31_8B.num_hidden_layers

@@ -62,6 +62,14 @@ LLAMA_3_1_8B = ModelShape(
     vocab_size=128256,
     tie_word_embeddings=False,
 )
+LLAMA_3_1_ROPE = {  # Llama 3.1's RoPE scaling (its config.json), for building a model of its shape at 128K
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
 QWEN2_7B = ModelShape(
     name="Qwen2-7B",
     num_layers=28,
