@@ -19,9 +19,10 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 import triforce_cli.cli.chat
-from triforce_cli.chat.session import ChatTurn, ConversationIds
 from triforce_cli.cli.app import app
 from triforce_cli.cli.chat import line_history, typed_lines
+from triforce_cli.decoding.chat import ChatTurn, ConversationIds
+from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
@@ -360,7 +361,7 @@ def test_on_the_embedded_template_each_prompt_extends_the_last_where_the_answer_
     and it reads as the whole conversation. An answer that ended on another special token breaks the extension:
     that prompt is the template's rendering, the document's ids unchanged."""
     tokenizer = embedded_tokenizer
-    document = Path(triforce_cli.cli.chat.__file__).read_text()
+    document = Path(triforce_cli.cli.chat.__file__).read_text().strip()
     conversation = ConversationIds(tokenizer, document)
     questions = ["What does this module do?", "Which exit code does /quit give?", "And Ctrl-C?"]
     first = conversation.prompt_ids([], questions[0])
@@ -374,7 +375,7 @@ def test_on_the_embedded_template_each_prompt_extends_the_last_where_the_answer_
     for prompt, turn in ((second, turns[0]), (third, turns[1])):
         read = turn.prompt_ids + turn.result.token_ids
         assert prompt[: len(read)] == read
-    messages = [{"role": "user", "content": f"{document.strip()}\n\n{questions[0]}"}]
+    messages = [{"role": "user", "content": f"{document}\n\n{questions[0]}"}]
     for turn, question in zip(turns, questions[1:]):
         messages += [{"role": "assistant", "content": turn.result.text}, {"role": "user", "content": question}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -387,21 +388,27 @@ def test_on_the_embedded_template_each_prompt_extends_the_last_where_the_answer_
 
 
 @pytest.mark.embedded
-def test_a_scripted_chat_on_the_embedded_model(tmp_path):
+def test_a_scripted_chat_on_the_embedded_model_answers_as_the_target_does(tmp_path):
+    """Two questions piped to `triforce chat` (triforce mode, the shipped drafter): each answer is printed on stdout
+    as the transcript keeps it, and is what greedy autoregressive decoding of the target answers in the same
+    conversation."""
     document = tmp_path / "note.txt"
     document.write_text(
         "Meeting note, 12 March. The team agreed to move the release of version 2.4 from April to June, because "
         "the new storage engine needs two more months of testing. Maria leads the testing; Tom writes the "
         "migration guide. The next meeting is on 26 March."
     )
+    questions = ["Who writes the migration guide?", "When is the next meeting?"]
     transcript = tmp_path / "transcript.txt"
-    script = f"Who leads the testing?\nWhen is the next meeting?\n/save {transcript}\n"
+    script = "".join(f"{line}\n" for line in (*questions, f"/save {transcript}"))
     args = ["chat", "-p", str(document), "--max-new-tokens", "16", "--temperature", "0"]
     result = CliRunner().invoke(app, args, input=script)
     assert result.exit_code == 0, (result.output, result.exception)
-    roles_and_texts = [message.split(": ", 1) for message in transcript.read_text().split("\n\n") if message]
-    answers = [text for role, text in roles_and_texts if role == "assistant"]
-    assert [role for role, _ in roles_and_texts] == ["user", "assistant", "user", "assistant"]
+    messages = [message.split(": ", 1) for message in transcript.read_text().split("\n\n") if message]
+    answers = [text for role, text in messages if role == "assistant"]
+    assert [role for role, _ in messages] == ["user", "assistant", "user", "assistant"]
     assert all(answer.strip() for answer in answers)
     assert result.stdout == "".join(f"{answer}\n" for answer in answers)
-    assert "Maria" in answers[0]
+    config = EngineConfig(mode="autoregressive", max_new_tokens=16, sampling=GREEDY)
+    session = Pipeline.load(config=config).session(document.read_text())
+    assert [session.ask(question).text for question in questions] == answers

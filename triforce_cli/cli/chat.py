@@ -18,7 +18,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from triforce_cli.chat.session import ChatSession, transcript_text
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import (
     OUT_OF_MEMORY,
@@ -29,6 +28,7 @@ from triforce_cli.cli.console import (
     print_note,
 )
 from triforce_cli.cli.render import PrefillProgress, TokenStream, answer_line, print_setup, print_summary
+from triforce_cli.decoding.chat import ChatSession, transcript_text
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from kernels import attention_backend, half_weights_available
-from triforce_cli.chat.session import ChatSession
+from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, check_writable
@@ -196,7 +196,7 @@ class Pipeline:
         return encode_prompt(self.target.tokenizer, prompt, chat)
 
     def session(self, document: str) -> ChatSession:
-        """A chat about document (chat/session.py): each question answered after the whole conversation so far, as
+        """A chat about document (decoding/chat.py): each question answered after the whole conversation so far, as
         the target's chat template renders it, the document's token ids the same in every prompt.
 
         Args:
