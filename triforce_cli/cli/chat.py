@@ -27,7 +27,14 @@ from triforce_cli.cli.console import (
     print_error,
     print_note,
 )
-from triforce_cli.cli.render import PrefillProgress, TokenStream, answer_line, print_setup, print_summary
+from triforce_cli.cli.render import (
+    PrefillProgress,
+    TokenStream,
+    answer_line,
+    first_token_seconds,
+    print_setup,
+    print_summary,
+)
 from triforce_cli.decoding.chat import ChatSession, transcript_text
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
@@ -193,11 +200,13 @@ def answer(session: ChatSession, question: str, out: Console, err: Console) -> N
 
 
 def reset_conversation(session: ChatSession, argument: str, err: Console) -> None:
+    """/reset: the document alone again."""
     session.reset()
     print_note(err, "back to the document alone")
 
 
 def save_transcript(session: ChatSession, argument: str, err: Console) -> None:
+    """/save FILE: the questions and answers written to FILE; one error line where it cannot be written."""
     if not argument:
         print_error(err, "/save needs a file: /save FILE")
         return
@@ -210,21 +219,22 @@ def save_transcript(session: ChatSession, argument: str, err: Console) -> None:
 
 
 def print_stats(session: ChatSession, argument: str, err: Console) -> None:
+    """/stats: the last answer's prompt (how much of it the engine had read just before), then generate's summary."""
     turn = session.last_turn
     if turn is None:
         print_note(err, "no answer yet")
         return
-    stats = turn.result.stats
     prompt, carried = len(turn.prompt_ids), turn.carried_tokens
     print_note(
         err,
         f"last prompt: {prompt} tokens, {carried} of them read just before (the document, or the previous prompt and"
-        f" answer), {prompt - carried} new; first answer token after {stats.compile_seconds + stats.prefill_seconds:.2f} s",
+        f" answer), {prompt - carried} new; first answer token after {first_token_seconds(turn.result.stats):.2f} s",
     )
-    print_summary(err, stats)
+    print_summary(err, turn.result.stats)
 
 
 def print_help(session: ChatSession, argument: str, err: Console) -> None:
+    """/help: every command and what it does."""
     for usage, (_, description) in COMMANDS.items():
         err.print(Text(f"{usage:<12} {description}"))
     err.print(Text(f"{'/quit':<12} end the session (as Ctrl-D does)"))

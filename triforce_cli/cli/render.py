@@ -209,11 +209,16 @@ def print_summary(console: Console, stats: GenerationStats) -> None:
         print_note(console, note)
 
 
+def first_token_seconds(stats: GenerationStats) -> float:
+    """How long the generation's first token took: compiling the decode steps (where it happened), the prefill and
+    the first sample."""
+    return stats.compile_seconds + stats.prefill_seconds
+
+
 def answer_line(stats: GenerationStats) -> str:
-    """One line after a chat answer: its tokens, the wait for the first (compiling included), the pace after it
-    and why it stopped."""
-    first = stats.compile_seconds + stats.prefill_seconds
+    """One line after a chat answer: its tokens, the wait for the first, the pace after it and why it stopped."""
     pace = f", then {stats.ms_per_token:.1f} ms per token" if stats.decoded_tokens else ""
+    first = first_token_seconds(stats)
     return f"{stats.new_tokens} tokens: the first after {first:.2f} s{pace}; stopped by {stats.stop_reason}"
 
 
