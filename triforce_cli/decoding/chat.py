@@ -15,13 +15,13 @@ extends the one before it: turn k+1's ids are turn k's prompt ids, the ids of it
 then the tokenized text the template puts between that answer and the end of the next question. Exact prefix reuse
 in the engine then has only that last text to prefill.
 
-Where a template breaks the extension: it rewrites earlier turns (drops the reasoning of earlier answers, as
-Qwen3's does, or moves the system prompt into the latest user turn, as Mistral's does); its prompt for the answer is
-not how it opens an assistant turn once answered (Qwen3's empty thinking block where thinking is off); it trims an
-answer that starts or ends with whitespace (Llama 3's ``| trim``); or the answer ended on an end-of-sequence token
-other than the one the template closes a turn with (or was cut inside a character). That turn's prompt is then the template's
-whole rendering tokenized around the document: the document's ids stay the same, behind the template's text before
-it, but the earlier turns are tokenized anew and their ids need not be those generated.
+Where a template breaks the extension: it rewrites earlier turns (drops the reasoning of earlier answers, as Qwen3's
+does, or moves the system prompt into the latest user turn, as Mistral's does); its prompt for the answer is not the
+start it gives an answered assistant turn; it trims an answer that starts or ends with whitespace (Llama 3's ``|
+trim``); or the answer ended on an end-of-sequence token other than the one the template closes a turn with. That
+turn's prompt is then the template's whole rendering tokenized around the document: the document's ids stay the
+same, behind the template's text before it, but the earlier turns are tokenized anew and their ids need not be those
+generated.
 """
 
 from dataclasses import dataclass
