@@ -17,11 +17,11 @@ in the engine then has only that last text to prefill.
 
 Where a template breaks the extension: it rewrites earlier turns (drops the reasoning of earlier answers, as Qwen3's
 does, or moves the system prompt into the latest user turn, as Mistral's does); its prompt for the answer is not the
-start it gives an answered assistant turn; it trims an answer that starts or ends with whitespace (Llama 3's ``|
-trim``); or the answer ended on an end-of-sequence token other than the one the template closes a turn with. That
-turn's prompt is then the template's whole rendering tokenized around the document: the document's ids stay the
-same, behind the template's text before it, but the earlier turns are tokenized anew and their ids need not be those
-generated.
+start it gives an answered assistant turn; it trims an answer that starts or ends with whitespace (Llama 3's
+``| trim``); or the answer ended on an end-of-sequence token other than the one the template closes a turn with.
+That turn's prompt is then the template's whole rendering tokenized around the document: the document's ids stay the
+same, behind the template's text before it, but the earlier turns are tokenized anew and their ids need not be
+those generated.
 """
 
 from dataclasses import dataclass
