@@ -1,9 +1,10 @@
 """`triforce chat`: questions about a (long) document, each answered after the whole conversation so far.
 
 The document is prefilled once at the start; then every line read is a question (or a /command), whose answer
-streams as the tiers accept it. At a terminal, lines are edited and remembered with readline (the history kept in
-the cache root); otherwise each line of standard input is one question and each answer one block of stdout ending
-in a newline, so that `printf 'q1\\nq2\\n' | triforce chat -p doc.txt` answers both.
+streams as the tiers accept it. At a terminal (standard input and output both), lines are edited and remembered
+with readline (the history kept in the cache root); otherwise each line of standard input is one question and each
+answer one block of stdout ending in a newline, so that `printf 'q1\\nq2\\n' | triforce chat -p doc.txt` answers
+both.
 
 Inside the session a question or command that cannot be carried out is one error line, and the session goes on;
 Ctrl-C stops the answer being written (what it had is kept), while at the prompt it ends the session with 130 as
@@ -123,7 +124,7 @@ def chat(
         with PrefillProgress(err) as progress:
             session.prefill(progress)
         print_note(err, f"ask about {prompt_file} ({prefix_tokens} tokens read); /help lists the commands")
-        interactive = sys.stdin.isatty()
+        interactive = sys.stdin.isatty() and sys.stdout.isatty()  # else a prompt would land among the answers
         with line_history(chat_history_file()) if interactive else nullcontext():
             for line in typed_lines(interactive):
                 if line == "/quit":
