@@ -259,6 +259,7 @@ def tiny_models() -> dict:
         "drafter": tiny_loaded("drafter", seed=1, pieces=list(ALPHABET), num_layers=1),
         "other-vocab": tiny_loaded("other-vocab", seed=1, pieces=list(OTHER_ALPHABET), num_layers=1),
         "markup": LoadedModel("markup", target.model, CharTokenizer(markup), target.hf_config),
+        "chat": chat_model(),
     }
 
 
@@ -307,15 +308,37 @@ def prompt_file(tmp_path):
     return path
 
 
-def save_word_checkpoint(folder: Path, seed: int = 0) -> Path:
-    """A tiny Llama checkpoint with a WordLevel tokenizer (w0..w30, no chat template, no EOS), saved to folder."""
+def word_tokenizer(words: list[str], unknown: str, chat_template: str | None = None, **special_tokens):
+    """A WordLevel tokenizer of words (ids in their order), split at whitespace and punctuation, any other word read
+    as unknown (one of words); special_tokens (unk_token=...) as PreTrainedTokenizerFast takes them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["[UNK]"] + [f"w{i}" for i in range(31)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=unknown))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+# A chat template in words: w20 opens the conversation, w23 a user turn, w24 an assistant turn (also the prompt for the
+# answer) and w21 ends a turn; a tokenizer's words are w0..w31, w31 also any word not among them (no special tokens).
+WORD_CHAT_TEMPLATE = (
+    "w20 {% for message in messages %}{{ 'w23' if message['role'] == 'user' else 'w24' }} {{ message['content'] }}"
+    " w21 {% endfor %}{% if add_generation_prompt %}w24 {% endif %}"
+)
+CHAT_WORDS = [f"w{i}" for i in range(32)]
+
+
+def chat_model() -> LoadedModel:
+    """A tiny target whose answers depend on the whole conversation (rich_model), with the word chat template."""
+    tiny = rich_model(seed=3)
+    return replace(tiny.loaded, name="chat", tokenizer=word_tokenizer(CHAT_WORDS, "w31", WORD_CHAT_TEMPLATE))
+
+
+def save_word_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A tiny Llama checkpoint with a WordLevel tokenizer (w0..w30, no chat template, no EOS), saved to folder."""
+    tokenizer = word_tokenizer(["[UNK]"] + [f"w{i}" for i in range(31)], "[UNK]", unk_token="[UNK]")
     cfg = llama_config(max_position_embeddings=4096, **UNTIED_WITHOUT_SPECIAL_TOKENS)
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(folder)

@@ -50,7 +50,7 @@ def test_the_two_setup_commands_come_first_and_ci_runs_the_tests_the_readme_name
 
 def test_readme_shows_commands_of_every_command():
     shown = {shlex.split(line)[1] for _, line in triforce_commands()}
-    assert {"generate", "bench", "distill", "cache"} <= shown
+    assert {"generate", "chat", "bench", "distill", "cache"} <= shown
 
 
 @pytest.mark.parametrize(("document", "line"), triforce_commands(), ids=lambda v: v if "/" in v or "." in v else None)

@@ -8,13 +8,14 @@ The library API, imported on first use so that the command line starts (and answ
 import importlib
 
 _EXPORTS = {
+    "ChatSession": "triforce_cli.decoding.chat",
     "EngineConfig": "triforce_cli.decoding.config",
     "GenerationResult": "triforce_cli.decoding.stats",
     "GenerationStats": "triforce_cli.decoding.stats",
     "Pipeline": "triforce_cli.decoding.pipeline",
     "SamplingConfig": "triforce_cli.decoding.sampling",
 }
-__all__ = ["EngineConfig", "GenerationResult", "GenerationStats", "Pipeline", "SamplingConfig"]
+__all__ = ["ChatSession", "EngineConfig", "GenerationResult", "GenerationStats", "Pipeline", "SamplingConfig"]
 
 
 def __getattr__(name: str):

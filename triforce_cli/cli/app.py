@@ -9,6 +9,7 @@ from typer.core import TyperGroup
 
 from triforce_cli.cli.bench import bench
 from triforce_cli.cli.cache import cache_app
+from triforce_cli.cli.chat import chat
 from triforce_cli.cli.console import INTERRUPTED, print_error
 from triforce_cli.cli.distill import distill
 from triforce_cli.cli.generate import generate
@@ -65,6 +66,7 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain help: readable at 80 columns, and brackets in help texts stay as typed
 )
 app.command()(generate)
+app.command()(chat)
 app.command()(bench)
 app.command()(distill)
 app.command()(info)

@@ -6,7 +6,7 @@ import typer
 
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
-from triforce_cli.cli.render import PrefillProgress, TokenStream, memory_plan_line, print_summary, tier_legend
+from triforce_cli.cli.render import PrefillProgress, TokenStream, print_setup, print_summary
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
@@ -100,10 +100,7 @@ def generate(
             memory = {"memory": {"device": plan.device, "items": [list(item) for item in plan.items]}}
             print(json.dumps({"token_ids": result.token_ids, "text": result.text, **as_record(result.stats), **memory}))
         else:
-            print_note(err, memory_plan_line(plan))
-            if pipe.engine.drafter_description:
-                print_note(err, f"drafter: {pipe.engine.drafter_description}")
-            err.print(tier_legend())
+            print_setup(err, plan, pipe.engine.drafter_description)
             stream = TokenStream(out, pipe.target.tokenizer)
             with PrefillProgress(err) as progress:
                 result = pipe.generate_ids(prompt_ids, progress, stream, prompt_cache)

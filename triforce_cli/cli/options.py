@@ -221,6 +221,9 @@ Seed = Annotated[int | None, typer.Option(min=0, max=MAX_SEED, metavar="SEED", h
 PromptFile = Annotated[
     str, typer.Option("--prompt-file", "-p", metavar="FILE", help="Prompt text file; '-' reads stdin.")
 ]
+DocumentFile = Annotated[
+    str, typer.Option("--prompt-file", "-p", metavar="FILE", help="Text file of the document to ask about.")
+]
 PromptCache = Annotated[
     Path | None,
     typer.Option(

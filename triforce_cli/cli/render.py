@@ -36,6 +36,15 @@ def memory_plan_line(plan: MemoryPlan) -> str:
     return "memory: " + "; ".join(parts)
 
 
+def print_setup(console: Console, plan: MemoryPlan, drafter: str | None) -> None:
+    """The lines before a generation: what it holds and where, the drafter (where a tier drafts) and the colour of
+    each tier's tokens."""
+    print_note(console, memory_plan_line(plan))
+    if drafter:
+        print_note(console, f"drafter: {drafter}")
+    console.print(tier_legend())
+
+
 def tier_legend() -> Text:
     legend = Text("tokens by tier: ")
     for tier, style in TIER_STYLES.items():
@@ -70,7 +79,8 @@ class TokenStream:
 
 
 class PrefillProgress:
-    """A progress bar per model while the prompt is prefilled."""
+    """A progress bar per model while the prompt is prefilled, at a terminal: elsewhere a bar that vanishes when done
+    would only leave blank lines (one more for every question of a scripted chat)."""
 
     def __init__(self, console: Console):
         self.progress = Progress(
@@ -81,6 +91,7 @@ class PrefillProgress:
             TimeElapsedColumn(),
             console=console,
             transient=True,
+            disable=not console.is_terminal,
         )
         self.tasks: dict[str, int] = {}
 
@@ -202,6 +213,19 @@ def print_summary(console: Console, stats: GenerationStats) -> None:
         console.print(table)
     for note in filter(None, (costs.note for costs in stats.tier_costs)):
         print_note(console, note)
+
+
+def first_token_seconds(stats: GenerationStats) -> float:
+    """How long the generation's first token took: compiling the decode steps (where it happened), the prefill and
+    the first sample."""
+    return stats.compile_seconds + stats.prefill_seconds
+
+
+def answer_line(stats: GenerationStats) -> str:
+    """One line after a chat answer: its tokens, the wait for the first, the pace after it and why it stopped."""
+    pace = f", then {stats.ms_per_token:.1f} ms per token" if stats.decoded_tokens else ""
+    first = first_token_seconds(stats)
+    return f"{stats.new_tokens} tokens: the first after {first:.2f} s{pace}; stopped by {stats.stop_reason}"
 
 
 def _ratio(value: float | None) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kernels import attention_backend, half_weights_available
+from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, check_writable
@@ -193,6 +194,18 @@ class Pipeline:
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt, chat)
+
+    def session(self, document: str) -> ChatSession:
+        """A chat about document (decoding/chat.py): each question answered after the whole conversation so far, as
+        the target's chat template renders it, the document's token ids the same in every prompt.
+
+        Args:
+            document: the text the questions are about.
+        Returns:
+            The session, nothing prefilled yet (ChatSession.prefill reads the document). A PromptError where the
+            target's tokenizer has no chat template or the document leaves no room for an answer.
+        """
+        return ChatSession(self, document)
 
     def prompt_cache(self, folder: Path) -> PromptCache:
         """The saved prefills of this target in folder, checked writable before any prefill."""

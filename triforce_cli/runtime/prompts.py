@@ -54,6 +54,28 @@ def user_turn(tokenizer: PreTrainedTokenizerBase, content: str) -> str:
 DOCUMENT_PLACEHOLDER = "<<triforce-document>>"  # stands for the document while the chat template is rendered
 
 
+def document_question(question: str) -> dict[str, str]:
+    """The user message that asks about a document: the document (its placeholder), a blank line, the question."""
+    return {"role": "user", "content": f"{DOCUMENT_PLACEHOLDER}\n\n{question}"}
+
+
+def around_document(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[str, str]:
+    """The chat template's rendering of messages, with the prompt for the model's answer, cut where
+    DOCUMENT_PLACEHOLDER stands in one of them for a document: the text before the document and the text after it.
+
+    Tokenized apart, the two keep the document's own token ids the same in every prompt made of it, and a
+    rendering never runs the template over the document (however long it is). One PromptError where the tokenizer
+    has no chat template, or where its template changes the message so that the placeholder is not there once.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("a chat turn needs a chat template, and this model's tokenizer has none")
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if rendered.count(DOCUMENT_PLACEHOLDER) != 1:
+        raise PromptError("the chat template changes the message it is given, so the document cannot be cut in it")
+    before, after = rendered.split(DOCUMENT_PLACEHOLDER)
+    return before, after
+
+
 def cut_prompt(tokenizer: PreTrainedTokenizerBase, document: str, request: str | None, length: int) -> list[int]:
     """Token ids of a benchmark prompt, exactly length of them: a bench compares modes at a context length, so the
     prompt must be that long whatever its kind.
@@ -71,13 +93,9 @@ def cut_prompt(tokenizer: PreTrainedTokenizerBase, document: str, request: str |
         if len(ids) < length:
             raise PromptError(f"the text has {len(ids)} tokens, fewer than the context {length}")
         return ids[:length]
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError("a chat turn needs a chat template, and this model's tokenizer has none")
-    rendered = user_turn(tokenizer, f"{DOCUMENT_PLACEHOLDER}\n\n{request}")
-    if rendered.count(DOCUMENT_PLACEHOLDER) != 1:
-        raise PromptError("the chat template changes the message it is given, so the document cannot be cut in it")
     before, after = (
-        tokenizer(part, add_special_tokens=False).input_ids for part in rendered.split(DOCUMENT_PLACEHOLDER)
+        tokenizer(part, add_special_tokens=False).input_ids
+        for part in around_document(tokenizer, [document_question(request)])
     )
     room = length - len(before) - len(after)
     if room < 1:

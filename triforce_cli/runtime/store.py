@@ -1,11 +1,12 @@
 """The folders the tool writes to: converted checkpoints and saved prefills, kept under a size limit.
 
 The cache root is ``$TRIFORCE_CACHE``, else ``$XDG_CACHE_HOME/triforce-cli``, else ``~/.cache/triforce-cli``. It
-holds ``models/`` (GGUF files converted to safetensors) and, by convention, ``prompts/`` (``--prompt-cache``
-may name any other folder); ``inductor/`` holds torch's compiled decode steps, which torch manages, outside the
-limit. Each entry of such a folder (a file or a folder) counts its bytes; when a write takes a folder past the limit (``$TRIFORCE_CACHE_LIMIT``, e.g. ``4G``, ``500M``, ``0`` for none; default 4 GiB),
-the entries used least recently are removed until it fits again, never the one just written. Using an entry
-sets its modification time, so that time is when it was last used.
+holds ``models/`` (GGUF files converted to safetensors) and, by convention, ``prompts/`` (``--prompt-cache`` may
+name any other folder); ``inductor/`` holds torch's compiled decode steps, which torch manages, outside the limit,
+and ``chat-history`` the lines typed at `triforce chat` in a terminal. Each entry of such a folder (a file or a
+folder) counts its bytes; when a write takes a folder past the limit (``$TRIFORCE_CACHE_LIMIT``, e.g. ``4G``,
+``500M``, ``0`` for none; default 4 GiB), the entries used least recently are removed until it fits again, never the
+one just written. Using an entry sets its modification time, so that time is when it was last used.
 """
 
 import hashlib
@@ -44,6 +45,11 @@ def models_folder() -> Path:
 
 def prompts_folder() -> Path:
     return cache_root() / "prompts"
+
+
+def chat_history_file() -> Path:
+    """The questions and commands typed at `triforce chat` in a terminal, kept for the next session's history."""
+    return cache_root() / "chat-history"
 
 
 def compiled_folder() -> Path:

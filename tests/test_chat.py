@@ -1,0 +1,414 @@
+"""`triforce chat` and the ChatSession under it.
+
+The library tests run a ChatSession on a tiny random target whose answers depend on the whole conversation, with a
+word-level tokenizer and chat template (conftest: chat_model, WORD_CHAT_TEMPLATE), so that a prompt's token ids
+can be compared with the tokenized rendering of the whole conversation. The command-line tests run `triforce chat`
+on the same model through the loader swap of conftest's `tiny` fixture, questions scripted on stdin. The tests
+marked embedded check the turns' token ids on the embedded model's own chat template, and one scripted chat on it.
+"""
+
+import builtins
+import itertools
+import readline
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import CHAT_WORDS, WORD_CHAT_TEMPLATE, small_config, word_tokenizer
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+import triforce_cli.cli.chat
+from triforce_cli.cli.app import app
+from triforce_cli.cli.chat import line_history, typed_lines
+from triforce_cli.decoding.chat import ChatTurn, ConversationIds
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.stats import GenerationResult, GenerationStats
+from triforce_cli.errors import PromptError
+from triforce_cli.runtime.loading import resolve_checkpoint
+from triforce_cli.runtime.prompts import DOCUMENT_PLACEHOLDER
+
+DOCUMENT = " ".join(f"w{i % 19}" for i in range(120))
+QUESTIONS = ("w5 w6", "w7 w8 w9", "w1")
+NEW_TOKENS = 12
+GREEDY = SamplingConfig(temperature=0)
+TOO_LONG = " ".join(["w2"] * 600)  # past the tiny model's 512 positions whatever came before
+# the command-line settings of small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY), on the chat model
+CLI_ARGS = (
+    "--target", "chat",
+    "--budget", "32", "--chunk-size", "8", "--draft-window", "24", "--sink-tokens", "4",
+    "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
+)  # fmt: skip
+
+
+@pytest.fixture
+def pipe(tiny) -> Pipeline:
+    return Pipeline.load(target="chat", config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY))
+
+
+def conversation_ids(tokenizer, questions: list[str], answers: list[str]) -> list[int]:
+    """The whole conversation as the template renders it, the document written out, tokenized in one piece."""
+    messages = [{"role": "user", "content": f"{DOCUMENT}\n\n{questions[0]}"}]
+    for answer, question in zip(answers, questions[1:]):
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def answered(question: str, prompt_ids: list[int], answer_ids: list[int], tokenizer) -> ChatTurn:
+    """The turn of question whose answer was answer_ids, as a session records it."""
+    stats = GenerationStats("autoregressive", None, len(prompt_ids), new_tokens=len(answer_ids))
+    text = tokenizer.decode(answer_ids, skip_special_tokens=True)
+    return ChatTurn(question, prompt_ids, GenerationResult(answer_ids, text, stats), 0)
+
+
+# ---------------------------------------------------------------------------------------------- the session
+
+
+def test_each_prompt_extends_the_one_before_and_is_the_whole_conversation(pipe):
+    session = pipe.session(DOCUMENT)
+    session.prefill()
+    for question in QUESTIONS:
+        session.ask(question)
+    turns, prefix = session.turns, session.conversation.document_prefix_ids
+    assert len(turns) == len(QUESTIONS) and all(len(turn.result.token_ids) == NEW_TOKENS for turn in turns)
+    assert turns[0].prompt_ids[: len(prefix)] == prefix and turns[0].carried_tokens == len(prefix)
+    for before, after in itertools.pairwise(turns):
+        read = before.prompt_ids + before.result.token_ids
+        assert after.prompt_ids[: len(read)] == read
+        assert after.carried_tokens == len(read) < len(after.prompt_ids)
+    tokenizer = pipe.target.tokenizer
+    answers = [turn.result.text for turn in turns]
+    for k, turn in enumerate(turns):
+        assert turn.prompt_ids == conversation_ids(tokenizer, list(QUESTIONS[: k + 1]), answers[:k])
+    assert session.transcript == [
+        (role, text)
+        for question, answer in zip(QUESTIONS, answers)
+        for role, text in (("user", question), ("assistant", answer))
+    ]
+
+
+def test_greedy_answers_are_the_targets_on_the_whole_conversation(pipe):
+    """Each answer of a triforce session is what autoregressive greedy decoding of the target writes after the same
+    ids; and the conversation matters: a question asked after others is answered otherwise than asked first."""
+    session = pipe.session(DOCUMENT)
+    session.prefill()
+    results = [session.ask(question) for question in QUESTIONS]
+    assert any(a.accepted < a.drafted for result in results for a in result.stats.acceptance)  # drafts rejected too
+    pipe.reconfigure(mode="autoregressive")
+    for turn in session.turns:
+        assert turn.result.token_ids == pipe.generate_ids(turn.prompt_ids).token_ids
+    asked_first = pipe.session(DOCUMENT).ask(QUESTIONS[1])
+    assert asked_first.token_ids != results[1].token_ids
+
+
+def test_reset_goes_back_to_the_document_alone(pipe):
+    session = pipe.session(DOCUMENT)
+    first = session.ask(QUESTIONS[0])
+    session.ask(QUESTIONS[1])
+    session.reset()
+    assert session.transcript == [] and session.last_result is not None
+    assert session.prompt_ids(QUESTIONS[1]) == conversation_ids(pipe.target.tokenizer, [QUESTIONS[1]], [])
+    assert session.ask(QUESTIONS[0]).token_ids == first.token_ids
+    assert session.transcript == [("user", QUESTIONS[0]), ("assistant", first.text)]
+
+
+def test_a_question_that_does_not_fit_leaves_the_conversation_as_it_was(pipe):
+    session = pipe.session(DOCUMENT)
+    session.ask(QUESTIONS[0])
+    with pytest.raises(PromptError, match="exceeds the 512-token context of chat"):
+        session.ask(TOO_LONG)
+    with pytest.raises(PromptError, match="the question is empty"):
+        session.ask("  \n")
+    assert len(session.turns) == 1 and session.last_turn.question == QUESTIONS[0]
+    session.ask(QUESTIONS[1])
+    first, second = session.turns
+    assert second.prompt_ids[: len(first.prompt_ids) + NEW_TOKENS] == first.prompt_ids + first.result.token_ids
+
+
+def test_an_interrupted_answer_is_kept_as_far_as_it_got(pipe):
+    session = pipe.session(DOCUMENT)
+    streamed = []
+
+    def stop_at_three(tokens, origins):
+        streamed.extend(tokens)
+        if len(streamed) >= 3:
+            raise KeyboardInterrupt
+
+    result = session.ask(QUESTIONS[0], on_tokens=stop_at_three)
+    assert result.stats.stop_reason == "interrupted" and result.token_ids == streamed and 3 <= len(streamed) < 12
+    assert session.transcript == [("user", QUESTIONS[0]), ("assistant", result.text)]
+    following = session.prompt_ids(QUESTIONS[1])
+    assert following[: len(session.turns[0].prompt_ids) + len(streamed)] == session.turns[0].prompt_ids + streamed
+
+
+def test_a_question_interrupted_before_its_first_token_is_left_out(pipe):
+    session = pipe.session(DOCUMENT)
+
+    def stop(name, done, total):
+        raise KeyboardInterrupt
+
+    result = session.ask(QUESTIONS[0], on_prefill=stop)
+    assert result.stats.stop_reason == "interrupted" and result.token_ids == []
+    assert session.turns == [] and session.last_result is result
+
+
+def test_a_tokenizer_without_chat_template_or_an_empty_document_cannot_chat(tiny):
+    with pytest.raises(PromptError, match="needs a chat template, and this model's tokenizer has none"):
+        Pipeline.load(target="tiny").session(DOCUMENT)
+    with pytest.raises(PromptError, match="the document is empty"):
+        Pipeline.load(target="chat").session(" \n ")
+
+
+def test_a_template_that_rewrites_earlier_turns_gets_its_whole_rendering():
+    """A template that drops earlier answers (as reasoning templates drop earlier thinking) cannot be extended: the
+    prompt is its whole rendering, the document's ids the same as ever."""
+    forgetful = WORD_CHAT_TEMPLATE.replace(
+        "{{ message['content'] }}", "{{ message['content'] if message['role'] == 'user' else '' }}"
+    )
+    tokenizer = word_tokenizer(CHAT_WORDS, "w31", forgetful)
+    conversation = ConversationIds(tokenizer, DOCUMENT)
+    first = conversation.prompt_ids([], QUESTIONS[0])
+    turn = answered(QUESTIONS[0], first, [3, 4, 5], tokenizer)
+    second = conversation.prompt_ids([turn], QUESTIONS[1])
+    assert second == conversation_ids(tokenizer, list(QUESTIONS[:2]), ["w3 w4 w5"])
+    assert second[: len(first) + 3] != first + [3, 4, 5]
+    assert second[: len(conversation.document_prefix_ids)] == conversation.document_prefix_ids
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+
+def run_chat(document: Path, *args: str, input: str | None = None):
+    return CliRunner().invoke(app, ["chat", "-p", str(document), *CLI_ARGS, *args], input=input)
+
+
+@pytest.fixture
+def document(tmp_path) -> Path:
+    path = tmp_path / "document.txt"
+    path.write_text(DOCUMENT + "\n", encoding="utf-8")
+    return path
+
+
+def answers_of(pipe: Pipeline, questions) -> list[str]:
+    session = pipe.session(DOCUMENT)
+    return [session.ask(question).text for question in questions]
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def flat(text: str) -> str:
+    """text with its wrapped lines joined (notes wrap at the console's width)."""
+    return " ".join(text.split())
+
+
+def test_scripted_questions_print_one_answer_each(pipe, document):
+    result = run_chat(document, input=f"{QUESTIONS[0]}\n\n   \n{QUESTIONS[1]}\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == answers_of(pipe, QUESTIONS[:2])
+    assert "ask about" in result.stderr and "Traceback" not in result.output
+
+
+def test_reset_save_and_stats(pipe, document, tmp_path):
+    before, after = tmp_path / "before.txt", tmp_path / "after.txt"
+    script = [QUESTIONS[0], f"/save {before}", "/reset", QUESTIONS[1], "/stats", f"/save {after}", "/help"]
+    result = run_chat(document, input="\n".join(script) + "\n")
+    assert result.exit_code == 0, result.output
+    first, second = result.stdout.splitlines()
+    assert first == answers_of(pipe, QUESTIONS[:1])[0]
+    assert second == answers_of(pipe, QUESTIONS[1:2])[0]  # after /reset: the first question about the document
+    assert before.read_text() == f"user: {QUESTIONS[0]}\n\nassistant: {first}\n\n"
+    assert after.read_text() == f"user: {QUESTIONS[1]}\n\nassistant: {second}\n\n"
+    prompt = conversation_ids(pipe.target.tokenizer, [QUESTIONS[1]], [])
+    prefix = pipe.session(DOCUMENT).conversation.document_prefix_ids
+    stats = flat(result.stderr)
+    assert f"last prompt: {len(prompt)} tokens, {len(prefix)} of them read just before" in stats
+    for shown in ("per-token latency", "prompt tokens", "acceptance per tier", "retrieval → target"):
+        assert shown in stats
+    assert "/save FILE" in result.stderr and "/quit" in result.stderr
+    assert not error_lines(result)
+
+
+def test_what_cannot_be_done_inside_the_session_is_one_line_and_the_session_goes_on(pipe, document, tmp_path):
+    script = [f"/save {tmp_path}", "/save", "/bogus", TOO_LONG, QUESTIONS[0], "/quit", QUESTIONS[1]]
+    result = run_chat(document, input="\n".join(script) + "\n")
+    assert result.exit_code == 0, result.output
+    assert error_lines(result) == [
+        f"error: cannot write {tmp_path}: Is a directory",
+        "error: /save needs a file: /save FILE",
+        "error: unknown command /bogus: /help lists them",
+        error_lines(result)[3],
+    ]
+    assert "exceeds the 512-token context of chat" in error_lines(result)[3]
+    assert result.stdout.splitlines() == answers_of(pipe, QUESTIONS[:1])  # /quit: the last question not asked
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.usefixtures("tiny")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--target", "tiny"), "error: a chat turn needs a chat template, and this model's tokenizer has none"),
+        (("-p", "-"), "error: chat reads its questions from standard input: give the document as a file"),
+    ],
+)
+def test_a_session_that_cannot_start_is_one_line_and_exit_1(document, args, message):
+    result = run_chat(document, *args, input=f"{QUESTIONS[0]}\n")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert result.stderr.splitlines() == [message] and result.stdout == ""
+
+
+@pytest.fixture
+def signal_at_forward(monkeypatch, tiny):
+    """Have the chat model's n-th forward from now on raise KeyboardInterrupt through the stop signal given, as the
+    signal's handler does (the handler of the command's own watch, which notes which signal it was)."""
+
+    def arm(n: int, signum: int):
+        model = tiny["models"]["chat"].model
+        calls = {"n": 0}
+        original = model.forward
+
+        def forward(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == n:
+                signal.raise_signal(signum)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", forward)
+
+    return arm
+
+
+def test_ctrl_c_stops_the_answer_and_the_session_goes_on(document, tmp_path, signal_at_forward):
+    # autoregressive: forward 1 prefills the document, 2 the first prompt, 3 and 4 sample its second and third tokens
+    signal_at_forward(5, signal.SIGINT)
+    transcript = tmp_path / "transcript.txt"
+    script = f"{QUESTIONS[0]}\n{QUESTIONS[1]}\n/save {transcript}\n"
+    result = run_chat(document, "--mode", "autoregressive", input=script)
+    assert result.exit_code == 0, result.output
+    stopped, following = result.stdout.splitlines()
+    assert len(stopped.split()) == 3 and len(following.split()) == NEW_TOKENS
+    assert "answer stopped" in result.stderr and not error_lines(result)
+    assert transcript.read_text().split("\n\n")[1] == f"assistant: {stopped}"
+
+
+def test_sigterm_during_an_answer_ends_the_session_with_143(document, signal_at_forward):
+    signal_at_forward(5, signal.SIGTERM)
+    result = run_chat(document, "--mode", "autoregressive", input=f"{QUESTIONS[0]}\n{QUESTIONS[1]}\n")
+    assert result.exit_code == 143
+    assert len(result.stdout.split()) == 3  # the stopped answer; the next question is not asked
+    assert error_lines(result) == ["error: interrupted"]
+
+
+def test_ctrl_c_at_the_prompt_ends_the_session_with_130(pipe, document, monkeypatch):
+    def one_question_then_ctrl_c(interactive):
+        yield QUESTIONS[0]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(triforce_cli.cli.chat, "typed_lines", one_question_then_ctrl_c)
+    result = run_chat(document, input="")
+    assert result.exit_code == 130
+    assert result.stdout.splitlines() == answers_of(pipe, QUESTIONS[:1])
+    assert error_lines(result) == ["error: interrupted"] and "Traceback" not in result.output
+
+
+def test_at_a_terminal_lines_come_after_a_prompt_until_ctrl_d(monkeypatch, capsys):
+    typed = iter(["  w5 w6 ", "", "/stats"])
+
+    def terminal_input(prompt):
+        print(prompt, end="")
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(builtins, "input", terminal_input)
+    assert list(typed_lines(interactive=True)) == ["w5 w6", "/stats"]
+    assert capsys.readouterr().out == "> > > > \n"  # a prompt per line read, and a newline after Ctrl-D
+
+
+def test_the_terminal_history_is_kept_across_sessions(tmp_path):
+    history = tmp_path / "cache" / "chat-history"
+    readline.clear_history()
+    with line_history(history):
+        readline.add_history("w5 w6")
+    readline.clear_history()
+    with line_history(history):
+        assert readline.get_history_item(readline.get_current_history_length()) == "w5 w6"
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with line_history(blocked / "chat-history"):  # a cache root that cannot be written: no history, no error
+        readline.add_history("w7")
+    assert blocked.read_text() == ""
+
+
+# ---------------------------------------------------------------------------------------------- the embedded model
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(None).folder)
+
+
+@pytest.mark.embedded
+def test_on_the_embedded_template_each_prompt_extends_the_last_where_the_answer_ends_its_turn(embedded_tokenizer):
+    """SmolLM2's template renders earlier turns unchanged: after an answer that ends with <|im_end|> (its turn's
+    end) or was cut short, the next prompt is the last prompt, the answer's ids and the template's text after them,
+    and it reads as the whole conversation. An answer that ended on another special token breaks the extension:
+    that prompt is the template's rendering, the document's ids unchanged."""
+    tokenizer = embedded_tokenizer
+    document = Path(triforce_cli.cli.chat.__file__).read_text().strip()
+    conversation = ConversationIds(tokenizer, document)
+    questions = ["What does this module do?", "Which exit code does /quit give?", "And Ctrl-C?"]
+    first = conversation.prompt_ids([], questions[0])
+    assert first[: len(conversation.document_prefix_ids)] == conversation.document_prefix_ids
+    ended = tokenizer("It runs `triforce chat`.", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    cut = tokenizer(" Zero, as Ctrl", add_special_tokens=False).input_ids
+    turns = [answered(questions[0], first, ended, tokenizer)]
+    second = conversation.prompt_ids(turns, questions[1])
+    turns.append(answered(questions[1], second, cut, tokenizer))
+    third = conversation.prompt_ids(turns, questions[2])
+    for prompt, turn in ((second, turns[0]), (third, turns[1])):
+        read = turn.prompt_ids + turn.result.token_ids
+        assert prompt[: len(read)] == read
+    messages = [{"role": "user", "content": f"{document}\n\n{questions[0]}"}]
+    for turn, question in zip(turns, questions[1:]):
+        messages += [{"role": "assistant", "content": turn.result.text}, {"role": "user", "content": question}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(third) == rendered
+    other_end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    broken = conversation.prompt_ids([answered(questions[0], first, ended[:-1] + [other_end], tokenizer)], questions[1])
+    assert broken[: len(first) + len(ended)] != first + ended[:-1] + [other_end]
+    assert DOCUMENT_PLACEHOLDER not in tokenizer.decode(broken)
+    assert broken[: len(conversation.document_prefix_ids)] == conversation.document_prefix_ids
+
+
+@pytest.mark.embedded
+def test_a_scripted_chat_on_the_embedded_model_answers_as_the_target_does(tmp_path):
+    """Two questions piped to `triforce chat` (triforce mode, the shipped drafter): each answer is printed on stdout
+    as the transcript keeps it, and is what greedy autoregressive decoding of the target answers in the same
+    conversation."""
+    document = tmp_path / "note.txt"
+    document.write_text(
+        "Meeting note, 12 March. The team agreed to move the release of version 2.4 from April to June, because "
+        "the new storage engine needs two more months of testing. Maria leads the testing; Tom writes the "
+        "migration guide. The next meeting is on 26 March."
+    )
+    questions = ["Who writes the migration guide?", "When is the next meeting?"]
+    transcript = tmp_path / "transcript.txt"
+    script = "".join(f"{line}\n" for line in (*questions, f"/save {transcript}"))
+    args = ["chat", "-p", str(document), "--max-new-tokens", "16", "--temperature", "0"]
+    result = CliRunner().invoke(app, args, input=script)
+    assert result.exit_code == 0, (result.output, result.exception)
+    messages = [message.split(": ", 1) for message in transcript.read_text().split("\n\n") if message]
+    answers = [text for role, text in messages if role == "assistant"]
+    assert [role for role, _ in messages] == ["user", "assistant", "user", "assistant"]
+    assert all(answer.strip() for answer in answers)
+    assert result.stdout == "".join(f"{answer}\n" for answer in answers)
+    config = EngineConfig(mode="autoregressive", max_new_tokens=16, sampling=GREEDY)
+    session = Pipeline.load(config=config).session(document.read_text())
+    assert [session.ask(question).text for question in questions] == answers

@@ -1,0 +1,210 @@
+"""A chat about one long document: questions asked one after another, each answered by the pipeline after the
+whole conversation so far, as the target's chat template renders it.
+
+    session = pipe.session(Path("report.txt").read_text())
+    session.prefill()                     # the document read once, before the first question
+    print(session.ask("Who wrote it?").text)
+    print(session.ask("When?").text)      # after the first question and its answer
+    session.reset()                       # the document alone again
+
+Token ids. The first user turn holds the document, a blank line and the first question; each later question adds
+the answer before it and a user turn of its own. Turns are rendered with a placeholder for the document
+(runtime/prompts.py around_document): the template's text before the document and the text after it are tokenized
+apart from it, so the document's ids are the same in every prompt and the template never runs over it. A prompt
+extends the one before it: turn k+1's ids are turn k's prompt ids, the ids of its answer as they were generated,
+then the tokenized text the template puts between that answer and the end of the next question. Exact prefix reuse
+in the engine then has only that last text to prefill.
+
+Where a template breaks the extension: it rewrites earlier turns (drops the reasoning of earlier answers, as Qwen3's
+does, or moves the system prompt into the latest user turn, as Mistral's does); its prompt for the answer is not the
+start it gives an answered assistant turn; it trims an answer that starts or ends with whitespace (Llama 3's
+``| trim``); or the answer ended on an end-of-sequence token other than the one the template closes a turn with.
+That turn's prompt is then the template's whole rendering tokenized around the document: the document's ids stay the
+same, behind the template's text before it, but the earlier turns are tokenized anew and their ids need not be
+those generated.
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from transformers import PreTrainedTokenizerBase
+
+from triforce_cli.decoding.engine import PrefillCallback, TokenCallback
+from triforce_cli.decoding.stats import GenerationResult
+from triforce_cli.errors import PromptError
+from triforce_cli.runtime.prompts import DOCUMENT_PLACEHOLDER, around_document, document_question
+
+if TYPE_CHECKING:
+    from triforce_cli.decoding.pipeline import Pipeline
+
+USER = "user"
+ASSISTANT = "assistant"
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One question of a session and its answer.
+
+    question: as asked, without the document. prompt_ids: the whole conversation's token ids the answer was
+    generated after. result: the answer. carried_tokens: how many leading ids of prompt_ids the engine had read
+    just before (the previous prompt and its answer, or the prefilled document): the part exact prefix reuse need
+    not prefill again.
+    """
+
+    question: str
+    prompt_ids: list[int]
+    result: GenerationResult
+    carried_tokens: int
+
+
+class ConversationIds:
+    """The token ids of a conversation about one document, by the tokenizer's chat template (module docstring)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, document: str):
+        """The document's token ids, and those of the template's text before it.
+
+        Args:
+            tokenizer: the target's; a PromptError where it has no chat template.
+            document: the text every conversation is about.
+        """
+        self.tokenizer = tokenizer
+        before, _ = around_document(tokenizer, [{"role": USER, "content": DOCUMENT_PLACEHOLDER}])
+        self.document_ids = self._ids(document)
+        self.document_prefix_ids = self._ids(before) + self.document_ids  # what a session prefills at its start
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @staticmethod
+    def messages(turns: list[ChatTurn], question: str) -> list[dict[str, str]]:
+        """The chat messages of turns and then question, the document's placeholder before the first question."""
+        questions = [turn.question for turn in turns] + [question]
+        messages = [document_question(questions[0])]
+        for turn, asked in zip(turns, questions[1:]):
+            messages += [{"role": ASSISTANT, "content": turn.result.text}, {"role": USER, "content": asked}]
+        return messages
+
+    def _rendered(self, turns: list[ChatTurn], question: str) -> tuple[str, str]:
+        """The text before the document and the text after it of the conversation's rendering."""
+        return around_document(self.tokenizer, self.messages(turns, question))
+
+    def prompt_ids(self, turns: list[ChatTurn], question: str) -> list[int]:
+        """Token ids of the conversation of turns then question, with the prompt for the answer: the last turn's
+        prompt and answer ids and the template's text after them, where the template renders the earlier turns
+        unchanged; else the whole rendering tokenized around the document.
+
+        Args:
+            turns: the questions answered so far, oldest first, each with at least one answer token.
+            question: the next question.
+        Returns:
+            The prompt's token ids; a PromptError where the template changes a message so that it cannot be cut
+            around the document.
+        """
+        before, after = self._rendered(turns, question)
+        if turns:
+            last = turns[-1]
+            answered = DOCUMENT_PLACEHOLDER.join(self._rendered(turns[:-1], last.question))
+            answered += self.tokenizer.decode(last.result.token_ids, skip_special_tokens=False)
+            rendered = DOCUMENT_PLACEHOLDER.join((before, after))
+            if rendered.startswith(answered):
+                return last.prompt_ids + last.result.token_ids + self._ids(rendered[len(answered) :])
+        return self._ids(before) + self.document_ids + self._ids(after)
+
+
+def shared_length(first: list[int], second: list[int]) -> int:
+    """How many leading ids the two lists share."""
+    return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
+
+
+class ChatSession:
+    """A conversation about one document with a loaded pipeline (module docstring); made by Pipeline.session.
+
+    Attributes:
+        pipeline: generates every answer, with its settings at the time (mode, sampling, max_new_tokens).
+        conversation: the token ids of the conversation's prompts.
+        turns: the questions answered so far, oldest first; a question interrupted before its first answer token
+            is left out.
+        last_turn: the latest question asked and its generation, answered or not; None before the first.
+    """
+
+    def __init__(self, pipeline: "Pipeline", document: str):
+        """A session about document, nothing prefilled yet; the document is checked to fit with room for an answer.
+
+        Args:
+            pipeline: the loaded models.
+            document: what the conversation is about (surrounding whitespace dropped). A PromptError where it is
+                empty, where the target's tokenizer has no chat template, or where the document leaves no room in
+                the context for an answer.
+        """
+        document = document.strip()
+        if not document:
+            raise PromptError("the document is empty")
+        self.pipeline = pipeline
+        self.conversation = ConversationIds(pipeline.target.tokenizer, document)
+        pipeline.engine.check_prompt(self.conversation.document_prefix_ids)
+        self.turns: list[ChatTurn] = []
+        self.last_turn: ChatTurn | None = None
+        self._read_ids: list[int] = []  # what the engine read last: the prefilled document, or a prompt and answer
+
+    @property
+    def last_result(self) -> GenerationResult | None:
+        """The latest question's generation (None before the first)."""
+        return None if self.last_turn is None else self.last_turn.result
+
+    @property
+    def transcript(self) -> list[tuple[str, str]]:
+        """(role, text) of every question and answer so far, oldest first; the document is not repeated."""
+        return [message for turn in self.turns for message in ((USER, turn.question), (ASSISTANT, turn.result.text))]
+
+    def prefill(self, on_prefill: PrefillCallback | None = None) -> None:
+        """Read the template's text before the document and the document into the target's full cache now, once,
+        so that the first question's prompt extends what the engine holds (Engine.prefill, which also captures a
+        copy of those keys and values, dropped at once).
+
+        Args:
+            on_prefill: receives (model name, tokens done, tokens total) as the prefill goes on.
+        """
+        self.pipeline.engine.prefill(self.conversation.document_prefix_ids, on_prefill)
+        self._read_ids = self.conversation.document_prefix_ids
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The token ids the next ask(question) generates after: the whole conversation and the question."""
+        return self.conversation.prompt_ids(self.turns, question.strip())
+
+    def ask(
+        self,
+        question: str,
+        on_tokens: TokenCallback | None = None,
+        on_prefill: PrefillCallback | None = None,
+    ) -> GenerationResult:
+        """Answer question after the conversation so far, which it then joins with what was generated (also when
+        Ctrl-C stopped the answer, as long as it has a token).
+
+        Args:
+            question: the next question (surrounding whitespace dropped).
+            on_tokens: receives each step's new token ids and the tier that sampled each.
+            on_prefill: receives (model name, tokens done, tokens total) while the prompt is prefilled.
+        Returns:
+            The answer's generation. A PromptError, the conversation left as it was, where the question is empty or
+            the conversation with it and max_new_tokens more no longer fits the context (Engine.check_prompt).
+        """
+        question = question.strip()
+        if not question:
+            raise PromptError("the question is empty")
+        prompt_ids = self.conversation.prompt_ids(self.turns, question)
+        result = self.pipeline.generate_ids(prompt_ids, on_prefill, on_tokens)
+        self.last_turn = ChatTurn(question, prompt_ids, result, shared_length(prompt_ids, self._read_ids))
+        self._read_ids = prompt_ids + result.token_ids
+        if result.token_ids:
+            self.turns.append(self.last_turn)
+        return result
+
+    def reset(self) -> None:
+        """Back to the document alone: the next question is the first turn again. Nothing is prefilled: the
+        document's ids begin the next prompt as they began every prompt before."""
+        self.turns.clear()
+
+
+def transcript_text(transcript: list[tuple[str, str]]) -> str:
+    """The transcript as text: each message as 'role: text', a blank line between messages."""
+    return "".join(f"{role}: {text}\n\n" for role, text in transcript)
