@@ -45,7 +45,9 @@ CLI_ARGS = (
 
 @pytest.fixture
 def pipe(tiny) -> Pipeline:
-    return Pipeline.load(target="chat", config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY))
+    return Pipeline.load(
+        target="chat", config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_chunk=16)
+    )  # prefill chunks of 16: the document is several, so prefix reuse keeps some
 
 
 def conversation_ids(tokenizer, questions: list[str], answers: list[str]) -> list[int]:
@@ -75,10 +77,14 @@ def test_each_prompt_extends_the_one_before_and_is_the_whole_conversation(pipe):
     turns, prefix = session.turns, session.conversation.document_prefix_ids
     assert len(turns) == len(QUESTIONS) and all(len(turn.result.token_ids) == NEW_TOKENS for turn in turns)
     assert turns[0].prompt_ids[: len(prefix)] == prefix and turns[0].carried_tokens == len(prefix)
+    chunk = pipe.engine.prefill_chunk
+    assert turns[0].result.stats.reused_tokens == len(prefix) // chunk * chunk > 0  # the document, read once
     for before, after in itertools.pairwise(turns):
         read = before.prompt_ids + before.result.token_ids
         assert after.prompt_ids[: len(read)] == read
         assert after.carried_tokens == len(read) < len(after.prompt_ids)
+        # the last prompt's whole prefill chunks are kept; its answer, decoded rather than prefilled, is not
+        assert after.result.stats.reused_tokens == len(before.prompt_ids) // chunk * chunk
     tokenizer = pipe.target.tokenizer
     answers = [turn.result.text for turn in turns]
     for k, turn in enumerate(turns):

@@ -158,13 +158,13 @@ class ChatSession:
 
     def prefill(self, on_prefill: PrefillCallback | None = None) -> None:
         """Read the template's text before the document and the document into the target's full cache now, once,
-        so that the first question's prompt extends what the engine holds (Engine.prefill, which also captures a
-        copy of those keys and values, dropped at once).
+        so that the first question's prompt extends what the engine holds and prefills only its own tokens
+        (Engine.prefill without a copy of the state; prefix reuse keeps the document's whole prefill chunks).
 
         Args:
             on_prefill: receives (model name, tokens done, tokens total) as the prefill goes on.
         """
-        self.pipeline.engine.prefill(self.conversation.document_prefix_ids, on_prefill)
+        self.pipeline.engine.prefill(self.conversation.document_prefix_ids, on_prefill, capture=False)
         self._read_ids = self.conversation.document_prefix_ids
 
     def prompt_ids(self, question: str) -> list[int]:

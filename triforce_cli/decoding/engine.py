@@ -564,13 +564,20 @@ class Engine:
         prompt_ids: list[int],
         on_prefill: PrefillCallback | None = None,
         on_chunk: ChunkCallback | None = None,
-    ) -> PromptState:
-        """Prefill the target once, for reuse by generate(prompt_state=...) and the prompt cache; on_chunk receives
-        each prefill chunk's seconds."""
+        capture: bool = True,
+    ) -> PromptState | None:
+        """Prefill the target once, for reuse by generate(prompt_state=...) and the prompt cache, and by the next
+        prompt that starts with these ids (prefix reuse); on_chunk receives each prefill chunk's seconds.
+
+        capture: return a copy of the prefilled state; False: leave it in the full cache alone and return None (a
+        document read ahead of the questions about it, triforce chat).
+        """
         self.check_prompt(prompt_ids)
         full = self._allocate(len(prompt_ids)).full
+        self._caches.prefilled = None
         logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill, on_chunk)
-        return PromptState.capture(full, prompt_ids, logits)
+        self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
+        return PromptState.capture(full, prompt_ids, logits) if capture else None
 
     def generate(
         self,

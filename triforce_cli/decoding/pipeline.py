@@ -204,8 +204,15 @@ class Pipeline:
         Returns:
             The session, nothing prefilled yet (ChatSession.prefill reads the document). A PromptError where the
             target's tokenizer has no chat template or the document leaves no room for an answer.
+
+        Unless the config sizes the caches already (EngineConfig.cache_positions), they are sized for the target's
+        whole context, allocated once: a full cache grown for a longer prompt would lose the conversation's keys and
+        values, which each next question reuses (prefix reuse).
         """
-        return ChatSession(self, document)
+        chat = ChatSession(self, document)
+        if self.config.cache_positions is None:
+            self.reconfigure(cache_positions=self.target.model.config.max_position_embeddings)
+        return chat
 
     def prompt_cache(self, folder: Path) -> PromptCache:
         """The saved prefills of this target in folder, checked writable before any prefill."""
