@@ -65,8 +65,8 @@ def test_the_kept_positions_hold_a_fresh_prefill_bit_for_bit(model, monkeypatch)
     assert torch.equal(held.keys[:, :, :length], expected.keys[:, :, :length])
     assert torch.equal(held.values[:, :, :length], expected.values[:, :, :length])
     retrieval, expected_retrieval = engine._caches.retrieval, fresh._caches.retrieval
-    chunks = retrieval.num_mean_keys
-    assert chunks == expected_retrieval.num_mean_keys and chunks * 8 >= 64
+    chunks = length // 8  # the prompt's whole chunks (decoding's keys depend on how its steps were grouped)
+    assert min(retrieval.num_mean_keys, expected_retrieval.num_mean_keys) >= chunks >= 8
     assert torch.equal(retrieval.chunk_keys[:, :, :, :chunks], expected_retrieval.chunk_keys[:, :, :, :chunks])
 
 
