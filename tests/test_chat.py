@@ -9,12 +9,19 @@ marked embedded check the turns' token ids on the embedded model's own chat temp
 
 import builtins
 import itertools
+import os
+import pty
+import re
 import readline
+import select
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import CHAT_WORDS, WORD_CHAT_TEMPLATE, small_config, word_tokenizer
+from conftest import CHAT_WORDS, WORD_CHAT_TEMPLATE, save_word_checkpoint, small_config, word_tokenizer
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -28,6 +35,7 @@ from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import PromptError
 from triforce_cli.runtime.loading import resolve_checkpoint
+from triforce_cli.runtime.native import kernel_folder
 from triforce_cli.runtime.prompts import DOCUMENT_PLACEHOLDER
 
 DOCUMENT = " ".join(f"w{i % 19}" for i in range(120))
@@ -350,6 +358,58 @@ def test_the_terminal_history_is_kept_across_sessions(tmp_path):
     with line_history(blocked / "chat-history"):  # a cache root that cannot be written: no history, no error
         readline.add_history("w7")
     assert blocked.read_text() == ""
+
+
+def read_until(fd: int, seen: bytearray, marker: bytes, count: int = 1, timeout: float = 120) -> None:
+    """Read the terminal's output into seen until marker is there count times (or the process is gone)."""
+    deadline = time.monotonic() + timeout
+    while seen.count(marker) < count and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                seen += os.read(fd, 4096)
+            except OSError:  # the process closed the terminal
+                return
+
+
+def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_path):
+    """`triforce chat` in a pseudo-terminal, as a user runs it: a prompt, the answer written there, Ctrl-D ends the
+    session with 0, and the question is in the history file the next session reads."""
+    folder = save_word_checkpoint(tmp_path / "word-llama")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = WORD_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    document = tmp_path / "words.txt"
+    document.write_text(" ".join(f"w{i % 31}" for i in range(60)))
+    config = EngineConfig(max_new_tokens=4, sampling=GREEDY)
+    expected = Pipeline.load(target=str(folder), config=config).session(document.read_text()).ask(QUESTIONS[0]).text
+    command = [sys.executable, "-m", "triforce_cli", "chat", "-p", str(document), "--target", str(folder)]
+    command += ["--max-new-tokens", "4", "--temperature", "0"]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(kernel_folder().parent)  # the CPU extension as built for the tests: no rebuild
+    env = {**os.environ, "TRIFORCE_CACHE": str(cache)}
+    terminal, user_side = pty.openpty()
+    process = subprocess.Popen(
+        command, stdin=user_side, stdout=user_side, stderr=user_side, env=env, start_new_session=True
+    )
+    os.close(user_side)
+    seen = bytearray()
+    try:
+        read_until(terminal, seen, b"> ")
+        time.sleep(0.3)  # readline is waiting for a key
+        os.write(terminal, f"{QUESTIONS[0]}\r".encode())
+        read_until(terminal, seen, b"> ", count=2)
+        time.sleep(0.3)
+        os.write(terminal, b"\x04")  # Ctrl-D
+        assert process.wait(timeout=60) == 0, bytes(seen).decode(errors="replace")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(terminal)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", bytes(seen).decode())  # the colours and cursor moves left out
+    assert f"> {QUESTIONS[0]}" in shown and expected in shown and "Traceback" not in shown
+    assert (cache / "chat-history").read_text().splitlines()[-1] == QUESTIONS[0]
 
 
 # ---------------------------------------------------------------------------------------------- the embedded model
