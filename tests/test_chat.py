@@ -78,7 +78,7 @@ def answered(question: str, prompt_ids: list[int], answer_ids: list[int], tokeni
 
 
 def test_each_prompt_extends_the_one_before_and_is_the_whole_conversation(pipe):
-    session = pipe.session(DOCUMENT)
+    session = pipe.chat(DOCUMENT)
     session.prefill()
     for question in QUESTIONS:
         session.ask(question)
@@ -107,19 +107,19 @@ def test_each_prompt_extends_the_one_before_and_is_the_whole_conversation(pipe):
 def test_greedy_answers_are_the_targets_on_the_whole_conversation(pipe):
     """Each answer of a triforce session is what autoregressive greedy decoding of the target writes after the same
     ids; and the conversation matters: a question asked after others is answered otherwise than asked first."""
-    session = pipe.session(DOCUMENT)
+    session = pipe.chat(DOCUMENT)
     session.prefill()
     results = [session.ask(question) for question in QUESTIONS]
     assert any(a.accepted < a.drafted for result in results for a in result.stats.acceptance)  # drafts rejected too
     pipe.reconfigure(mode="autoregressive")
     for turn in session.turns:
         assert turn.result.token_ids == pipe.generate_ids(turn.prompt_ids).token_ids
-    asked_first = pipe.session(DOCUMENT).ask(QUESTIONS[1])
+    asked_first = pipe.chat(DOCUMENT).ask(QUESTIONS[1])
     assert asked_first.token_ids != results[1].token_ids
 
 
 def test_reset_goes_back_to_the_document_alone(pipe):
-    session = pipe.session(DOCUMENT)
+    session = pipe.chat(DOCUMENT)
     first = session.ask(QUESTIONS[0])
     session.ask(QUESTIONS[1])
     session.reset()
@@ -130,7 +130,7 @@ def test_reset_goes_back_to_the_document_alone(pipe):
 
 
 def test_a_question_that_does_not_fit_leaves_the_conversation_as_it_was(pipe):
-    session = pipe.session(DOCUMENT)
+    session = pipe.chat(DOCUMENT)
     session.ask(QUESTIONS[0])
     with pytest.raises(PromptError, match="exceeds the 512-token context of chat"):
         session.ask(TOO_LONG)
@@ -143,7 +143,7 @@ def test_a_question_that_does_not_fit_leaves_the_conversation_as_it_was(pipe):
 
 
 def test_an_interrupted_answer_is_kept_as_far_as_it_got(pipe):
-    session = pipe.session(DOCUMENT)
+    session = pipe.chat(DOCUMENT)
     streamed = []
 
     def stop_at_three(tokens, origins):
@@ -159,7 +159,7 @@ def test_an_interrupted_answer_is_kept_as_far_as_it_got(pipe):
 
 
 def test_a_question_interrupted_before_its_first_token_is_left_out(pipe):
-    session = pipe.session(DOCUMENT)
+    session = pipe.chat(DOCUMENT)
 
     def stop(name, done, total):
         raise KeyboardInterrupt
@@ -171,9 +171,9 @@ def test_a_question_interrupted_before_its_first_token_is_left_out(pipe):
 
 def test_a_tokenizer_without_chat_template_or_an_empty_document_cannot_chat(tiny):
     with pytest.raises(PromptError, match="needs a chat template, and this model's tokenizer has none"):
-        Pipeline.load(target="tiny").session(DOCUMENT)
+        Pipeline.load(target="tiny").chat(DOCUMENT)
     with pytest.raises(PromptError, match="the document is empty"):
-        Pipeline.load(target="chat").session(" \n ")
+        Pipeline.load(target="chat").chat(" \n ")
 
 
 def test_a_template_that_rewrites_earlier_turns_gets_its_whole_rendering():
@@ -207,7 +207,7 @@ def document(tmp_path) -> Path:
 
 
 def answers_of(pipe: Pipeline, questions) -> list[str]:
-    session = pipe.session(DOCUMENT)
+    session = pipe.chat(DOCUMENT)
     return [session.ask(question).text for question in questions]
 
 
@@ -238,7 +238,7 @@ def test_reset_save_and_stats(pipe, document, tmp_path):
     assert before.read_text() == f"user: {QUESTIONS[0]}\n\nassistant: {first}\n\n"
     assert after.read_text() == f"user: {QUESTIONS[1]}\n\nassistant: {second}\n\n"
     prompt = conversation_ids(pipe.target.tokenizer, [QUESTIONS[1]], [])
-    prefix = pipe.session(DOCUMENT).conversation.document_prefix_ids
+    prefix = pipe.chat(DOCUMENT).conversation.document_prefix_ids
     stats = flat(result.stderr)
     assert f"last prompt: {len(prompt)} tokens, {len(prefix)} of them read just before" in stats
     for shown in ("per-token latency", "prompt tokens", "acceptance per tier", "retrieval → target"):
@@ -381,7 +381,7 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
     document = tmp_path / "words.txt"
     document.write_text(" ".join(f"w{i % 31}" for i in range(60)))
     config = EngineConfig(max_new_tokens=4, sampling=GREEDY)
-    expected = Pipeline.load(target=str(folder), config=config).session(document.read_text()).ask(QUESTIONS[0]).text
+    expected = Pipeline.load(target=str(folder), config=config).chat(document.read_text()).ask(QUESTIONS[0]).text
     command = [sys.executable, "-m", "triforce_cli", "chat", "-p", str(document), "--target", str(folder)]
     command += ["--max-new-tokens", "4", "--temperature", "0"]
     cache = tmp_path / "cache"
@@ -476,5 +476,5 @@ def test_a_scripted_chat_on_the_embedded_model_answers_as_the_target_does(tmp_pa
     assert all(answer.strip() for answer in answers)
     assert result.stdout == "".join(f"{answer}\n" for answer in answers)
     config = EngineConfig(mode="autoregressive", max_new_tokens=16, sampling=GREEDY)
-    session = Pipeline.load(config=config).session(document.read_text())
+    session = Pipeline.load(config=config).chat(document.read_text())
     assert [session.ask(question).text for question in questions] == answers

@@ -118,7 +118,7 @@ def chat(
             tune=True,
             threads=threads,
         )
-        session = pipe.session(document)
+        session = pipe.chat(document)
         prefix_tokens = len(session.conversation.document_prefix_ids)
         print_setup(err, pipe.engine.memory_plan(prefix_tokens), pipe.engine.drafter_description)
         with PrefillProgress(err) as progress:

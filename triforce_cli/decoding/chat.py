@@ -1,7 +1,7 @@
 """A chat about one long document: questions asked one after another, each answered by the pipeline after the
 whole conversation so far, as the target's chat template renders it.
 
-    session = pipe.session(Path("report.txt").read_text())
+    session = pipe.chat(Path("report.txt").read_text())
     session.prefill()                     # the document read once, before the first question
     print(session.ask("Who wrote it?").text)
     print(session.ask("When?").text)      # after the first question and its answer
@@ -117,7 +117,7 @@ def shared_length(first: list[int], second: list[int]) -> int:
 
 
 class ChatSession:
-    """A conversation about one document with a loaded pipeline (module docstring); made by Pipeline.session.
+    """A conversation about one document with a loaded pipeline (module docstring); made by Pipeline.chat.
 
     Attributes:
         pipeline: generates every answer, with its settings at the time (mode, sampling, max_new_tokens).

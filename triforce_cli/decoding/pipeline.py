@@ -195,7 +195,7 @@ class Pipeline:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt, chat)
 
-    def session(self, document: str) -> ChatSession:
+    def chat(self, document: str) -> ChatSession:
         """A chat about document (decoding/chat.py): each question answered after the whole conversation so far, as
         the target's chat template renders it, the document's token ids the same in every prompt.
 
