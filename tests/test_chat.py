@@ -227,6 +227,31 @@ def test_scripted_questions_print_one_answer_each(pipe, document):
     assert "ask about" in result.stderr and "Traceback" not in result.output
 
 
+def test_the_documents_prefill_is_kept_in_the_prompt_cache_for_the_next_chat(pipe, document, tmp_path):
+    """--prompt-cache: the first chat prefills the document and saves it; the next restores it, keeps its whole
+    prefill chunks for the first question and answers as the first did."""
+    folder = tmp_path / "prompts"
+    first = run_chat(document, "--prompt-cache", str(folder), input=f"{QUESTIONS[0]}\n")
+    assert first.exit_code == 0, first.output
+    assert "tokens read" in flat(first.stderr) and len(list(folder.glob("*.safetensors"))) == 1
+    again = run_chat(document, "--prompt-cache", str(folder), input=f"{QUESTIONS[0]}\n/stats\n")
+    assert again.exit_code == 0, again.output
+    assert "tokens restored from --prompt-cache" in flat(again.stderr)
+    assert again.stdout.splitlines()[0] == first.stdout.splitlines()[0] == answers_of(pipe, QUESTIONS[:1])[0]
+
+
+def test_a_restored_document_is_kept_for_the_first_question(pipe, tmp_path):
+    saving = pipe.chat(DOCUMENT)
+    assert saving.prefill(prompt_cache=tmp_path) is False
+    expected = saving.ask(QUESTIONS[0])
+    restoring = pipe.chat(DOCUMENT)
+    assert restoring.prefill(prompt_cache=tmp_path) is True
+    answer = restoring.ask(QUESTIONS[0])
+    chunk = pipe.engine.prefill_chunk
+    assert answer.stats.reused_tokens == len(restoring.conversation.document_prefix_ids) // chunk * chunk > 0
+    assert answer.token_ids == expected.token_ids
+
+
 def test_reset_save_and_stats(pipe, document, tmp_path):
     before, after = tmp_path / "before.txt", tmp_path / "after.txt"
     script = [QUESTIONS[0], f"/save {before}", "/reset", QUESTIONS[1], "/stats", f"/save {after}", "/help"]

@@ -39,6 +39,7 @@ from triforce_cli.cli.render import (
 from triforce_cli.decoding.chat import ChatSession, transcript_text
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import PromptError, TriforceError
 from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, interrupted_exit_code
@@ -80,6 +81,7 @@ def chat(
     offload: o.Offload = "none",
     on_chip_layers: o.OnChipLayers = 0,
     context_window: o.ContextWindow = None,
+    prompt_cache: o.PromptCache = None,
 ) -> None:
     """Ask questions about a (long) document; each answer is the target's own, after the whole conversation."""
     out = StdoutConsole(highlight=False)
@@ -104,6 +106,8 @@ def chat(
         if prompt_file == "-":
             raise PromptError("chat reads its questions from standard input: give the document as a file")
         document = read_prompt(prompt_file)
+        if prompt_cache is not None:
+            check_writable(prompt_cache)  # before the model loads, as generate checks it
         pipe = Pipeline.load(
             target=target,
             draft=draft,
@@ -122,8 +126,9 @@ def chat(
         prefix_tokens = len(session.conversation.document_prefix_ids)
         print_setup(err, pipe.engine.memory_plan(prefix_tokens), pipe.engine.drafter_description)
         with PrefillProgress(err) as progress:
-            session.prefill(progress)
-        print_note(err, f"ask about {prompt_file} ({prefix_tokens} tokens read); /help lists the commands")
+            restored = session.prefill(progress, prompt_cache)
+        how = "restored from --prompt-cache" if restored else "read"
+        print_note(err, f"ask about {prompt_file} ({prefix_tokens} tokens {how}); /help lists the commands")
         interactive = sys.stdin.isatty() and sys.stdout.isatty()  # else a prompt would land among the answers
         with line_history(chat_history_file()) if interactive else nullcontext():
             for line in typed_lines(interactive):

@@ -25,6 +25,7 @@ those generated.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
@@ -156,16 +157,30 @@ class ChatSession:
         """(role, text) of every question and answer so far, oldest first; the document is not repeated."""
         return [message for turn in self.turns for message in ((USER, turn.question), (ASSISTANT, turn.result.text))]
 
-    def prefill(self, on_prefill: PrefillCallback | None = None) -> None:
+    def prefill(self, on_prefill: PrefillCallback | None = None, prompt_cache: Path | None = None) -> bool:
         """Read the template's text before the document and the document into the target's full cache now, once,
         so that the first question's prompt extends what the engine holds and prefills only its own tokens
-        (Engine.prefill without a copy of the state; prefix reuse keeps the document's whole prefill chunks).
+        (prefix reuse keeps the document's whole prefill chunks).
 
         Args:
             on_prefill: receives (model name, tokens done, tokens total) as the prefill goes on.
+            prompt_cache: a folder of saved prefills (decoding/prompt_state.py): the document's is restored from
+                it where saved there, else prefilled and saved.
+        Returns:
+            Whether the document came from prompt_cache.
         """
-        self.pipeline.engine.prefill(self.conversation.document_prefix_ids, on_prefill, capture=False)
-        self._read_ids = self.conversation.document_prefix_ids
+        ids = self.conversation.document_prefix_ids
+        engine = self.pipeline.engine
+        cache = None if prompt_cache is None else self.pipeline.prompt_cache(prompt_cache)
+        saved = None if cache is None else cache.load(ids)
+        if saved is not None:
+            engine.restore(saved)
+        elif cache is None:
+            engine.prefill(ids, on_prefill, capture=False)
+        else:
+            cache.save(engine.prefill(ids, on_prefill), ids)
+        self._read_ids = ids
+        return saved is not None
 
     def prompt_ids(self, question: str) -> list[int]:
         """The token ids the next ask(question) generates after: the whole conversation and the question."""

@@ -579,6 +579,17 @@ class Engine:
         self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
         return PromptState.capture(full, prompt_ids, logits) if capture else None
 
+    def restore(self, prompt_state: PromptState) -> None:
+        """Put a saved prefill into the full cache, as prefill() leaves its prompt there, for the next prompt that
+        starts with its ids to keep (prefix reuse); the state was prefilled in this engine's chunks (PromptCache is
+        keyed by them)."""
+        prompt_ids = prompt_state.prompt_ids.tolist()
+        self.check_prompt(prompt_ids)
+        full = self._allocate(len(prompt_ids)).full
+        self._caches.prefilled = None
+        prompt_state.restore(full)
+        self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
+
     def generate(
         self,
         prompt_ids: list[int],
