@@ -12,6 +12,7 @@ padded length and cache kind: on the first generation, before its prefill, timed
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -574,9 +575,8 @@ class Engine:
         """
         self.check_prompt(prompt_ids)
         full = self._allocate(len(prompt_ids)).full
-        self._caches.prefilled = None
-        logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill, on_chunk)
-        self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
+        with self._filling(prompt_ids):
+            logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill, on_chunk)
         return PromptState.capture(full, prompt_ids, logits) if capture else None
 
     def restore(self, prompt_state: PromptState) -> None:
@@ -586,8 +586,15 @@ class Engine:
         prompt_ids = prompt_state.prompt_ids.tolist()
         self.check_prompt(prompt_ids)
         full = self._allocate(len(prompt_ids)).full
+        with self._filling(prompt_ids):
+            prompt_state.restore(full)
+
+    @contextmanager
+    def _filling(self, prompt_ids: list[int]) -> Iterator[None]:
+        """Around writing prompt_ids' prefill into the full cache: nothing there to reuse while it runs, and
+        prompt_ids once it has finished (an interrupted one leaves nothing)."""
         self._caches.prefilled = None
-        prompt_state.restore(full)
+        yield
         self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
 
     def generate(
@@ -620,27 +627,26 @@ class Engine:
             caches = self._allocate(len(prompt_ids), keep)
             stats.compile_seconds = self._warm_up(caches)
             started = time.perf_counter()
-            self._caches.prefilled = None  # until the full cache holds this prompt whole
-            if prompt_state is None:
-                logits = self._prefill(
-                    self.target.name,
-                    self.target.model,
-                    caches.full,
-                    prompt_ids,
-                    on_prefill,
-                    stats.prefill_chunk_seconds.append,
-                    first=caches.kept,
-                )
-                stats.reused_tokens = caches.kept
-                if on_prompt_state is not None:
-                    on_prompt_state(PromptState.capture(caches.full, prompt_ids, logits))
-                if self.target.half_prompt_cache:
-                    caches.full.pack_prefix()
-            else:
-                prompt_state.restore(caches.full, pack=self.target.half_prompt_cache)
-                logits = prompt_state.last_logits.to(self.target.device)
-                stats.prompt_cached = True
-            self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
+            with self._filling(prompt_ids):
+                if prompt_state is None:
+                    logits = self._prefill(
+                        self.target.name,
+                        self.target.model,
+                        caches.full,
+                        prompt_ids,
+                        on_prefill,
+                        stats.prefill_chunk_seconds.append,
+                        first=caches.kept,
+                    )
+                    stats.reused_tokens = caches.kept
+                    if on_prompt_state is not None:
+                        on_prompt_state(PromptState.capture(caches.full, prompt_ids, logits))
+                    if self.target.half_prompt_cache:
+                        caches.full.pack_prefix()
+                else:
+                    prompt_state.restore(caches.full, pack=self.target.half_prompt_cache)
+                    logits = prompt_state.last_logits.to(self.target.device)
+                    stats.prompt_cached = True
             if caches.retrieval is not None:
                 caches.retrieval.select_chunks()
             if caches.streaming is not None:
