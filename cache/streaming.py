@@ -49,6 +49,14 @@ class StreamingCache(KVCache):
         if self.length < self.window_start:
             self.window_start = max(self.sink_tokens, self.length)
 
+    def start_window_at(self, position: int) -> None:
+        """Leave the sinks and start an empty window at position: the positions between them are never written.
+        The cache must hold exactly its sinks (a prefill that reads only its last positions, Engine's drafter)."""
+        if self.length != min(self.sink_tokens, position) or position < self.length:
+            raise ValueError(f"cannot start the window at {position} with {self.length} positions held")
+        self.length = position
+        self.window_start = max(self.sink_tokens, position)
+
     def slot(self, position: int) -> int:
         if position < self.sink_tokens:
             return position

@@ -189,6 +189,28 @@ def test_streaming_prefill_chunk_larger_than_window():
     assert cache.cached_positions() == [0, 1, 4, 5, 6, 7, *range(8, 16)]
 
 
+def test_streaming_window_started_after_the_sinks_holds_them_and_the_positions_from_there():
+    cache = streaming(sinks=2, window=4, max_step=8)
+    write(cache, 0, 2)
+    cache.start_window_at(20)
+    views = write(cache, 20, 3)
+    check_streaming_view(cache, views, 20, 3)
+    assert cache.cached_positions() == [0, 1, 20, 21, 22]
+    views = write(cache, 23, 5)
+    assert cache.cached_positions() == [0, 1, *range(20, 28)]
+    check_streaming_view(cache, views, 23, 5)
+    views = write(cache, 28, 6)  # evicts all but the window's last 4 positions before the write
+    assert cache.cached_positions() == [0, 1, *range(24, 34)]
+    check_streaming_view(cache, views, 28, 6)
+
+
+def test_streaming_window_starts_only_after_exactly_the_sinks():
+    cache = streaming(sinks=2, window=4, max_step=8)
+    write(cache, 0, 3)  # a window position held already
+    with pytest.raises(ValueError, match="cannot start the window at 20 with 3 positions held"):
+        cache.start_window_at(20)
+
+
 def test_streaming_rollback_within_a_step():
     cache = streaming(sinks=2, window=4, max_step=3)
     for start in range(0, 12, 3):

@@ -122,3 +122,22 @@ def test_an_offloaded_full_cache_keeps_the_shared_prefix_too(model, on_chip_laye
     reused = engine.generate(longer)
     assert reused.stats.reused_tokens == 64
     assert reused.token_ids == Engine(model, config("triforce", greedy)).generate(longer).token_ids
+
+
+def test_the_drafter_prefills_only_its_sinks_and_the_last_two_windows(model):
+    """The drafter's cache keeps the sinks and one window, so its prefill reads no further back than two windows:
+    its forwards cover the same positions for a fresh prompt and for one that reuses a prefix."""
+    drafter = make_model(seed=6, vocab_size=VOCAB, num_layers=1, initializer_range=0.3).loaded
+    greedy = SamplingConfig(temperature=0)
+    engine = Engine(model, config("triforce", greedy, max_new_tokens=1), drafter=drafter)
+    prompt = random_prompt(120, VOCAB, seed=7)  # 4 sinks, then more than two 24-token windows
+    positions = []
+    real = drafter.model.forward
+    drafter.model.forward = lambda tokens, start, cache, **kw: positions.extend(
+        range(start, start + len(tokens))
+    ) or real(tokens, start, cache, **kw)
+    try:
+        engine.generate(prompt)
+    finally:
+        drafter.model.forward = real
+    assert positions == [*range(4), *range(120 - 48, 120)]

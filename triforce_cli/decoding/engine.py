@@ -39,6 +39,9 @@ ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took
 
 
 CACHE_KINDS = ("full", "retrieval", "streaming")
+# windows of the prompt's last positions the drafter's prefill computes (Engine._prefill_drafter): its cache keeps
+# one; the one before gives every kept position the window it would have seen after a prefill of the whole prompt
+DRAFTER_READS = 2
 KIND_OF_ITEM = {  # the memory plan's items of each cache kind
     "full KV cache": "full",
     "step queries": "full",
@@ -543,6 +546,21 @@ class Engine:
                     on_chunk(seconds / chunks)
         return logits
 
+    def _prefill_drafter(self, streaming: StreamingCache, prompt_ids: list[int], on_prefill) -> None:
+        """Prefill the drafter's StreamingLLM cache with the prompt's sinks and its last DRAFTER_READS windows only.
+
+        Its cache keeps the sinks and the last window, so the positions before those windows would be computed only
+        to be evicted; each kept position still sees a window of the ones before it. The time is the same for any
+        prompt length, and the same prompt always leaves the same drafter state, prefix reuse or not.
+        """
+        sinks = min(self.config.sink_tokens, len(prompt_ids))
+        resume = max(sinks, len(prompt_ids) - DRAFTER_READS * self.config.draft_window)
+        name, model = self.drafter.name, self.drafter.model
+        if sinks:
+            self._prefill(name, model, streaming, prompt_ids[:sinks], None)
+        streaming.start_window_at(resume)
+        self._prefill(name, model, streaming, prompt_ids, on_prefill, first=resume)
+
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise PromptError("the prompt is empty after tokenization")
@@ -653,7 +671,7 @@ class Engine:
                 if self.drafter is None:
                     caches.streaming.fill_from(caches.full)
                 else:
-                    self._prefill(self.drafter.name, self.drafter.model, caches.streaming, prompt_ids, on_prefill)
+                    self._prefill_drafter(caches.streaming, prompt_ids, on_prefill)
             first = int(from_rank_zero(sample(probabilities(logits, cfg.sampling), generator)))
             stats.prefill_seconds = time.perf_counter() - started
             generated.append(first)
