@@ -133,9 +133,9 @@ def test_the_drafter_prefills_only_its_sinks_and_the_last_two_windows(model):
     prompt = random_prompt(120, VOCAB, seed=7)  # 4 sinks, then more than two 24-token windows
     positions = []
     real = drafter.model.forward
-    drafter.model.forward = lambda tokens, start, cache, **kw: positions.extend(
-        range(start, start + len(tokens))
-    ) or real(tokens, start, cache, **kw)
+    drafter.model.forward = lambda tokens, start, cache, **kw: (
+        positions.extend(range(start, start + len(tokens))) or real(tokens, start, cache, **kw)
+    )
     try:
         engine.generate(prompt)
     finally:

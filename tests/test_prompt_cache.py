@@ -132,6 +132,61 @@ class TestEntriesMatchTheirInputs:
         assert PromptCache(two_checkpoints[0], loaded, prefill_chunk=64).path_for([1, 2, 3]) != base
 
 
+class TestSharedPrefixes:
+    """A prompt that starts like a saved one reuses its whole prefill chunks (256 positions each on the CPU), found
+    through the block hash index; the output is the fresh run's, token for token."""
+
+    DOCUMENT = " ".join(f"w{i * 7 % 31}" for i in range(530))  # two whole chunks and 18 words
+
+    @pytest.fixture
+    def ask(self, two_checkpoints, tmp_path):
+        def ask(document: str, question: str, checkpoint=two_checkpoints[0], cache=True, *more):
+            prompt = tmp_path / "prompt.txt"
+            prompt.write_text(f"{document} {question}")
+            folder = ("--prompt-cache", tmp_path / "prompts") if cache else ()
+            return json_run("-p", prompt, "--target", checkpoint, *folder, *GREEDY_SHORT, *more)
+
+        return ask
+
+    def test_a_second_question_about_a_saved_document_prefills_only_its_new_chunk(self, ask):
+        assert ask(self.DOCUMENT, "w1 w2 w3")["reused_tokens"] == 0
+        second = ask(self.DOCUMENT, "w4 w5")
+        assert second["reused_tokens"] == 512 and not second["prompt_cached"]
+        assert second["token_ids"] == ask(self.DOCUMENT, "w4 w5", cache=False)["token_ids"]
+        assert ask(self.DOCUMENT, "w4 w5")["prompt_cached"]  # saved whole, found whole
+
+    def test_a_changed_document_or_another_model_reuses_nothing(self, ask, two_checkpoints):
+        ask(self.DOCUMENT, "w1 w2 w3")
+        changed = "w9 " + self.DOCUMENT.split(" ", 1)[1]
+        assert ask(changed, "w4 w5")["reused_tokens"] == 0
+        assert ask(self.DOCUMENT, "w4 w5", two_checkpoints[1])["reused_tokens"] == 0
+
+    def test_a_damaged_entry_found_by_its_prefix_is_a_note_and_a_whole_prefill(self, ask, tmp_path, capsys):
+        ask(self.DOCUMENT, "w1 w2 w3")
+        (entry,) = (tmp_path / "prompts").glob("*.safetensors")
+        data = bytearray(entry.read_bytes())
+        data[-100] ^= 0x01
+        entry.write_bytes(bytes(data))
+        prompt = tmp_path / "prompt.txt"
+        prompt.write_text(f"{self.DOCUMENT} w4 w5")
+        args = ("-p", prompt, "--target", tmp_path / "a" / "model", "--prompt-cache", tmp_path / "prompts")
+        result = generate(*args, *GREEDY_SHORT[:-1])  # text and notes, not JSON
+        assert result.exit_code == 0 and "Traceback" not in result.output
+        notes = result.stderr.replace("\n" + NOTE_INDENT, " ")
+        assert "checksum does not match" in notes and "prefilling the prompt whole" in notes, notes
+        assert "kept from" not in notes
+        assert result.stdout.split() == ask(self.DOCUMENT, "w4 w5", cache=False)["text"].split()
+
+    def test_the_index_is_read_instead_of_the_saved_states(self, ask, tmp_path, monkeypatch):
+        for question in ("w1", "w2 w3", "w4 w5 w6"):
+            ask(self.DOCUMENT, question)
+        opened = []
+        real = PromptCache._read
+        monkeypatch.setattr(PromptCache, "_read", lambda self, path, *a: opened.append(path) or real(self, path, *a))
+        assert ask(self.DOCUMENT, "w7")["reused_tokens"] == 512
+        assert len(opened) == 1  # the one state reused, none of the others
+
+
 class TestNothingIsLost:
     def test_folder_that_cannot_be_written_is_refused_before_loading(self, two_checkpoints, words, tmp_path):
         blocker = tmp_path / "a-file"
@@ -273,7 +328,8 @@ class TestCacheCommand:
         assert listed.stdout.count("prompt-") == 2 and "KiB" in listed.stdout
         cleared = CliRunner().invoke(app, ["cache", "clear", "--prompts"])
         assert cleared.exit_code == 0 and "removed 1 entries" in cleared.stderr
-        assert not list(prompts.iterdir()) and len(list(other.iterdir())) == 1
+        assert not list(prompts.iterdir())
+        assert sorted(path.name.split("-")[0] for path in other.iterdir()) == [".prefix", "prompt"]  # entry, index
 
     def test_compiled_steps_are_listed_and_cleared_apart(self, tmp_path, monkeypatch):
         """torch inductor's caches of compiled decode steps (store.compiled_folder) are cache entries like the

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
+from triforce_cli.decoding.prompt_state import PREFIX_INDEX
 from triforce_cli.decoding.tuning import remembered_tunings, tuning_folder
 from triforce_cli.runtime.store import (
     LIMIT_VARIABLE,
@@ -102,6 +103,8 @@ def clear(
                 remove(entry.path)
                 freed += entry.size
                 removed += 1
+            if kind == "prompt":
+                remove(folder / PREFIX_INDEX)  # names only the entries just removed
         print_note(err, f"removed {removed} entries, {human_size(freed)}")
 
 

@@ -597,13 +597,14 @@ class Engine:
             logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill, on_chunk)
         return PromptState.capture(full, prompt_ids, logits) if capture else None
 
-    def restore(self, prompt_state: PromptState) -> None:
+    def restore(self, prompt_state: PromptState, next_prompt_tokens: int = 0) -> None:
         """Put a saved prefill into the full cache, as prefill() leaves its prompt there, for the next prompt that
         starts with its ids to keep (prefix reuse); the state was prefilled in this engine's chunks (PromptCache is
-        keyed by them)."""
+        keyed by them). next_prompt_tokens: the length of that next prompt, where known, so that the cache is
+        allocated for it once (a cache too small for it is built anew and keeps nothing)."""
         prompt_ids = prompt_state.prompt_ids.tolist()
         self.check_prompt(prompt_ids)
-        full = self._allocate(len(prompt_ids)).full
+        full = self._allocate(max(len(prompt_ids), next_prompt_tokens)).full
         with self._filling(prompt_ids):
             prompt_state.restore(full)
 

@@ -228,8 +228,9 @@ class Pipeline:
         on_tokens: TokenCallback | None = None,
         prompt_cache: Path | None = None,
     ) -> GenerationResult:
-        """Generate after token ids; with prompt_cache (a folder), reuse a saved prefill of them or save this one.
-        A note tells where the machine ran much slower than when its set-up was measured."""
+        """Generate after token ids; with prompt_cache (a folder), reuse a saved prefill of them or save this one,
+        reusing the whole prefill chunks of the saved prompt that shares the most of them (prefix reuse). A note
+        tells where the machine ran much slower than when its set-up was measured."""
         if prompt_cache is None:
             result = self.engine.generate(prompt_ids, on_prefill, on_tokens)
         else:
@@ -238,6 +239,9 @@ class Pipeline:
             if state is not None:
                 result = self.engine.generate(prompt_ids, on_prefill, on_tokens, prompt_state=state)
             else:
+                earlier = cache.load_longest_prefix(prompt_ids)
+                if earlier is not None:
+                    self.engine.restore(earlier, next_prompt_tokens=len(prompt_ids))
                 result = self.engine.generate(
                     prompt_ids, on_prefill, on_tokens, on_prompt_state=lambda fresh: cache.save(fresh, prompt_ids)
                 )

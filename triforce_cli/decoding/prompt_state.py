@@ -8,6 +8,13 @@ shapes the prefilled state (``PromptCache.key``): the checkpoint's fingerprint (
 headers of its files, tokenizer included), dtype, weight format, rotary setting, attention kernel, prefill chunk
 and the prompt's token ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
 match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
+
+A prompt that only starts like a saved one (the same document, another question) reuses the saved state's whole
+prefill chunks (Engine's prefix reuse). The saved state is found through an index of block hashes
+(``PREFIX_INDEX``): one hash per whole chunk of a saved prompt, each covering the settings and every token id up to
+the chunk's end, mapped to the file; the prompt's own block hashes are looked up longest first, so no saved state is
+read but the one reused. The index is a hint: the file it names is checked (key, checksum, the shared ids) as an
+exact match is, and an index that is lost or stale only loses reuse.
 """
 
 import hashlib
@@ -28,6 +35,7 @@ from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically
 
 TENSOR_NAMES = ("prompt_ids", "keys", "values", "last_queries", "last_logits")
+PREFIX_INDEX = ".prefix-index.json"  # block hash -> saved file (a dot name: never counted or evicted as an entry)
 
 
 @dataclass
@@ -116,23 +124,37 @@ class PromptCache:
     status: StatusCallback | None = None
     prefill_chunk: int | None = None  # tokens per prefill forward (the rounding of the state depends on it)
 
-    def key(self, prompt_ids: list[int]) -> str:
-        """Everything that shapes the prefilled state, as one JSON string."""
+    def _settings(self) -> dict:
+        """Everything but the prompt that shapes a prefilled state."""
         target = self.target
         config = target.hf_config
-        return json.dumps(
-            {
-                "model": target.fingerprint,
-                "dtype": str(target.dtype),
-                "weights": target.weights,
-                "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings],
-                "attention": target.model.attention_backend,
-                "prefill_chunk": self.prefill_chunk,
-                "prompt": hashlib.sha256(torch.tensor(prompt_ids, dtype=torch.long).numpy().tobytes()).hexdigest(),
-            },
-            sort_keys=True,
-            default=str,
-        )
+        return {
+            "model": target.fingerprint,
+            "dtype": str(target.dtype),
+            "weights": target.weights,
+            "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings],
+            "attention": target.model.attention_backend,
+            "prefill_chunk": self.prefill_chunk,
+        }
+
+    def key(self, prompt_ids: list[int]) -> str:
+        """Everything that shapes the prefilled state, as one JSON string."""
+        prompt = hashlib.sha256(_id_bytes(prompt_ids)).hexdigest()
+        return json.dumps({**self._settings(), "prompt": prompt}, sort_keys=True, default=str)
+
+    def block_hashes(self, prompt_ids: list[int], limit: int) -> list[tuple[int, str]]:
+        """(end, hash) of each whole prefill chunk of prompt_ids ending at or before limit, in order: the hash of the
+        chunk ending at `end` covers the settings and ids [0, end), so two prompts share it exactly where they
+        share those ids under the same settings. None without a known prefill chunk."""
+        chunk = self.prefill_chunk
+        if not chunk:
+            return []
+        digest = hashlib.sha256(json.dumps(self._settings(), sort_keys=True, default=str).encode())
+        found = []
+        for end in range(chunk, min(limit, len(prompt_ids)) + 1, chunk):
+            digest.update(_id_bytes(prompt_ids[end - chunk : end]))
+            found.append((end, digest.copy().hexdigest()[:32]))
+        return found
 
     def path_for(self, prompt_ids: list[int]) -> Path:
         return self._path(self.key(prompt_ids))
@@ -155,7 +177,43 @@ class PromptCache:
         mark_used(path)
         return state
 
-    def _read(self, path: Path, key: str, prompt_ids: list[int]) -> PromptState:
+    def load_longest_prefix(self, prompt_ids: list[int]) -> PromptState | None:
+        """The saved prefill sharing the most whole prefill chunks with prompt_ids short of its last token (whose
+        logits a prefill computes), found through the block hash index; None where none shares a chunk. A file that
+        does not pass the checks of load is removed with a note, and the prompt is prefilled whole."""
+        index = self._read_index()
+        for end, digest in reversed(self.block_hashes(prompt_ids, len(prompt_ids) - 1)):
+            name = index.get(digest)
+            path = self.folder / name if isinstance(name, str) and "/" not in name else None
+            if path is None or not path.is_file():
+                continue
+            try:
+                state = self._read(path, None, prompt_ids[:end])
+            except StaleEntry as reason:
+                self._note(f"prompt cache entry {path.name} {reason}: prefilling the prompt whole")
+                path.unlink(missing_ok=True)
+                return None
+            mark_used(path)
+            return state
+        return None
+
+    def _read_index(self) -> dict[str, str]:
+        try:
+            index = json.loads((self.folder / PREFIX_INDEX).read_text())
+        except (OSError, ValueError):
+            return {}
+        return index if isinstance(index, dict) else {}
+
+    def _index(self, path: Path, prompt_ids: list[int]) -> None:
+        """Enter every whole chunk of prompt_ids in the block hash index as held by path; entries of files that are
+        gone are dropped. Two saves at once may lose one's entries: a lost entry only loses reuse."""
+        index = {digest: name for digest, name in self._read_index().items() if (self.folder / str(name)).is_file()}
+        index.update({digest: path.name for _, digest in self.block_hashes(prompt_ids, len(prompt_ids))})
+        write_atomically(self.folder / PREFIX_INDEX, lambda partial: partial.write_text(json.dumps(index)))
+
+    def _read(self, path: Path, key: str | None, prompt_ids: list[int]) -> PromptState:
+        """The state saved in path, checked against key (None: the key of the ids it holds) and its checksum; it must
+        hold prompt_ids or (key None) start with them."""
         try:
             # read and checked in host memory: restore copies the keys and values to wherever the run's cache lives
             # (the GPU, or host memory when it is offloaded), so nothing crosses to the device only to come back
@@ -164,13 +222,16 @@ class PromptCache:
                 tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
         except (OSError, SafetensorError, ValueError, RuntimeError) as err:
             raise StaleEntry(f"cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
-        if metadata.get("key") != key:
-            raise StaleEntry("was saved for another model, setting or prompt")
         if set(tensors) != set(TENSOR_NAMES):
             raise StaleEntry("lacks some of its tensors")
         state = PromptState(**tensors)
-        if metadata.get("checksum") != state.checksum() or not state.matches(prompt_ids):
+        saved_ids = state.prompt_ids.tolist()
+        if metadata.get("key") != (self.key(saved_ids) if key is None else key):
+            raise StaleEntry("was saved for another model, setting or prompt")
+        if metadata.get("checksum") != state.checksum():
             raise StaleEntry("was changed after it was saved (its checksum does not match)")
+        if saved_ids[: len(prompt_ids)] != list(prompt_ids) or (key is not None and len(saved_ids) != len(prompt_ids)):
+            raise StaleEntry("holds another prompt than its index says")
         return state
 
     def save(self, state: PromptState, prompt_ids: list[int]) -> None:
@@ -183,6 +244,7 @@ class PromptCache:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_atomically(path, lambda partial: save_file(tensors, partial, metadata=metadata))
+            self._index(path, prompt_ids)
         except (OSError, SafetensorError) as err:
             self._note(f"could not save the prefill to --prompt-cache {self.folder} ({err}); generating on")
             return
@@ -191,3 +253,7 @@ class PromptCache:
     def _note(self, message: str) -> None:
         if self.status is not None:
             self.status(message)
+
+
+def _id_bytes(ids: list[int]) -> bytes:
+    return torch.tensor(ids, dtype=torch.long).numpy().tobytes()
