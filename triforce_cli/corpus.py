@@ -90,6 +90,25 @@ BENCH_PROMPTS = {
 }
 # the default prompts: one of each kind (documentation and code continued, a question and a summary)
 BENCH_DEFAULT = ("stdlib-a", "qa-stdlib-b", "summary-stdlib-a", "code-stdlib-b")
+# `triforce bench --scenario qa`: questions asked in turn about a built-in document, each answerable from the part
+# every context length keeps (the document's first modules); DOCUMENT_QUESTIONS for any other document
+QA_QUESTIONS = {
+    "stdlib-b": (
+        "How do I get the number of days between two dates? Answer briefly, with a short example.",
+        "And how do I get the time 90 minutes after a given datetime?",
+        "Which class represents a fixed offset from UTC? Answer in one sentence.",
+    ),
+    "stdlib-a": (
+        "How do I add a positional argument and an optional flag with argparse? Answer briefly, with an example.",
+        "How do I count how often each word occurs in a list? A short example, please.",
+        "Which function writes an object to a file as JSON? Answer in one sentence.",
+    ),
+}
+DOCUMENT_QUESTIONS = (
+    "Summarise the document in three sentences.",
+    "What is the most important point it makes? Answer briefly.",
+    "Quote one sentence from it that supports that point.",
+)
 
 
 def module_text(name: str) -> str:

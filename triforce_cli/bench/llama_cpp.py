@@ -12,6 +12,7 @@ from pathlib import Path
 from transformers import PretrainedConfig
 
 from triforce_cli.bench.peers import TimedRun
+from triforce_cli.decoding.chat import shared_length
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.context_window import trained_context
@@ -90,3 +91,30 @@ class LlamaCppPeer:
             self._prompt = list(prompt_ids)
             self._cold_prefill_seconds = first_at - started
         return TimedRun(tokens, self._cold_prefill_seconds, finished - first_at)
+
+    def answer(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, eos_ids: set[int]
+    ) -> tuple[TimedRun, int]:
+        """One timed answer of a conversation: llama-cpp-python keeps what its context evaluated last and computes
+        only the prompt's positions after the longest prefix they share. Returns the run (prefill_seconds: until the
+        first token) and how many prompt positions it kept. forget() starts a new conversation."""
+        kept = shared_length(self.llm.input_ids[: self.llm.n_tokens].tolist(), prompt_ids[:-1])
+        if sampling.seed is not None:
+            self.llm.set_seed(sampling.seed)
+        tokens: list[int] = []
+        started = time.perf_counter()
+        first_at = started
+        for token in self.llm.generate(prompt_ids, **llama_cpp_sampling_kwargs(sampling)):
+            if not tokens:
+                first_at = time.perf_counter()
+            tokens.append(int(token))
+            if len(tokens) >= max_new_tokens or token in eos_ids:
+                break
+        finished = time.perf_counter()
+        self._prompt = None  # generate() prefills its next prompt cold
+        return TimedRun(tokens, first_at - started, finished - first_at), kept
+
+    def forget(self) -> None:
+        """Drop what the context holds: the next answer computes its whole prompt."""
+        self.llm.reset()
+        self._prompt = None

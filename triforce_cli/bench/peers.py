@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from triforce_cli.decoding.sampling import SamplingConfig
@@ -62,12 +62,15 @@ def hf_generate(
     assistant: PreTrainedModel | None = None,
     prompt_lookup: int | None = None,
     ignore_eos: bool = False,
+    cache: Cache | None = None,
 ) -> TimedRun:
     """One transformers generate run, timed to the first new token and to the end.
 
     ignore_eos: generate max_new_tokens tokens whatever the model samples. No end-of-sequence ids rather than
     min_new_tokens, which would forbid them and so change greedy output where the model picks one; this way it is
     what our engine generates with EngineConfig.ignore_eos.
+    cache: a cache holding the keys and values of prompt_ids' first positions (fewer than all of them),
+    which generate then computes only after; it holds those of the prompt and the answer afterwards.
     """
     input_ids = torch.tensor([prompt_ids], device=model.device)
     clock = FirstTokenClock()
@@ -83,6 +86,7 @@ def hf_generate(
             assistant_model=assistant,
             prompt_lookup_num_tokens=prompt_lookup,
             pad_token_id=model.generation_config.eos_token_id,
+            **({} if cache is None else {"cache": cache}),
             **({"eos_token_id": []} if ignore_eos else {}),  # None would fall back to the model's
             **hf_sampling_kwargs(sampling),
         )

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from triforce_cli.bench.forward_costs import ForwardCost
+from triforce_cli.bench.qa import QARow
 from triforce_cli.bench.runner import BenchRow, over_prompts
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
@@ -22,6 +23,17 @@ def acceptance_text(row: BenchRow) -> str:
 
 
 RESULT_SUFFIXES = (".json", ".csv")
+
+
+def write_qa_results(rows: list[QARow], path: Path, command: str, setup: dict) -> None:
+    """The qa scenario's rows as JSON, with the command, the machine and what the run resolved its settings to."""
+    payload = {
+        "command": command,
+        "machine": machine_description(),
+        "setup": setup,
+        "rows": [as_record(r) for r in rows],
+    }
+    path.write_text(json.dumps(payload, indent=2))
 
 
 def check_results_path(path: Path | None) -> None:

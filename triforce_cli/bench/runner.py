@@ -261,12 +261,12 @@ class Bench:
             pipe.config, max_new_tokens=config.max_new_tokens, sampling=config.sampling, ignore_eos=config.ignore_eos
         )
         self._hf: dict[str, PreTrainedModel] = {}
-        self._llama_cpp = None
+        self.llama_cpp = None
         self.forward_costs: list[ForwardCost] = []
         if LLAMA_CPP_PEER in config.modes:
-            self._llama_cpp = LlamaCppPeer(pipe.target.gguf, pipe.target.hf_config, torch.get_num_threads())
+            self.llama_cpp = LlamaCppPeer(pipe.target.gguf, pipe.target.hf_config, torch.get_num_threads())
 
-    def _hf_model(self, role: str):
+    def hf_model(self, role: str):
         """The transformers copy of the target ('target') or of the drafter ('assistant'), loaded on first use."""
         if role not in self._hf:
             target = self.pipe.target
@@ -274,7 +274,7 @@ class Bench:
             self._hf[role] = load_hf_model(
                 loaded.source,
                 target.dtype,
-                None if role == "target" else self._hf_model("target"),
+                None if role == "target" else self.hf_model("target"),
                 loaded.hf_config,
                 half_weights=loaded.weights == "half",
                 device=target.device,
@@ -284,17 +284,17 @@ class Bench:
     def _run_peer(self, mode: str, prompt_ids: list[int]) -> TimedRun:
         if mode == LLAMA_CPP_PEER:
             eos_ids = set() if self.config.ignore_eos else self.pipe.target.eos_token_ids
-            return self._llama_cpp.generate(prompt_ids, self.config.max_new_tokens, self.config.sampling, eos_ids)
+            return self.llama_cpp.generate(prompt_ids, self.config.max_new_tokens, self.config.sampling, eos_ids)
         extra = {"ignore_eos": self.config.ignore_eos}
         if mode == "hf-assisted":
-            extra["assistant"] = self._hf_model("assistant")
+            extra["assistant"] = self.hf_model("assistant")
         elif mode == "hf-lookup":
             extra["prompt_lookup"] = PROMPT_LOOKUP_TOKENS
         return hf_generate(
-            self._hf_model("target"), prompt_ids, self.config.max_new_tokens, self.config.sampling, **extra
+            self.hf_model("target"), prompt_ids, self.config.max_new_tokens, self.config.sampling, **extra
         )
 
-    def _engine(self, mode: str = "autoregressive", **changes) -> Engine:
+    def engine_for(self, mode: str = "autoregressive", **changes) -> Engine:
         """An engine for mode with changes to the bench's settings, sharing the pipeline engine's caches: every run
         reuses the buffers (and compiled steps) that fit it instead of allocating its own."""
         bench_mode = OUR_MODES[mode]
@@ -308,7 +308,7 @@ class Bench:
             changes.update(budget=variant.budget, chunk_size=variant.chunk_size)
         if variant.gamma_policy is not None:
             changes.update(gamma_policy=variant.gamma_policy)
-        engine = self._engine(variant.mode, **changes)
+        engine = self.engine_for(variant.mode, **changes)
         started = time.perf_counter()
         result = engine.generate(prompt_ids, prompt_state=state)
         return _OurRun(result, time.perf_counter() - started - result.stats.compile_seconds)
@@ -359,12 +359,12 @@ class Bench:
 
     def _prefilled(self, prompt_ids: list[int]) -> tuple[PromptState, bool]:
         if self.config.prompt_cache is None:
-            return self._engine().prefill(prompt_ids), False
+            return self.engine_for().prefill(prompt_ids), False
         cache = self.pipe.prompt_cache(self.config.prompt_cache)
         state = cache.load(prompt_ids)
         if state is not None:
             return state, True
-        state = self._engine().prefill(prompt_ids)
+        state = self.engine_for().prefill(prompt_ids)
         cache.save(state, prompt_ids)
         return state, False
 

@@ -5,24 +5,25 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 import typer
 
-from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_results
+from triforce_cli.bench.qa import QA_PEERS, QABench, qa_modes
+from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_qa_results, write_results
 from triforce_cli.bench.runner import Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
-from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table
-from triforce_cli.corpus import BENCH_DEFAULT, BENCH_PROMPTS, builtin_document
+from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table, qa_tables
+from triforce_cli.corpus import BENCH_DEFAULT, BENCH_PROMPTS, DOCUMENT_QUESTIONS, QA_QUESTIONS, builtin_document
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.errors import PromptError
+from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.environment import machine_description
-from triforce_cli.runtime.prompts import cut_prompt, read_prompt
+from triforce_cli.runtime.prompts import cut_document, cut_prompt, read_prompt
 
 DEFAULTS = EngineConfig()
 BENCH_DEFAULTS = BenchConfig()
@@ -30,6 +31,7 @@ SAMPLING_DEFAULTS = SamplingConfig()
 DEFAULT_CONTEXTS = ",".join(map(str, BENCH_DEFAULTS.contexts))
 DEFAULT_POLICIES = ",".join(BENCH_DEFAULTS.gamma_policies)
 MAX_REPEATS = 100
+QA_DEFAULT_MODES = ("autoregressive", "triforce", *QA_PEERS)
 CONTINUED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is None)
 ASKED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is not None)
 
@@ -84,6 +86,18 @@ def bench(
     context_window: o.ContextWindow = None,
     forward_costs: o.ForwardCosts = None,
     prompt_cache: o.PromptCache = None,
+    scenario: Annotated[
+        Literal["decode", "qa"],
+        typer.Option(
+            metavar="decode|qa",
+            help="decode: per-token latency of each prompt; qa: one document, questions asked in turn as a chat, "
+            "the time to each answer.",
+        ),
+    ] = "decode",
+    questions: Annotated[
+        Path | None,
+        typer.Option(metavar="FILE", help="qa: the questions, one per line [default: built-in ones]."),
+    ] = None,
     out: Annotated[Path | None, typer.Option(metavar="FILE", help="Write the results to a .json or .csv file.")] = None,
     plot: Annotated[
         Path | None, typer.Option(metavar="FILE", help="Write a PNG of latency against context length.")
@@ -107,6 +121,13 @@ def bench(
             ignore_eos=ignore_eos,
         )
         check_results_path(out)
+        asked_questions = read_questions(questions) if questions is not None else None
+        if scenario == "qa":
+            if out is not None and out.suffix != ".json":
+                raise ConfigError("the qa scenario writes its results as .json")
+            if plot is not None:
+                raise ConfigError("the qa scenario draws no plot: leave --plot out")
+            qa_modes(config.modes)
         if plot is not None:
             pyplot()
         if prompt_cache is not None:
@@ -146,6 +167,8 @@ def bench(
         )
         if "default" in modes:
             defaults = default_modes(pipe.target)
+            if scenario == "qa":
+                defaults = tuple(m for m in defaults if m in QA_DEFAULT_MODES)
             config = replace(config, modes=tuple(dict.fromkeys((*defaults, *config.modes))))
         if (
             not prompt_file
@@ -155,6 +178,9 @@ def bench(
             asked = [name for name, (_, request) in prompts.items() if request is not None]
             prompts = {name: prompt for name, prompt in prompts.items() if name not in asked}
             print_note(err, f"{pipe.target.name} has no chat template: the default prompts {', '.join(asked)} left out")
+        if scenario == "qa":
+            _qa(pipe, config, prompt_file, builtin, asked_questions, err, out)
+            return
         cut = {}  # every prompt at every length first: one that cannot be cut fails the run before it starts
         for name, (text, request) in prompts.items():
             for length in config.contexts:
@@ -178,3 +204,56 @@ def bench(
             write_results(rows, out, shlex.join(["triforce", *sys.argv[1:]]), runner.forward_costs, setup)
         if plot is not None:
             plot_latency(rows, plot)
+
+
+def read_questions(path: Path) -> tuple[str, ...]:
+    """The questions of a --questions file, one per non-blank line; a PromptError where it has none."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+        raise PromptError(f"--questions {path} cannot be read: {reason}") from None
+    found = tuple(line.strip() for line in text.splitlines() if line.strip())
+    if not found:
+        raise PromptError(f"--questions {path} holds no question")
+    return found
+
+
+def _qa(
+    pipe: Pipeline,
+    config: BenchConfig,
+    prompt_file: list[Path] | None,
+    builtin: tuple[str, ...],
+    asked: tuple[str, ...] | None,
+    err,
+    out: Path | None,
+) -> None:
+    """The qa scenario: each document (the files, else the built-in prompts' documents) cut for each context length,
+    its questions (asked, else the built-in ones) asked in turn by every mode; a table per document and length."""
+    if prompt_file:
+        documents = {path.name: (read_prompt(str(path)), asked or DOCUMENT_QUESTIONS) for path in prompt_file}
+    else:
+        names = dict.fromkeys(BENCH_PROMPTS[name].document for name in builtin)
+        documents = {
+            name: (builtin_document(name), asked or QA_QUESTIONS.get(name, DOCUMENT_QUESTIONS)) for name in names
+        }
+    tokenizer = pipe.target.tokenizer
+    cut = {}  # every document at every length first: one that cannot be cut fails the run before it starts
+    for name, (text, questions) in documents.items():
+        for length in config.contexts:
+            try:
+                cut[name, length] = (cut_document(tokenizer, text, questions[0], length), questions)
+            except PromptError as error:
+                raise PromptError(f"document {name}: {error}") from None
+    runner = QABench(Bench(pipe, config))
+    rows = []
+    for (name, length), (document, questions) in cut.items():
+        print_note(err, f"{name} at {length} tokens: {len(questions)} questions, {len(config.modes)} modes...")
+        rows += runner.run_document(name, document, questions)
+    console = StdoutConsole()
+    console.print(bench_header(machine_description()))
+    for table in qa_tables(rows):
+        console.print(table)
+    if out is not None:
+        setup = {"target": pipe.target.name, "weights": pipe.target.weights, "threads": torch.get_num_threads()}
+        write_qa_results(rows, out, shlex.join(["triforce", *sys.argv[1:]]), setup)

@@ -110,3 +110,14 @@ def cut_prompt(tokenizer: PreTrainedTokenizerBase, document: str, request: str |
             "chat template and the request"
         )
     return before + ids[:room] + after
+
+
+def cut_document(tokenizer: PreTrainedTokenizerBase, document: str, request: str, length: int) -> str:
+    """The document's text cut as cut_prompt cuts it for a chat turn of the document and request: the first
+    question of a conversation about it then makes a prompt of about length tokens (the cut text tokenized anew
+    may differ by a token or two where the cut falls inside a word). The same PromptErrors as cut_prompt."""
+    ids = cut_prompt(tokenizer, document, request, length)
+    before, after = around_document(tokenizer, [document_question(request)])
+    skip = len(tokenizer(before, add_special_tokens=False).input_ids)
+    keep = len(ids) - skip - len(tokenizer(after, add_special_tokens=False).input_ids)
+    return tokenizer.decode(ids[skip : skip + keep])
