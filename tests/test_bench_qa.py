@@ -131,7 +131,7 @@ def test_the_llama_cpp_peer_reports_the_prefix_its_context_kept(monkeypatch, che
     greedy = SamplingConfig(temperature=0)
     first, kept = peer.answer([1, 2, 3, 4], 3, greedy, eos_ids=set())
     assert first.token_ids == [5, 6, 7] and kept == 0
-    second, kept = peer.answer([1, 2, 3, 4, 5, 6, 7, 9, 9], 2, greedy, eos_ids=set())
+    _, kept = peer.answer([1, 2, 3, 4, 5, 6, 7, 9, 9], 2, greedy, eos_ids=set())
     assert kept == 6 and llm.evaluated == [4, 3]  # 1-4 and the first two answer ids were evaluated already
     peer.forget()
     assert peer.answer([1, 2, 3], 1, greedy, eos_ids=set())[1] == 0
