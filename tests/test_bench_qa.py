@@ -2,8 +2,10 @@
 keys and values between questions, the rows say what each prompt reused and how long each answer took, greedy
 answers equal our autoregressive mode's; llama.cpp's wiring with a stand-in module; one-line errors."""
 
+import io
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
@@ -11,6 +13,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 from conftest import save_checkpoint, save_tokenizer
+from rich.console import Console
 from typer.testing import CliRunner
 
 import triforce_cli.bench.llama_cpp
@@ -18,6 +21,7 @@ from triforce_cli.bench.llama_cpp import LlamaCppPeer
 from triforce_cli.bench.qa import QABench
 from triforce_cli.bench.runner import Bench, BenchConfig
 from triforce_cli.cli.app import app
+from triforce_cli.cli.render import qa_tables
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
@@ -151,7 +155,7 @@ def test_the_command_prints_each_answer_and_writes_json(checkpoint, tmp_path):
         *("--repeats", 1, "--warmup", 0, "--out", tmp_path / "qa.json"),
     )
     assert result.exit_code == 0, result.output
-    assert "doc.txt, 40 tokens, questions asked in turn" in result.stdout
+    assert "doc.txt, 40 tokens, questions in turn" in result.stdout
     payload = json.loads((tmp_path / "qa.json").read_text())
     assert [(r["mode"], r["question"]) for r in payload["rows"]] == [
         (mode, q) for mode in ("autoregressive", "triforce") for q in (1, 2, 3)
@@ -176,3 +180,13 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, args, message):
     result = invoke_bench("--target", checkpoint, "--context", 40, *args)
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert message in result.output
+
+
+def test_the_table_fits_80_columns_without_cutting_a_cell(rows):
+    console = Console(width=80, record=True, file=io.StringIO())
+    with_llama_cpp = [replace(row, answer_vs_llama_cpp=0.25) for row in rows]
+    for table in qa_tables(rows) + qa_tables(with_llama_cpp):
+        console.print(table)
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    assert "autoregressive" in text and "triforce" in text

@@ -32,6 +32,7 @@ DEFAULT_CONTEXTS = ",".join(map(str, BENCH_DEFAULTS.contexts))
 DEFAULT_POLICIES = ",".join(BENCH_DEFAULTS.gamma_policies)
 MAX_REPEATS = 100
 QA_DEFAULT_MODES = ("autoregressive", "triforce", *QA_PEERS)
+QA_DEFAULT = ("qa-stdlib-b",)  # the qa scenario's document where --builtin is left as it is
 CONTINUED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is None)
 ASKED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is not None)
 
@@ -47,7 +48,8 @@ def bench(
             parser=o.names_of(tuple(BENCH_PROMPTS)),
             metavar="NAME,...",
             help=f"Built-in prompts when no file is given: documents continued ({CONTINUED}) and chat turns "
-            f"asking about a document ({ASKED}; they need a chat template). Files are continued.",
+            f"asking about a document ({ASKED}; they need a chat template). Files are continued. qa: the prompts' "
+            "documents [default: qa-stdlib-b's].",
         ),
     ] = ",".join(BENCH_DEFAULT),
     context: o.Contexts = DEFAULT_CONTEXTS,
@@ -233,7 +235,8 @@ def _qa(
     if prompt_file:
         documents = {path.name: (read_prompt(str(path)), asked or DOCUMENT_QUESTIONS) for path in prompt_file}
     else:
-        names = dict.fromkeys(BENCH_PROMPTS[name].document for name in builtin)
+        chosen = QA_DEFAULT if builtin == tuple(BENCH_DEFAULT) else builtin
+        names = dict.fromkeys(BENCH_PROMPTS[name].document for name in chosen)
         documents = {
             name: (builtin_document(name), asked or QA_QUESTIONS.get(name, DOCUMENT_QUESTIONS)) for name in names
         }

@@ -3,7 +3,6 @@
 Every table fits an 80-column terminal.
 """
 
-import statistics
 from typing import Self
 
 from rich.console import Console
@@ -273,39 +272,31 @@ def qa_tables(rows: list[QARow]) -> list[Table]:
     for document, context in dict.fromkeys((r.document, r.context) for r in rows):
         group = [r for r in rows if (r.document, r.context) == (document, context)]
         llama_cpp = any(r.answer_vs_llama_cpp is not None for r in group)
-        title = f"{document}, {context} tokens, questions asked in turn: seconds, median [min-max] over repeats"
+        columns = ("mode", "q", "reused", "first s", "answer s", "start", "=AR")
+        title = f"{document}, {context} tokens, questions in turn: seconds, median over repeats"
+        columns = (*columns[:-1], *(("/llama.cpp",) if llama_cpp else ()), columns[-1])
         table = Table(title=Text(title), title_justify="left")
-        columns = ("mode", "q", "prompt", "reused", "first token s", "answer s", "tokens", "start", "=AR")
-        columns = (*columns[:-1], *(("vs llama.cpp",) if llama_cpp else ()), columns[-1])
         for column in columns:
             table.add_column(Text(column), justify="left" if column == "mode" else "right")
         for row in group:
             table.add_row(
                 Text(row.mode) if row.question == 1 else Text(""),
                 str(row.question),
-                str(row.prompt_tokens),
                 str(row.reused_tokens),
-                _median_range(row.first_token_seconds),
-                _median_range(row.answer_seconds),
-                str(statistics.median(row.new_tokens)),
+                f"{row.median_first_token_seconds:.2f}",
+                f"{row.median_answer_seconds:.2f}",
                 "-" if row.start_vs_first_answer is None else f"{row.start_vs_first_answer:.1%}",
                 *((_ratio(row.answer_vs_llama_cpp),) if llama_cpp else ()),
                 {True: "yes", False: Text("NO", style="red"), None: "-"}[row.matches_autoregressive],
             )
-        first = "first token of question 1: the document's prefill and the question's"
-        notes = [f"{first}; start: a later question's first token as a share of question 1's"]
+        first = "first: seconds to the first token (question 1: the document's prefill too)"
+        notes = [f"reused: prompt tokens kept from before; {first}; start: first over question 1's"]
         if llama_cpp:
-            notes.append("vs llama.cpp: time to the whole answer as a multiple of llama.cpp's for the same question")
+            notes.append("/llama.cpp: the whole answer's time over llama.cpp's for the same question")
         table.caption = "\n".join(notes)
         table.caption_justify = "left"
         tables.append(table)
     return tables
-
-
-def _median_range(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 def _over_prompts_table(summaries: list[OverPrompts], swept: bool) -> Table:
