@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("gguf_blocks.cpp", "flash_attention.cpp"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("isa.h", "vector_exp.h"))  # included by SOURCES
 EXTENSION = "triforce_cpu"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # at::parallel_for runs on torch's OpenMP
 LDFLAGS = ("-fopenmp",)
@@ -44,10 +45,10 @@ def native_loaded() -> bool:
 
 
 def library_name() -> str:
-    """The built library's file name: a hash of the sources, the flags, torch, Python, the machine and the compiler
-    asked for, so that a library built from anything else is never loaded."""
+    """The built library's file name: a hash of the sources and headers, the flags, torch, Python, the machine and
+    the compiler asked for, so that a library built from anything else is never loaded."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     built_with = (CFLAGS, LDFLAGS, torch.__version__, sys.implementation.cache_tag, platform.machine())
     digest.update(repr((*built_with, os.environ.get("CXX", ""))).encode())
