@@ -159,6 +159,42 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.ops.triforce_cpu.chunk_attention(q, k, v, scale)
 
 
+def half_prefix_available(q: torch.Tensor) -> bool:
+    """Whether the CPU extension's half_prefix_attention (csrc/half_attention.cpp) can take q: float32 on the CPU,
+    the extension loaded (kernels.native). Every CPU runs it; AVX-512 and AVX2 ones fast for head dims 64 and 128."""
+    return q.dtype == torch.float32 and not q.is_cuda and native_loaded()
+
+
+def half_prefix_attention(
+    q: torch.Tensor,
+    k_half: torch.Tensor,
+    v_half: torch.Tensor,
+    k_tail: torch.Tensor,
+    v_tail: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a few queries against [float16 prefix | float32 tail], the tail ending with the T new keys.
+
+    What packed_prefix_attention computes, from a plain float16 copy of the prefix instead of fbgemm's packed one:
+    a copy that grows by converting only its new positions (k_half, v_half are views ``storage[:, :P]`` of a longer
+    buffer). The float16 values are widened exactly and everything after is float32, so the result is the float64
+    attention on those values up to float32 rounding; it is the same bit for bit whatever the number of threads
+    (the keys are split into blocks of a fixed size, combined in a fixed order). Query head h reads KV head h // G.
+
+    Args:
+        q: (Hq, T, D) float32 queries, Hq = G * Hkv, T >= 1.
+        k_half, v_half: (Hkv, P, D) float16 prefix keys and values, P >= 0; any head and row strides, each row's D
+            contiguous.
+        k_tail, v_tail: (Hkv, Lt, D) float32 keys and values after the prefix, Lt >= T, the same stride rules; query
+            t sees every prefix key and tail keys j <= Lt - T + t.
+        scale: the factor on the scores q . k.
+
+    Returns:
+        (Hq, T, D) float32.
+    """
+    return torch.ops.triforce_cpu.half_prefix_attention(q, k_half, v_half, k_tail, v_tail, scale)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """torch scaled_dot_product_attention with an explicit bottom-right mask (SDPA's is_causal is top-left): the
     CPU kernels' choice for many queries where chunk_attention cannot run. On the CPU SDPA takes the mask into its

@@ -1,5 +1,5 @@
-"""The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp) and attention of
-prefill chunks (csrc/flash_attention.cpp).
+"""The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp), attention of
+prefill chunks (csrc/flash_attention.cpp) and of a few queries against a float16 prefix (csrc/half_attention.cpp).
 
 Built from source with torch.utils.cpp_extension the first time (seconds; it needs a C++ compiler and ninja) into a
 folder the caller names, with OpenMP so that at::parallel_for runs on torch's own threads. Its kernels pick their
@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("gguf_blocks.cpp", "flash_attention.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "flash_attention.cpp", "half_attention.cpp"))
+HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h"))  # included by SOURCES
 EXTENSION = "triforce_cpu"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # at::parallel_for runs on torch's OpenMP
 LDFLAGS = ("-fopenmp",)
@@ -44,10 +46,10 @@ def native_loaded() -> bool:
 
 
 def library_name() -> str:
-    """The built library's file name: a hash of the sources, the flags, torch, Python, the machine and the compiler
-    asked for, so that a library built from anything else is never loaded."""
+    """The built library's file name: a hash of the sources and headers, the flags, torch, Python, the machine and
+    the compiler asked for, so that a library built from anything else is never loaded."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     built_with = (CFLAGS, LDFLAGS, torch.__version__, sys.implementation.cache_tag, platform.machine())
     digest.update(repr((*built_with, os.environ.get("CXX", ""))).encode())

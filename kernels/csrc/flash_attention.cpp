@@ -6,8 +6,8 @@
 // keys the tile's scores come out lane-wise (keys broadcast against the transposed queries), so the running
 // maximum, the exponentials and the sums of the online softmax are plain vertical operations, and the values
 // are accumulated into the tile's transposed output the same way. Only blocks a tile's queries can see are read;
-// the causal mask touches only the blocks that straddle its queries' limits. exp is a degree-6 polynomial after
-// range reduction (within 2 ulp of float32's). Tiles (KV head, 64 query rows) are split over torch's threads.
+// the causal mask touches only the blocks that straddle its queries' limits. exp is vector_exp.h's polynomial.
+// Tiles (KV head, 64 query rows) are split over torch's threads.
 //
 // The result is softmax(q k^T scale) v up to float32 rounding, as torch's SDPA computes it.
 
@@ -21,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "vector_exp.h"
+
 namespace {
 
 constexpr int kVecs = 4;                 // registers of 16 query lanes in a tile
@@ -28,26 +30,7 @@ constexpr int64_t kTile = 16 * kVecs;    // query rows per tile
 constexpr int64_t kKeyBlock = 64;        // keys per online-softmax step
 
 using Vecs = __m512[kVecs];
-
-
-__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
-  // exp(x) = 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2; -inf -> 0
-  const __m512 clamped = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512 result = _mm512_scalef_ps(p, n);
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.0f), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(zero, result, _mm512_setzero_ps());
-}
+using triforce_cpu::exp512;
 
 // scores (keys, kTile) = keys (R rows of D) . queries^T (D, kTile), R keys at a time.
 template <int R>

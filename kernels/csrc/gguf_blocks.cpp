@@ -13,7 +13,7 @@
 // and multiply those. Either way the result is the product with the dequantized weights up to the rounding of
 // float32 sums: the activations are never rounded below float32, which is why the int8 and bf16 dot-product units
 // (AVX512-VNNI, AVX512-BF16, AMX) are not used. One source, three bodies: AVX-512, AVX2+FMA and plain C++, picked
-// at run time by what the CPU has; tiles of output rows are split over torch's intra-op threads.
+// at run time by what the CPU has (isa.h); tiles of output rows are split over torch's intra-op threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,7 +26,13 @@
 #include <string>
 #include <vector>
 
+#include "isa.h"
+
 namespace {
+
+using triforce_cpu::best_isa;
+using triforce_cpu::chosen_isa;
+using triforce_cpu::Isa;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kLanes = 16;  // output rows in a tile
@@ -247,21 +253,6 @@ __attribute__((target("avx2,fma"))) void gemm_rows_avx2(const float* buffer, con
     _mm256_storeu_ps(out + r * n, acc[r][0]);
     _mm256_storeu_ps(out + r * n + 8, acc[r][1]);
   }
-}
-
-enum class Isa { scalar, avx2, avx512 };
-
-Isa best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return Isa::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
-  return Isa::scalar;
-}
-
-Isa& chosen_isa() {
-  static Isa isa = best_isa();
-  return isa;
 }
 
 template <int R>
