@@ -3,7 +3,7 @@
 A forward over new tokens at positions [start, start + T) first calls ``prepare(start, T)`` once, then
 ``update(layer, q, k, v)`` in every layer, which stores the new keys/values and returns the view attention
 reads: ``[context | the T new tokens]`` (see kernels/attention.py). ``length`` is the number of leading
-sequence positions the cache holds; rolling back is setting it. ``packed_prefix(layer)`` may offer a packed
+sequence positions the cache holds; rolling back is setting it. ``half_prefix(layer)`` may offer a packed
 float16 copy of the view's first positions for attention to read instead.
 
 A decode step with fixed shapes (what torch.compile captures as one CUDA graph for every position) prepares with
@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kernels.attention import PackedPrefix
+from kernels.attention import HalfPrefix
 
 
 class CacheCapacityError(RuntimeError):
@@ -88,8 +88,8 @@ class KVCache(ABC):
         """Most positions one forward may write (None: as many as fit)."""
         return None
 
-    def packed_prefix(self, layer: int) -> PackedPrefix | None:
-        """A packed float16 copy of the first positions of layer's view, if this cache keeps one."""
+    def half_prefix(self, layer: int) -> HalfPrefix | None:
+        """A float16 copy of the first positions of layer's view for attention to read, if this cache holds one."""
         return None
 
     def rollback(self, length: int) -> None:

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from cache.base import CacheCapacityError, KVCache, put_rows
-from kernels.attention import PackedPrefix, pack_prefix
+from kernels.attention import HalfPrefix
 
 
 class StorageStream(Protocol):
@@ -59,39 +59,50 @@ class FullCache(KVCache):
         self.queries: list[torch.Tensor | None] = [None] * num_layers
         self.query_start = 0
         self._write = slice(0, 0)
-        self._packed: list[PackedPrefix] | None = None  # see pack_prefix
+        # float16 copy of the first positions (make_half_copy): buffers of the storage's shape, made on first use;
+        # positions [0, _half_length) hold the float16 rounding of the keys and values there now
+        self.half_keys: torch.Tensor | None = None
+        self.half_values: torch.Tensor | None = None
+        self._half_length = 0
+        self._half_in_use = False  # attention reads the copy (from make_half_copy until a write or rollback below it)
 
-    def pack_prefix(self, packed: list[PackedPrefix] | None = None) -> list[PackedPrefix]:
-        """Keep a float16 copy of every position held now, packed for attention to read instead (CPU only).
+    def make_half_copy(self) -> None:
+        """Hold a float16 copy of every position held now, for attention to read instead (CPU only).
 
-        Attention then reads these positions at half the bytes; positions written later stay float32. The copy
-        is dropped when a rollback or reset reaches into it. packed: a copy made earlier of these same positions
-        and values, to use instead of packing again. Returns the copy in use.
+        Attention then reads these positions at half the bytes (kernels.half_prefix_attention); positions written
+        later stay float32. Only the positions the copy lacks are converted: a rollback or a write below its end
+        stops attention reading it and shortens it to the positions still the same, so a prompt that keeps the
+        last prompt's first positions converts only the rest, and the copy is the one a fresh prompt makes.
         """
-        if packed is None:
-            held = slice(0, self.length)
-            packed = [pack_prefix(keys[:, held], values[:, held]) for keys, values in zip(self.keys, self.values)]
-        elif packed[0].length != self.length:
-            raise ValueError(f"packed copy of {packed[0].length} positions for a cache holding {self.length}")
-        self._packed = packed
-        return packed
+        if self.half_keys is None:
+            self.half_keys = torch.empty_like(self.keys, dtype=torch.float16)
+            self.half_values = torch.empty_like(self.values, dtype=torch.float16)
+        new = slice(self._half_length, self.length)
+        self.half_keys[:, :, new] = self.keys[:, :, new]
+        self.half_values[:, :, new] = self.values[:, :, new]
+        self._half_length = self.length
+        self._half_in_use = True
 
-    def packed_prefix(self, layer: int) -> PackedPrefix | None:
-        return None if self._packed is None else self._packed[layer]
+    def half_prefix(self, layer: int) -> HalfPrefix | None:
+        if not self._half_in_use:
+            return None
+        held = slice(0, self._half_length)
+        return HalfPrefix(self.half_keys[layer, :, held], self.half_values[layer, :, held])
 
-    def _drop_packed_beyond(self, length: int) -> None:
-        if self._packed is not None and self._packed[0].length > length:
-            self._packed = None
+    def _forget_half_beyond(self, length: int) -> None:
+        if length < self._half_length:
+            self._half_length = length
+            self._half_in_use = False
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
-        self._drop_packed_beyond(self.length)
+        self._forget_half_beyond(self.length)
         if self.stream is not None:
             self.stream.forget_beyond(self.length)
 
     def reset(self) -> None:
         super().reset()
-        self._packed = None
+        self._forget_half_beyond(0)
         if self.stream is not None:
             self.stream.forget_beyond(0)
 
@@ -128,7 +139,7 @@ class FullCache(KVCache):
         end = start + num_tokens
         if end + (padding or 0) > self.capacity:
             raise CacheCapacityError(f"full cache holds {self.capacity} positions, {end + (padding or 0)} requested")
-        self._drop_packed_beyond(start)
+        self._forget_half_beyond(start)
         self._write = self._begin_write(start, num_tokens, padding)
         self.query_start = start
         self.length = end
@@ -207,8 +218,8 @@ class LayerwiseWrite:
         self.written = positions.stop
         return self._keys[:, : positions.stop], self._values[:, : positions.stop]
 
-    def packed_prefix(self, layer: int) -> PackedPrefix | None:
-        return self.full.packed_prefix(layer)
+    def half_prefix(self, layer: int) -> HalfPrefix | None:
+        return self.full.half_prefix(layer)
 
     def end_layer(self) -> None:
         """The layer has written every position: offloaded, copy them back to the host storage."""

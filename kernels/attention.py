@@ -80,6 +80,19 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 @dataclass(frozen=True)
+class HalfPrefix:
+    """A float16 copy of the first keys and values of one layer's cache view, which attention reads instead of
+    them (half_prefix_attention): keys and values (Hkv, P, D), views of the cache's float16 buffers."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+
+@dataclass(frozen=True)
 class PackedPrefix:
     """The first ``length`` keys and values of one layer, rounded to float16 and packed for half_weight_linear:
     per KV head, the keys (length, D) and the transposed values (D, length) as the weights of a linear."""
@@ -389,7 +402,7 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    prefix: PackedPrefix | None = None,
+    prefix: HalfPrefix | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Dispatch to a kernel of backend (attention_backend; None: the fastest for q's device and dtype), and within
@@ -412,7 +425,8 @@ def attention(
     if backend == "sdpa":
         return torch_attention(q, k, v, scale)
     if prefix is not None:
-        return packed_prefix_attention(q, prefix, k[:, prefix.length :], v[:, prefix.length :], scale)
+        tail = slice(prefix.length, None)
+        return half_prefix_attention(q, prefix.keys, prefix.values, k[:, tail], v[:, tail], scale)
     if q.shape[1] <= FEW_QUERIES:
         return grouped_attention(q, k, v, scale)
     if chunk_attention_available(q):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
-from kernels import half_weights_available, unpack_half_weight
 
 LAYERS, Q_HEADS, KV_HEADS, DIM = 2, 4, 2, 4
 
@@ -71,44 +70,44 @@ def test_full_cache_write_view_and_rollback():
     assert cache.length == 0
 
 
-@pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
-def test_full_cache_packed_prefix_holds_the_prompt_until_a_write_reaches_into_it():
+def test_full_cache_half_copy_is_read_until_a_write_or_rollback_reaches_into_it():
     cache = full_cache(16)
     write(cache, 0, 6)
-    assert cache.packed_prefix(0) is None
-    cache.pack_prefix()
+    assert cache.half_prefix(0) is None
+    cache.make_half_copy()
     for layer in range(LAYERS):
-        prefix = cache.packed_prefix(layer)
-        assert prefix.length == 6
-        keys, _ = unpack_half_weight(prefix.keys[1])
-        values, _ = unpack_half_weight(prefix.values[1])
-        assert torch.equal(keys, cache.keys[layer, 1, :6].half().float())  # the float16-rounded keys
-        assert torch.equal(values.t(), -keys)
-    assert positions_of(unpack_half_weight(cache.packed_prefix(0).keys[1])[0], 0, 1) == list(range(6))
+        prefix = cache.half_prefix(layer)
+        assert prefix.length == 6 and prefix.keys.dtype == torch.float16
+        assert torch.equal(prefix.keys, cache.keys[layer, :, :6].half())  # the float16-rounded keys
+        assert torch.equal(prefix.values, -prefix.keys)
+    assert positions_of(cache.half_prefix(0).keys[1].float(), 0, 1) == list(range(6))
     write(cache, 6, 3)
-    cache.rollback(6)  # back to the prompt: still packed
-    assert cache.packed_prefix(1).length == 6
+    cache.rollback(6)  # back to the prompt: still read
+    assert cache.half_prefix(1).length == 6
     cache.rollback(5)
-    assert cache.packed_prefix(0) is None
-    cache.pack_prefix()
-    cache.prepare(4, 1)  # overwriting a packed position without a rollback
-    assert cache.packed_prefix(0) is None
-    cache.pack_prefix()
+    assert cache.half_prefix(0) is None
+    cache.make_half_copy()
+    assert cache.half_prefix(0).length == 5
+    cache.prepare(4, 1)  # overwriting a copied position without a rollback
+    assert cache.half_prefix(0) is None
+    cache.make_half_copy()
     cache.reset()
-    assert cache.packed_prefix(0) is None
+    assert cache.half_prefix(0) is None
 
 
-@pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
-def test_full_cache_reuses_a_packed_copy_of_the_same_positions():
+def test_full_cache_half_copy_converts_only_the_positions_it_lacks():
     cache = full_cache(16)
-    write(cache, 0, 6)
-    packed = cache.pack_prefix()
-    cache.reset()
-    write(cache, 0, 6)
-    assert cache.pack_prefix(packed) is packed and cache.packed_prefix(1) is packed[1]
-    write(cache, 6, 2)
-    with pytest.raises(ValueError, match="packed copy of 6 positions for a cache holding 8"):
-        cache.pack_prefix(packed)
+    write(cache, 0, 8)
+    cache.make_half_copy()
+    cache.rollback(5)  # a next prompt sharing 5 positions
+    cache.half_keys[:, :, :5] = 7  # marks what a conversion would overwrite
+    write(cache, 5, 6, salt=0.5)
+    assert cache.half_prefix(0) is None  # the new positions' forwards read float32
+    cache.make_half_copy()
+    prefix = cache.half_prefix(1)
+    assert prefix.length == 11
+    assert (prefix.keys[:, :5] == 7).all()  # kept, not converted again
+    assert torch.equal(prefix.keys[:, 5:], cache.keys[1, :, 5:11].half())
 
 
 def test_full_cache_capacity_and_gaps():

@@ -13,7 +13,7 @@ import torch
 from conftest import full_cache_for, make_model, random_prompt, reference_logits, save_checkpoint
 from torch import nn
 
-from kernels import half_weights_available, unpack_half_weight
+from kernels import half_weights_available
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
@@ -70,67 +70,47 @@ def test_greedy_speculative_modes_equal_autoregressive_with_half_weights(seed):
     reference = Engine(target, EngineConfig(mode="autoregressive", **settings))
     expected = reference.generate(prompt).token_ids
     assert len(set(expected)) > 5
-    assert reference._caches.full.packed_prefix(0).length == len(prompt)  # attention read the prompt as float16
+    assert reference._caches.full.half_prefix(0).length == len(prompt)  # attention read the prompt as float16
     for mode in ("retrieval", "streaming", "triforce"):
         result = Engine(target, EngineConfig(mode=mode, ngram=False, **settings), drafter=drafter).generate(prompt)
         assert result.token_ids == expected, mode
 
 
-def test_a_packed_state_restores_what_the_cache_would_pack():
-    """PromptState.pack (which bench times with the prefill) makes the copy a first restore would make."""
+def test_a_restored_state_reads_the_float16_copy_a_prefill_makes():
     target = half_tiny_model(4)
     prompt = random_prompt(70, 32, seed=8)
     engine = Engine(target, EngineConfig(mode="autoregressive", max_new_tokens=12, sampling=GREEDY))
     expected = engine.generate(prompt).token_ids
+    made = engine._caches.full.half_keys[:, :, : len(prompt)].clone()
     state = engine.prefill(prompt)
-    state.pack()
-    made = state.packed
-    assert made is not None and made[0].length == len(prompt)
     assert engine.generate(prompt, prompt_state=state).token_ids == expected
-    assert state.packed is made  # restored, not packed again
-    full = full_cache_for(target.model, 128)
-    state.restore(full)
-    fresh = full.pack_prefix()
-    for ours, theirs in zip(made, fresh, strict=True):
-        for a, b in zip(ours.keys + ours.values, theirs.keys + theirs.values, strict=True):
-            assert torch.equal(unpack_half_weight(a)[0], unpack_half_weight(b)[0])
+    assert torch.equal(engine._caches.full.half_keys[:, :, : len(prompt)], made)
 
 
-def test_bench_packs_the_prompt_with_its_prefill(monkeypatch):
-    """The modes of a bench restore a copy made with the shared prefill: none packs its own (which would charge
-    the packing to whichever mode runs first)."""
-    from cache import FullCache
-    from triforce_cli.bench.runner import Bench, BenchConfig
-
-    target = half_tiny_model(5)
-    pipe = Pipeline(target, None, Engine(target, EngineConfig()))
-    config = BenchConfig(modes=("autoregressive", "retrieval"), contexts=(80,), max_new_tokens=4, repeats=1,
-                         warmup=0, budgets=(32,), chunk_sizes=(8,))  # fmt: skip
-    packed_anew = []
-    real = FullCache.pack_prefix
-    monkeypatch.setattr(
-        FullCache, "pack_prefix", lambda cache, packed=None: packed_anew.append(packed is None) or real(cache, packed)
-    )
-    Bench(pipe, config).run_context("p", random_prompt(80, 32, seed=9))
-    assert packed_anew == [False, False]  # each mode restored the bench's copy
-
-
-def test_generations_from_one_prompt_state_share_its_packed_copy():
+def test_a_prompt_extending_the_last_one_converts_only_its_new_positions(monkeypatch):
+    """Prefix reuse keeps the float16 copy of the kept positions: the next prompt converts only the rest, and
+    reads the copy a fresh prefill makes, so its tokens are the fresh engine's."""
     target = half_tiny_model(2)
-    prompt = random_prompt(120, 32, seed=7)
-    settings = {"chunk_size": 8, "budget": 32, "max_new_tokens": 30, "sampling": GREEDY}
-    engine = Engine(target, EngineConfig(mode="retrieval", **settings))
-    expected = engine.generate(prompt).token_ids
-    state = engine.prefill(prompt)
-    assert state.packed is None
-    first = engine.generate(prompt, prompt_state=state)
-    packed = state.packed
-    assert packed is not None and packed[0].length == len(prompt)
-    autoregressive = Engine(target, EngineConfig(mode="autoregressive", **settings))
-    second = autoregressive.generate(prompt, prompt_state=state)
-    assert state.packed is packed  # packed once, reused
-    assert autoregressive._caches.full.packed_prefix(0) is packed[0]
-    assert first.token_ids == second.token_ids == expected
+    settings = {"chunk_size": 8, "budget": 32, "max_new_tokens": 12, "prefill_chunk": 16, "cache_positions": 256,
+                "sampling": GREEDY}  # fmt: skip
+    document, question = random_prompt(70, 32, seed=7), random_prompt(9, 32, seed=8)
+    engine = Engine(target, EngineConfig(mode="triforce", ngram=True, **settings))
+    engine.generate(document)
+    converted = []
+    real = torch.Tensor.__setitem__
+
+    def counting(tensor, index, value):
+        if tensor.dtype == torch.float16 and isinstance(index, tuple):
+            converted.append(value.shape[2])
+        return real(tensor, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", counting)
+    longer = document + question
+    reused = engine.generate(longer)
+    monkeypatch.undo()
+    assert reused.stats.reused_tokens == 64 and converted == [len(longer) - 64] * 2  # keys, values
+    fresh = Engine(target, EngineConfig(mode="triforce", ngram=True, **settings)).generate(longer)
+    assert reused.token_ids == fresh.token_ids
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,7 @@ def measure_forward_costs(
     context = state.keys.shape[2]
     most = max(token_counts)
     full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context + most, target.dtype, target.device)
-    state.restore(full, pack=target.half_prompt_cache)
+    state.restore(full, half_copy=target.half_prompt_cache)
     retrieval = RetrievalCache(full, budget, chunk_size, chunk_size + most)
     retrieval.select_chunks()
     new_ids = state.prompt_ids[-most:].to(target.device)  # any tokens: only the cost is measured

@@ -349,15 +349,7 @@ class Bench:
         return self._rows(prompt, len(prompt_ids), variants, prefill_seconds, cached)
 
     def _prompt_state(self, prompt_ids: list[int]) -> tuple[PromptState, bool]:
-        """The prefilled prompt, and whether it came from the prompt cache (a miss prefills and saves it there).
-        Where the target reads its prompt as float16, the packed copy is made here too, as generate makes it right
-        after its prefill: timed with the prefill, not with whichever mode happens to run first."""
-        state, cached = self._prefilled(prompt_ids)
-        if self.pipe.target.half_prompt_cache:
-            state.pack()
-        return state, cached
-
-    def _prefilled(self, prompt_ids: list[int]) -> tuple[PromptState, bool]:
+        """The prefilled prompt, and whether it came from the prompt cache (a miss prefills and saves it there)."""
         if self.config.prompt_cache is None:
             return self.engine_for().prefill(prompt_ids), False
         cache = self.pipe.prompt_cache(self.config.prompt_cache)

@@ -626,8 +626,8 @@ class Engine:
     ) -> GenerationResult:
         """Generate after prompt_ids, restoring prompt_state instead of prefilling when it is given.
 
-        on_prompt_state receives the freshly prefilled prompt (to save it). A target with half weights packs the
-        prompt's float16 copy once per prompt_state and keeps it there. Ctrl-C stops early and still returns
+        on_prompt_state receives the freshly prefilled prompt (to save it). A target with half or GGUF weights
+        reads the prompt from a float16 copy (FullCache.make_half_copy). Ctrl-C stops early and still returns
         what was generated.
         """
         self.check_prompt(prompt_ids)
@@ -661,9 +661,9 @@ class Engine:
                     if on_prompt_state is not None:
                         on_prompt_state(PromptState.capture(caches.full, prompt_ids, logits))
                     if self.target.half_prompt_cache:
-                        caches.full.pack_prefix()
+                        caches.full.make_half_copy()
                 else:
-                    prompt_state.restore(caches.full, pack=self.target.half_prompt_cache)
+                    prompt_state.restore(caches.full, half_copy=self.target.half_prompt_cache)
                     logits = prompt_state.last_logits.to(self.target.device)
                     stats.prompt_cached = True
             if caches.retrieval is not None:

@@ -20,7 +20,7 @@ exact match is, and an index that is lost or stale only loses reuse.
 import hashlib
 import json
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,8 +28,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from cache import FullCache
-from kernels import PackedPrefix
-from kernels.attention import pack_prefix
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically
@@ -45,7 +43,6 @@ class PromptState:
     values: torch.Tensor  # (layers, Hkv, P, D)
     last_queries: torch.Tensor  # (layers, Hq, D): queries at the last prompt position
     last_logits: torch.Tensor  # (1, V): logits after the last prompt token
-    packed: list[PackedPrefix] | None = field(default=None, compare=False, repr=False)  # pack_prefix's, not saved
 
     @classmethod
     def capture(cls, full: FullCache, prompt_ids: list[int], last_logits: torch.Tensor) -> "PromptState":
@@ -63,11 +60,11 @@ class PromptState:
     def matches(self, prompt_ids: list[int]) -> bool:
         return self.prompt_ids.tolist() == list(prompt_ids)
 
-    def restore(self, full: FullCache, pack: bool = False) -> None:
+    def restore(self, full: FullCache, half_copy: bool = False) -> None:
         """Put the prompt into a full cache as if it had just been prefilled.
 
-        pack: also give the cache the prompt's packed float16 copy (FullCache.pack_prefix), made on the first
-        restore and kept here for the next.
+        half_copy: also give the cache its float16 copy of the prompt (FullCache.make_half_copy), as a prefill does
+        for a target with half or GGUF weights.
         """
         length = self.keys.shape[2]
         full.reset()
@@ -76,13 +73,8 @@ class PromptState:
         full.values[:, :, :length] = self.values
         full.queries = [q[:, None, :] for q in self.last_queries]  # (Hq, 1, D) per layer
         full.query_start = length - 1
-        if pack:
-            self.packed = full.pack_prefix(self.packed)
-
-    def pack(self) -> None:
-        """Make the prompt's packed float16 copy now (what FullCache.pack_prefix makes on the first restore)."""
-        if self.packed is None:
-            self.packed = [pack_prefix(keys, values) for keys, values in zip(self.keys, self.values, strict=True)]
+        if half_copy:
+            full.make_half_copy()
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -85,8 +85,8 @@ class LoadedModel:
     @property
     def half_prompt_cache(self) -> bool:
         """Whether attention reads the prompt's keys and values as float16 too: with 'half' and 'gguf' weights (as
-        llama.cpp keeps its cache in float16)."""
-        return self.weights in ("half", "gguf")
+        llama.cpp keeps its cache in float16), where the CPU kernels that read them can be built or loaded."""
+        return self.weights in ("half", "gguf") and kernel_error() is None
 
     @cached_property
     def fingerprint(self) -> str:
@@ -485,9 +485,9 @@ def load_model(
     embedding and output layer (see borrow_shared_weights).
 
     weights: 'dense' computes from float weights; 'half' (CPU, float32) rounds the weight matrices to float16
-    and reads them as such, half the bytes per step (half_weights.py; the engine then also packs the prompt's
-    KV cache, see half_prompt_cache); 'gguf' computes from a GGUF file's own Q4_0, Q4_1 and Q8_0 blocks (GGUF
-    source, CPU, float32; gguf_weights.py), with the prompt's keys and values packed as float16 too.
+    and reads them as such, half the bytes per step (half_weights.py; attention then also reads the prompt's
+    keys and values from a float16 copy, see half_prompt_cache); 'gguf' computes from a GGUF file's own Q4_0, Q4_1 and Q8_0 blocks (GGUF
+    source, CPU, float32; gguf_weights.py), with the prompt's keys and values read as float16 too.
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
 

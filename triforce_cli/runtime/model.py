@@ -212,7 +212,7 @@ class Attention(nn.Module):
             out = attention_in_cache(q, keys, values, cache.write_start, self.scale, backend)
         else:
             keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
-            out = attention(q, keys, values, self.scale, cache.packed_prefix(self.layer), self.backend)  # (Hq, T, D)
+            out = attention(q, keys, values, self.scale, cache.half_prefix(self.layer), self.backend)  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
 
 
