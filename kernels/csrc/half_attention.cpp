@@ -183,20 +183,24 @@ __attribute__((target("avx512f"))) void scores_avx512(Rows<T> keys, int64_t n, c
 }
 
 // R rows' outputs stay in R * NV registers through the block; each value row is read and widened once for them.
+// The loop runs at least once (n >= 1, no block is empty) and is written so: with a for loop's path that skips it,
+// GCC keeps a second copy of the accumulators for the exit and copies them every step, to memory where registers
+// run short.
 template <int NV, int R, typename T>
 __attribute__((target("avx512f"))) void value_rows_avx512(Rows<T> values, int64_t n, const float* weights,
                                                           int64_t ld, float* out) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  do {  // n >= 1
     __m512 value[NV];
     load512<NV>(values.row(j), value);
     for (int r = 0; r < R; ++r) {
       const __m512 w = _mm512_set1_ps(weights[r * ld + j]);
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(w, value[c], acc[r][c]);
     }
-  }
+  } while (++j < n);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + r * kLanes * NV + kLanes * c, acc[r][c]);
 }
@@ -306,7 +310,7 @@ void scores_avx2(Rows<T> keys, int64_t n, const float* q, int64_t rows, int64_t,
   }
 }
 
-// R rows by 32 columns of the output in 4R registers (12 of 16 for R = 3) through the block.
+// R rows by 32 columns of the output in 4R registers (12 of 16 for R = 3) through the block; n >= 1, as above.
 template <int R, typename T>
 __attribute__((target("avx2,fma,f16c"))) void value_rows_avx2(Rows<T> values, int64_t n, int64_t column,
                                                               const float* weights, int64_t ld, float* out,
@@ -314,7 +318,8 @@ __attribute__((target("avx2,fma,f16c"))) void value_rows_avx2(Rows<T> values, in
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  do {  // n >= 1
     __m256 w[R];
     for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(weights + r * ld + j);
     const T* value = values.row(j) + column;
@@ -322,7 +327,7 @@ __attribute__((target("avx2,fma,f16c"))) void value_rows_avx2(Rows<T> values, in
       const __m256 vc = load256(value + 8 * c);
       for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], vc, acc[r][c]);
     }
-  }
+  } while (++j < n);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + r * dim + column + 8 * c, acc[r][c]);
 }
