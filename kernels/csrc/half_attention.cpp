@@ -10,10 +10,11 @@
 //
 // The prefix and the tail are cut into blocks of kKeyBlock keys; a (KV head, block) pair is one unit of work: the
 // block's scores (R, n) for all rows, each row's maximum m, its exponentials exp(s - m) and their sum s, and its
-// unnormalised output o (R, D) = exp(scores - m) values. Units run on torch's threads (the 3 KV heads of a small
-// model are 3 units for 2 threads; their blocks are many); then each row's blocks are combined in block order,
-// out = sum_b exp(m_b - M) o_b / sum_b exp(m_b - M) s_b with M the largest m_b. Neither the blocks nor a unit's
-// arithmetic depend on the number of threads, so the result does not either, bit for bit.
+// unnormalised output o (R, D) = exp(scores - m) values. Units run on torch's threads (whole KV heads would be too
+// few: a small model's 3 leave one of 2 threads idle half the time); then each row's blocks are combined in block
+// order, out = sum_b exp(m_b - M) o_b / sum_b exp(m_b - M) s_b with M the largest m_b. Neither the blocks nor a
+// unit's arithmetic depend on the number of threads, so the result does not either, bit for bit. Blocks of 256,
+// 512 and 1,024 keys measured the same.
 //
 // Three bodies, chosen by isa.h: AVX-512 and AVX2 for D of 64 or 128, plain C++ for the rest and the tests.
 // For one query the kernel streams the prefix's bytes (half those of float32) and is bound by memory; for more,
@@ -183,20 +184,24 @@ __attribute__((target("avx512f"))) void scores_avx512(Rows<T> keys, int64_t n, c
 }
 
 // R rows' outputs stay in R * NV registers through the block; each value row is read and widened once for them.
+// The loop runs at least once (n >= 1, no block is empty) and is written so: with a for loop's path that skips it,
+// GCC keeps a second copy of the accumulators for the exit and copies them every step, to memory where registers
+// run short.
 template <int NV, int R, typename T>
 __attribute__((target("avx512f"))) void value_rows_avx512(Rows<T> values, int64_t n, const float* weights,
                                                           int64_t ld, float* out) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  do {  // n >= 1
     __m512 value[NV];
     load512<NV>(values.row(j), value);
     for (int r = 0; r < R; ++r) {
       const __m512 w = _mm512_set1_ps(weights[r * ld + j]);
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(w, value[c], acc[r][c]);
     }
-  }
+  } while (++j < n);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + r * kLanes * NV + kLanes * c, acc[r][c]);
 }
@@ -306,7 +311,7 @@ void scores_avx2(Rows<T> keys, int64_t n, const float* q, int64_t rows, int64_t,
   }
 }
 
-// R rows by 32 columns of the output in 4R registers (12 of 16 for R = 3) through the block.
+// R rows by 32 columns of the output in 4R registers (12 of 16 for R = 3) through the block; n >= 1, as above.
 template <int R, typename T>
 __attribute__((target("avx2,fma,f16c"))) void value_rows_avx2(Rows<T> values, int64_t n, int64_t column,
                                                               const float* weights, int64_t ld, float* out,
@@ -314,7 +319,8 @@ __attribute__((target("avx2,fma,f16c"))) void value_rows_avx2(Rows<T> values, in
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  do {  // n >= 1
     __m256 w[R];
     for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(weights + r * ld + j);
     const T* value = values.row(j) + column;
@@ -322,7 +328,7 @@ __attribute__((target("avx2,fma,f16c"))) void value_rows_avx2(Rows<T> values, in
       const __m256 vc = load256(value + 8 * c);
       for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], vc, acc[r][c]);
     }
-  }
+  } while (++j < n);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + r * dim + column + 8 * c, acc[r][c]);
 }
@@ -472,7 +478,8 @@ at::Tensor half_prefix_attention(const at::Tensor& q, const at::Tensor& k_half, 
   TORCH_CHECK(v_half.sizes() == k_half.sizes() && k_half.size(2) == dim, "k_half, v_half: (Hkv, P, D), q's D");
   TORCH_CHECK(k_tail.size(0) == kv_heads && k_tail.size(2) == dim && v_tail.sizes() == k_tail.sizes(),
               "k_tail, v_tail: (Hkv, Lt, D), the prefix's Hkv and q's D");
-  TORCH_CHECK(q_heads % kv_heads == 0, "q: a multiple of the ", kv_heads, " KV heads");
+  TORCH_CHECK(kv_heads >= 1 && q_heads >= kv_heads && q_heads % kv_heads == 0, "q: a multiple of the ", kv_heads,
+              " KV heads");
   TORCH_CHECK(tail >= queries, "k_tail: the queries' own keys last, at least T = ", queries, " of them");
 
   const at::Tensor scaled = q.contiguous().mul(scale);  // (Hq, T, D) = (Hkv, R, D) row for row
