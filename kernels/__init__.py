@@ -5,7 +5,7 @@ Every kernel here has a plain-torch reference beside it that the tests compare a
 
 from kernels.attention import (
     ATTENTION_BACKENDS,
-    PackedPrefix,
+    HalfPrefix,
     attention,
     attention_backend,
     attention_in_cache,
@@ -35,7 +35,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "CHUNK_SCORES",
     "SUMMARIES",
-    "PackedPrefix",
+    "HalfPrefix",
     "attention",
     "attention_backend",
     "attention_in_cache",

@@ -15,11 +15,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import optional
-from kernels.linear import half_weight_linear, pack_half_weight
 from kernels.native import native_loaded
 
 FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here
-HEAD_AT_A_TIME_SCORES = 1 << 19  # packed-prefix scores (float32 values) above which each KV head goes alone
 # keys per block of blocked_attention: a block's scores are Hkv * G*T * KEY_BLOCK float32 values, 64 MiB for a
 # 512-query chunk of Llama-3.1-8B (32 query heads), whatever the context length
 KEY_BLOCK = 1024
@@ -92,68 +90,6 @@ class HalfPrefix:
         return self.keys.shape[1]
 
 
-@dataclass(frozen=True)
-class PackedPrefix:
-    """The first ``length`` keys and values of one layer, rounded to float16 and packed for half_weight_linear:
-    per KV head, the keys (length, D) and the transposed values (D, length) as the weights of a linear."""
-
-    length: int
-    keys: tuple[torch.ScriptObject, ...]
-    values: tuple[torch.ScriptObject, ...]
-
-
-def pack_prefix(k: torch.Tensor, v: torch.Tensor) -> PackedPrefix:
-    """k, v (Hkv, L, D) float32 -> their packed float16 copies."""
-    keys = tuple(pack_half_weight(head, None) for head in k)
-    values = tuple(pack_half_weight(head.t(), None) for head in v)
-    return PackedPrefix(k.shape[1], keys, values)
-
-
-def packed_prefix_attention(
-    q: torch.Tensor, prefix: PackedPrefix, k_tail: torch.Tensor, v_tail: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention against [packed prefix | tail], the tail (Hkv, Lt, D) ending with the T new keys.
-
-    The prefix is read as float16 by fbgemm's GEMM (half the bytes, float32 arithmetic); the tail is float32.
-    The KV heads go together (fewest calls) unless their scores would exceed HEAD_AT_A_TIME_SCORES values; then
-    each goes alone, so that the softmax's passes over its scores stay in the CPU's caches. 30 layers, all heads
-    together / one at a time, ms: against 7,680 packed keys 12.8 / 13.2 for 1 query, 17.1 / 19.5 for 2, 26.6 / 28.7
-    for 4, 88.6 / 48.5 for 8 (276K and 553K score values for 4 and 8 queries of 9 heads); against 32,000 keys
-    60.9 / 60.7 for 2, 87.5 / 81.9 for 4, 153 / 114 for 8.
-    """
-    num_q_heads, num_queries, head_dim = q.shape
-    num_kv_heads = k_tail.shape[0]
-    group = num_q_heads // num_kv_heads
-    qg = q.reshape(num_kv_heads, group * num_queries, head_dim) * scale  # (Hkv, G*T, D)
-    tail_scores = torch.bmm(qg, k_tail.transpose(1, 2))  # (Hkv, G*T, Lt)
-    mask_future_new_keys(tail_scores, num_queries)
-    if qg.shape[0] * qg.shape[1] * prefix.length <= HEAD_AT_A_TIME_SCORES:
-        batches = [range(num_kv_heads)]
-    else:
-        batches = [range(h, h + 1) for h in range(num_kv_heads)]
-    out = torch.cat([_prefix_and_tail(qg, prefix, tail_scores, v_tail, heads) for heads in batches])
-    return out.reshape(num_q_heads, num_queries, head_dim)
-
-
-def _prefix_and_tail(
-    qg: torch.Tensor, prefix: PackedPrefix, tail_scores: torch.Tensor, v_tail: torch.Tensor, heads: range
-) -> torch.Tensor:
-    """Output (len(heads), G*T, D) of the KV heads `heads`: the packed prefix and the tail share one softmax,
-    both exponentiated against the larger of their row maxima."""
-    rows = slice(heads.start, heads.stop)
-    scores = [half_weight_linear(qg[h], prefix.keys[h]) for h in heads]
-    prefix_scores = scores[0][None] if len(scores) == 1 else torch.stack(scores)  # (h, G*T, Lp)
-    tail_scores = tail_scores[rows]
-    top = torch.maximum(prefix_scores.amax(-1, keepdim=True), tail_scores.amax(-1, keepdim=True))
-    prefix_weights = prefix_scores.sub_(top).exp_()
-    tail_weights = tail_scores.sub(top).exp_()
-    total = prefix_weights.sum(-1, keepdim=True) + tail_weights.sum(-1, keepdim=True)
-    prefix_out = torch.stack(
-        [half_weight_linear(weights, prefix.values[h]) for weights, h in zip(prefix_weights, heads, strict=True)]
-    )
-    return (prefix_out + torch.bmm(tail_weights, v_tail[rows])) / total  # (h, G*T, D)
-
-
 def chunk_attention_available(q: torch.Tensor) -> bool:
     """Whether the CPU extension's chunk attention (csrc/flash_attention.cpp) can take q: float32 on an AVX-512 CPU,
     the extension loaded (kernels.native)."""
@@ -188,18 +124,18 @@ def half_prefix_attention(
 ) -> torch.Tensor:
     """Attention of a few queries against [float16 prefix | float32 tail], the tail ending with the T new keys.
 
-    What packed_prefix_attention computes, from a plain float16 copy of the prefix instead of fbgemm's packed one:
-    a copy that grows by converting only its new positions (k_half, v_half are views ``storage[:, :P]`` of a longer
+    The prefix is a plain float16 copy (where fbgemm's packed float16 matrices, read before, could not be extended:
+    a longer prompt packed its whole prefix again), a copy that grows by converting only its new positions (k_half, v_half are views ``storage[:, :P]`` of a longer
     buffer). The float16 values are widened exactly and everything after is float32, so the result is the float64
     attention on those values up to float32 rounding; it is the same bit for bit whatever the number of threads
     (the keys are split into blocks of a fixed size, combined in a fixed order). Query head h reads KV head h // G.
 
     30 layers of 9 query / 3 KV heads of 64, 2 threads, AVX-512 (medians of interleaved rounds, ms, this kernel /
-    packed_prefix_attention): 1, 2, 4, 8 queries against 7,168 prefix keys 6.4 / 17, 7.9 / 23, 13.5 / 29, 24 / 45,
+    fbgemm's float16 GEMM on the packed prefix): 1, 2, 4, 8 queries against 7,168 prefix keys 6.4 / 17, 7.9 / 23, 13.5 / 29, 24 / 45,
     and against 32,768 keys 26 / 46, 32 / 70, 57 / 94, 109 / 170; 8 KV heads of 128 with 32 query heads against
     8,192 keys, 1 and 4 queries: 40 / 58 and 104 / 160. One query streams the prefix at close to the memory's
     bandwidth; more are bound by the multiply-adds. Converting 30 layers' 7,168 float32 keys and values to float16
-    took 15 ms against 760 for pack_prefix (3 KV heads of 64).
+    took 15 ms against 760 for packing them for fbgemm (3 KV heads of 64).
 
     Args:
         q: (Hq, T, D) float32 queries, Hq = G * Hkv, T >= 1.

@@ -2,8 +2,7 @@
 float32 tail.
 
 Each body the CPU can run must give the float64 attention on the float16 values to float32 rounding, for any
-shape and strides; the same result bit for bit whatever the number of threads; and packed_prefix_attention's
-result, which reads the same float16 values from fbgemm's packed copy.
+shape and strides; and the same result bit for bit whatever the number of threads.
 """
 
 import random
@@ -11,8 +10,7 @@ import random
 import pytest
 import torch
 
-from kernels.attention import half_prefix_attention, half_prefix_available, pack_prefix, packed_prefix_attention
-from kernels.linear import half_weights_available
+from kernels.attention import half_prefix_attention, half_prefix_available
 from kernels.native import cpu_isa
 from triforce_cli.runtime.native import kernel_error
 
@@ -125,22 +123,6 @@ def test_the_result_does_not_depend_on_the_number_of_threads(body, kv_heads, gro
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
-
-
-@pytest.mark.skipif(not half_weights_available(), reason="fbgemm (torch's float16 GEMM) is not in this torch build")
-@pytest.mark.parametrize(
-    "kv_heads, group, dim, queries, prefix",
-    [(3, 3, 64, 1, 3000), (3, 3, 64, 8, 1000), (2, 4, 128, 4, 700), (1, 2, 64, 3, 1)],
-)
-def test_agrees_with_packed_prefix_attention(body, kv_heads, group, dim, queries, prefix):
-    g = torch.Generator().manual_seed(prefix)
-    q = torch.randn(kv_heads * group, queries, dim, generator=g)
-    k, v = (torch.randn(kv_heads, prefix + queries + 20, dim, generator=g) for _ in range(2))
-    k_tail, v_tail = k[:, prefix:], v[:, prefix:]
-    scale = dim**-0.5
-    packed = packed_prefix_attention(q, pack_prefix(k[:, :prefix], v[:, :prefix]), k_tail, v_tail, scale)
-    out = half_prefix_attention(q, k[:, :prefix].half(), v[:, :prefix].half(), k_tail, v_tail, scale)
-    torch.testing.assert_close(out, packed, rtol=1e-5, atol=1e-5)
 
 
 def test_available_for_float32_on_the_cpu():
