@@ -139,6 +139,23 @@ def test_gguf_weights_give_the_dense_greedy_tokens_in_every_mode(greedy_runs, gg
         assert result.token_ids == expected, mode
 
 
+def test_a_prompt_reusing_the_last_prompts_prefix_gives_the_fresh_tokens_in_every_mode(
+    greedy_runs, gguf_target, long_prompt
+):
+    """Prefix reuse on the embedded model with GGUF weights (the float16 copy kept for the kept positions): a prompt
+    that starts with the last one's first 1,500 tokens keeps their whole prefill chunks, and every mode gives the
+    tokens of a fresh prefill (the dense autoregressive ones, as the test above shows them equal)."""
+    config = EngineConfig(budget=256, chunk_size=16, refresh_interval=2, max_new_tokens=NEW_TOKENS,
+                          sampling=SamplingConfig(temperature=0), cache_positions=len(long_prompt) + 64)  # fmt: skip
+    engine = Engine(gguf_target, config)
+    for mode in ("autoregressive", *SPECULATIVE_MODES):
+        engine = engine.reconfigured(replace(config, mode=mode), None)
+        engine.generate(long_prompt[:1500])
+        result = engine.generate(long_prompt)
+        assert result.stats.reused_tokens == 1280, mode  # five whole chunks of 256
+        assert result.token_ids == greedy_runs["autoregressive"].token_ids, mode
+
+
 @pytest.fixture(scope="module")
 def greedy_runs(embedded, long_prompt) -> dict:
     """Greedy generation of every mode on one Pipeline (models loaded once, reconfigured between modes)."""
