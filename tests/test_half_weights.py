@@ -150,3 +150,14 @@ def test_prompt_cache_files_differ_by_weight_format(checkpoint):
     loaded = load_model(str(checkpoint))
     variants = [dataclasses.replace(loaded, weights=weights) for weights in ("dense", "half")]
     assert len({PromptCache(Path("."), v).path_for([1, 2, 3]) for v in variants}) == 2
+
+
+def test_the_memory_plan_counts_the_float16_copy_it_holds():
+    target = half_tiny_model(3)
+    prompt = random_prompt(60, 32, seed=4)
+    engine = Engine(target, EngineConfig(mode="autoregressive", max_new_tokens=8, sampling=GREEDY))
+    engine.generate(prompt)
+    full = engine._caches.full
+    planned = engine.memory_plan(len(prompt))
+    assert planned.bytes_of("float16 prompt copy") == full.half_keys.nbytes + full.half_values.nbytes
+    assert planned.bytes_of("float16 prompt copy") * 2 == planned.bytes_of("full KV cache")

@@ -45,6 +45,7 @@ DRAFTER_READS = 2
 KIND_OF_ITEM = {  # the memory plan's items of each cache kind
     "full KV cache": "full",
     "step queries": "full",
+    "float16 prompt copy": "full",
     "on-chip layers and ring": "full",
     "retrieval cache": "retrieval",
     "retrieval staging": "retrieval",
@@ -282,6 +283,7 @@ class Engine:
             itemsize,
             compiled=self.compiled,
             offloaded=self.offloaded,
+            half_copy=self.target.half_prompt_cache,
         )
         if self.offloaded:
             items.append(staged_item(target, caps, itemsize, self.config.on_chip_layers))

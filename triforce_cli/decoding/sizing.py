@@ -115,6 +115,7 @@ def cache_items(
     compiled: bool,
     offloaded: bool,
     drafter_copies: int = 1,
+    half_copy: bool = False,
 ) -> list[MemoryItem]:
     """The caches' items: the retrieval cache with its chunk summaries (one key per chunk of the full cache, two for
     the bound score), the drafter's StreamingLLM cache, the compiled steps' query buffer (FullCache.make_static;
@@ -125,6 +126,8 @@ def cache_items(
     Args:
         drafter_copies: devices holding the drafter's cache whole (tensor parallel); the target's caches are
             counted once, split over the devices.
+        half_copy: the full cache also holds a float16 copy of its positions (FullCache.make_half_copy: half or
+            GGUF weights on the CPU).
     """
     full_bytes = kv_bytes(target, caps.full, dtype_bytes)
     summaries = 0
@@ -136,6 +139,7 @@ def cache_items(
         MemoryItem("drafter cache", kv_bytes(drafter, caps.streaming, dtype_bytes) * drafter_copies, 0),
         MemoryItem("step queries", step_queries if compiled and not offloaded else 0, 0),
         MemoryItem("full KV cache", *((0, full_bytes) if offloaded else (full_bytes, 0))),
+        MemoryItem("float16 prompt copy", kv_bytes(target, caps.full, 2) if half_copy else 0, 0),
         MemoryItem("retrieval staging", 0, kv_bytes(target, caps.budget, dtype_bytes) if offloaded else 0),
     ]
 
