@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 import triforce_cli.decoding.pipeline
 from cache import FullCache
+from kernels.native import cpu_isa
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
 from triforce_cli.runtime.model import Transformer
@@ -342,5 +343,37 @@ def save_word_checkpoint(folder: Path, seed: int = 0) -> Path:
     cfg = llama_config(max_position_embeddings=4096, **UNTIED_WITHOUT_SPECIAL_TOKENS)
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# the CPU kernels' bodies each ISA can run (torch.ops.triforce_cpu.use_isa)
+KERNEL_BODIES = {"avx512": ("avx512", "avx2", "scalar"), "avx2": ("avx2", "scalar"), "scalar": ("scalar",)}
+
+
+@pytest.fixture(params=KERNEL_BODIES[cpu_isa()] if kernel_error() is None else ())
+def body(request):
+    """Each body of the CPU kernels this CPU can run, the best one restored afterwards."""
+    best = cpu_isa()
+    torch.ops.triforce_cpu.use_isa(request.param)
+    yield request.param
+    torch.ops.triforce_cpu.use_isa(best)
+
+
+# A chat template of the tiny word-level tokenizer (save_tokenizer), shaped as real ones are: an opening, each
+# message and the end of its turn (w21), the generation prompt (w22)
+CHAT_TEMPLATE = (
+    "w20 {% for message in messages %}{{ message['content'] }} w21 {% endfor %}"
+    "{% if add_generation_prompt %}w22{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """A tiny checkpoint (128 positions) with a word-level tokenizer and CHAT_TEMPLATE."""
+    folder = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    save_checkpoint(folder, seed=5, max_position_embeddings=128)
+    tokenizer = save_tokenizer(folder, 32)
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder

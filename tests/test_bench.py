@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import fixed_drafts_at_least, random_prompt, save_checkpoint, save_tokenizer
+from conftest import CHAT_TEMPLATE, fixed_drafts_at_least, random_prompt, save_checkpoint, save_tokenizer
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -52,12 +52,6 @@ from triforce_cli.runtime.prompts import cut_prompt, encode_prompt
 CONTEXT = 48
 NEW_TOKENS = 6
 FAST = {"budgets": (16,), "chunk_sizes": (4,), "repeats": 1, "warmup": 0, "max_new_tokens": NEW_TOKENS}
-# A chat template of the tiny word-level tokenizer, shaped as real ones are: an opening, the user's message, the end
-# of the turn (w21) and the generation prompt (w22)
-CHAT_TEMPLATE = (
-    "w20 {% for message in messages %}{{ message['content'] }} w21 {% endfor %}"
-    "{% if add_generation_prompt %}w22{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
@@ -530,17 +524,6 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     for row in csv.DictReader(lines):
         assert (row["processor"], row["cpu_features"]) == ("Test CPU 9000", "avx2 avx512f")
         assert row["repeats_new_tokens"] == "4" and float(row["time_to_answer_seconds"]) > 0
-
-
-@pytest.fixture(scope="module")
-def chat_checkpoint(tmp_path_factory) -> Path:
-    """The tiny checkpoint's weights with a chat template."""
-    folder = tmp_path_factory.mktemp("bench") / "tiny-chat"
-    save_checkpoint(folder, seed=5, max_position_embeddings=128)
-    tokenizer = save_tokenizer(folder, 32)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_bench_command_gives_the_ratios_over_several_prompts(chat_checkpoint, tmp_path):

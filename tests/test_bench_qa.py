@@ -12,7 +12,6 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
-from conftest import save_checkpoint, save_tokenizer
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -26,10 +25,6 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 
-CHAT_TEMPLATE = (  # an opening, each message and the end of its turn (w21), the generation prompt (w22)
-    "w20 {% for message in messages %}{{ message['content'] }} w21 {% endfor %}"
-    "{% if add_generation_prompt %}w22{% endif %}"
-)
 DOCUMENT = " ".join(f"w{i * 7 % 19}" for i in range(52))
 QUESTIONS = ("w1 w2", "w3 w4 w5", "w6")
 NEW_TOKENS = 6
@@ -37,19 +32,9 @@ CHUNK = 16  # prefill chunk: the document is three of them and a bit
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("qa") / "tiny-chat"
-    save_checkpoint(folder, seed=5, max_position_embeddings=128)
-    tokenizer = save_tokenizer(folder, 32)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def rows(checkpoint):
+def rows(chat_checkpoint):
     config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS, prefill_chunk=CHUNK)
-    pipe = Pipeline.load(str(checkpoint), config=config, dtype="float32", device="cpu")
+    pipe = Pipeline.load(str(chat_checkpoint), config=config, dtype="float32", device="cpu")
     bench = Bench(
         pipe,
         BenchConfig(
@@ -126,7 +111,7 @@ class ConversationLlama:
             yield ids[-1]
 
 
-def test_the_llama_cpp_peer_reports_the_prefix_its_context_kept(monkeypatch, checkpoint):
+def test_the_llama_cpp_peer_reports_the_prefix_its_context_kept(monkeypatch, chat_checkpoint):
     monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(Llama=ConversationLlama))
     monkeypatch.setattr(triforce_cli.bench.llama_cpp, "llama_cpp_available", lambda: True)
     config = SimpleNamespace(max_position_embeddings=128)
@@ -145,12 +130,12 @@ def invoke_bench(*args):
     return CliRunner().invoke(app, ["bench", "--scenario", "qa", *map(str, args)])
 
 
-def test_the_command_prints_each_answer_and_writes_json(checkpoint, tmp_path):
+def test_the_command_prints_each_answer_and_writes_json(chat_checkpoint, tmp_path):
     document, questions = tmp_path / "doc.txt", tmp_path / "questions.txt"
     document.write_text(DOCUMENT)
     questions.write_text("\n".join(QUESTIONS) + "\n\n")
     result = invoke_bench(
-        *("--target", checkpoint, "-p", document, "--questions", questions, "--context", 40),
+        *("--target", chat_checkpoint, "-p", document, "--questions", questions, "--context", 40),
         *("--modes", "autoregressive,triforce", "--budget", 16, "--chunk-size", 4, "--max-new-tokens", 4),
         *("--repeats", 1, "--warmup", 0, "--out", tmp_path / "qa.json"),
     )
@@ -172,12 +157,12 @@ def test_the_command_prints_each_answer_and_writes_json(checkpoint, tmp_path):
         (("--questions", "MISSING"), "cannot be read: No such file or directory"),
     ],
 )
-def test_bad_input_is_one_line(checkpoint, tmp_path, args, message):
+def test_bad_input_is_one_line(chat_checkpoint, tmp_path, args, message):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n \n")
     files = {"EMPTY": str(empty), "MISSING": str(tmp_path / "missing.txt")}
     args = tuple(files.get(a, a) for a in args)
-    result = invoke_bench("--target", checkpoint, "--context", 40, *args)
+    result = invoke_bench("--target", chat_checkpoint, "--context", 40, *args)
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert message in result.output
 

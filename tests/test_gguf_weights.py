@@ -18,7 +18,6 @@ from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
 from kernels.gguf import BLOCK_KINDS, blocks_linear, dequantize, pack_blocks
-from kernels.native import cpu_isa
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
@@ -32,7 +31,6 @@ KERNEL_ERROR = kernel_error()
 pytestmark = pytest.mark.skipif(KERNEL_ERROR is not None, reason=f"no GGUF block kernel here: {KERNEL_ERROR}")
 
 GREEDY = SamplingConfig(temperature=0)
-BODIES = {"avx512": ("avx512", "avx2", "scalar"), "avx2": ("avx2", "scalar"), "scalar": ("scalar",)}
 
 
 def quantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -43,15 +41,6 @@ def quantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
 def reference_weight(raw: torch.Tensor, kind: str) -> torch.Tensor:
     """gguf-py's dequantization of the bytes: the weight the blocks hold."""
     return torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType[kind]))
-
-
-@pytest.fixture(params=BODIES[cpu_isa()] if KERNEL_ERROR is None else ())
-def body(request):
-    """Each body of the kernel this CPU can run, the best one restored afterwards."""
-    best = cpu_isa()
-    torch.ops.triforce_cpu.use_isa(request.param)
-    yield request.param
-    torch.ops.triforce_cpu.use_isa(best)
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)

@@ -11,25 +11,14 @@ import pytest
 import torch
 
 from kernels.attention import half_prefix_attention, half_prefix_available
-from kernels.native import cpu_isa
 from triforce_cli.runtime.native import kernel_error
 
 KERNEL_ERROR = kernel_error()
 
 pytestmark = pytest.mark.skipif(KERNEL_ERROR is not None, reason=f"no CPU kernels here: {KERNEL_ERROR}")
 
-BODIES = {"avx512": ("avx512", "avx2", "scalar"), "avx2": ("avx2", "scalar"), "scalar": ("scalar",)}
 PREFIX_LENGTHS = (0, 1, 255, 256, 257, 1000, 4100)  # around the kernel's blocks of 512 keys and its steps of 16
 TOLERANCE = {"rtol": 1e-5, "atol": 3e-6}  # float32 rounding of sums over thousands of keys
-
-
-@pytest.fixture(params=BODIES[cpu_isa()] if KERNEL_ERROR is None else ())
-def body(request):
-    """Each body of the kernel this CPU can run, the best one restored afterwards."""
-    best = cpu_isa()
-    torch.ops.triforce_cpu.use_isa(request.param)
-    yield request.param
-    torch.ops.triforce_cpu.use_isa(best)
 
 
 def reference(q, k_half, v_half, k_tail, v_tail, scale):

@@ -75,22 +75,11 @@ class LlamaCppPeer:
         cold = prompt_ids != self._prompt
         if cold:
             self.llm.reset()
-        if sampling.seed is not None:
-            self.llm.set_seed(sampling.seed)
-        tokens: list[int] = []
-        started = time.perf_counter()
-        first_at = started
-        for token in self.llm.generate(prompt_ids, **llama_cpp_sampling_kwargs(sampling)):
-            if not tokens:
-                first_at = time.perf_counter()
-            tokens.append(int(token))
-            if len(tokens) >= max_new_tokens or token in eos_ids:
-                break
-        finished = time.perf_counter()
+        run = self._timed(prompt_ids, max_new_tokens, sampling, eos_ids)
         if cold:
             self._prompt = list(prompt_ids)
-            self._cold_prefill_seconds = first_at - started
-        return TimedRun(tokens, self._cold_prefill_seconds, finished - first_at)
+            self._cold_prefill_seconds = run.prefill_seconds
+        return TimedRun(run.token_ids, self._cold_prefill_seconds, run.decode_seconds)
 
     def answer(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, eos_ids: set[int]
@@ -99,6 +88,14 @@ class LlamaCppPeer:
         only the prompt's positions after the longest prefix they share. Returns the run (prefill_seconds: until the
         first token) and how many prompt positions it kept. forget() starts a new conversation."""
         kept = shared_length(self.llm.input_ids[: self.llm.n_tokens].tolist(), prompt_ids[:-1])
+        run = self._timed(prompt_ids, max_new_tokens, sampling, eos_ids)
+        self._prompt = None  # generate() prefills its next prompt cold
+        return run, kept
+
+    def _timed(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, eos_ids: set[int]
+    ) -> TimedRun:
+        """llama-cpp-python's generate after what the context holds, timed to the first token and to the last."""
         if sampling.seed is not None:
             self.llm.set_seed(sampling.seed)
         tokens: list[int] = []
@@ -110,9 +107,7 @@ class LlamaCppPeer:
             tokens.append(int(token))
             if len(tokens) >= max_new_tokens or token in eos_ids:
                 break
-        finished = time.perf_counter()
-        self._prompt = None  # generate() prefills its next prompt cold
-        return TimedRun(tokens, first_at - started, finished - first_at), kept
+        return TimedRun(tokens, first_at - started, time.perf_counter() - first_at)
 
     def forget(self) -> None:
         """Drop what the context holds: the next answer computes its whole prompt."""
