@@ -160,14 +160,7 @@ class PromptCache:
         path = self._path(key)
         if not path.is_file():
             return None
-        try:
-            state = self._read(path, key, prompt_ids)
-        except StaleEntry as reason:
-            self._note(f"prompt cache entry {path.name} {reason}: prefilling again and replacing it")
-            path.unlink(missing_ok=True)
-            return None
-        mark_used(path)
-        return state
+        return self._checked(path, key, prompt_ids, "prefilling again and replacing it")
 
     def load_longest_prefix(self, prompt_ids: list[int]) -> PromptState | None:
         """The saved prefill sharing the most whole prefill chunks with prompt_ids short of its last token (whose
@@ -177,17 +170,21 @@ class PromptCache:
         for end, digest in reversed(self.block_hashes(prompt_ids, len(prompt_ids) - 1)):
             name = index.get(digest)
             path = self.folder / name if isinstance(name, str) and "/" not in name else None
-            if path is None or not path.is_file():
-                continue
-            try:
-                state = self._read(path, None, prompt_ids[:end])
-            except StaleEntry as reason:
-                self._note(f"prompt cache entry {path.name} {reason}: prefilling the prompt whole")
-                path.unlink(missing_ok=True)
-                return None
-            mark_used(path)
-            return state
+            if path is not None and path.is_file():
+                return self._checked(path, None, prompt_ids[:end], "prefilling the prompt whole")
         return None
+
+    def _checked(self, path: Path, key: str | None, prompt_ids: list[int], instead: str) -> PromptState | None:
+        """The state saved in path where it passes _read's checks, marked used; else None, the file removed and a
+        note saying why and what happens instead."""
+        try:
+            state = self._read(path, key, prompt_ids)
+        except StaleEntry as reason:
+            self._note(f"prompt cache entry {path.name} {reason}: {instead}")
+            path.unlink(missing_ok=True)
+            return None
+        mark_used(path)
+        return state
 
     def _read_index(self) -> dict[str, str]:
         try:
