@@ -3,7 +3,7 @@
 A forward over new tokens at positions [start, start + T) first calls ``prepare(start, T)`` once, then
 ``update(layer, q, k, v)`` in every layer, which stores the new keys/values and returns the view attention
 reads: ``[context | the T new tokens]`` (see kernels/attention.py). ``length`` is the number of leading
-sequence positions the cache holds; rolling back is setting it. ``half_prefix(layer)`` may offer a packed
+sequence positions the cache holds; rolling back is setting it. ``half_prefix(layer)`` may offer a
 float16 copy of the view's first positions for attention to read instead.
 
 A decode step with fixed shapes (what torch.compile captures as one CUDA graph for every position) prepares with

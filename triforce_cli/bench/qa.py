@@ -100,8 +100,7 @@ class QABench:
                 run = self._converse(mode, document, questions)
                 if repeat >= 0:
                     answers[mode].append(run)
-        conversation = ConversationIds(self.bench.pipe.target.tokenizer, document)
-        context = len(conversation.prompt_ids([], questions[0]))
+        context = answers[self.config.modes[0]][0][0].prompt_tokens  # the first prompt, the same for every mode
         return _rows(name, context, answers, self.config.sampling.greedy)
 
     def _converse(self, mode: str, document: str, questions: tuple[str, ...]) -> list[Answer]:

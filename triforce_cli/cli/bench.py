@@ -172,6 +172,9 @@ def bench(
             if scenario == "qa":
                 defaults = tuple(m for m in defaults if m in QA_DEFAULT_MODES)
             config = replace(config, modes=tuple(dict.fromkeys((*defaults, *config.modes))))
+        if scenario == "qa":
+            _qa(pipe, config, prompt_file, builtin, asked_questions, err, out)
+            return
         if (
             not prompt_file
             and builtin == tuple(BENCH_DEFAULT)
@@ -180,9 +183,6 @@ def bench(
             asked = [name for name, (_, request) in prompts.items() if request is not None]
             prompts = {name: prompt for name, prompt in prompts.items() if name not in asked}
             print_note(err, f"{pipe.target.name} has no chat template: the default prompts {', '.join(asked)} left out")
-        if scenario == "qa":
-            _qa(pipe, config, prompt_file, builtin, asked_questions, err, out)
-            return
         cut = {}  # every prompt at every length first: one that cannot be cut fails the run before it starts
         for name, (text, request) in prompts.items():
             for length in config.contexts:

@@ -486,8 +486,9 @@ def load_model(
 
     weights: 'dense' computes from float weights; 'half' (CPU, float32) rounds the weight matrices to float16
     and reads them as such, half the bytes per step (half_weights.py; attention then also reads the prompt's
-    keys and values from a float16 copy, see half_prompt_cache); 'gguf' computes from a GGUF file's own Q4_0, Q4_1 and Q8_0 blocks (GGUF
-    source, CPU, float32; gguf_weights.py), with the prompt's keys and values read as float16 too.
+    keys and values from a float16 copy, see half_prompt_cache); 'gguf' computes from a GGUF file's own Q4_0,
+    Q4_1 and Q8_0 blocks (GGUF source, CPU, float32; gguf_weights.py), with the prompt's keys and values read as
+    float16 too.
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
 
