@@ -16,8 +16,7 @@ so nothing in it depends on a host-side length. Padding rows land past ``length`
 from abc import ABC, abstractmethod
 
 import torch
-
-from kernels.attention import HalfPrefix
+from triforce_cli.kernels.attention import HalfPrefix
 
 
 class CacheCapacityError(RuntimeError):

@@ -11,9 +11,8 @@ for the whole prompt, where each forward over it would stream every layer's pref
 from typing import Protocol
 
 import torch
-
-from cache.base import CacheCapacityError, KVCache, put_rows
-from kernels.attention import HalfPrefix
+from triforce_cli.cache.base import CacheCapacityError, KVCache, put_rows
+from triforce_cli.kernels.attention import HalfPrefix
 
 
 class StorageStream(Protocol):

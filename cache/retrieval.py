@@ -21,10 +21,9 @@ straight from the storage.
 """
 
 import torch
-
-from cache.base import CacheCapacityError, KVCache
-from cache.full import FullCache
-from kernels import CHUNK_SCORES, SUMMARIES, chunk_summaries, gather_chunks, summary_scores, top_chunks
+from triforce_cli.cache.base import CacheCapacityError, KVCache
+from triforce_cli.cache.full import FullCache
+from triforce_cli.kernels import CHUNK_SCORES, SUMMARIES, chunk_summaries, gather_chunks, summary_scores, top_chunks
 
 
 class RetrievalCache(KVCache):

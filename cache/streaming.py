@@ -7,9 +7,8 @@ hold one step's new (speculative) tokens, so rollback within a step never needs 
 """
 
 import torch
-
-from cache.base import CacheCapacityError, KVCache
-from cache.full import FullCache
+from triforce_cli.cache.base import CacheCapacityError, KVCache
+from triforce_cli.cache.full import FullCache
 
 
 class StreamingCache(KVCache):

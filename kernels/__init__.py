@@ -3,7 +3,7 @@
 Every kernel here has a plain-torch reference beside it that the tests compare against.
 """
 
-from kernels.attention import (
+from triforce_cli.kernels.attention import (
     ATTENTION_BACKENDS,
     HalfPrefix,
     attention,
@@ -11,7 +11,7 @@ from kernels.attention import (
     attention_in_cache,
     attention_reference,
 )
-from kernels.linear import (
+from triforce_cli.kernels.linear import (
     half_weight_linear,
     half_weight_linear_reference,
     half_weights_available,
@@ -20,7 +20,7 @@ from kernels.linear import (
     pack_half_weight,
     unpack_half_weight,
 )
-from kernels.retrieval import (
+from triforce_cli.kernels.retrieval import (
     CHUNK_SCORES,
     SUMMARIES,
     chunk_mean_keys,

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-from kernels import optional
-from kernels.native import native_loaded
+from triforce_cli.kernels import optional
+from triforce_cli.kernels.native import native_loaded
 
 FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here
 # keys per block of blocked_attention: a block's scores are Hkv * G*T * KEY_BLOCK float32 values, 64 MiB for a

@@ -2,10 +2,10 @@
 in host memory, streamed to the device layer by layer; on a CUDA machine that host memory is page-locked, exactly
 its bytes (pinning.py)."""
 
-from offload.kv import LayerStream, offload_kv
-from offload.pinning import pin_exactly, pinned_bytes
-from offload.queues import CudaQueue, HostQueue, queue_for
-from offload.weights import WeightStream, offload_weights
+from triforce_cli.offload.kv import LayerStream, offload_kv
+from triforce_cli.offload.pinning import pin_exactly, pinned_bytes
+from triforce_cli.offload.queues import CudaQueue, HostQueue, queue_for
+from triforce_cli.offload.weights import WeightStream, offload_weights
 
 __all__ = [
     "CudaQueue",

@@ -21,10 +21,9 @@ device), so only its budget crosses PCIe; the drafter and its cache never touch 
 """
 
 import torch
-
-from cache import FullCache
-from offload.pinning import pin_exactly
-from offload.queues import HostQueue, Ring, queue_for
+from triforce_cli.cache import FullCache
+from triforce_cli.offload.pinning import pin_exactly
+from triforce_cli.offload.queues import HostQueue, Ring, queue_for
 
 
 class LayerStream:

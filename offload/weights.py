@@ -14,9 +14,8 @@ GPU, no-ops on the CPU. The other parameters are left where they are.
 
 import torch
 from torch import nn
-
-from offload.pinning import pin_exactly
-from offload.queues import HostQueue, Ring, queue_for
+from triforce_cli.offload.pinning import pin_exactly
+from triforce_cli.offload.queues import HostQueue, Ring, queue_for
 
 
 class WeightStream:

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
+from triforce_cli.cache import FullCache
+from triforce_cli.kernels.native import cpu_isa
 
 import triforce_cli.decoding.pipeline
-from cache import FullCache
-from kernels.native import cpu_isa
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
 from triforce_cli.runtime.model import Transformer

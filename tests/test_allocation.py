@@ -15,9 +15,9 @@ from collections import Counter
 import pytest
 from conftest import make_model, random_prompt, small_config
 from torch._dynamo.testing import CompileCounterWithBackend
+from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 
 import triforce_cli.decoding.engine as engine_module
-from cache import FullCache, RetrievalCache, StreamingCache
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError

@@ -17,12 +17,12 @@ import pytest
 import torch
 from conftest import CHAT_TEMPLATE, fixed_drafts_at_least, random_prompt, save_checkpoint, save_tokenizer
 from rich.console import Console
+from triforce_cli.kernels import half_weights_available
 from typer.testing import CliRunner
 
 import triforce_cli.bench.llama_cpp
 import triforce_cli.bench.runner
 import triforce_cli.runtime.environment
-from kernels import half_weights_available
 from triforce_cli.bench.llama_cpp import (
     LLAMA_CPP_PEER,
     LlamaCppPeer,

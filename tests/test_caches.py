@@ -6,8 +6,7 @@ view can be decoded back into the positions it holds.
 
 import pytest
 import torch
-
-from cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
+from triforce_cli.cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
 
 LAYERS, Q_HEADS, KV_HEADS, DIM = 2, 4, 2, 4
 

@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 from conftest import ALPHABET, CONTEXT, PROMPT, CharTokenizer, save_word_checkpoint
+from triforce_cli.kernels import half_weights_available
 from typer.testing import CliRunner
 
 import triforce_cli.cli.bench
-from kernels import half_weights_available
 from triforce_cli.bench.runner import Bench, BenchConfig
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
+from triforce_cli.kernels.gguf import BLOCK_KINDS, blocks_linear, dequantize, pack_blocks
 
-from kernels.gguf import BLOCK_KINDS, blocks_linear, dequantize, pack_blocks
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig

@@ -21,10 +21,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
+from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
+from triforce_cli.kernels import attention_backend, attention_in_cache, attention_reference, optional
 from typer.testing import CliRunner
 
-from cache import FullCache, RetrievalCache, StreamingCache
-from kernels import attention_backend, attention_in_cache, attention_reference, optional
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -371,8 +371,8 @@ def test_retrieval_side_structures_stay_in_the_cache_dtype(small):
 @CUDA
 class TestOnAGpu:
     def test_flash_and_sdpa_agree(self):
-        from kernels.attention import flash_attention, torch_attention
-        from kernels.optional import flash_attn_func
+        from triforce_cli.kernels.attention import flash_attention, torch_attention
+        from triforce_cli.kernels.optional import flash_attn_func
 
         if flash_attn_func is None:
             pytest.skip("flash-attn is not installed")
@@ -387,7 +387,7 @@ class TestOnAGpu:
     def test_the_sdpa_backend_matches_the_reference(self, dtype, num_queries, num_keys):
         """SDPA's flash kernel (one query, or a square call, in bfloat16) and blocked_attention with float32
         scores from bmm's out_dtype (bfloat16) or float32 factors."""
-        from kernels.attention import torch_attention
+        from triforce_cli.kernels.attention import torch_attention
 
         generator = torch.Generator().manual_seed(num_keys)
         q = torch.randn(8, num_queries, 64, generator=generator).to("cuda", dtype)

@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
+from triforce_cli.kernels.attention import half_prefix_attention, half_prefix_available
 
-from kernels.attention import half_prefix_attention, half_prefix_available
 from triforce_cli.runtime.native import kernel_error
 
 KERNEL_ERROR = kernel_error()

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import full_cache_for, make_model, random_prompt, reference_logits, save_checkpoint
 from torch import nn
+from triforce_cli.kernels import half_weights_available
 
-from kernels import half_weights_available
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline

@@ -8,9 +8,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-import kernels.retrieval
-from kernels import (
+from triforce_cli.kernels import (
     attention,
     attention_reference,
     chunk_mean_keys,
@@ -25,7 +23,8 @@ from kernels import (
     top_chunks,
     unpack_half_weight,
 )
-from kernels.attention import (
+from triforce_cli.kernels import retrieval as kernel_retrieval
+from triforce_cli.kernels.attention import (
     FEW_QUERIES,
     KEY_BLOCK,
     HalfPrefix,
@@ -37,8 +36,9 @@ from kernels.attention import (
     sdpa_attention,
     torch_attention,
 )
-from kernels.linear import FEW_ROWS, few_row_linear
-from kernels.retrieval import bound_scores, chunk_key_bounds
+from triforce_cli.kernels.linear import FEW_ROWS, few_row_linear
+from triforce_cli.kernels.retrieval import bound_scores, chunk_key_bounds
+
 from triforce_cli.runtime.native import kernel_error
 
 HEAD_DIM = 8
@@ -149,7 +149,7 @@ needs_chunk_attention = pytest.mark.skipif(
     ],
 )
 def test_cpu_dispatch_by_number_of_queries(monkeypatch, num_queries, expected):
-    module = sys.modules["kernels.attention"]  # the package re-exports a function under the same name
+    module = sys.modules["triforce_cli.kernels.attention"]  # the package re-exports a function under the same name
     calls = []
     for name in ("grouped_attention", "sdpa_attention", "chunk_attention"):
         original = getattr(module, name)
@@ -227,7 +227,7 @@ def test_blocked_attention_matches_reference(dtype, num_queries, group, num_keys
 def test_torch_attention_runs_sdpa_where_its_flash_kernel_takes_the_call(monkeypatch):
     """One query (no mask) or a square call (SDPA's top-left causal mask is then the bottom-right one) go to SDPA
     when its flash kernel accepts them; here its CPU kernel stands in for the CUDA one."""
-    module = sys.modules["kernels.attention"]
+    module = sys.modules["triforce_cli.kernels.attention"]
     calls = []
     original_blocked = module.blocked_attention
     monkeypatch.setattr(module, "blocked_attention", lambda *a: calls.append("blocked") or original_blocked(*a))
@@ -279,7 +279,7 @@ def test_sdpa_backend_memory_is_bounded_by_the_chunk_not_the_context(math_only):
 @pytest.mark.parametrize("block", [1024, 2])  # 2: three chunks averaged in two blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_mean_keys_matches_loop(block, dtype, monkeypatch):
-    monkeypatch.setattr(kernels.retrieval, "MEAN_KEY_BLOCK", block)
+    monkeypatch.setattr(kernel_retrieval, "MEAN_KEY_BLOCK", block)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(2, 24, HEAD_DIM, generator=g).to(dtype)
     means = chunk_mean_keys(k, 8)
@@ -363,7 +363,9 @@ def test_few_row_linear_matches_reference(rows, with_bias):
 def test_linear_dispatch(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        sys.modules["kernels.linear"], "few_row_linear", lambda *args: calls.append(args[0].shape) or args[0]
+        sys.modules["triforce_cli.kernels.linear"],
+        "few_row_linear",
+        lambda *args: calls.append(args[0].shape) or args[0],
     )
     weight = torch.randn(6, 4)
     with torch.inference_mode():
@@ -421,8 +423,7 @@ def test_attention_reads_a_half_prefix_as_its_rounded_keys_and_values(num_querie
 def test_a_failed_build_of_the_cpu_kernels_is_tried_once(monkeypatch, tmp_path):
     """Every CPU model load asks for the extension; a compile that fails (seconds) must not be repeated."""
     from torch.utils import cpp_extension
-
-    import kernels.native
+    from triforce_cli.kernels import native
 
     builds = []
 
@@ -430,13 +431,13 @@ def test_a_failed_build_of_the_cpu_kernels_is_tried_once(monkeypatch, tmp_path):
         builds.append(kwargs["name"])
         raise RuntimeError("g++: not found")
 
-    monkeypatch.setattr(kernels.native, "native_loaded", lambda: False)
-    monkeypatch.setattr(kernels.native, "_failure", [])
-    monkeypatch.setattr(kernels.native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native, "native_loaded", lambda: False)
+    monkeypatch.setattr(native, "_failure", [])
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpp_extension, "load", failing_build)
     for _ in range(3):
-        with pytest.raises(kernels.native.KernelUnavailable, match="g\\+\\+: not found.*C\\+\\+ compiler"):
-            kernels.native.load_native(tmp_path)
+        with pytest.raises(native.KernelUnavailable, match="g\\+\\+: not found.*C\\+\\+ compiler"):
+            native.load_native(tmp_path)
     assert len(builds) == 1
 
 

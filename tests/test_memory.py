@@ -10,10 +10,10 @@ import torch
 from conftest import StubTokenizer
 from memory_accounting import DEVICE, MemoryLedger, checkpoint_shapes, fake_memory, fake_state
 from transformers import LlamaConfig
+from triforce_cli.cache import FullCache
+from triforce_cli.offload import HostQueue, offload_kv, pin_exactly, pinned_bytes
 from typer.testing import CliRunner
 
-from cache import FullCache
-from offload import HostQueue, offload_kv, pin_exactly, pinned_bytes
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -43,8 +43,8 @@ OUTSIDE_LAYERS = WEIGHTS - NUM_LAYERS * LAYER  # embedding, final norm, output l
 @pytest.fixture
 def host_queues(monkeypatch):
     """Copies ordered by the host's queue: the fake GPU has no CUDA streams."""
-    monkeypatch.setattr("offload.weights.queue_for", lambda device: HostQueue())
-    monkeypatch.setattr("offload.kv.queue_for", lambda device: HostQueue())
+    monkeypatch.setattr("triforce_cli.offload.weights.queue_for", lambda device: HostQueue())
+    monkeypatch.setattr("triforce_cli.offload.kv.queue_for", lambda device: HostQueue())
 
 
 def load(ledger: MemoryLedger, options: LoadOptions):

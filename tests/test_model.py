@@ -289,50 +289,19 @@ def test_llama_mlp_bias_checkpoint(tmp_path):
     torch.testing.assert_close(ours, expected, atol=ATOL, rtol=1e-5)
 
 
-# --- the `kernels` naming hazard ---------------------------------------------------------------------------------
+# --- installed names ---------------------------------------------------------------------------------------------
 
 
-def test_transformers_does_not_mistake_our_kernels_package():
-    import importlib.util
-
-    import transformers
-    from transformers.utils.import_utils import is_kernels_available
-
-    spec = importlib.util.find_spec("kernels")
-    assert spec is not None and spec.origin is not None
-    assert "attention" in dir(__import__("kernels"))  # the `kernels` found is ours
-    if hasattr(is_kernels_available, "cache_clear"):
-        is_kernels_available.cache_clear()
-    assert is_kernels_available() is False
-    # and building / running a Llama model does not try to use hub kernels
-    cfg = llama_config()
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        out = model(torch.tensor([[1, 2, 3]])).logits
-    assert out.shape == (1, 3, 32)
-    assert is_kernels_available() is False
-
-
-def test_kernels_probe_in_fresh_interpreter():
-    """The probe runs once per process (lru_cache): check it where nothing imported transformers before."""
-    import subprocess
-    import sys
+def test_the_distribution_installs_one_top_level_name():
+    """kernels/, cache/ and offload/ install inside triforce_cli, so no other distribution's top-level name (Hugging
+    Face's `kernels`, which transformers probes for) can be shadowed by ours or shadow it."""
+    import importlib
+    from importlib.metadata import packages_distributions
     from pathlib import Path
 
+    ours = sorted(name for name, distributions in packages_distributions().items() if "triforce-cli" in distributions)
+    assert ours == ["triforce_cli"]
     root = Path(__file__).resolve().parents[1]
-    code = (
-        "import transformers\n"
-        "from transformers.utils.import_utils import is_kernels_available\n"
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,"
-        " num_attention_heads=2, num_key_value_heads=1))\n"
-        "import kernels\n"
-        "print(is_kernels_available(), kernels.__file__)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr
-    available, path = out.stdout.split()
-    assert available == "False"
-    assert Path(path).resolve() == root / "kernels" / "__init__.py"
+    for folder in ("kernels", "cache", "offload"):
+        module = importlib.import_module(f"triforce_cli.{folder}")
+        assert Path(module.__file__).resolve() == root / folder / "__init__.py"

@@ -2,8 +2,8 @@
 
 import torch
 from conftest import full_cache_for, random_prompt, rich_model
+from triforce_cli.cache import StreamingCache
 
-from cache import StreamingCache
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.ngram import NGramProposer

@@ -5,10 +5,10 @@ order a GPU can overlap, checked with a queue that defers every copy until somet
 import pytest
 import torch
 from conftest import load_tiny, make_model, random_prompt, save_word_checkpoint, small_config
+from triforce_cli.cache import FullCache, RetrievalCache
+from triforce_cli.kernels import gather_chunks, half_weights_available, summary_scores, top_chunks
+from triforce_cli.offload import HostQueue, offload_kv
 
-from cache import FullCache, RetrievalCache
-from kernels import gather_chunks, half_weights_available, summary_scores, top_chunks
-from offload import HostQueue, offload_kv
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
@@ -97,7 +97,7 @@ def config(mode: str, sampling: SamplingConfig, **changes) -> EngineConfig:
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
 @pytest.mark.parametrize("on_chip_layers", [0, 1, 4])
 def test_offloaded_generation_gives_the_tokens_of_the_device_cache(sampling, on_chip_layers, monkeypatch):
-    monkeypatch.setattr("offload.kv.queue_for", lambda device: DeferredQueue())
+    monkeypatch.setattr("triforce_cli.offload.kv.queue_for", lambda device: DeferredQueue())
     model = loaded_model()
     prompt = random_prompt(PROMPT, 64, seed=3)
     for mode in MODES:
@@ -152,7 +152,9 @@ def test_an_offloaded_prefill_moves_each_layer_across_once_and_gives_the_device_
     layer (229,376 bytes here with no layer on chip) and copied each chunk back apart (64 copies per layer). The
     keys, values, queries and logits are the device cache's, bit for bit (the same forwards, in another order)."""
     queues = []
-    monkeypatch.setattr("offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1])
+    monkeypatch.setattr(
+        "triforce_cli.offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1]
+    )
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
     greedy = SamplingConfig(temperature=0)
     expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk)).prefill(prompt)
@@ -177,7 +179,9 @@ def test_a_prefill_short_of_device_memory_runs_in_segments_each_fetching_the_one
     import triforce_cli.decoding.engine as engine_module
 
     queues = []
-    monkeypatch.setattr("offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1])
+    monkeypatch.setattr(
+        "triforce_cli.offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1]
+    )
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
     greedy = SamplingConfig(temperature=0)
     expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk)).prefill(prompt)
@@ -218,7 +222,7 @@ def test_selecting_every_layer_at_once_gives_the_per_layer_selection(score, offl
     on the device and offloaded, where every layer's chosen chunks and recent positions go up through the queue:
     one contiguous copy per layer, KV head and tensor, each after the copies back it reads."""
     if score_block_bytes is not None:
-        monkeypatch.setattr("kernels.retrieval.SCORE_BLOCK_BYTES", score_block_bytes)
+        monkeypatch.setattr("triforce_cli.kernels.retrieval.SCORE_BLOCK_BYTES", score_block_bytes)
     model = loaded_model().model
     cfg = model.config
     full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
@@ -249,8 +253,8 @@ def test_selecting_every_layer_at_once_gives_the_per_layer_selection(score, offl
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
 def test_streamed_weights_give_the_tokens_of_the_resident_model(sampling, monkeypatch):
     """--offload kv+weights: layers 1-3 of 4 stream their weights and KV cache through the deferred queue."""
-    monkeypatch.setattr("offload.kv.queue_for", lambda device: DeferredQueue())
-    monkeypatch.setattr("offload.weights.queue_for", lambda device: DeferredQueue())
+    monkeypatch.setattr("triforce_cli.offload.kv.queue_for", lambda device: DeferredQueue())
+    monkeypatch.setattr("triforce_cli.offload.weights.queue_for", lambda device: DeferredQueue())
     resident, streamed = loaded_model(), streamed_model(resident_layers=1)
     prompt = random_prompt(PROMPT, 64, seed=3)
     for mode in MODES:

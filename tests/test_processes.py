@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 from conftest import save_word_checkpoint
+from triforce_cli.kernels.native import library_name
 from typer.testing import CliRunner
 
-from kernels.native import library_name
 from triforce_cli.cli.app import app
 from triforce_cli.runtime.native import kernel_error, kernel_folder
 from triforce_cli.runtime.store import INDUCTOR_CACHE_VARIABLE, PARTIAL_SUFFIX
@@ -298,7 +298,7 @@ def test_a_reader_gone_before_the_json_ends_the_run_quietly(checkpoint, prompt, 
 # ---------------------------------------------------------------------------------------------- the CPU kernels
 
 LOAD_KERNELS = (
-    "import sys; from pathlib import Path; import torch; from kernels.native import load_native; "
+    "import sys; from pathlib import Path; import torch; from triforce_cli.kernels.native import load_native; "
     "load_native(Path(sys.argv[1])); print(torch.ops.triforce_cpu.isa())"
 )
 

@@ -19,8 +19,8 @@ from test_speculative import (
     prompt_for,
     target_joint,
 )
+from triforce_cli.cache import RetrievalCache
 
-from cache import RetrievalCache
 from triforce_cli.decoding import speculative
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine

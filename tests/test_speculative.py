@@ -22,8 +22,8 @@ from conftest import (
     with_eos,
 )
 from scipy.stats import chisquare
+from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 
-from cache import FullCache, RetrievalCache, StreamingCache
 from triforce_cli.decoding import speculative
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine

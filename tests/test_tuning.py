@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 from conftest import save_checkpoint
+from triforce_cli.kernels import half_weights_available
 from typer.testing import CliRunner
 
-from kernels import half_weights_available
 from triforce_cli.cli.app import app
 from triforce_cli.decoding import tuning
 from triforce_cli.decoding.config import EngineConfig

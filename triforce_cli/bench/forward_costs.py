@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from cache import FullCache, RetrievalCache
+from triforce_cli.cache import FullCache, RetrievalCache
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.runtime.loading import LoadedModel
 

@@ -10,10 +10,10 @@ from typing import Annotated, Literal
 
 import typer
 
-from kernels import ATTENTION_BACKENDS, CHUNK_SCORES
 from triforce_cli.bench.runner import ALL_MODES
 from triforce_cli.decoding.config import GAMMA_POLICIES, MODES, OFFLOAD_CHOICES
 from triforce_cli.decoding.pipeline import DTYPES
+from triforce_cli.kernels import ATTENTION_BACKENDS, CHUNK_SCORES
 from triforce_cli.runtime.loading import WEIGHT_CHOICES
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits

@@ -3,10 +3,10 @@
 import math
 from dataclasses import dataclass, field
 
-from kernels import CHUNK_SCORES
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculation_length import POLICIES
 from triforce_cli.errors import ConfigError
+from triforce_cli.kernels import CHUNK_SCORES
 
 GAMMA_POLICIES = ("auto", *POLICIES)
 

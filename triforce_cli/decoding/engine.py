@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache import FullCache, KVCache, RetrievalCache, StreamingCache
-from offload import offload_kv, pin_exactly
+from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
@@ -27,6 +26,7 @@ from triforce_cli.decoding.sizing import Capacities, MemoryItem, cache_items, ca
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
+from triforce_cli.offload import offload_kv, pin_exactly
 from triforce_cli.runtime.environment import available_memory, torch_threads
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, padded_length, weight_bytes

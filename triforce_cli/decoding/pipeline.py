@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from kernels import attention_backend, half_weights_available
 from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
@@ -20,6 +19,7 @@ from triforce_cli.decoding.prompt_state import PromptCache, check_writable
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.decoding.tuning import Tuning, fastest_configuration, slower_than_measured, tuning_enabled
 from triforce_cli.errors import ConfigError
+from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
 from triforce_cli.runtime.environment import physical_cores
 from triforce_cli.runtime.loading import (

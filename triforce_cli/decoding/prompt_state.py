@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from cache import FullCache
+from triforce_cli.cache import FullCache
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically

@@ -15,8 +15,8 @@ of the longest such prompt), so a shorter prompt's smaller budget reuses its buf
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from kernels import SUMMARIES
 from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.kernels import SUMMARIES
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
 RING_LAYERS = 2  # layers of keys and values an offloaded forward stages on the device (offload/kv.py's ring)

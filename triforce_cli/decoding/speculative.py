@@ -13,7 +13,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from cache import KVCache
+from triforce_cli.cache import KVCache
 from triforce_cli.decoding.clock import DeviceClock, Mark
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities, sample, verify_draft
 from triforce_cli.decoding.speculation_length import SpeculationLength

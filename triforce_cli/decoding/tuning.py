@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from kernels import half_weights_available
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.kernels import half_weights_available
 from triforce_cli.runtime.environment import (
     cpu_description,
     cpu_sample,

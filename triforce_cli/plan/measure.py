@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from cache import FullCache
+from triforce_cli.cache import FullCache
 from triforce_cli.plan.model import Hardware
 from triforce_cli.runtime.model import Transformer
 

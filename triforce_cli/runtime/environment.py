@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import attention_backend, half_weights_available
 from triforce_cli.errors import TriforceError
+from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, embedded_gguf_path
 from triforce_cli.runtime.loading import COMPILE_REASONS, resolve_compile, resolve_weights
 from triforce_cli.runtime.store import cache_limit, cache_root, entries, models_folder, prompts_folder

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-from kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, pack_blocks
+from triforce_cli.kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, pack_blocks
 from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkpoint_linears
 from triforce_cli.runtime.store import content_identity, write_atomically
 

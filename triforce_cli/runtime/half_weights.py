@@ -9,7 +9,7 @@ peers of `triforce bench` can run on exactly these weights (round_to_half).
 import torch
 from torch import nn
 
-from kernels import half_weight_linear, pack_half_weight, unpack_half_weight
+from triforce_cli.kernels import half_weight_linear, pack_half_weight, unpack_half_weight
 
 
 class HalfLinear(nn.Module):

@@ -26,9 +26,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-import offload
-from kernels import half_weights_available
+from triforce_cli import offload
 from triforce_cli.errors import ConfigError, ModelLoadError
+from triforce_cli.kernels import half_weights_available
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
 from triforce_cli.runtime.gguf_weights import GGUFEmbedding, use_gguf_weights

@@ -28,8 +28,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from cache import FullCache, KVCache, LayerwiseWrite
-from kernels import attention, attention_backend, attention_in_cache, linear
+from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite
+from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MAX_STEP_TOKENS = 128  # longest decode step compiled with a fixed shape (MAX_GAMMA + 1 rounded up); longer: eager

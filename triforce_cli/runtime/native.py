@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import KernelUnavailable, load_native
+from triforce_cli.kernels.native import KernelUnavailable, load_native
 from triforce_cli.runtime.store import cache_root
 
 
