@@ -57,6 +57,8 @@ class FullCache(KVCache):
         # cache selects chunks with them, so re-selection costs no extra forward.
         self.queries: list[torch.Tensor | None] = [None] * num_layers
         self.query_start = 0
+        # with make_static: (layers, Hq, max_step, D), where fixed-shape steps write their queries instead
+        self.step_queries: torch.Tensor | None = None
         self._write = slice(0, 0)
         # float16 copy of the first positions (make_half_copy): buffers of the storage's shape, made on first use;
         # positions [0, _half_length) hold the float16 rounding of the keys and values there now

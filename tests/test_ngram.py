@@ -8,7 +8,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities
-from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposal
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposal, Tier
 
 
 def test_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -80,7 +80,7 @@ class StubProposer:
     def propose(self, prefix: list[int], n: int) -> Proposal:
         self.calls.append((len(prefix), n))
         tokens = self.tokens[:n]
-        return Proposal(tokens, torch.full((len(tokens), self.vocab), 1 / self.vocab), [self.name] * len(tokens))
+        return Proposal.known(tokens, torch.full((len(tokens), self.vocab), 1 / self.vocab), [self.name] * len(tokens))
 
     def rollback(self, length: int) -> None:
         self.rolled_back_to = length
@@ -131,7 +131,9 @@ def tier_writing_at_most_4(model) -> ModelTier:
     """A tier whose StreamingLLM cache (4 sinks, a window of 64) takes at most 4 positions per forward."""
     cfg = model.config
     cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 64, 4, torch.float32)
-    return ModelTier("drafter", model, cache, UNSCALED, torch.Generator().manual_seed(0))
+    return ModelTier(
+        name=Tier.DRAFTER, model=model, cache=cache, sampling=UNSCALED, generator=torch.Generator().manual_seed(0)
+    )
 
 
 def assert_matches_one_forward(model, ids: list[int], probs: torch.Tensor) -> None:
@@ -174,7 +176,15 @@ def test_a_tier_drafts_no_more_than_the_tokens_still_wanted():
     ids = random_prompt(12, 32, seed=9)
     proposer = StubProposer("stub", [1, 2, 3, 4, 5, 6], vocab=32)
     generator = torch.Generator().manual_seed(0)
-    tier = ModelTier("target", model, full_cache_for(model), UNSCALED, generator, proposer, gamma=6)
+    tier = ModelTier(
+        name=Tier.TARGET,
+        model=model,
+        cache=full_cache_for(model),
+        sampling=UNSCALED,
+        generator=generator,
+        proposer=proposer,
+        gamma=6,
+    )
     for wanted in (1, 2, 3, 5, 8):
         tier.rollback(len(ids))
         proposer.calls.clear()
@@ -220,7 +230,7 @@ class ScriptedProposer:
     def propose(self, prefix: list[int], n: int) -> Proposal:
         ahead = self.script[len(prefix) : len(prefix) + n]
         tokens = ahead if self.right else [(t + 1) % self.vocab for t in ahead]
-        return Proposal(tokens, torch.eye(self.vocab)[tokens], [self.name] * len(tokens))
+        return Proposal.known(tokens, torch.eye(self.vocab)[tokens], [self.name] * len(tokens))
 
     def rollback(self, length: int) -> None:
         pass
@@ -229,12 +239,19 @@ class ScriptedProposer:
 def generate_with_top_tier(model, prompt: list[int], proposer, new_tokens: int) -> tuple[list[int], ModelTier]:
     """Greedy tokens of a top tier (throughput policy, own steps allowed) over proposer's drafts."""
     tier = ModelTier(
-        "target", model, full_cache_for(model), SamplingConfig(temperature=0), None, proposer, 3, "throughput",
+        name=Tier.TARGET,
+        model=model,
+        cache=full_cache_for(model),
+        sampling=SamplingConfig(temperature=0),
+        generator=None,
+        proposer=proposer,
+        gamma=3,
+        gamma_policy="throughput",
         own_steps=True,
-    )  # fmt: skip
+    )
     tokens = list(prompt)
     while len(tokens) < len(prompt) + new_tokens:
-        tokens += tier.step(tokens, limit=len(prompt) + new_tokens - len(tokens)).host_tokens()
+        tokens += tier.step(tokens, limit=len(prompt) + new_tokens - len(tokens)).tokens
     return tokens[len(prompt) :], tier
 
 

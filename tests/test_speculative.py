@@ -28,7 +28,7 @@ from triforce_cli.decoding import speculative
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
-from triforce_cli.decoding.speculative import ModelTier
+from triforce_cli.decoding.speculative import ModelTier, Tier
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.loading import LoadedModel
@@ -476,9 +476,18 @@ class MiddleTier:
         for start in range(0, len(PROMPT8), 12):
             drafter(torch.tensor(PROMPT8[start : start + 12]), start, streaming)
         generator = torch.Generator().manual_seed(seed)
-        draft_tier = ModelTier("drafter", drafter, streaming, sampling, generator)
+        draft_tier = ModelTier(
+            name=Tier.DRAFTER, model=drafter, cache=streaming, sampling=sampling, generator=generator
+        )
         self.tier = ModelTier(
-            "retrieval", model, self.retrieval, sampling, generator, draft_tier, gamma=2, gamma_policy=gamma_policy
+            name=Tier.RETRIEVAL,
+            model=model,
+            cache=self.retrieval,
+            sampling=sampling,
+            generator=generator,
+            proposer=draft_tier,
+            gamma=2,
+            gamma_policy=gamma_policy,
         )
         self.model, self.sampling = model, sampling
 

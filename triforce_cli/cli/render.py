@@ -17,11 +17,12 @@ from triforce_cli.bench.report import acceptance_text
 from triforce_cli.bench.runner import BenchRow, OverPrompts, over_prompts
 from triforce_cli.cli.console import print_note
 from triforce_cli.decoding.engine import MemoryPlan
+from triforce_cli.decoding.speculative import Tier
 from triforce_cli.decoding.stats import GenerationStats
 from triforce_cli.distill.trainer import DistillProgress
 from triforce_cli.runtime.store import human_size
 
-TIER_STYLES = {"ngram": "magenta", "drafter": "green", "retrieval": "yellow", "target": "cyan"}
+TIER_STYLES = {Tier.NGRAM: "magenta", Tier.DRAFTER: "green", Tier.RETRIEVAL: "yellow", Tier.TARGET: "cyan"}
 
 
 def memory_plan_line(plan: MemoryPlan) -> str:

@@ -23,7 +23,7 @@ from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import probabilities, sample
 from triforce_cli.decoding.sizing import Capacities, MemoryItem, cache_items, capacities, staged_item
-from triforce_cli.decoding.speculative import FallbackProposer, ModelTier
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.offload import offload_kv, pin_exactly
@@ -158,7 +158,7 @@ class Engine:
             raise ConfigError(f"drafter {self.drafter.name} does not share the vocabulary of {target.name}")
         self.eos_ids = set() if config.ignore_eos else target.eos_token_ids
         self._caches = _Caches()
-        if config.offload == "kv+weights" and getattr(target.model, "weight_stream", None) is None:
+        if config.offload == "kv+weights" and target.model.weight_stream is None:
             raise ConfigError(
                 "--offload kv+weights needs a target loaded with its weights streamed: load_model(...,"
                 " offload_weights=True), as Pipeline.load does for this offload"
@@ -293,7 +293,7 @@ class Engine:
     def _weight_items(self) -> list[MemoryItem]:
         """The weights' items of the memory plan: all on the device, or, streamed, the layers from on_chip_layers on
         in host memory and two of them at a time on the device."""
-        stream = getattr(self.target.model, "weight_stream", None)
+        stream = self.target.model.weight_stream
         if stream is None:
             return [MemoryItem("weights", weight_bytes(self.target.model, self._drafter_model), 0)]
         model = self.target.model
@@ -451,29 +451,51 @@ class Engine:
         return time.perf_counter() - started
 
     def _build_tiers(self, caches: _InUse, generator: torch.Generator) -> ModelTier:
+        """The tiers of this engine's mode, built on caches, each the proposer of the one above; the top one."""
         cfg = self.config
-        sampling = cfg.sampling
-        model = self.target.model
         policy = cfg.speculation_policy
         if policy == "throughput" and world_size() > 1:
             policy = "heuristic"  # the clock differs between ranks; acceptance, which heuristic follows, does not
+        shared = {"sampling": cfg.sampling, "generator": generator, "gamma_policy": policy}
+        target = self.target.model
         drafter = None
         if caches.streaming is not None:
-            drafter = ModelTier("drafter", self._drafter_model, caches.streaming, sampling, generator)
+            drafter = ModelTier(name=Tier.DRAFTER, model=self._drafter_model, cache=caches.streaming, **shared)
         if self.uses_ngram:
-            ngram = NGramProposer(model.config.vocab_size, cfg.ngram_max, device=self.target.device)
+            ngram = NGramProposer(target.config.vocab_size, cfg.ngram_max, device=self.target.device)
             drafter = ngram if drafter is None else FallbackProposer(ngram, drafter)
         # drafter is None without a drafter tier: then the tier it would draft for samples every token itself
         if not cfg.uses_retrieval:
             return ModelTier(
-                "target", model, caches.full, sampling, generator, drafter, cfg.gamma1, policy, own_steps=True
+                name=Tier.TARGET,
+                model=target,
+                cache=caches.full,
+                proposer=drafter,
+                gamma=cfg.gamma1,
+                own_steps=True,
+                **shared,
             )
-        middle = ModelTier("retrieval", model, caches.retrieval, sampling, generator, drafter, cfg.gamma1, policy)
+        retrieval = ModelTier(
+            name=Tier.RETRIEVAL,
+            model=target,
+            cache=caches.retrieval,
+            proposer=drafter,
+            gamma=cfg.gamma1,
+            refresh_interval=cfg.refresh_interval,
+            **shared,
+        )
         # the throughput policy may skip the middle tier where verifying at it does not pay (speculation_length.py);
         # only a model drafter, which always drafts, makes a shortcut (an n-gram alone often finds nothing)
         shortcut = drafter if policy == "throughput" and self.uses_model_drafter else None
         return ModelTier(
-            "target", model, caches.full, sampling, generator, middle, cfg.gamma2, policy, shortcut, own_steps=True
+            name=Tier.TARGET,
+            model=target,
+            cache=caches.full,
+            proposer=retrieval,
+            gamma=cfg.gamma2,
+            shortcut=shortcut,
+            own_steps=True,
+            **shared,
         )
 
     def _prefill(
@@ -679,12 +701,12 @@ class Engine:
             stats.prefill_seconds = time.perf_counter() - started
             generated.append(first)
             if on_tokens is not None:
-                on_tokens([first], ["target"])
+                on_tokens([first], [Tier.TARGET])
             top = self._build_tiers(caches, generator)
             chain = self._tier_chain(top)
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
             stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]
-            self._decode(top, caches, prompt_ids, generated, stats, on_tokens)
+            self._decode(top, prompt_ids, generated, stats, on_tokens)
         except KeyboardInterrupt:
             stats.stop_reason = "interrupted"
         stats.tier_costs = [tier.costs() for tier in chain if tier.proposer is not None]
@@ -699,26 +721,17 @@ class Engine:
             chain.append(chain[-1].proposer)
         return chain
 
-    def _decode(self, top, caches, prompt_ids, generated, stats, on_tokens) -> None:
+    def _decode(self, top: ModelTier, prompt_ids: list[int], generated: list[int], stats, on_tokens) -> None:
+        """Rounds of the top tier (ModelTier.step) until max_new_tokens or an end-of-sequence token."""
         cfg = self.config
         committed = list(prompt_ids) + generated
-        rounds_since_selection = 0
         if generated[-1] in self.eos_ids:
             stats.stop_reason = "eos"
             return
         while len(generated) < cfg.max_new_tokens:
             started = time.perf_counter()
             step = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more tokens than wanted
-            rounds_since_selection += 1
-            if caches.retrieval is not None and top.proposer_drafts_next:
-                # the retrieval tier drafts the next round: bring its view up to date (left as it is while the
-                # full tier drafts straight from the drafter, which keeps the retrieval tier idle)
-                if rounds_since_selection >= cfg.refresh_interval:
-                    caches.retrieval.select_chunks()
-                    rounds_since_selection = 0
-                else:
-                    caches.retrieval.sync_recent()
-            tokens = step.host_tokens()  # autoregressive decoding reads its token here: one read per token
+            tokens = step.tokens  # autoregressive decoding reads its token here: one read per token
             stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]

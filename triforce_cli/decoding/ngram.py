@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from triforce_cli.decoding.speculative import Proposal
+from triforce_cli.decoding.speculative import Proposal, Tier
 
 TAIL_RECHECK = 64  # positions compared to find where the sequence diverged from the indexed one
 
@@ -24,7 +24,7 @@ class NGramProposer:
     vocab_size: int
     max_ngram: int = 3
     min_ngram: int = 1
-    name: str = "ngram"
+    name: str = Tier.NGRAM
     device: torch.device | str = "cpu"  # where the tier above verifies: the one-hot rows are built there
     _starts: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)
     _indexed: list[int] = field(default_factory=list, repr=False)
@@ -70,7 +70,7 @@ class NGramProposer:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         probs = torch.zeros((len(tokens), self.vocab_size), device=self.device)  # (n, V), never crossing PCIe
         probs[torch.arange(len(tokens), device=self.device), ids] = 1.0
-        return Proposal(tokens, probs, [self.name] * len(tokens))
+        return Proposal(ids, probs, [self.name] * len(tokens), host=tokens)
 
     def rollback(self, length: int) -> None:
         """Nothing to undo: proposals are read off the sequence itself."""

@@ -9,6 +9,7 @@ arXiv 2404.11912): drafter@StreamingLLM -> target@retrieval -> target@full.
 """
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import ClassVar, Protocol
 
 import torch
@@ -21,31 +22,41 @@ from triforce_cli.runtime.model import Transformer
 from triforce_cli.runtime.parallel import from_rank_zero
 
 
+class Tier(StrEnum):
+    """What proposes or verifies tokens, as token origins and statistics name it."""
+
+    DRAFTER = "drafter"  # a small model (or the target itself) on a StreamingLLM cache
+    RETRIEVAL = "retrieval"  # the target on the retrieval cache: TriForce's middle tier
+    TARGET = "target"  # the target on its full cache: every token comes out of it
+    NGRAM = "ngram"  # prompt lookup, drafting without a model (ngram.py)
+
+
 @dataclass
 class Proposal:
     """Tokens proposed to (or committed by) the tier above.
 
-    A tier that samples its tokens itself (the drafter) leaves them on the device, unread: reading them would make
-    the host wait for the device at every drafted token. A verifying tier knows its tokens on the host from its
-    verification's one read, and so does the n-gram proposer.
+    The ids live on the device. A tier that samples its tokens itself (the drafter) leaves them unread there:
+    reading them would make the host wait for the device at every drafted token. A verifying tier learns its tokens
+    from its verification's one read, and the n-gram proposer finds them on the host: both keep that host copy.
     """
 
-    tokens: list[int] | torch.Tensor  # host ids, or (n,) long ids on the device
+    ids: torch.Tensor  # (n,) long ids on the device
     probs: torch.Tensor  # (n, V): the proposing tier's distribution at each token's position
-    origins: list[str]  # name of the tier that sampled each token
+    origins: list[str]  # the tier that sampled each token (a Tier)
+    host: list[int] | None = None  # the ids on the host, where they are known there without a read
+
+    @classmethod
+    def known(cls, tokens: list[int], probs: torch.Tensor, origins: list[str]) -> "Proposal":
+        """A proposal of tokens known on the host, copied to probs' device."""
+        return cls(torch.tensor(tokens, dtype=torch.long, device=probs.device), probs, origins, list(tokens))
 
     def __len__(self) -> int:
         return len(self.origins)
 
-    def ids(self, device: torch.device) -> torch.Tensor:
-        """The tokens as (n,) long ids on device."""
-        if isinstance(self.tokens, torch.Tensor):
-            return self.tokens.to(device)
-        return torch.tensor(self.tokens, dtype=torch.long, device=device)  # host-to-device copy
-
-    def host_tokens(self) -> list[int]:
-        """The tokens on the host; tokens on the device are read (a wait for the device)."""
-        return self.tokens.tolist() if isinstance(self.tokens, torch.Tensor) else list(self.tokens)
+    @property
+    def tokens(self) -> list[int]:
+        """The ids on the host: the host copy, else read from the device (a wait for it)."""
+        return self.host if self.host is not None else self.ids.tolist()
 
 
 @dataclass
@@ -116,11 +127,17 @@ class TierCosts:
 
 
 class Proposer(Protocol):
+    """What drafts for a tier: a tier below it, the n-gram lookup, or one of them falling back on the other."""
+
     name: str
 
-    def propose(self, prefix: list[int], n: int) -> Proposal: ...
+    def propose(self, prefix: list[int], n: int) -> Proposal:
+        """n tokens (fewer, or none, where it finds no more) to follow prefix, with their draft probabilities."""
+        ...
 
-    def rollback(self, length: int) -> None: ...
+    def rollback(self, length: int) -> None:
+        """The tier above finished a step and the sequence is now length tokens long: forget what lies past it."""
+        ...
 
 
 @dataclass
@@ -148,9 +165,16 @@ class FallbackProposer:
         self.fallback.rollback(length)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelTier:
-    name: str
+    """A model reading one cache, drafted for by a proposer (or sampling alone, without one).
+
+    TriForce is three of them, each the proposer of the one above (Engine._build_tiers):
+    ``ModelTier(name=TARGET, cache=full, proposer=ModelTier(name=RETRIEVAL, cache=retrieval,
+    proposer=ModelTier(name=DRAFTER, cache=streaming)))``. A round is the top tier's ``step``.
+    """
+
+    name: Tier
     model: Transformer
     cache: KVCache
     sampling: SamplingConfig
@@ -160,14 +184,17 @@ class ModelTier:
     gamma_policy: str = "fixed"  # see speculation_length.py
     shortcut: Proposer | None = None  # the proposer's own proposer, drafting here directly when that pays more
     own_steps: bool = False  # the policy may drop drafting for the tier's own steps (top tier, throughput policy)
-    stats: AcceptanceStats | None = field(default=None)
-    shortcut_stats: AcceptanceStats | None = field(default=None)
+    # the retrieval tier: steps of the tier above between two selections of its chunks (EngineConfig.refresh_interval)
+    refresh_interval: int | None = None
+    stats: AcceptanceStats | None = None
+    shortcut_stats: AcceptanceStats | None = None
     length: SpeculationLength = field(init=False)
     clock: DeviceClock = field(init=False)  # times drafting and verification for the adaptive lengths
     last_end: Mark | None = field(init=False, default=None)  # where the previous step ended, with own_steps
+    steps_since_selection: int = field(init=False, default=0)  # with refresh_interval
 
     def __post_init__(self) -> None:
-        self.clock = DeviceClock(self.model.inv_freq.device)
+        self.clock = DeviceClock(self.model.device)
         if self.proposer is not None and self.stats is None:
             self.stats = AcceptanceStats(self.proposer.name, self.name)
         if self.shortcut is not None and self.shortcut_stats is None:
@@ -184,49 +211,117 @@ class ModelTier:
         """Whether the next verification drafts from the shortcut, leaving the proposer idle."""
         return self.shortcut is not None and self.length.use_shortcut
 
-    @property
-    def proposer_drafts_next(self) -> bool:
-        """Whether the next step asks the proposer for drafts (not the shortcut, not an own step)."""
-        return self.proposer is not None and self.length.drafting and not self.uses_shortcut_next
-
     def costs(self) -> TierCosts:
         """What this tier's policy measured and decided so far."""
         length = self.length
         step_ms = {n: round(1000 * seconds, 3) for n, seconds in sorted(length.verify_seconds.items())}
         return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped)
 
-    def _round_start(self) -> Mark:
-        """Where the step's timing starts: with own_steps, where the previous step ended, so that what the caller
-        did in between (the retrieval cache's upkeep, handing tokens out) is a cost of the round; else now."""
-        return self.last_end if self.own_steps and self.last_end is not None else self.clock.mark()
+    def step(self, prefix: list[int], limit: int | None = None, pending: torch.Tensor | None = None) -> Proposal:
+        """One round of this tier after prefix and pending (ids on the device, unread, after prefix): its next
+        tokens, exactly distributed as its own model on its own cache.
+
+        With a proposer that drafts (speculative sampling, Leviathan et al., 2023):
+          1. draft: the proposer proposes up to gamma tokens. For the top tier of TriForce the proposer is the
+             retrieval tier, whose propose runs its own steps on the drafter's drafts;
+          2. verify: one forward of this tier over the drafts, then speculative sampling (sampling.verify_draft)
+             with one read of the device: the accepted drafts and one token of this tier's own;
+          3. learn: the acceptance and the timings steer the next speculation length;
+          4. roll back this tier's cache and every cache below it to the accepted length.
+        Without one (or where it would not pay, or where the caller wants one token) it samples one token from its
+        own forward, left on the device.
+
+        limit: the most tokens the caller will use. Drafts are asked for no more than limit - 1, since a
+        verification adds a token of its own, and a limit of 1 samples from this tier's own forward, so no token
+        is computed only to be thrown away.
+        """
+        if self.proposer is None or limit == 1 or not self.length.drafting:
+            return self._own_step(prefix, pending, chosen=self.proposer is not None and limit != 1)
+        if pending is not None:  # a verifying tier's own tokens are read; none is left pending before a draft
+            prefix, pending = prefix + pending.tolist(), None
+        started = self._round_start()
+        proposer, stats = self.proposer, self.stats
+        if self.uses_shortcut_next:
+            proposer, stats = self.shortcut, self.shortcut_stats
+        # 1. draft
+        draft = proposer.propose(prefix, self.length.current if limit is None else min(self.length.current, limit - 1))
+        drafted = self.clock.mark()
+        # 2. verify
+        probs = self._forward(prefix, None, draft.ids)  # (len(draft) + 1, V)
+        verdict = verify_draft(draft.ids, draft.probs.to(self.model.device), probs, self.generator, from_rank_zero)
+        verified = self.last_end = self.clock.mark()  # after the verification's read: its work is done
+        # 3. learn
+        stats.drafted += len(draft)
+        stats.accepted += verdict.accepted
+        stats.verifications += 1
+        stats.rejections += verdict.accepted < len(draft)
+        seconds = self.clock.seconds(started, drafted), self.clock.seconds(drafted, verified)
+        self.length.record(len(draft), verdict.accepted, *seconds)
+        # 4. roll back
+        kept = len(prefix) + verdict.accepted
+        self.cache.rollback(kept)
+        self._roll_back_proposers(kept)
+        tokens = verdict.tokens
+        origins = draft.origins[: verdict.accepted] + [self.name]
+        return Proposal.known(tokens, probs[: verdict.accepted + 1], origins)
+
+    def _own_step(self, prefix: list[int], pending: torch.Tensor | None, chosen: bool) -> Proposal:
+        """One token sampled from this tier's own forward, left on the device, unread. chosen: the policy chose it
+        over drafting (not the caller's limit, nor a tier without a proposer), so its cost is weighed."""
+        started = self._round_start() if chosen else None
+        probs = self._forward(prefix, pending, torch.empty(0, dtype=torch.long, device=self.model.device))
+        token = from_rank_zero(sample(probs, self.generator))
+        if chosen:  # the caller reads the token next: timing it waits for nothing more
+            self.last_end = self.clock.mark()
+            self.length.record_own_step(self.clock.seconds(started, self.last_end))
+        self._roll_back_proposers(len(prefix) + (0 if pending is None else len(pending)) + 1)
+        return Proposal(token, probs, [self.name])  # (1,) on the device, unread
+
+    def propose(self, prefix: list[int], n: int) -> Proposal:
+        """n tokens after prefix from this tier's steps, each step's tokens joining the sequence the next step
+        continues: on the host while they are known there, else on the device, unread. The retrieval tier first
+        brings its cache up to date (_refresh)."""
+        if self.refresh_interval is not None:
+            self._refresh()
+        known = list(prefix)
+        pending: list[torch.Tensor] = []  # ids on the device, unread, after known
+        steps: list[Proposal] = []
+        while (proposed := sum(len(step) for step in steps)) < n:
+            step = self.step(known, limit=n - proposed, pending=torch.cat(pending) if pending else None)
+            if step.host is None or pending:
+                pending.append(step.ids)
+            else:
+                known += step.host
+            steps.append(step)
+        host = None if pending else known[len(prefix) :]
+        ids, probs = (torch.cat([getattr(step, part) for step in steps]) for part in ("ids", "probs"))
+        return Proposal(ids, probs, [origin for step in steps for origin in step.origins], host)
 
     def rollback(self, length: int) -> None:
+        """The tier above finished a step (Proposer.rollback): forget what lies past length here and below, and
+        count the step towards the retrieval tier's next selection."""
         self.cache.rollback(length)
+        self._roll_back_proposers(length)
+        self.steps_since_selection += 1
+
+    def _refresh(self) -> None:
+        """The retrieval tier, before it drafts for a step of the tier above: choose its chunks again where
+        refresh_interval steps went by since the last choice, else copy the positions verified since then."""
+        if self.steps_since_selection >= self.refresh_interval:
+            self.cache.select_chunks()
+            self.steps_since_selection = 0
+        else:
+            self.cache.sync_recent()
+
+    def _roll_back_proposers(self, length: int) -> None:
         for proposer in (self.proposer, self.shortcut):
             if proposer is not None:
                 proposer.rollback(length)
 
-    def propose(self, prefix: list[int], n: int) -> Proposal:
-        """n tokens after prefix, each step's tokens joining the sequence the next step continues: on the host
-        while they are known there, else on the device, unread."""
-        known = list(prefix)
-        pending: list[torch.Tensor] = []  # ids on the device, after known
-        probs: list[torch.Tensor] = []
-        origins: list[str] = []
-        while len(origins) < n:
-            unread = torch.cat(pending) if pending else None
-            step = self.step(known, limit=n - len(origins), pending=unread)
-            if isinstance(step.tokens, torch.Tensor) or pending:
-                pending.append(step.ids(self.model.inv_freq.device))
-            else:
-                known += step.tokens
-            probs.append(step.probs)
-            origins += step.origins
-        tokens = known[len(prefix) :]
-        if pending:  # ids (n,) on the device: the host-known ones first (never, in the tiers built here)
-            head = torch.tensor(tokens, dtype=torch.long, device=pending[0].device)
-            return Proposal(torch.cat([head, *pending]), torch.cat(probs), origins)
-        return Proposal(tokens, torch.cat(probs), origins)  # each step returns at most the tokens still wanted
+    def _round_start(self) -> Mark:
+        """Where the step's timing starts: with own_steps, where the previous step ended, so that what the caller
+        did in between (handing tokens out) is a cost of the round; else now."""
+        return self.last_end if self.own_steps and self.last_end is not None else self.clock.mark()
 
     def _forward(self, prefix: list[int], pending: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor:
         """Distributions (len(drafts) + 1, V) at the positions after the sequence's last token and after each draft;
@@ -240,10 +335,10 @@ class ModelTier:
         length = len(prefix) + unread
         start = min(self.cache.length, length - 1)
         self.cache.rollback(start)
-        device = self.model.inv_freq.device
-        step = self.cache.max_write
-        while step is not None and length - start + len(drafts) > step and len(prefix) - 1 - start > 0:
-            unseen = prefix[start : start + min(step, len(prefix) - 1 - start)]
+        device = self.model.device
+        most = self.cache.max_write
+        while most is not None and length - start + len(drafts) > most and len(prefix) - 1 - start > 0:
+            unseen = prefix[start : start + min(most, len(prefix) - 1 - start)]
             self.model(torch.tensor(unseen, dtype=torch.long, device=device), start, self.cache, num_logits=1)
             start += len(unseen)
         pieces = [drafts]
@@ -253,45 +348,3 @@ class ModelTier:
             pieces.insert(0, torch.tensor(prefix[start:], dtype=torch.long, device=device))  # host-to-device copy
         logits = self.model(torch.cat(pieces), start, self.cache, num_logits=len(drafts) + 1)
         return probabilities(logits, self.sampling)
-
-    def step(self, prefix: list[int], limit: int | None = None, pending: torch.Tensor | None = None) -> Proposal:
-        """The next tokens of this tier after prefix and pending (ids on the device, unread, after prefix): one
-        sampled token, left on the device, or verified drafts plus one, read on the host.
-
-        limit: the most tokens the caller will use. Drafts are asked for no more than limit - 1, since a
-        verification adds a token of its own, and a limit of 1 samples from this tier's own forward, so no token
-        is computed only to be thrown away.
-        """
-        device = self.model.inv_freq.device
-        if self.proposer is None or limit == 1 or not self.length.drafting:
-            chosen = self.proposer is not None and limit != 1  # an own step the policy chose: its cost is weighed
-            started = self._round_start() if chosen else None
-            probs = self._forward(prefix, pending, torch.empty(0, dtype=torch.long, device=device))
-            token = from_rank_zero(sample(probs, self.generator))
-            if chosen:  # the caller reads the token next: timing it waits for nothing more
-                self.last_end = self.clock.mark()
-                self.length.record_own_step(self.clock.seconds(started, self.last_end))
-            return Proposal(token, probs, [self.name])  # (1,) on the device, unread
-        if pending is not None:  # a verifying tier's own tokens are read; none is left pending before a draft
-            prefix, pending = prefix + pending.tolist(), None
-        started = self._round_start()
-        proposer, stats = self.proposer, self.stats
-        if self.uses_shortcut_next:
-            proposer, stats = self.shortcut, self.shortcut_stats
-        asked = self.length.current if limit is None else min(self.length.current, limit - 1)
-        draft = proposer.propose(prefix, asked)
-        drafted = self.clock.mark()
-        draft_ids = draft.ids(device)
-        probs = self._forward(prefix, None, draft_ids)  # (len(draft) + 1, V)
-        verdict = verify_draft(draft_ids, draft.probs.to(device), probs, self.generator, from_rank_zero)  # one read
-        verified = self.clock.mark()  # after that read, so the verification's work is done
-        self.last_end = verified
-        stats.drafted += len(draft)
-        stats.accepted += verdict.accepted
-        stats.verifications += 1
-        stats.rejections += verdict.accepted < len(draft)
-        seconds = self.clock.seconds(started, drafted), self.clock.seconds(drafted, verified)
-        self.length.record(len(draft), verdict.accepted, *seconds)
-        kept = len(prefix) + verdict.accepted
-        self.rollback(kept)
-        return Proposal(verdict.tokens, probs[: verdict.accepted + 1], draft.origins[: verdict.accepted] + [self.name])

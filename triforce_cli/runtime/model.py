@@ -30,6 +30,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear
+from triforce_cli.offload.weights import WeightStream
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MAX_STEP_TOKENS = 128  # longest decode step compiled with a fixed shape (MAX_GAMMA + 1 rounded up); longer: eager
@@ -280,6 +281,13 @@ class Transformer(nn.Module):
         self.rope_scale = rope_scale
         self.output_ids: torch.Tensor | None = None  # see restrict_output
         self.fixed_step: Callable[..., torch.Tensor] | None = None  # compute_logits compiled, see compile_steps
+        # the layers' weights streamed from host memory (offload.offload_weights), or None: all on the device
+        self.weight_stream: WeightStream | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (its rotary frequencies' device; streamed layers' weights visit it)."""
+        return self.inv_freq.device
 
     def restrict_output(self, output_ids: torch.Tensor) -> None:
         """Compute logits for output_ids (V',) only; every other token gets -inf, so probability 0.
