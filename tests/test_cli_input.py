@@ -19,8 +19,8 @@ import triforce_cli.decoding.pipeline
 from triforce_cli.cli.app import app
 from triforce_cli.cli.console import print_note
 from triforce_cli.cli.render import bench_tables, memory_plan_line, print_summary
-from triforce_cli.decoding.engine import Engine, MemoryPlan
-from triforce_cli.decoding.sizing import MemoryItem
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sizing import MemoryItem, MemoryPlan
 
 NUMERIC = {
     "generate": (

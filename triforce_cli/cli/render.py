@@ -16,7 +16,7 @@ from triforce_cli.bench.qa import QARow
 from triforce_cli.bench.report import acceptance_text
 from triforce_cli.bench.runner import BenchRow, OverPrompts, over_prompts
 from triforce_cli.cli.console import print_note
-from triforce_cli.decoding.engine import MemoryPlan
+from triforce_cli.decoding.sizing import MemoryPlan
 from triforce_cli.decoding.speculative import Tier
 from triforce_cli.decoding.stats import GenerationStats
 from triforce_cli.distill.trainer import DistillProgress

@@ -22,7 +22,18 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import probabilities, sample
-from triforce_cli.decoding.sizing import Capacities, MemoryItem, cache_items, capacities, staged_item
+from triforce_cli.decoding.sizing import (
+    HOST_ADVICE,
+    WEIGHT_ITEMS,
+    CacheKind,
+    Capacities,
+    MemoryItem,
+    MemoryPlan,
+    cache_items,
+    capacities,
+    memory_advice,
+    staged_item,
+)
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
@@ -38,54 +49,15 @@ TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier t
 ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took
 
 
-CACHE_KINDS = ("full", "retrieval", "streaming")
 # windows of the prompt's last positions the drafter's prefill computes (Engine._prefill_drafter): its cache keeps
 # one; the one before gives every kept position the window it would have seen after a prefill of the whole prompt
 DRAFTER_READS = 2
-KIND_OF_ITEM = {  # the memory plan's items of each cache kind
-    "full KV cache": "full",
-    "step queries": "full",
-    "float16 prompt copy": "full",
-    "on-chip layers and ring": "full",
-    "retrieval cache": "retrieval",
-    "retrieval staging": "retrieval",
-    "drafter cache": "streaming",
-}
-WEIGHT_ITEMS = ("weights", "streamed weights", "weight ring")
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """What a generation holds, and where: (what, bytes on the device, bytes in host memory) per item."""
-
-    device: str
-    items: tuple[MemoryItem, ...]
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(item.device_bytes for item in self.items)
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(item.host_bytes for item in self.items)
-
-    def bytes_of(self, what: str) -> int:
-        return sum(item.device_bytes + item.host_bytes for item in self.items if item.what == what)
-
-    def bytes_by_kind(self) -> dict[str, tuple[int, int]]:
-        """(device, host) bytes of each cache kind (CACHE_KINDS) in the plan."""
-        kinds = dict.fromkeys(CACHE_KINDS, (0, 0))
-        for what, device, host in self.items:
-            if what in KIND_OF_ITEM:
-                held = kinds[KIND_OF_ITEM[what]]
-                kinds[KIND_OF_ITEM[what]] = (held[0] + device, held[1] + host)
-        return kinds
 
 
 @dataclass
 class _Caches:
     """The caches an engine keeps across generations, shared with the engines made from it (Engine.reconfigured),
-    which generate one at a time: at most one cache of each kind (CACHE_KINDS). layouts: per kind, the settings
+    which generate one at a time: at most one cache of each kind (CacheKind). layouts: per kind, the settings
     its cache was built with, which an engine must share to reuse it; held: per kind, its (device, host) bytes;
     warmed: the compiled steps already run on it, as (kind, padded length, id of the model)."""
 
@@ -99,7 +71,7 @@ class _Caches:
 
     def release(self, kind: str) -> None:
         """Drop the cache of kind, so that its buffers are freed before a new one is allocated."""
-        if kind == "full":
+        if kind == CacheKind.FULL:
             self.prefilled = None
         setattr(self, kind, None)
         self.layouts.pop(kind, None)
@@ -160,7 +132,7 @@ class Engine:
         self._caches = _Caches()
         if config.offload == "kv+weights" and target.model.weight_stream is None:
             raise ConfigError(
-                "--offload kv+weights needs a target loaded with its weights streamed: load_model(...,"
+                "`offload` kv+weights needs a target loaded with its weights streamed: load_model(...,"
                 " offload_weights=True), as Pipeline.load does for this offload"
             )
 
@@ -208,7 +180,7 @@ class Engine:
         """The positions of each cache for a generation after prompt_tokens (sizing.capacities), a full cache held
         with this engine's layout kept where it is large enough."""
         held = self._caches.full
-        kept = held is not None and self._caches.layouts["full"] == self._full_layout()
+        kept = held is not None and self._caches.layouts[CacheKind.FULL] == self._full_layout()
         return capacities(
             self.config,
             prompt_tokens,
@@ -224,13 +196,13 @@ class Engine:
         return self.offloaded, self.config.on_chip_layers if self.offloaded else 0, self.compiled and not self.offloaded
 
     def _layout(self, kind: str, caps: Capacities) -> tuple:
-        """What a held cache of kind (CACHE_KINDS) must have been built with for this engine to reuse it, besides
+        """What a held cache of kind (CacheKind) must have been built with for this engine to reuse it, besides
         room enough: the full cache's _full_layout; the retrieval cache's chunks, recent region and compiled steps;
         the drafter cache's shape and compiled steps."""
         cfg = self.config
-        if kind == "full":
+        if kind == CacheKind.FULL:
             return self._full_layout()
-        if kind == "retrieval":
+        if kind == CacheKind.RETRIEVAL:
             return cfg.chunk_size, cfg.chunk_score, caps.recent, self.compiled
         draft = self._drafter_model
         shape = draft.config.num_layers, draft.config.num_kv_heads, draft.config.head_dim
@@ -242,20 +214,20 @@ class Engine:
         the one it was built for."""
         held = self._caches
         build = []
-        if held.full is None or held.layouts["full"] != self._full_layout() or held.full.capacity < caps.full:
-            build.append("full")
+        if held.full is None or held.layouts[CacheKind.FULL] != self._full_layout() or held.full.capacity < caps.full:
+            build.append(CacheKind.FULL)
         retrieval = held.retrieval
         if self.config.uses_retrieval and (
-            "full" in build
+            CacheKind.FULL in build
             or retrieval is None
-            or held.layouts["retrieval"] != self._layout("retrieval", caps)
+            or held.layouts[CacheKind.RETRIEVAL] != self._layout(CacheKind.RETRIEVAL, caps)
             or retrieval.keys.shape[2] - retrieval.recent_capacity < caps.budget
         ):
-            build.append("retrieval")
-        if self.uses_model_drafter and held.layouts.get("streaming") != self._layout("streaming", caps):
-            build.append("streaming")
-        replaced = [*build, *(["retrieval"] if "full" in build else [])]
-        return build, [kind for kind in CACHE_KINDS if kind in replaced and getattr(held, kind) is not None]
+            build.append(CacheKind.RETRIEVAL)
+        if self.uses_model_drafter and held.layouts.get(CacheKind.STREAMING) != self._layout(CacheKind.STREAMING, caps):
+            build.append(CacheKind.STREAMING)
+        replaced = [*build, *([CacheKind.RETRIEVAL] if CacheKind.FULL in build else [])]
+        return build, [kind for kind in CacheKind if kind in replaced and getattr(held, kind) is not None]
 
     @property
     def prefill_chunk(self) -> int:
@@ -320,8 +292,12 @@ class Engine:
         held = self._caches.held
         needed = [sum(built[k][i] for k in build) - sum(held[k][i] for k in release) for i in (0, 1)]
         for where, bytes_needed, advice in (
-            (self.target.device, needed[0], self._device_advice()),
-            (torch.device("cpu"), needed[1], "use a shorter prompt or fewer --max-new-tokens"),
+            (
+                self.target.device,
+                needed[0],
+                memory_advice(device_type=self.target.device.type, offloaded=self.offloaded),
+            ),
+            (torch.device("cpu"), needed[1], HOST_ADVICE),
         ):
             free = available_memory(where)
             if bytes_needed > 0 and free is not None and bytes_needed > free:
@@ -329,12 +305,6 @@ class Engine:
                     f"the KV caches for {prompt_tokens} prompt tokens and {self.config.max_new_tokens} new ones need"
                     f" {human_size(bytes_needed)} on {where}, which has {human_size(free)} free: {advice}"
                 )
-
-    def _device_advice(self) -> str:
-        if self.offloaded:
-            return "use fewer --on-chip-layers, a smaller --budget, a shorter prompt or fewer --max-new-tokens"
-        offload = "--offload kv (the full KV cache in host memory), " if self.target.device.type == "cuda" else ""
-        return f"use {offload}a shorter prompt, fewer --max-new-tokens, a smaller --budget or a 16-bit --dtype"
 
     def _allocate(self, prompt_tokens: int, keep: int = 0) -> _InUse:
         """This engine's caches for a generation after prompt_tokens, emptied, the retrieval cache set to the
@@ -349,13 +319,17 @@ class Engine:
         caps = self._capacities(prompt_tokens)
         build, release = self._renewal(caps)
         caches = self._caches
-        kept = 0 if "full" in build else keep
+        kept = 0 if CacheKind.FULL in build else keep
         if build:
             self.check_memory(prompt_tokens)
             sizes = self.memory_plan(prompt_tokens).bytes_by_kind()
             for kind in release:
                 caches.release(kind)
-            builders = {"full": self._new_full, "retrieval": self._new_retrieval, "streaming": self._new_streaming}
+            builders = {
+                CacheKind.FULL: self._new_full,
+                CacheKind.RETRIEVAL: self._new_retrieval,
+                CacheKind.STREAMING: self._new_streaming,
+            }
             for kind in build:
                 setattr(caches, kind, builders[kind](caps))
                 caches.layouts[kind] = self._layout(kind, caps)
@@ -363,7 +337,7 @@ class Engine:
         caches.full.rollback(kept)  # 0: empty
         retrieval = caches.retrieval if cfg.uses_retrieval else None
         if retrieval is not None:
-            retrieval.reset(0 if "retrieval" in build else kept)
+            retrieval.reset(0 if CacheKind.RETRIEVAL in build else kept)
             # at most the budget it was built for: the recent region then starts sooner, within the same buffers
             retrieval.budget = cfg.budget_for(prompt_tokens)
         streaming = caches.streaming if self.uses_model_drafter else None
@@ -418,12 +392,14 @@ class Engine:
         cache's max_write (ModelTier._forward)."""
         cfg = self.config
         top = cfg.gamma2 if cfg.uses_retrieval else cfg.gamma1 if cfg.uses_drafter else 0
-        steps = [("full", self.target.model, caches.full, top + 1)]
+        steps = [(CacheKind.FULL, self.target.model, caches.full, top + 1)]
         if caches.retrieval is not None:
-            steps.append(("retrieval", self.target.model, caches.retrieval, cfg.gamma1 + 1 if cfg.uses_drafter else 1))
+            steps.append(
+                (CacheKind.RETRIEVAL, self.target.model, caches.retrieval, cfg.gamma1 + 1 if cfg.uses_drafter else 1)
+            )
         if caches.streaming is not None:
             longest = min(MAX_STEP_TOKENS, caches.streaming.max_write)
-            steps.append(("streaming", self._drafter_model, caches.streaming, longest))
+            steps.append((CacheKind.STREAMING, self._drafter_model, caches.streaming, longest))
         for kind, model, cache, longest in steps:
             if model.fixed_step is not None and cache.write_start is not None:
                 yield kind, model, cache, longest
@@ -593,8 +569,8 @@ class Engine:
         if needed > context:
             raise PromptError(
                 f"prompt of {len(prompt_ids)} tokens plus {self.config.max_new_tokens} new tokens exceeds"
-                f" the {context}-token context of {self.target.name}: use --context-window {-(-needed // 1024)}k"
-                " or more (RoPE scaled with YaRN), a shorter prompt or fewer --max-new-tokens"
+                f" the {context}-token context of {self.target.name}: use `context_window` {-(-needed // 1024)}k"
+                " or more (RoPE scaled with YaRN), a shorter prompt or fewer `max_new_tokens`"
             )
         positions = self.config.cache_positions
         if positions is not None and positions > context:

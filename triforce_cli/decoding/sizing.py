@@ -13,6 +13,7 @@ of the longest such prompt), so a shorter prompt's smaller budget reuses its buf
 """
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import NamedTuple, Protocol
 
 from triforce_cli.decoding.config import EngineConfig
@@ -37,6 +38,65 @@ class MemoryItem(NamedTuple):
     what: str
     device_bytes: int
     host_bytes: int
+
+
+class CacheKind(StrEnum):
+    """The caches a generation may hold, at most one of each."""
+
+    FULL = "full"  # the target's every position
+    RETRIEVAL = "retrieval"  # the target's chosen chunks and recent positions
+    STREAMING = "streaming"  # the drafter's sinks and window
+
+
+KIND_OF_ITEM = {  # the memory plan's items of each cache kind
+    "full KV cache": CacheKind.FULL,
+    "step queries": CacheKind.FULL,
+    "float16 prompt copy": CacheKind.FULL,
+    "on-chip layers and ring": CacheKind.FULL,
+    "retrieval cache": CacheKind.RETRIEVAL,
+    "retrieval staging": CacheKind.RETRIEVAL,
+    "drafter cache": CacheKind.STREAMING,
+}
+WEIGHT_ITEMS = ("weights", "streamed weights", "weight ring")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a generation holds, and where: (what, bytes on the device, bytes in host memory) per item."""
+
+    device: str
+    items: tuple[MemoryItem, ...]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(item.device_bytes for item in self.items)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(item.host_bytes for item in self.items)
+
+    def bytes_of(self, what: str) -> int:
+        return sum(item.device_bytes + item.host_bytes for item in self.items if item.what == what)
+
+    def bytes_by_kind(self) -> dict[CacheKind, tuple[int, int]]:
+        """(device, host) bytes of each cache kind (CacheKind) in the plan."""
+        kinds = dict.fromkeys(CacheKind, (0, 0))
+        for what, device, host in self.items:
+            if what in KIND_OF_ITEM:
+                held = kinds[KIND_OF_ITEM[what]]
+                kinds[KIND_OF_ITEM[what]] = (held[0] + device, held[1] + host)
+        return kinds
+
+
+def memory_advice(*, device_type: str, offloaded: bool) -> str:
+    """What frees device memory for the caches, by the settings that size them."""
+    if offloaded:
+        return "use fewer `on_chip_layers`, a smaller `budget`, a shorter prompt or fewer `max_new_tokens`"
+    offload = "`offload` kv (the full KV cache in host memory), " if device_type == "cuda" else ""
+    return f"use {offload}a shorter prompt, fewer `max_new_tokens`, a smaller `budget` or a 16-bit `dtype`"
+
+
+HOST_ADVICE = "use a shorter prompt or fewer `max_new_tokens`"  # what frees host memory for the caches
 
 
 @dataclass(frozen=True)
