@@ -1,9 +1,14 @@
 """The training-free n-gram proposer: what it proposes, how it follows a changing sequence, and exactness."""
 
+import itertools
+from types import SimpleNamespace
+
+import pytest
 import torch
 from conftest import full_cache_for, random_prompt, rich_model
 from triforce_cli.cache import StreamingCache
 
+from triforce_cli.decoding import clock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.ngram import NGramProposer
@@ -255,6 +260,16 @@ def generate_with_top_tier(model, prompt: list[int], proposer, new_tokens: int) 
     return tokens[len(prompt) :], tier
 
 
+@pytest.fixture
+def ticking_clock(monkeypatch):
+    """The tiers' clock reads one millisecond more at every mark: a round costs its marks, not the machine's load,
+    so the throughput policy decides the same way on a busy machine (a drafting round takes two marks for up to
+    four tokens, an own step one mark for one token)."""
+    ticks = itertools.count()
+    monkeypatch.setattr(clock, "time", SimpleNamespace(perf_counter=lambda: next(ticks) / 1000))
+
+
+@pytest.mark.usefixtures("ticking_clock")
 def test_drafts_that_never_pass_are_dropped_for_own_steps_and_the_output_stays_greedy():
     model = rich_model(5).loaded
     prompt = random_prompt(24, 32, seed=5)

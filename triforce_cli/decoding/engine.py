@@ -76,7 +76,7 @@ class _Caches:
         setattr(self, kind, None)
         self.layouts.pop(kind, None)
         self.held.pop(kind, None)
-        self.warmed = {step for step in self.warmed if step[0] != kind}
+        self.warmed = {warm for warm in self.warmed if warm[0] != kind}
 
 
 @dataclass(frozen=True)
@@ -706,8 +706,8 @@ class Engine:
             return
         while len(generated) < cfg.max_new_tokens:
             started = time.perf_counter()
-            step = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more tokens than wanted
-            tokens = step.tokens  # autoregressive decoding reads its token here: one read per token
+            verified = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more than wanted
+            tokens = verified.tokens  # autoregressive decoding reads its token here: one read per token
             stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
@@ -718,7 +718,7 @@ class Engine:
             committed += tokens
             generated += tokens
             if on_tokens is not None:
-                on_tokens(tokens, step.origins[: len(tokens)])
+                on_tokens(tokens, verified.origins[: len(tokens)])
             if stop is not None:
                 stats.stop_reason = "eos"
                 return

@@ -285,17 +285,18 @@ class ModelTier:
             self._refresh()
         known = list(prefix)
         pending: list[torch.Tensor] = []  # ids on the device, unread, after known
-        steps: list[Proposal] = []
-        while (proposed := sum(len(step) for step in steps)) < n:
-            step = self.step(known, limit=n - proposed, pending=torch.cat(pending) if pending else None)
-            if step.host is None or pending:
-                pending.append(step.ids)
+        ids, probs, origins = [], [], []
+        while len(origins) < n:
+            tokens = self.step(known, limit=n - len(origins), pending=torch.cat(pending) if pending else None)
+            if tokens.host is None or pending:
+                pending.append(tokens.ids)
             else:
-                known += step.host
-            steps.append(step)
+                known += tokens.host
+            ids.append(tokens.ids)
+            probs.append(tokens.probs)
+            origins += tokens.origins
         host = None if pending else known[len(prefix) :]
-        ids, probs = (torch.cat([getattr(step, part) for step in steps]) for part in ("ids", "probs"))
-        return Proposal(ids, probs, [origin for step in steps for origin in step.origins], host)
+        return Proposal(torch.cat(ids), torch.cat(probs), origins, host)
 
     def rollback(self, length: int) -> None:
         """The tier above finished a step (Proposer.rollback): forget what lies past length here and below, and
