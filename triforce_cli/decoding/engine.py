@@ -442,33 +442,27 @@ class Engine:
             drafter = ngram if drafter is None else FallbackProposer(ngram, drafter)
         # drafter is None without a drafter tier: then the tier it would draft for samples every token itself
         if not cfg.uses_retrieval:
-            return ModelTier(
-                name=Tier.TARGET,
+            proposer, gamma, shortcut = drafter, cfg.gamma1, None
+        else:
+            proposer = ModelTier(
+                name=Tier.RETRIEVAL,
                 model=target,
-                cache=caches.full,
+                cache=caches.retrieval,
                 proposer=drafter,
                 gamma=cfg.gamma1,
-                own_steps=True,
+                refresh_interval=cfg.refresh_interval,
                 **shared,
             )
-        retrieval = ModelTier(
-            name=Tier.RETRIEVAL,
-            model=target,
-            cache=caches.retrieval,
-            proposer=drafter,
-            gamma=cfg.gamma1,
-            refresh_interval=cfg.refresh_interval,
-            **shared,
-        )
-        # the throughput policy may skip the middle tier where verifying at it does not pay (speculation_length.py);
-        # only a model drafter, which always drafts, makes a shortcut (an n-gram alone often finds nothing)
-        shortcut = drafter if policy == "throughput" and self.uses_model_drafter else None
+            # the throughput policy may skip the middle tier where verifying at it does not pay
+            # (speculation_length.py); only a model drafter, which always drafts, makes a shortcut (an n-gram alone
+            # often finds nothing)
+            gamma, shortcut = cfg.gamma2, drafter if policy == "throughput" and self.uses_model_drafter else None
         return ModelTier(
             name=Tier.TARGET,
             model=target,
             cache=caches.full,
-            proposer=retrieval,
-            gamma=cfg.gamma2,
+            proposer=proposer,
+            gamma=gamma,
             shortcut=shortcut,
             own_steps=True,
             **shared,
@@ -616,6 +610,43 @@ class Engine:
         yield
         self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
 
+    def _prefill_caches(
+        self,
+        caches: _InUse,
+        prompt_ids: list[int],
+        stats: GenerationStats,
+        on_prefill: PrefillCallback | None,
+        prompt_state: PromptState | None,
+        on_prompt_state: Callable[[PromptState], None] | None,
+    ) -> torch.Tensor:
+        """Fill every cache for prompt_ids and return the logits (1, V) after its last token: the full cache
+        prefilled from the positions it kept (or restored from prompt_state), its float16 copy, the retrieval
+        cache's first chunk selection, and the drafter's StreamingLLM cache."""
+        full = caches.full
+        with self._filling(prompt_ids):
+            if prompt_state is None:
+                model, chunk_seconds = self.target.model, stats.prefill_chunk_seconds.append
+                logits = self._prefill(
+                    self.target.name, model, full, prompt_ids, on_prefill, chunk_seconds, first=caches.kept
+                )
+                stats.reused_tokens = caches.kept
+                if on_prompt_state is not None:
+                    on_prompt_state(PromptState.capture(full, prompt_ids, logits))
+                if self.target.half_prompt_cache:
+                    full.make_half_copy()
+            else:
+                prompt_state.restore(full, half_copy=self.target.half_prompt_cache)
+                logits = prompt_state.last_logits.to(self.target.device)
+                stats.prompt_cached = True
+        if caches.retrieval is not None:
+            caches.retrieval.select_chunks()
+        if caches.streaming is not None:
+            if self.drafter is None:
+                caches.streaming.fill_from(full)
+            else:
+                self._prefill_drafter(caches.streaming, prompt_ids, on_prefill)
+        return logits
+
     def generate(
         self,
         prompt_ids: list[int],
@@ -643,41 +674,18 @@ class Engine:
         try:
             held = self._caches.prefilled
             keep = 0 if prompt_state is not None or held is None else held.reusable(prompt_ids, self.prefill_chunk)
+            # 1. allocate
             caches = self._allocate(len(prompt_ids), keep)
             stats.compile_seconds = self._warm_up(caches)
+            # 2. prefill every cache, and sample the first token from the prompt's logits
             started = time.perf_counter()
-            with self._filling(prompt_ids):
-                if prompt_state is None:
-                    logits = self._prefill(
-                        self.target.name,
-                        self.target.model,
-                        caches.full,
-                        prompt_ids,
-                        on_prefill,
-                        stats.prefill_chunk_seconds.append,
-                        first=caches.kept,
-                    )
-                    stats.reused_tokens = caches.kept
-                    if on_prompt_state is not None:
-                        on_prompt_state(PromptState.capture(caches.full, prompt_ids, logits))
-                    if self.target.half_prompt_cache:
-                        caches.full.make_half_copy()
-                else:
-                    prompt_state.restore(caches.full, half_copy=self.target.half_prompt_cache)
-                    logits = prompt_state.last_logits.to(self.target.device)
-                    stats.prompt_cached = True
-            if caches.retrieval is not None:
-                caches.retrieval.select_chunks()
-            if caches.streaming is not None:
-                if self.drafter is None:
-                    caches.streaming.fill_from(caches.full)
-                else:
-                    self._prefill_drafter(caches.streaming, prompt_ids, on_prefill)
+            logits = self._prefill_caches(caches, prompt_ids, stats, on_prefill, prompt_state, on_prompt_state)
             first = int(from_rank_zero(sample(probabilities(logits, cfg.sampling), generator)))
             stats.prefill_seconds = time.perf_counter() - started
             generated.append(first)
             if on_tokens is not None:
                 on_tokens([first], [Tier.TARGET])
+            # 3. loop: rounds of the top tier
             top = self._build_tiers(caches, generator)
             chain = self._tier_chain(top)
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
