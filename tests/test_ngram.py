@@ -1,7 +1,7 @@
 """The training-free n-gram proposer: what it proposes, how it follows a changing sequence, and exactness."""
 
 import torch
-from conftest import full_cache_for, random_prompt, rich_model
+from helpers import full_cache_for, random_prompt, rich_model
 from triforce_cli.cache import StreamingCache
 
 from triforce_cli.decoding.config import EngineConfig

@@ -4,7 +4,7 @@ order a GPU can overlap, checked with a queue that defers every copy until somet
 
 import pytest
 import torch
-from conftest import load_tiny, make_model, random_prompt, save_word_checkpoint, small_config
+from helpers import load_tiny, make_model, random_prompt, save_word_checkpoint, small_config
 from triforce_cli.cache import FullCache, RetrievalCache
 from triforce_cli.kernels import gather_chunks, half_weights_available, summary_scores, top_chunks
 from triforce_cli.offload import HostQueue, offload_kv
@@ -334,7 +334,7 @@ def test_an_unknown_offload_is_a_config_error():
 
 
 def test_generate_prints_the_memory_plan_and_offloads_on_request(tmp_path):
-    from conftest import save_word_checkpoint
+    from helpers import save_word_checkpoint
     from typer.testing import CliRunner
 
     from triforce_cli.cli.app import app

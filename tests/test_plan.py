@@ -9,7 +9,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from conftest import StubTokenizer
+from helpers import StubTokenizer
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
