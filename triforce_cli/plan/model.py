@@ -353,12 +353,14 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class ForwardCost:
+class PredictedForward:
+    """The predicted seconds of one forward (bench.forward_costs.ForwardCost holds measured ones)."""
+
     seconds: float
     transfer_seconds: float  # of PCIe transfer, overlapped with the compute inside seconds
 
 
-def forward_cost(
+def predicted_forward(
     *,
     shape: ModelShape,
     hardware: Hardware,
@@ -367,7 +369,7 @@ def forward_cost(
     dtype_bytes: int,
     streamed_layers: int = 0,
     split: bool = True,
-) -> ForwardCost:
+) -> PredictedForward:
     """Predicted seconds of one forward of `tokens` tokens attending to `positions` cached positions, and the
     seconds of PCIe transfer it overlaps.
 
@@ -396,7 +398,7 @@ def forward_cost(
     output_bytes = shape.output_parameters * dtype_bytes / devices
     output_flops = 2 * shape.output_parameters * tokens / devices
     output = max(output_bytes / hardware.bandwidth, output_flops / hardware.flops)
-    return ForwardCost(layers + fixed + output, streamed_layers * transfer)
+    return PredictedForward(layers + fixed + output, streamed_layers * transfer)
 
 
 def memory_items(
@@ -466,7 +468,7 @@ def mode_row(
     streamed = target.num_layers - on_chip if offload == "kv" else 0
     tiers = MODE_TIERS[mode]
     gamma = (cfg.gamma2 if tiers.retrieval else cfg.gamma1) if tiers.speculative else 0
-    full = forward_cost(
+    full = predicted_forward(
         shape=target,
         hardware=hardware,
         tokens=gamma + 1,
@@ -478,7 +480,7 @@ def mode_row(
     drafting = 0.0  # seconds of drafting per full verification
     if tiers.drafter:
         window = min(workload.context, cfg.sink_tokens + cfg.draft_window)
-        draft = forward_cost(
+        draft = predicted_forward(
             shape=drafter, hardware=hardware, tokens=1, positions=window, dtype_bytes=size, split=False
         ).seconds
     if tiers.retrieval:
@@ -486,7 +488,9 @@ def mode_row(
         attended = workload.budget + cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) // 2
 
         def on_retrieval(tokens: int) -> float:
-            cost = forward_cost(shape=target, hardware=hardware, tokens=tokens, positions=attended, dtype_bytes=size)
+            cost = predicted_forward(
+                shape=target, hardware=hardware, tokens=tokens, positions=attended, dtype_bytes=size
+            )
             return cost.seconds
 
         retrieval = on_retrieval(1)
