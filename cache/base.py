@@ -101,3 +101,19 @@ class KVCache(ABC):
     def _check_start(self, start: int) -> None:
         if start > self.length:
             raise ValueError(f"cannot write position {start}: the cache holds only {self.length} positions")
+
+
+class SlotCache(KVCache):
+    """A cache whose prepare() puts the prepared positions in consecutive slots, ``_write``, right after the slots
+    the forward reads with them (the StreamingLLM and the retrieval cache): update() stores there, and the view is
+    every slot up to the last one written."""
+
+    _write: slice  # the slots of the prepared positions, set by prepare()
+
+    def update(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer, :, self._write] = k
+        self.values[layer, :, self._write] = v
+        end = self._write.stop
+        return self.keys[layer, :, :end], self.values[layer, :, :end]

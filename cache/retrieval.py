@@ -21,12 +21,12 @@ straight from the storage.
 """
 
 import torch
-from triforce_cli.cache.base import CacheCapacityError, KVCache
+from triforce_cli.cache.base import CacheCapacityError, SlotCache
 from triforce_cli.cache.full import FullCache
 from triforce_cli.kernels import CHUNK_SCORES, SUMMARIES, chunk_summaries, gather_chunks, summary_scores, top_chunks
 
 
-class RetrievalCache(KVCache):
+class RetrievalCache(SlotCache):
     def __init__(
         self,
         full: FullCache,
@@ -158,9 +158,3 @@ class RetrievalCache(KVCache):
             raise CacheCapacityError("recent region of the retrieval cache is full; select chunks again first")
         self._write = self._begin_write(first, num_tokens, padding)
         self.length = start + num_tokens
-
-    def update(self, layer, q, k, v):
-        self.keys[layer, :, self._write] = k
-        self.values[layer, :, self._write] = v
-        end = self._write.stop
-        return self.keys[layer, :, :end], self.values[layer, :, :end]

@@ -7,11 +7,11 @@ hold one step's new (speculative) tokens, so rollback within a step never needs 
 """
 
 import torch
-from triforce_cli.cache.base import CacheCapacityError, KVCache
+from triforce_cli.cache.base import CacheCapacityError, SlotCache
 from triforce_cli.cache.full import FullCache
 
 
-class StreamingCache(KVCache):
+class StreamingCache(SlotCache):
     def __init__(
         self,
         num_layers: int,
@@ -87,12 +87,6 @@ class StreamingCache(KVCache):
         self.keys[:, :, dst] = self.keys[:, :, src].clone()
         self.values[:, :, dst] = self.values[:, :, src].clone()
         self.window_start = keep_from
-
-    def update(self, layer, q, k, v):
-        self.keys[layer, :, self._write] = k
-        self.values[layer, :, self._write] = v
-        end = self._write.stop
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
 
     def fill_from(self, full: FullCache) -> None:
         """Take the sinks and the recent window from a full cache of the same model, instead of a prefill."""

@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triforce_cli.kernels import optional
 from triforce_cli.kernels.native import native_loaded
 
-FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here
+FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here (docs/performance.md)
 # keys per block of blocked_attention: a block's scores are Hkv * G*T * KEY_BLOCK float32 values, 64 MiB for a
 # 512-query chunk of Llama-3.1-8B (32 query heads), whatever the context length
 KEY_BLOCK = 1024
@@ -102,8 +102,7 @@ def chunk_attention_available(q: torch.Tensor) -> bool:
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """FlashAttention-style attention of many queries on the CPU, the G query heads of a KV head folded into one set
-    of rows. A prefill chunk of 256 queries of 9 heads against 7,680 keys of 3 (64 wide) took 10.6 ms against 29.2
-    for SDPA (2 threads, AVX-512)."""
+    of rows. Nearly three times faster than SDPA on a prefill chunk (see docs/performance.md)."""
     return torch.ops.triforce_cpu.chunk_attention(q, k, v, scale)
 
 
@@ -123,18 +122,16 @@ def half_prefix_attention(
 ) -> torch.Tensor:
     """Attention of a few queries against [float16 prefix | float32 tail], the tail ending with the T new keys.
 
-    The prefix is a plain float16 copy (where fbgemm's packed float16 matrices, read before, could not be extended:
-    a longer prompt packed its whole prefix again), a copy that grows by converting only its new positions (k_half, v_half are views ``storage[:, :P]`` of a longer
-    buffer). The float16 values are widened exactly and everything after is float32, so the result is the float64
-    attention on those values up to float32 rounding; it is the same bit for bit whatever the number of threads
-    (the keys are split into blocks of a fixed size, combined in a fixed order). Query head h reads KV head h // G.
+    The prefix is a plain float16 copy that grows by converting only its new positions (k_half, v_half are views
+    ``storage[:, :P]`` of a longer buffer), where fbgemm's packed float16 matrices cannot be extended: a longer
+    prompt would pack its whole prefix again. The float16 values are widened exactly and everything after is
+    float32, so the result is the float64 attention on those values up to float32 rounding; it is the same bit for
+    bit whatever the number of threads (the keys are split into blocks of a fixed size, combined in a fixed order).
+    Query head h reads KV head h // G.
 
-    30 layers of 9 query / 3 KV heads of 64, 2 threads, AVX-512 (medians of interleaved rounds, ms, this kernel /
-    fbgemm's float16 GEMM on the packed prefix): 1, 2, 4, 8 queries against 7,168 prefix keys 6.4 / 17, 7.9 / 23, 13.5 / 29, 24 / 45,
-    and against 32,768 keys 26 / 46, 32 / 70, 57 / 94, 109 / 170; 8 KV heads of 128 with 32 query heads against
-    8,192 keys, 1 and 4 queries: 40 / 58 and 104 / 160. One query streams the prefix at close to the memory's
-    bandwidth; more are bound by the multiply-adds. Converting 30 layers' 7,168 float32 keys and values to float16
-    took 15 ms against 760 for packing them for fbgemm (3 KV heads of 64).
+    It is faster than fbgemm's float16 GEMM on a packed prefix at every query count and length measured, and
+    converting a prompt's keys and values to float16 costs a fiftieth of packing them (see docs/performance.md).
+    One query streams the prefix at close to the memory's bandwidth; more are bound by the multiply-adds.
 
     Args:
         q: (Hq, T, D) float32 queries, Hq = G * Hkv, T >= 1.
@@ -350,16 +347,11 @@ def attention(
     """Dispatch to a kernel of backend (attention_backend; None: the fastest for q's device and dtype), and within
     the CPU kernels to the fastest for the number of queries.
 
-    prefix: a packed float16 copy of the first keys and values of k and v (a CPU cache's prompt); they are then
-    read from it instead. 30 layers of one query against 32,000 packed keys took 47 ms against 128 for
-    grouped_attention (7,680 keys: 13.0 against 26.7; 4 queries: 84 against 166 and 22 against 41).
+    prefix: a float16 copy of the first keys and values of k and v (a CPU cache's prompt, HalfPrefix); they are
+    then read from it instead (half_prefix_attention), at well under half the cost of reading them as float32.
 
-    CPU, 2 threads, 9 query / 3 KV heads of 64, 30 layers of distinct caches (medians of 7 interleaved rounds,
-    ms for all 30 layers; grouped / SDPA): T = 2, 4, 8 queries against 7,680 keys 28.5 / 41.0, 45.9 / 62.6,
-    67.7 / 75.4, and against 32,000 keys 116 / 209, 156 / 264, 242 / 358; against 512 keys 2.8 / 3.6, 3.5 / 4.1,
-    5.0 / 5.2. At T = 16 SDPA wins on 2,048 keys (24.6 against 43.9). One query, grouped with its keys @ queries
-    product: 34.5 ms at 7,680 keys and 93 at 32,000, against 38.5 and 113 with the queries @ keys product and
-    45.5 and 172 for SDPA.
+    On the CPU, grouped_attention takes up to FEW_QUERIES queries, where it beat or tied SDPA at every context
+    length measured (SDPA won at 16); more go to chunk attention or SDPA. See docs/performance.md for the timings.
     """
     backend = backend or attention_backend(q.device, q.dtype)
     if backend == "flash":

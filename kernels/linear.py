@@ -2,21 +2,19 @@
 
 For x (T, K) with a handful of rows, torch's CPU `linear` runs a matrix-vector product (T = 1) or a small-M GEMM
 that reads the weight (N, K) well below the memory bandwidth. Computing the transposed product weight @ x.T
-(N, T), with at least two columns, streams the weight at close to full speed. Measured with 2 threads on 60
-distinct (1536, 576) float32 weights (212 MB): `linear` took 14.6 ms for 1 row, 24.2 ms for 2 and 28.2 ms for 3;
-the transposed product took 8.5 ms for 2 rows (1 row padded to 2 takes the same) and 7.2 ms for 3.
+(N, T), with at least two columns, streams the weight at close to full speed: several times faster for 2 or 3
+rows, and faster for 1 row padded to 2 (see docs/performance.md).
 
 Half weights: fbgemm's float16 GEMM (torch's `quantized::linear_dynamic_fp16`) keeps the weight as float16,
 widens it to float32 as it reads it and accumulates in float32, so only the weights' rounding to float16 differs
-from a float32 product. It reads half the bytes: on the same 60 weights it took 3.4 ms for 1 row and 4.1 ms for
-8, against 10.6 and 24.5 ms for the float32 products in the same run, and 65 against 148 ms for 512 rows
-(30 weights).
+from a float32 product. It reads half the bytes, and takes less than half the float32 products' time, for a few
+rows as for hundreds (see docs/performance.md).
 """
 
 import torch
 import torch.nn.functional as F
 
-FEW_ROWS = 8  # up to this many rows the transposed product is the faster one (measured up to 8)
+FEW_ROWS = 8  # up to this many rows the transposed product is the faster one (measured up to 8; docs/performance.md)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

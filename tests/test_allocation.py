@@ -13,7 +13,7 @@ import weakref
 from collections import Counter
 
 import pytest
-from conftest import make_model, random_prompt, small_config
+from helpers import make_model, random_prompt, small_config
 from torch._dynamo.testing import CompileCounterWithBackend
 from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE, fixed_drafts_at_least, random_prompt, save_checkpoint, save_tokenizer
+from helpers import CHAT_TEMPLATE, fixed_drafts_at_least, random_prompt, save_checkpoint, save_tokenizer
 from rich.console import Console
 from triforce_cli.kernels import half_weights_available
 from typer.testing import CliRunner

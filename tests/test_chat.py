@@ -1,7 +1,7 @@
 """`triforce chat` and the ChatSession under it.
 
 The library tests run a ChatSession on a tiny random target whose answers depend on the whole conversation, with a
-word-level tokenizer and chat template (conftest: chat_model, WORD_CHAT_TEMPLATE), so that a prompt's token ids
+word-level tokenizer and chat template (helpers: chat_model, WORD_CHAT_TEMPLATE), so that a prompt's token ids
 can be compared with the tokenized rendering of the whole conversation. The command-line tests run `triforce chat`
 on the same model through the loader swap of conftest's `tiny` fixture, questions scripted on stdin. The tests
 marked embedded check the turns' token ids on the embedded model's own chat template, and one scripted chat on it.
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CHAT_WORDS, WORD_CHAT_TEMPLATE, save_word_checkpoint, small_config, word_tokenizer
+from helpers import CHAT_WORDS, WORD_CHAT_TEMPLATE, save_word_checkpoint, small_config, word_tokenizer
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 

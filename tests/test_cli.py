@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import ALPHABET, CONTEXT, PROMPT, CharTokenizer, save_word_checkpoint
+from helpers import ALPHABET, CONTEXT, PROMPT, CharTokenizer, save_word_checkpoint
 from triforce_cli.kernels import half_weights_available
 from typer.testing import CliRunner
 

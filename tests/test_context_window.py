@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import full_cache_for, llama_config, random_prompt, save_checkpoint, with_eos
+from helpers import full_cache_for, llama_config, random_prompt, save_checkpoint, with_eos
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import full_cache_for, save_checkpoint
+from helpers import full_cache_for, save_checkpoint
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 

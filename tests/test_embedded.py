@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import full_cache_for
+from helpers import full_cache_for
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app

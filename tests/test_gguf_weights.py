@@ -11,10 +11,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import full_cache_for, make_model, random_prompt, reference_logits
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from helpers import full_cache_for, make_model, random_prompt, reference_logits
 from torch import nn
 from triforce_cli.kernels.gguf import BLOCK_KINDS, blocks_linear, dequantize, pack_blocks
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import full_cache_for, llama_config, make_model, random_prompt, small_config, wrap
+from helpers import full_cache_for, llama_config, make_model, random_prompt, small_config, wrap
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode

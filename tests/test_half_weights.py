@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import full_cache_for, make_model, random_prompt, reference_logits, save_checkpoint
+from helpers import full_cache_for, make_model, random_prompt, reference_logits, save_checkpoint
 from torch import nn
 from triforce_cli.kernels import half_weights_available
 

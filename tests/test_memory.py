@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import StubTokenizer
+from helpers import StubTokenizer
 from memory_accounting import DEVICE, MemoryLedger, checkpoint_shapes, fake_memory, fake_state
 from transformers import LlamaConfig
 from triforce_cli.cache import FullCache

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import full_cache_for, llama_config, random_prompt, reference_logits, save_checkpoint, wrap
+from helpers import full_cache_for, llama_config, random_prompt, reference_logits, save_checkpoint, wrap
 from transformers import GPT2Config, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from triforce_cli.runtime.loading import load_model
@@ -219,7 +219,7 @@ def test_load_model_with_scaled_rope(tmp_path, rope):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_load_model_gives_the_logits_of_the_checkpoint_copied_into_the_model(tmp_path, dtype):
     """Transformed in host memory before crossing to the device, the weights compute exactly the logits of the
-    checkpoint's tensors copied into a model built whole (conftest.wrap), and so do they with layers 1 on streamed
+    checkpoint's tensors copied into a model built whole (helpers.wrap), and so do they with layers 1 on streamed
     from host memory (--offload kv+weights)."""
     folder = tmp_path / "ckpt"
     ref = save_checkpoint(folder, seed=3, num_layers=3, tie_word_embeddings=False)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import full_cache_for, random_prompt, rich_model
+from helpers import full_cache_for, random_prompt, rich_model
 from triforce_cli.cache import StreamingCache
 
 from triforce_cli.decoding import clock

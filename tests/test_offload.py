@@ -4,7 +4,7 @@ order a GPU can overlap, checked with a queue that defers every copy until somet
 
 import pytest
 import torch
-from conftest import load_tiny, make_model, random_prompt, save_word_checkpoint, small_config
+from helpers import load_tiny, make_model, random_prompt, save_word_checkpoint, small_config
 from triforce_cli.cache import FullCache, RetrievalCache
 from triforce_cli.kernels import gather_chunks, half_weights_available, summary_scores, top_chunks
 from triforce_cli.offload import HostQueue, offload_kv
@@ -73,6 +73,16 @@ class CountingQueue(DeferredQueue):
         fetched = sum(size for dst, src, size in self.copies if src in host and dst not in host)
         back = [size for dst, src, size in self.copies if dst in host and src not in host]
         return fetched, sum(back), len(back)
+
+
+def counting_queues(monkeypatch) -> list[CountingQueue]:
+    """The copy queues the offloaded KV cache makes from now on (offload.kv.queue_for), each a CountingQueue, in
+    the order it makes them."""
+    queues = []
+    monkeypatch.setattr(
+        "triforce_cli.offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1]
+    )
+    return queues
 
 
 def tiny_model():
@@ -151,10 +161,7 @@ def test_an_offloaded_prefill_moves_each_layer_across_once_and_gives_the_device_
     in one copy per layer, tensor and KV head. Chunk by chunk, every chunk fetched the prefix of every offloaded
     layer (229,376 bytes here with no layer on chip) and copied each chunk back apart (64 copies per layer). The
     keys, values, queries and logits are the device cache's, bit for bit (the same forwards, in another order)."""
-    queues = []
-    monkeypatch.setattr(
-        "triforce_cli.offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1]
-    )
+    queues = counting_queues(monkeypatch)
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
     greedy = SamplingConfig(temperature=0)
     expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk)).prefill(prompt)
@@ -178,10 +185,7 @@ def test_a_prefill_short_of_device_memory_runs_in_segments_each_fetching_the_one
     before it once per layer (0 + 32 + 64 + 96 positions), and the same numbers as the device cache's."""
     import triforce_cli.decoding.engine as engine_module
 
-    queues = []
-    monkeypatch.setattr(
-        "triforce_cli.offload.kv.queue_for", lambda device: queues.append(CountingQueue()) or queues[-1]
-    )
+    queues = counting_queues(monkeypatch)
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
     greedy = SamplingConfig(temperature=0)
     expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk)).prefill(prompt)
@@ -334,7 +338,7 @@ def test_an_unknown_offload_is_a_config_error():
 
 
 def test_generate_prints_the_memory_plan_and_offloads_on_request(tmp_path):
-    from conftest import save_word_checkpoint
+    from helpers import save_word_checkpoint
     from typer.testing import CliRunner
 
     from triforce_cli.cli.app import app

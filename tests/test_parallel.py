@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import make_model, random_prompt, save_word_checkpoint, small_config
+from helpers import make_model, random_prompt, save_word_checkpoint, small_config
 
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig

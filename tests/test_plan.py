@@ -9,7 +9,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from conftest import StubTokenizer
+from helpers import StubTokenizer
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
@@ -95,6 +95,58 @@ class TestJson:
             assert none["host_bytes"] == 0 and kv["host_bytes"] == full + staging
             staged = kv["on_chip_layers"] + min(RING_LAYERS, target.num_layers - kv["on_chip_layers"])
             assert none["device_bytes"] - kv["device_bytes"] == full + step_queries - staged * full // 32
+
+    def test_records_name_each_figure_in_its_unit_in_a_fixed_order(self):
+        """The machine, a row and the recommendation as --json writes them: these keys in this order, rates in GB/s
+        and TFLOP/s, fixed costs in microseconds, the memory by item, the speedup beside the latencies."""
+        machine = replace(HARDWARE["rtx-4090"], gpus=2, link=25e9, all_reduce_s=30e-6)
+        prediction = predict("Llama-2-7B-128K", machine, 49152)
+        assert list(machine.as_record().items()) == [
+            ("name", machine.name),
+            ("gpus", 2),
+            ("memory_bytes_per_device", machine.memory_bytes),
+            ("bandwidth_gbs", machine.bandwidth / 1e9),
+            ("pcie_gbs", machine.pcie / 1e9),
+            ("tflops", machine.flops / 1e12),
+            ("layer_overhead_us", machine.layer_overhead_s * 1e6),
+            ("link_gbs", 25.0),
+            ("all_reduce_us", 30e-6 * 1e6),
+            ("cuda_graphs", machine.cuda_graphs),
+            ("measured", False),
+            ("gpu", True),
+        ]
+        kv = prediction.row("triforce", "kv")
+        assert list(kv.as_record().items()) == [
+            ("mode", "triforce"),
+            ("offload", "kv"),
+            ("ms_per_token", kv.ms_per_token),
+            ("device_bytes", kv.device_bytes),
+            ("host_bytes", kv.host_bytes),
+            ("fits", kv.fits),
+            ("on_chip_layers", kv.on_chip_layers),
+            ("tokens_per_pass", kv.tokens_per_pass),
+            ("pass_ms", kv.pass_ms),
+            ("draft_ms", kv.draft_ms),
+            ("retrieval_ms", kv.retrieval_ms),
+            ("full_ms", kv.full_ms),
+            ("transfer_ms", kv.transfer_ms),
+            ("memory", {item.what: {"device": item.device_bytes, "host": item.host_bytes} for item in kv.memory}),
+        ]
+        assert kv.host_bytes > 0 and kv.as_record()["memory"]
+        best = prediction.recommendation
+        assert list(best.as_record().items()) == [
+            ("mode", best.mode),
+            ("offload", best.offload),
+            ("budget", best.budget),
+            ("gamma1", best.gamma1),
+            ("gamma2", best.gamma2),
+            ("on_chip_layers", best.on_chip_layers),
+            ("triforce_ms_per_token", best.triforce_ms_per_token),
+            ("autoregressive_ms_per_token", best.autoregressive_ms_per_token),
+            ("mode_ms_per_token", best.mode_ms_per_token),
+            ("speedup_vs_autoregressive", best.speedup),
+            ("fits", best.fits),
+        ]
 
 
 class TestMemory:

@@ -5,7 +5,7 @@ bit, so every mode's output is the fresh engine's, token for token, greedy and s
 import pytest
 import torch
 import triforce_cli.cache.retrieval as retrieval_module
-from conftest import make_model, random_prompt, small_config
+from helpers import make_model, random_prompt, small_config
 
 from triforce_cli.decoding.config import MODES
 from triforce_cli.decoding.engine import Engine

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import save_word_checkpoint
+from helpers import save_word_checkpoint
 from triforce_cli.kernels.native import library_name
 from typer.testing import CliRunner
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import save_word_checkpoint
+from helpers import save_word_checkpoint
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers import wrong_verify_draft
 from scipy.stats import chisquare
 
 from triforce_cli.decoding.sampling import SamplingConfig, Verdict, nucleus, probabilities, sample, verify_draft
@@ -177,14 +178,6 @@ Q = torch.tensor(
         [0.05, 0.60, 0.20, 0.05, 0.05, 0.05],
     ]
 )
-
-
-def wrong_verify_draft(draft_tokens, draft_probs, target_probs, generator):
-    """Speculative sampling that resamples from p (not the residual) after a rejection: NOT exact."""
-    verdict = verify_draft(draft_tokens, draft_probs, target_probs, generator)
-    if verdict.accepted == draft_tokens.shape[0]:
-        return verdict
-    return Verdict(verdict.accepted, int(sample(target_probs[verdict.accepted][None], generator)))
 
 
 def run_trials(verify, trials: int, seed: int, device: str = "cpu") -> list[list[int]]:

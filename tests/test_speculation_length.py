@@ -4,7 +4,7 @@ import itertools
 import random
 
 import pytest
-from conftest import fixed_drafts_at_least, rich_model
+from helpers import fixed_drafts_at_least, rich_model
 from test_speculative import (
     COMBOS,
     MIDDLE_TRIALS,

@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from conftest import (
+from helpers import (
     StubTokenizer,
     fixed_drafts_at_least,
     make_model,
@@ -20,6 +20,7 @@ from conftest import (
     reference_logits,
     rich_model,
     with_eos,
+    wrong_verify_draft,
 )
 from scipy.stats import chisquare
 from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
@@ -27,7 +28,7 @@ from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 from triforce_cli.decoding import speculative
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
-from triforce_cli.decoding.sampling import SamplingConfig, Verdict, probabilities, sample, verify_draft
+from triforce_cli.decoding.sampling import SamplingConfig, probabilities
 from triforce_cli.decoding.speculative import ModelTier, Tier
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError, PromptError
@@ -375,14 +376,6 @@ def target8():
 
 def drafter8():
     return rich_model(101, vocab_size=VOCAB, num_layers=1, name="drafter")
-
-
-def wrong_verify_draft(draft_tokens, draft_probs, target_probs, generator, agree=None):
-    """After a rejection, resample from p instead of the residual: NOT exact (as the reference reads)."""
-    verdict = verify_draft(draft_tokens, draft_probs, target_probs, generator, agree)
-    if verdict.accepted == draft_tokens.shape[0]:
-        return verdict
-    return Verdict(verdict.accepted, int(sample(target_probs[verdict.accepted][None], generator)))
 
 
 def joint_chi_square(pairs: list[tuple[int, int]], first: torch.Tensor, second: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import save_checkpoint
+from helpers import save_checkpoint
 from triforce_cli.kernels import half_weights_available
 from typer.testing import CliRunner
 

@@ -19,6 +19,9 @@ from triforce_cli.runtime.loading import LoadedModel
 
 @dataclass
 class ForwardCost:
+    """The measured milliseconds of forwards of `tokens` new tokens after a prompt of `context` tokens, on one cache
+    (plan.model.PredictedForward holds predicted ones)."""
+
     prompt: str
     context: int
     cache: str  # "full" or "retrieval"

@@ -37,10 +37,9 @@ MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs m
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
 OFFLOAD_CHOICES = ("none", "kv", "kv+weights")
-# Prompt tokens per prefill forward, by device. On the CPU, SDPA's attention over a 7,680-token prompt took 12.4 s
-# in chunks of 256 against 15.2 s in chunks of 512 and 18.1 / 21.7 s in chunks of 384 / 128 (the embedded model,
-# 2 threads); the extension's chunk attention (kernels.attention.chunk_attention), which replaces SDPA on AVX-512
-# CPUs, took 5.1 s and 4.8 s for chunks of 256 and 512. A GPU is kept busy by larger chunks.
+# Prompt tokens per prefill forward, by device. On the CPU, the chunk at which a prompt prefilled fastest with SDPA's
+# attention, and close to the fastest with the extension's chunk attention (kernels.attention.chunk_attention), which
+# replaces SDPA on AVX-512 CPUs; see docs/performance.md. A GPU is kept busy by larger chunks.
 PREFILL_CHUNK = {"cpu": 256, "cuda": 512}
 
 

@@ -46,8 +46,9 @@ def nucleus(probs: torch.Tensor, top_p: float, probe: int | None = None) -> torc
 
     A token stays when the tokens ranked above it hold less than top_p of the mass, so the top token always stays.
     On a CPU the ranking comes from top-k with k grown eightfold from NUCLEUS_PROBE until every row's nucleus ends
-    inside it: sorting a whole 49,152-token vocabulary took 3.8 ms per row on 2 CPU threads, top-64 0.1 ms. Each
-    growth check reads the device, so on a GPU (or with probe = V) the whole vocabulary is ranked at once instead.
+    inside it: a top-k of a few dozen costs a small fraction of sorting a whole vocabulary (see
+    docs/performance.md). Each growth check reads the device, so on a GPU (or with probe = V) the whole vocabulary
+    is ranked at once instead.
     """
     vocab = probs.shape[-1]
     k = min(probe or (vocab if probs.is_cuda else NUCLEUS_PROBE), vocab)
@@ -67,8 +68,8 @@ def nucleus(probs: torch.Tensor, top_p: float, probe: int | None = None) -> torc
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of probs (N, V) -> (N,), by inverting each row's cumulative distribution.
 
-    torch.multinomial took 0.9 ms per 49,152-token row on 2 CPU threads; a cumulative sum and a binary search
-    take a tenth of that. The sums run in float64 so that even tokens of tiny probability keep their share.
+    A cumulative sum and a binary search take a tenth of torch.multinomial's time on a CPU (see
+    docs/performance.md). The sums run in float64 so that even tokens of tiny probability keep their share.
     """
     cumulative = probs.double().cumsum(dim=-1)  # (N, V)
     uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)

@@ -11,10 +11,14 @@ from triforce_cli.decoding.speculative import AcceptanceStats, TierCosts
 
 def as_record(measurement) -> dict[str, Any]:
     """A dataclass instance as a plain dict, as dataclasses.asdict makes it, followed by the derived properties its
-    class names in DERIVED. A key is the attribute's name, unless the class's RECORD_KEYS renames it. Dataclasses
-    nested in it, also inside lists, tuples and dicts, become records too (with their derived properties)."""
+    class names in DERIVED; a class that names the attributes of its record (fields or properties) in RECORD gets
+    those, in that order, instead. A key is the attribute's name, unless the class's RECORD_KEYS renames it.
+    Dataclasses nested in it, also inside lists, tuples and dicts, become records too (with their derived
+    properties)."""
     keys = getattr(measurement, "RECORD_KEYS", {})
-    names = [f.name for f in dataclasses.fields(measurement)] + list(getattr(measurement, "DERIVED", ()))
+    names = getattr(measurement, "RECORD", None)
+    if names is None:
+        names = [f.name for f in dataclasses.fields(measurement)] + list(getattr(measurement, "DERIVED", ()))
     return {keys.get(name, name): _record_value(getattr(measurement, name)) for name in names}
 
 

@@ -19,6 +19,7 @@ pass yields.
 
 import math
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from transformers import LlamaConfig
 
@@ -33,6 +34,7 @@ from triforce_cli.decoding.sizing import (
     staged_layers,
 )
 from triforce_cli.decoding.speculation_length import expected_tokens
+from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.environment import device_reserve
 from triforce_cli.runtime.model import ModelConfig
@@ -157,6 +159,23 @@ class Hardware:
     measured: bool = False  # figures measured on this machine rather than taken from a preset
     gpu: bool = True
 
+    # the record `triforce plan --json` writes: rates in GB/s and TFLOP/s, fixed costs in microseconds
+    RECORD: ClassVar[tuple[str, ...]] = (
+        "name",
+        "gpus",
+        "memory_bytes",
+        "bandwidth_gbs",
+        "pcie_gbs",
+        "tflops",
+        "layer_overhead_us",
+        "link_gbs",
+        "all_reduce_us",
+        "cuda_graphs",
+        "measured",
+        "gpu",
+    )
+    RECORD_KEYS: ClassVar[dict[str, str]] = {"memory_bytes": "memory_bytes_per_device"}
+
     def __post_init__(self) -> None:
         figures = (self.memory_bytes, self.bandwidth, self.pcie, self.flops)
         if min(figures) <= 0 or not all(math.isfinite(f) for f in figures) or self.layer_overhead_s < 0:
@@ -164,21 +183,32 @@ class Hardware:
         if self.gpus < 1 or self.gpus > 1 and self.link <= 0:
             raise ConfigError(f"{self.name}: {self.gpus} GPUs need a positive link bandwidth between them")
 
+    @property
+    def bandwidth_gbs(self) -> float:
+        return self.bandwidth / 1e9
+
+    @property
+    def pcie_gbs(self) -> float:
+        return self.pcie / 1e9
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / 1e12
+
+    @property
+    def layer_overhead_us(self) -> float:
+        return self.layer_overhead_s * 1e6
+
+    @property
+    def link_gbs(self) -> float:
+        return self.link / 1e9
+
+    @property
+    def all_reduce_us(self) -> float:
+        return self.all_reduce_s * 1e6
+
     def as_record(self) -> dict:
-        return {
-            "name": self.name,
-            "gpus": self.gpus,
-            "memory_bytes_per_device": self.memory_bytes,
-            "bandwidth_gbs": self.bandwidth / 1e9,
-            "pcie_gbs": self.pcie / 1e9,
-            "tflops": self.flops / 1e12,
-            "layer_overhead_us": self.layer_overhead_s * 1e6,
-            "link_gbs": self.link / 1e9,
-            "all_reduce_us": self.all_reduce_s * 1e6,
-            "cuda_graphs": self.cuda_graphs,
-            "measured": self.measured,
-            "gpu": self.gpu,
-        }
+        return as_record(self)
 
 
 @dataclass(frozen=True)
@@ -232,6 +262,25 @@ class Row:
     memory: tuple[MemoryItem, ...]
     memory_limit_bytes: int
 
+    # the record `triforce plan --json` writes: the memory by item, and whether it fits rather than the limit
+    RECORD: ClassVar[tuple[str, ...]] = (
+        "mode",
+        "offload",
+        "ms_per_token",
+        "device_bytes",
+        "host_bytes",
+        "fits",
+        "on_chip_layers",
+        "tokens_per_pass",
+        "pass_ms",
+        "draft_ms",
+        "retrieval_ms",
+        "full_ms",
+        "transfer_ms",
+        "memory_by_item",
+    )
+    RECORD_KEYS: ClassVar[dict[str, str]] = {"memory_by_item": "memory"}
+
     @property
     def device_bytes(self) -> int:
         return sum(item.device_bytes for item in self.memory)
@@ -244,23 +293,13 @@ class Row:
     def fits(self) -> bool:
         return self.device_bytes <= self.memory_limit_bytes
 
+    @property
+    def memory_by_item(self) -> dict[str, dict[str, int]]:
+        """Each item's bytes on the device and in host memory, by its name."""
+        return {item.what: {"device": item.device_bytes, "host": item.host_bytes} for item in self.memory}
+
     def as_record(self) -> dict:
-        return {
-            "mode": self.mode,
-            "offload": self.offload,
-            "ms_per_token": self.ms_per_token,
-            "device_bytes": self.device_bytes,
-            "host_bytes": self.host_bytes,
-            "fits": self.fits,
-            "on_chip_layers": self.on_chip_layers,
-            "tokens_per_pass": self.tokens_per_pass,
-            "pass_ms": self.pass_ms,
-            "draft_ms": self.draft_ms,
-            "retrieval_ms": self.retrieval_ms,
-            "full_ms": self.full_ms,
-            "transfer_ms": self.transfer_ms,
-            "memory": {item.what: {"device": item.device_bytes, "host": item.host_bytes} for item in self.memory},
-        }
+        return as_record(self)
 
 
 @dataclass(frozen=True)
@@ -280,25 +319,28 @@ class Recommendation:
     mode_ms_per_token: float
     fits: bool
 
+    RECORD: ClassVar[tuple[str, ...]] = (  # the record `triforce plan --json` writes
+        "mode",
+        "offload",
+        "budget",
+        "gamma1",
+        "gamma2",
+        "on_chip_layers",
+        "triforce_ms_per_token",
+        "autoregressive_ms_per_token",
+        "mode_ms_per_token",
+        "speedup",
+        "fits",
+    )
+    RECORD_KEYS: ClassVar[dict[str, str]] = {"speedup": "speedup_vs_autoregressive"}
+
     @property
     def speedup(self) -> float:
         """TriForce's predicted speedup over autoregressive decoding with the same offload setting."""
         return self.autoregressive_ms_per_token / self.triforce_ms_per_token
 
     def as_record(self) -> dict:
-        return {
-            "mode": self.mode,
-            "offload": self.offload,
-            "budget": self.budget,
-            "gamma1": self.gamma1,
-            "gamma2": self.gamma2,
-            "on_chip_layers": self.on_chip_layers,
-            "triforce_ms_per_token": self.triforce_ms_per_token,
-            "autoregressive_ms_per_token": self.autoregressive_ms_per_token,
-            "mode_ms_per_token": self.mode_ms_per_token,
-            "speedup_vs_autoregressive": self.speedup,
-            "fits": self.fits,
-        }
+        return as_record(self)
 
 
 @dataclass(frozen=True)
@@ -311,12 +353,14 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class ForwardCost:
+class PredictedForward:
+    """The predicted seconds of one forward (bench.forward_costs.ForwardCost holds measured ones)."""
+
     seconds: float
     transfer_seconds: float  # of PCIe transfer, overlapped with the compute inside seconds
 
 
-def forward_cost(
+def predicted_forward(
     *,
     shape: ModelShape,
     hardware: Hardware,
@@ -325,7 +369,7 @@ def forward_cost(
     dtype_bytes: int,
     streamed_layers: int = 0,
     split: bool = True,
-) -> ForwardCost:
+) -> PredictedForward:
     """Predicted seconds of one forward of `tokens` tokens attending to `positions` cached positions, and the
     seconds of PCIe transfer it overlaps.
 
@@ -354,7 +398,7 @@ def forward_cost(
     output_bytes = shape.output_parameters * dtype_bytes / devices
     output_flops = 2 * shape.output_parameters * tokens / devices
     output = max(output_bytes / hardware.bandwidth, output_flops / hardware.flops)
-    return ForwardCost(layers + fixed + output, streamed_layers * transfer)
+    return PredictedForward(layers + fixed + output, streamed_layers * transfer)
 
 
 def memory_items(
@@ -424,7 +468,7 @@ def mode_row(
     streamed = target.num_layers - on_chip if offload == "kv" else 0
     tiers = MODE_TIERS[mode]
     gamma = (cfg.gamma2 if tiers.retrieval else cfg.gamma1) if tiers.speculative else 0
-    full = forward_cost(
+    full = predicted_forward(
         shape=target,
         hardware=hardware,
         tokens=gamma + 1,
@@ -436,7 +480,7 @@ def mode_row(
     drafting = 0.0  # seconds of drafting per full verification
     if tiers.drafter:
         window = min(workload.context, cfg.sink_tokens + cfg.draft_window)
-        draft = forward_cost(
+        draft = predicted_forward(
             shape=drafter, hardware=hardware, tokens=1, positions=window, dtype_bytes=size, split=False
         ).seconds
     if tiers.retrieval:
@@ -444,7 +488,9 @@ def mode_row(
         attended = workload.budget + cfg.chunk_size + cfg.refresh_interval * (cfg.gamma2 + 1) // 2
 
         def on_retrieval(tokens: int) -> float:
-            cost = forward_cost(shape=target, hardware=hardware, tokens=tokens, positions=attended, dtype_bytes=size)
+            cost = predicted_forward(
+                shape=target, hardware=hardware, tokens=tokens, positions=attended, dtype_bytes=size
+            )
             return cost.seconds
 
         retrieval = on_retrieval(1)
