@@ -9,45 +9,50 @@
 
 namespace triforce_cpu {
 
+// Both widths take the same steps with the same constants: clamp to [kExpLow, kExpHigh], n = round(x log2(e)),
+// r = x - n ln2 in two parts (kLn2High + kLn2Low), then p(r) = 1 + r + r^2 (kExpPoly[0] r^5 + ... + kExpPoly[5]).
+constexpr float kExpHigh = 88.3762626647949f;
+constexpr float kExpLow = -88.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f;
+constexpr float kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+constexpr int kExpDegree = sizeof(kExpPoly) / sizeof(kExpPoly[0]);
+
+// Declares r and p(r) from n and the clamped x, in the intrinsics of one width: PS is their prefix (_mm512,
+// _mm256), V the vector type. Written once so that both widths compute the same polynomial the same way.
+#define TRIFORCE_EXP_POLYNOMIAL(PS, V, n, clamped)                                                               \
+  const V r = PS##_fnmadd_ps(n, PS##_set1_ps(kLn2Low), PS##_fnmadd_ps(n, PS##_set1_ps(kLn2High), clamped));      \
+  V p = PS##_set1_ps(kExpPoly[0]);                                                                               \
+  for (int i = 1; i < kExpDegree; ++i) p = PS##_fmadd_ps(p, r, PS##_set1_ps(kExpPoly[i]));                       \
+  p = PS##_fmadd_ps(p, PS##_mul_ps(r, r), PS##_add_ps(r, PS##_set1_ps(1.0f)))
+
 __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
-  const __m512 clamped = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 clamped = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpHigh)), _mm512_set1_ps(kExpLow));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  TRIFORCE_EXP_POLYNOMIAL(_mm512, __m512, n, clamped);
   const __m512 result = _mm512_scalef_ps(p, n);
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.0f), _CMP_LT_OQ);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_LT_OQ);
   return _mm512_mask_blend_ps(zero, result, _mm512_setzero_ps());
 }
 
 __attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
-  const __m256 clamped = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 clamped = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kExpHigh)), _mm256_set1_ps(kExpLow));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  TRIFORCE_EXP_POLYNOMIAL(_mm256, __m256, n, clamped);
   const __m256i whole = _mm256_cvtps_epi32(n);  // -127..127
   const __m256i half = _mm256_srai_epi32(whole, 1);
   const __m256i bias = _mm256_set1_epi32(127);
   const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
   const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(whole, half), bias), 23));
   const __m256 result = _mm256_mul_ps(_mm256_mul_ps(p, first), second);
-  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-88.0f), _CMP_LT_OQ);
+  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLow), _CMP_LT_OQ);
   return _mm256_blendv_ps(result, _mm256_setzero_ps(), zero);
 }
+
+#undef TRIFORCE_EXP_POLYNOMIAL
 
 }  // namespace triforce_cpu
