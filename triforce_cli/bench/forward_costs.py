@@ -14,6 +14,7 @@ import torch
 
 from triforce_cli.cache import FullCache, RetrievalCache
 from triforce_cli.decoding.prompt_state import PromptState
+from triforce_cli.decoding.stats import summary_of
 from triforce_cli.runtime.loading import LoadedModel
 
 
@@ -30,17 +31,9 @@ class ForwardCost:
 
     DERIVED: ClassVar[tuple[str, ...]] = ("median_ms", "min_ms", "max_ms")
 
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.ms)
-
-    @property
-    def min_ms(self) -> float:
-        return min(self.ms)
-
-    @property
-    def max_ms(self) -> float:
-        return max(self.ms)
+    median_ms = summary_of("ms", statistics.median)
+    min_ms = summary_of("ms", min)
+    max_ms = summary_of("ms", max)
 
 
 def _time_forward(target: LoadedModel, cache, new_ids: torch.Tensor, start: int, repeats: int) -> list[float]:

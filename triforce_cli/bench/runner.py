@@ -26,7 +26,7 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.decoding.stats import GenerationResult, as_record
+from triforce_cli.decoding.stats import GenerationResult, as_record, summary_of
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, load_hf_model
 
@@ -144,17 +144,9 @@ class BenchRow:
         "max_ms": "max_ms_per_token",
     }
 
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.ms_per_token)
-
-    @property
-    def min_ms(self) -> float:
-        return min(self.ms_per_token)
-
-    @property
-    def max_ms(self) -> float:
-        return max(self.ms_per_token)
+    median_ms = summary_of("ms_per_token", statistics.median)
+    min_ms = summary_of("ms_per_token", min)
+    max_ms = summary_of("ms_per_token", max)
 
     @property
     def tokens_per_second(self) -> float:
@@ -181,17 +173,9 @@ class OverPrompts:
         "max_speedup_vs_autoregressive",
     )
 
-    @property
-    def median_speedup_vs_autoregressive(self) -> float:
-        return statistics.median(self.speedups_vs_autoregressive)
-
-    @property
-    def min_speedup_vs_autoregressive(self) -> float:
-        return min(self.speedups_vs_autoregressive)
-
-    @property
-    def max_speedup_vs_autoregressive(self) -> float:
-        return max(self.speedups_vs_autoregressive)
+    median_speedup_vs_autoregressive = summary_of("speedups_vs_autoregressive", statistics.median)
+    min_speedup_vs_autoregressive = summary_of("speedups_vs_autoregressive", min)
+    max_speedup_vs_autoregressive = summary_of("speedups_vs_autoregressive", max)
 
 
 def over_prompts(rows: list[BenchRow]) -> list[OverPrompts]:

@@ -3,10 +3,16 @@ turns such measurements into the dicts written as JSON and CSV."""
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from triforce_cli.decoding.speculative import AcceptanceStats, TierCosts
+
+
+def summary_of(values: str, reduce: Callable[[list[float]], float]) -> property:
+    """A read-only property reducing the list attribute named values (its median, min or max) for a record."""
+    return property(lambda measurement: reduce(getattr(measurement, values)), doc=f"{reduce.__name__} of {values}")
 
 
 def as_record(measurement) -> dict[str, Any]:
