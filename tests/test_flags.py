@@ -11,6 +11,7 @@ import io
 import pytest
 import typer
 from rich.console import Console
+from typer.testing import CliRunner
 
 from triforce_cli.bench.runner import BenchConfig
 from triforce_cli.cli.app import app
@@ -21,6 +22,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.distill.trainer import DistillConfig
+from triforce_cli.errors import ConfigError
 
 
 def app_options() -> set[str]:
@@ -98,3 +100,15 @@ def test_errors_and_notes_show_flags():
         "error: tensor parallelism shards dense weights: use --weights dense",
         "could not save the prefill to --prompt-cache /tmp/x (disk full); generating on",
     ]
+
+
+def test_a_config_error_through_the_cli_names_flags(tmp_path):
+    """EngineConfig's check runs before any model loads: the message the library words with settings, as flags."""
+    with pytest.raises(ConfigError, match="^`ngram` needs a `mode` with a drafter tier"):
+        EngineConfig(mode="autoregressive", ngram=True)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello")
+    result = CliRunner().invoke(app, ["generate", "-p", str(prompt), "--ngram", "--mode", "autoregressive", "--json"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith("error: --ngram needs a --mode with a drafter tier (streaming or triforce)")
+    assert "`" not in result.stdout and "--ngram needs a --mode" in result.stdout  # the JSON error too
