@@ -89,7 +89,7 @@ def offload_weights(
     """
     layers = model.model.layers
     if any(hasattr(module, "packed_bytes") or hasattr(module, "scales_and_zeros") for module in layers.modules()):
-        raise ValueError("streamed weights must be dense (--weights dense)")
+        raise ValueError("streamed weights must be dense (`weights` dense)")
     stream = WeightStream(
         layers,
         model.model.embed_tokens,

@@ -38,7 +38,7 @@ def test_window_within_the_trained_context_changes_nothing():
 
 def test_already_scaled_rope_is_refused():
     cfg = llama_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
-    with pytest.raises(ConfigError, match="already scales RoPE"):
+    with pytest.raises(ConfigError, match="already scales RoPE .*; `context_window` cannot extend it further"):
         extend_context(cfg, 10 * cfg.max_position_embeddings)
 
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
 from triforce_cli.cli.console import NOTE_INDENT
-from triforce_cli.decoding.prompt_state import PromptCache
+from triforce_cli.decoding.prompt_state import PromptCache, check_writable
+from triforce_cli.errors import ConfigError
 from triforce_cli.runtime import store
 
 GREEDY_SHORT = ("--max-new-tokens", 6, "--temperature", 0, "--mode", "autoregressive", "--json")
@@ -197,6 +198,12 @@ class TestNothingIsLost:
         assert len(lines) == 1 and lines[0].startswith("error:") and "--prompt-cache" in lines[0], result.stderr
         assert "converting" not in result.stderr and result.stdout == ""
 
+    def test_the_library_names_the_setting(self, tmp_path):
+        blocker = tmp_path / "a-file"
+        blocker.write_text("x")
+        with pytest.raises(ConfigError, match="^`prompt_cache` .* is not a folder that can be written to"):
+            check_writable(blocker / "prompts")
+
     @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
     def test_read_only_folder_is_refused(self, two_checkpoints, words, tmp_path):
         folder = tmp_path / "read-only"
@@ -222,6 +229,7 @@ class TestNothingIsLost:
             line for line in result.stderr.replace("\n" + NOTE_INDENT, " ").splitlines() if "could not save" in line
         ]
         assert len(warnings) == 1 and "No space left" in warnings[0]
+        assert f"--prompt-cache {folder}" in warnings[0]  # the library's `prompt_cache`, as the flag
         assert result.stdout.split() == json_run(*args, "--json")["text"].split()
         assert not list(folder.glob("*.safetensors")) and not list(folder.glob("*.partial"))
 

@@ -1,7 +1,7 @@
 """How commands speak to the terminal: dim status notes, and every failure as one line with a non-zero exit.
 
 Domain errors (TriforceError), running out of memory and Ctrl-C (or SIGTERM) become one ``error:`` line on stderr
-here, at the command-line boundary only; with ``--json`` the same message also goes to stdout as ``{"error": ...}``,
+here, at the command-line boundary only, the settings they name in backticks as flags (cli/flags.py); with ``--json`` the same message also goes to stdout as ``{"error": ...}``,
 so a script reading stdout always gets one JSON object. A reader that closes stdout early (``| head``) ends the
 command quietly.
 """
@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from triforce_cli.cli.flags import flag_text
 from triforce_cli.errors import TriforceError
 from triforce_cli.interrupts import InterruptWatch, interrupted_exit_code
 from triforce_cli.runtime.parallel import launch_rank
@@ -51,15 +52,16 @@ def wrap_note(message: str, width: int) -> list[str]:
 
 
 def print_note(console: Console, message: str) -> None:
-    """A dim status note, printed as it is (model names and paths may contain brackets), wrapped to the console's
-    width by wrap_note rather than by Rich, which would break inside a size or a name."""
-    console.print(Text("\n".join(wrap_note(message, console.width)), style="dim"), soft_wrap=True)
+    """A dim status note, printed as it is (model names and paths may contain brackets) but for the settings it
+    names (flag_text), wrapped to the console's width by wrap_note rather than by Rich, which would break inside a
+    size or a name."""
+    console.print(Text("\n".join(wrap_note(flag_text(message), console.width)), style="dim"), soft_wrap=True)
 
 
 def print_error(console: Console, message: str, json_output: bool = False) -> None:
-    """One line, printed as it is (no Rich markup or emoji codes are read from it); with json_output also a JSON
-    object on stdout."""
-    line = first_line(message)
+    """One line, printed as it is (no Rich markup or emoji codes are read from it) but for the settings it names,
+    which become flags (flag_text); with json_output also a JSON object on stdout."""
+    line = first_line(flag_text(message))
     console.print(Text.assemble(("error:", "bold red"), " ", line), soft_wrap=True)
     if json_output:
         print(json.dumps({"error": line}))

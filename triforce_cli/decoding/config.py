@@ -141,7 +141,7 @@ class EngineConfig:
             ),
             (self.on_chip_layers >= 0, "on-chip layers must not be negative"),
             (self.cache_positions is None or self.cache_positions > 0, "cache positions must be positive"),
-            (not self.ngram or self.uses_drafter, f"--ngram needs a mode with a drafter tier ({drafter_modes})"),
+            (not self.ngram or self.uses_drafter, f"`ngram` needs a `mode` with a drafter tier ({drafter_modes})"),
             (0 <= self.sampling.temperature < math.inf, "temperature must be a finite number, 0 or more"),
             (0 < self.sampling.top_p <= 1, "top-p must lie in (0, 1]"),
             (self.sampling.top_k >= 0, "top-k must not be negative"),
@@ -182,7 +182,7 @@ class EngineConfig:
             if whole_chunks == 0:
                 raise ConfigError(
                     f"prompt of {prompt_tokens} tokens is shorter than one retrieval chunk ({self.chunk_size});"
-                    " use a smaller --chunk-size or --mode streaming/autoregressive"
+                    " use a smaller `chunk_size` or `mode` streaming/autoregressive"
                 )
             return min(DEFAULT_BUDGET, whole_chunks)
         if self.budget > whole_chunks:

@@ -97,7 +97,7 @@ def check_writable(folder: Path) -> None:
             pass
     except OSError as err:
         reason = err.strerror or type(err).__name__
-        raise ConfigError(f"--prompt-cache {folder} is not a folder that can be written to: {reason}") from None
+        raise ConfigError(f"`prompt_cache` {folder} is not a folder that can be written to: {reason}") from None
 
 
 class StaleEntry(Exception):
@@ -235,7 +235,7 @@ class PromptCache:
             write_atomically(path, lambda partial: save_file(tensors, partial, metadata=metadata))
             self._index(path, prompt_ids)
         except (OSError, SafetensorError) as err:
-            self._note(f"could not save the prefill to --prompt-cache {self.folder} ({err}); generating on")
+            self._note(f"could not save the prefill to `prompt_cache` {self.folder} ({err}); generating on")
             return
         evict(self.folder, keep=path)
 

@@ -26,7 +26,7 @@ def extend_context(hf_config: PretrainedConfig, window: int) -> float | None:
     if rope_type != "default":
         raise ConfigError(
             f"the model already scales RoPE ('{rope_type}', {hf_config.max_position_embeddings} tokens);"
-            " --context-window cannot extend it further"
+            " `context_window` cannot extend it further"
         )
     original = hf_config.max_position_embeddings
     factor = window / original

@@ -106,7 +106,7 @@ def apply_tp(model: Transformer) -> None:
     if cfg.num_kv_heads % shards or cfg.num_heads % shards or cfg.intermediate_size % shards:
         raise ConfigError(
             f"{cfg.num_kv_heads} KV heads, {cfg.num_heads} query heads and {cfg.intermediate_size} MLP rows must"
-            f" all divide by the {shards} processes: run with a --nproc-per-node that divides them"
+            f" all divide by the {shards} processes: launch torchrun with a --nproc-per-node that divides them"
         )
     q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for layer in model.model.layers:
@@ -114,7 +114,7 @@ def apply_tp(model: Transformer) -> None:
         if not all(
             isinstance(m, Linear) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ):
-            raise ConfigError("tensor parallelism shards dense weights: use --weights dense")
+            raise ConfigError("tensor parallelism shards dense weights: use `weights` dense")
         qkv = attention.qkv_proj
         parts = [q_rows, kv_rows, kv_rows]
         attention.qkv_proj = _linear(

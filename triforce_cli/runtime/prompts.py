@@ -40,7 +40,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> 
     if not chat:
         return tokenizer(text).input_ids
     if not getattr(tokenizer, "chat_template", None):
-        raise PromptError("--chat needs a chat template, and this model's tokenizer has none")
+        raise PromptError("`chat` needs a chat template, and this model's tokenizer has none")
     return tokenizer(user_turn(tokenizer, text), add_special_tokens=False).input_ids
 
 
