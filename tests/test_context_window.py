@@ -66,7 +66,7 @@ def test_engine_accepts_prompts_up_to_the_window(tmp_path):
     save_checkpoint(tmp_path / "ckpt", max_position_embeddings=TRAINED)
     config = EngineConfig(mode="autoregressive", max_new_tokens=4)
     prompt = random_prompt(2 * TRAINED, 31, seed=4)
-    with pytest.raises(PromptError, match="--context-window"):
+    with pytest.raises(PromptError, match="`context_window`"):
         Engine(load_model(str(tmp_path / "ckpt")), config).check_prompt(prompt)
     # No end-of-sequence id: a random model may well pick it, and this test is about the window, not stopping.
     extended = with_eos(load_model(str(tmp_path / "ckpt"), context_window=4 * TRAINED))
