@@ -576,7 +576,7 @@ def test_bench_plot_without_matplotlib_fails_before_loading_anything(monkeypatch
     result = invoke_bench("--target", tmp_path / "never-loaded", "--plot", tmp_path / "latency.png")
     assert result.exit_code == 1, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --plot needs matplotlib: pip install matplotlib"], result.output
+    assert errors == ["error: plotting needs matplotlib: pip install matplotlib"], result.output
 
 
 def test_bench_command_reuses_the_prompt_cache(checkpoint, prompt_file, tmp_path):

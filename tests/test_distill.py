@@ -86,11 +86,11 @@ def test_frequent_tokens_keeps_the_most_frequent_and_the_required_ids():
 def test_config_validation():
     with pytest.raises(ConfigError, match="training text"):
         DistillConfig()
-    with pytest.raises(ConfigError, match="init-layers"):
+    with pytest.raises(ConfigError, match="`init_layers`"):
         DistillConfig(builtin=("stdlib-train",), init_layers=())
-    with pytest.raises(ConfigError, match="draft-vocab"):
+    with pytest.raises(ConfigError, match="`draft_vocab`"):
         DistillConfig(builtin=("stdlib-train",), draft_vocab=-1)
-    with pytest.raises(ConfigError, match="save-dtype"):
+    with pytest.raises(ConfigError, match="`save_dtype`"):
         DistillConfig(builtin=("stdlib-train",), save_dtype="int8")
 
 
@@ -256,7 +256,7 @@ def test_interrupted_run_resumes_to_the_same_weights(target_folder, text_file, t
     assert_identical(restored.drafter.state_dict(), interrupted.drafter.state_dict(), "drafter")
     assert (restored.step, restored.history, restored.output_ids) == (6, interrupted.history, None)
     assert stopped.seconds <= restored.seconds <= stopped.seconds + 1  # saved just after the report
-    with pytest.raises(ConfigError, match="--resume"):
+    with pytest.raises(ConfigError, match="`resume`"):
         Distiller(config, teacher, tokenizer, checkpoint, out)
     with pytest.raises(ConfigError, match="other settings"):
         Distiller(tiny_config(text_file, top_k=3), teacher, tokenizer, checkpoint, out, resume=True)
@@ -294,14 +294,14 @@ def test_held_out_text_measures_acceptance_apart_from_the_training_text(target_f
 
 
 def test_held_out_text_must_not_be_training_text(text_file, tmp_path):
-    with pytest.raises(ConfigError, match="--held-out stdlib-train is also training text"):
+    with pytest.raises(ConfigError, match="`held_out_text` stdlib-train is also training text"):
         DistillConfig(builtin=("stdlib-train",), held_out_text=("stdlib-a", "stdlib-train"))
     same_file = f"{text_file.parent}/../{text_file.parent.name}/{text_file.name}"
     with pytest.raises(ConfigError, match="is also training text"):
         tiny_config(text_file, held_out_text=(same_file,))
-    with pytest.raises(ConfigError, match="--held-out stdlib-train-source is also training text"):
+    with pytest.raises(ConfigError, match="`held_out_text` stdlib-train-source is also training text"):
         DistillConfig(builtin=("stdlib-train",), held_out_text=("stdlib-train-source",))  # the same docstrings
-    with pytest.raises(ConfigError, match="--held-out stdlib-train is also training text"):
+    with pytest.raises(ConfigError, match="`held_out_text` stdlib-train is also training text"):
         DistillConfig(builtin=("stdlib-train-source",), held_out_text=("stdlib-train",))
     with pytest.raises(ConfigError, match="neither a file nor a built-in text"):
         tiny_config(text_file, held_out_text=("stdlib-c",))
@@ -375,9 +375,9 @@ def test_init_from_refuses_what_does_not_fit(target_folder, text_file, tmp_path)
         ({"init_from": str(foreign)}, "distilled for another-target; its embeddings are not those of tiny-target"),
         (
             {"init_from": str(first), "init_layers": (0, 1)},
-            "started from target layers 0,2; pass --init-layers 0,2",
+            "started from target layers 0,2; pass `init_layers` 0,2",
         ),
-        ({"init_from": str(first)}, "covers 12 output tokens; pass --draft-vocab 12"),
+        ({"init_from": str(first)}, "covers 12 output tokens; pass `draft_vocab` 12"),
     ]
     for changes, message in cases:
         with pytest.raises(ConfigError, match=message):

@@ -21,8 +21,9 @@ from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.distill.trainer import DistillConfig
+from triforce_cli.distill.trainer import DistillConfig, Distiller
 from triforce_cli.errors import ConfigError
+from triforce_cli.plan.presets import with_figures
 
 
 def app_options() -> set[str]:
@@ -46,7 +47,7 @@ def library_keywords() -> set[str]:
         for config in (EngineConfig, SamplingConfig, BenchConfig, DistillConfig)
         for f in dataclasses.fields(config)
     }
-    functions = (Pipeline.load, Pipeline.generate, ChatSession.prefill)
+    functions = (Pipeline.load, Pipeline.generate, ChatSession.prefill, Distiller.__init__, with_figures)
     return fields | {name for function in functions for name in inspect.signature(function).parameters}
 
 

@@ -52,7 +52,7 @@ class LlamaCppPeer:
         if not llama_cpp_available():
             raise ConfigError(f"the {LLAMA_CPP_PEER} peer needs llama-cpp-python: {INSTALL_HINT}")
         if gguf is None:
-            raise ConfigError(f"the {LLAMA_CPP_PEER} peer needs a GGUF target (--target file.gguf)")
+            raise ConfigError(f"the {LLAMA_CPP_PEER} peer needs a GGUF target (`target` file.gguf)")
         import llama_cpp
 
         self.llm = llama_cpp.Llama(

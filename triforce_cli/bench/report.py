@@ -39,7 +39,7 @@ def write_qa_results(rows: list[QARow], path: Path, command: str, setup: dict) -
 def check_results_path(path: Path | None) -> None:
     """Refuse an --out file of an unknown kind before the bench runs, not after."""
     if path is not None and path.suffix not in RESULT_SUFFIXES:
-        raise ConfigError(f"--out must end in .json or .csv, not {path.suffix or 'nothing'}")
+        raise ConfigError(f"`out` must end in .json or .csv, not {path.suffix or 'nothing'}")
 
 
 def write_results(
@@ -86,7 +86,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+        raise ConfigError("plotting needs matplotlib: pip install matplotlib") from None
     return plt
 
 

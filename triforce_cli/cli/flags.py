@@ -72,6 +72,11 @@ FLAGS = {
     "eval_every": "--eval-every",
     "acceptance_temperature": "--acceptance-temperature",
     "save_dtype": "--save-dtype",
+    # Distiller (where the drafter is written, and whether to go on from its checkpoint)
+    "out": "--out",
+    "resume": "--resume",
+    # plan.presets.with_figures
+    "gpus": "--gpus",
 }
 
 # A switch given a value: "`compile_steps` False" is --no-compile, not "--compile False". Read before FLAGS.

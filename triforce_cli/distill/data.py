@@ -69,7 +69,7 @@ def text_windows(
     count = len(ids) // seq_len
     if count < minimum:
         raise ConfigError(
-            f"the {kind} text has {len(ids)} tokens: at least {minimum * seq_len} are needed for --seq-len {seq_len}"
+            f"the {kind} text has {len(ids)} tokens: at least {minimum * seq_len} are needed for `seq_len` {seq_len}"
         )
     return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
 

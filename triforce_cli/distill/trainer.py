@@ -79,17 +79,17 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         if not self.data and not self.builtin:
-            raise ConfigError("distill needs training text: --data files and/or --builtin documents")
+            raise ConfigError("distill needs training text: `data` files and/or `builtin` documents")
         if not self.init_layers or min(self.init_layers) < 0:
-            raise ConfigError("--init-layers must name target layers, e.g. 0,1,2,3")
+            raise ConfigError("`init_layers` must name target layers, e.g. 0,1,2,3")
         if self.top_k < 1 or self.seq_len < 8 or self.batch_size < 1 or self.max_steps < 1:
             raise ConfigError(
-                "--top-k and --batch-size must be at least 1, --seq-len at least 8, --max-steps at least 1"
+                "`top_k` and `batch_size` must be at least 1, `seq_len` at least 8, `max_steps` at least 1"
             )
         if self.draft_vocab < 0:
-            raise ConfigError("--draft-vocab must be 0 (the whole vocabulary) or a token count")
+            raise ConfigError("`draft_vocab` must be 0 (the whole vocabulary) or a token count")
         if self.held_out_windows < 1 or self.eval_every < 1 or self.self_generate < 0:
-            raise ConfigError("--held-out-windows and --eval-every must be at least 1, --self-generate not negative")
+            raise ConfigError("`held_out_windows` and `eval_every` must be at least 1, `self_generate` not negative")
         rates = (self.learning_rate, self.acceptance_temperature, self.self_temperature)
         if not all(0 < rate < math.inf for rate in rates):
             raise ConfigError("the learning rate and temperatures must be positive finite numbers")
@@ -97,12 +97,14 @@ class DistillConfig:
         for name in self.held_out_text:
             if name not in BUILTIN_NAMES and not Path(name).expanduser().is_file():
                 raise ConfigError(
-                    f"--held-out {name} is neither a file nor a built-in text ({', '.join(BUILTIN_NAMES)})"
+                    f"`held_out_text` {name} is neither a file nor a built-in text ({', '.join(BUILTIN_NAMES)})"
                 )
             if (shared_texts(name) if name in BUILTIN_NAMES else {text_file_key(name)}) & trained_on:
-                raise ConfigError(f"--held-out {name} is also training text: hold out text the drafter does not see")
+                raise ConfigError(
+                    f"`held_out_text` {name} is also training text: hold out text the drafter does not see"
+                )
         if self.save_dtype not in SAVE_DTYPES:
-            raise ConfigError(f"unknown --save-dtype '{self.save_dtype}' (choose from {', '.join(SAVE_DTYPES)})")
+            raise ConfigError(f"unknown `save_dtype` '{self.save_dtype}' (choose from {', '.join(SAVE_DTYPES)})")
 
 
 def text_file_key(path: str) -> str:
@@ -209,7 +211,7 @@ class DrafterStart:
 def read_drafter_start(config: DistillConfig, target: Checkpoint, vocab_size: int) -> DrafterStart:
     """The drafter folder config.init_from, checked against the target and the drafter shape config asks for."""
     folder = Path(config.init_from)
-    name = f"--init-from {folder}"
+    name = f"`init_from` {folder}"
     try:
         settings = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -225,11 +227,11 @@ def read_drafter_start(config: DistillConfig, target: Checkpoint, vocab_size: in
     layers = tuple(metadata["distill"].get("init_layers", ()))
     if layers != config.init_layers:
         named = ",".join(map(str, layers))
-        raise ConfigError(f"{name} started from target layers {named}; pass --init-layers {named}")
+        raise ConfigError(f"{name} started from target layers {named}; pass `init_layers` {named}")
     output_ids = metadata.get("output_ids")
     covered = len(output_ids) if output_ids else 0
     if covered != (config.draft_vocab if config.draft_vocab < vocab_size else 0):
-        raise ConfigError(f"{name} covers {covered or 'all'} output tokens; pass --draft-vocab {covered}")
+        raise ConfigError(f"{name} covers {covered or 'all'} output tokens; pass `draft_vocab` {covered}")
     weights = {key: tensor.float() for key, tensor in load_file(folder / "model.safetensors").items()}
     return DrafterStart(weights, torch.tensor(output_ids) if output_ids else None)
 
@@ -253,7 +255,7 @@ def save_checkpoint(path: Path, state: dict) -> None:
 
 def read_checkpoint(path: Path) -> dict:
     """The state save_checkpoint wrote to path, as it was given; a ConfigError for any other file."""
-    remedy = "start again with a new --out"
+    remedy = "start again with a new `out`"
     tensors, record = load_tensors(path, remedy)
     try:
         state = {key: record[key] for key in ("config", "step", "seconds", "history")}
@@ -311,15 +313,15 @@ class Distiller:
         if (out / PICKLED_CHECKPOINT_NAME).is_file() and not checkpoint_path.is_file():
             raise ConfigError(
                 f"{out} holds a {PICKLED_CHECKPOINT_NAME} written in an older format that cannot be read safely: "
-                "start again with a new --out"
+                "start again with a new `out`"
             )
         if checkpoint_path.is_file() and not resume:
-            raise ConfigError(f"{out} holds an unfinished distillation: pass --resume, or choose another --out")
+            raise ConfigError(f"{out} holds an unfinished distillation: pass `resume`, or choose another `out`")
         if resume and not checkpoint_path.is_file():
             raise ConfigError(f"nothing to resume: {out} has no {CHECKPOINT_NAME}")
         available = teacher.config.num_hidden_layers
         if max(config.init_layers) >= available:
-            raise ConfigError(f"--init-layers names layer {max(config.init_layers)}, but the target has {available}")
+            raise ConfigError(f"`init_layers` names layer {max(config.init_layers)}, but the target has {available}")
         self.work.mkdir(parents=True, exist_ok=True)
         self.checkpoint = read_checkpoint(checkpoint_path) if resume else None
         # compared as the checkpoint's JSON record holds the settings: tuples as lists
@@ -388,7 +390,7 @@ class Distiller:
             except RuntimeError:  # a tensor of another shape
                 loaded = None
             if loaded is None or loaded.unexpected_keys or set(loaded.missing_keys) - set(SHARED_WEIGHTS):
-                raise ConfigError(f"--init-from {cfg.init_from}: its weights do not fit a drafter of this target")
+                raise ConfigError(f"`init_from` {cfg.init_from}: its weights do not fit a drafter of this target")
         trainable = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
         if self._resumes_training:

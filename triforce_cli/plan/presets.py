@@ -265,7 +265,7 @@ def with_figures(
     """hardware with the figures given in place of its own (None keeps one). More than one GPU where the machine
     has no link between them links them over its PCIe with PCIE_ALL_REDUCE_S per all-reduce."""
     if gpus is not None and gpus > 1 and hardware.measured:
-        raise ConfigError(f"--gpus {gpus} needs a GPU machine, not {hardware.name}")
+        raise ConfigError(f"`gpus` {gpus} needs a GPU machine, not {hardware.name}")
     devices = hardware.gpus if gpus is None else gpus
     pcie = hardware.pcie if pcie_gbs is None else pcie_gbs * 1e9
     linked = devices == 1 or hardware.link > 0
