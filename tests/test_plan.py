@@ -18,6 +18,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import MODE_TIERS, MODES, PREFILL_CHUNK, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sizing import RING_LAYERS
+from triforce_cli.decoding.stats import as_record
 from triforce_cli.plan import DEFAULT_ACCEPTANCE, MODELS, Acceptance, Hardware, Workload, plan
 from triforce_cli.plan.model import ModelShape
 from triforce_cli.plan.presets import GIB, HARDWARE, HARDWARE_CHOICES, SMOLLM2_135M, SMOLLM2_135M_DRAFTER, hardware_name
@@ -101,7 +102,7 @@ class TestJson:
         and TFLOP/s, fixed costs in microseconds, the memory by item, the speedup beside the latencies."""
         machine = replace(HARDWARE["rtx-4090"], gpus=2, link=25e9, all_reduce_s=30e-6)
         prediction = predict("Llama-2-7B-128K", machine, 49152)
-        assert list(machine.as_record().items()) == [
+        assert list(as_record(machine).items()) == [
             ("name", machine.name),
             ("gpus", 2),
             ("memory_bytes_per_device", machine.memory_bytes),
@@ -116,7 +117,7 @@ class TestJson:
             ("gpu", True),
         ]
         kv = prediction.row("triforce", "kv")
-        assert list(kv.as_record().items()) == [
+        assert list(as_record(kv).items()) == [
             ("mode", "triforce"),
             ("offload", "kv"),
             ("ms_per_token", kv.ms_per_token),
@@ -132,9 +133,9 @@ class TestJson:
             ("transfer_ms", kv.transfer_ms),
             ("memory", {item.what: {"device": item.device_bytes, "host": item.host_bytes} for item in kv.memory}),
         ]
-        assert kv.host_bytes > 0 and kv.as_record()["memory"]
+        assert kv.host_bytes > 0 and as_record(kv)["memory"]
         best = prediction.recommendation
-        assert list(best.as_record().items()) == [
+        assert list(as_record(best).items()) == [
             ("mode", best.mode),
             ("offload", best.offload),
             ("budget", best.budget),

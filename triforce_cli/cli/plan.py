@@ -16,6 +16,7 @@ from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import DTYPES
+from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan.plot import plot_predicted_latency
 from triforce_cli.runtime.store import human_size
@@ -166,7 +167,7 @@ def plan_record(
             "drafter": preset.drafter.name,
             "drafter_parameters": preset.drafter.parameters,
         },
-        "hardware": machine.as_record(),
+        "hardware": as_record(machine),
         "settings": {
             "context": workload.context,
             "budget": workload.budget,
@@ -178,8 +179,8 @@ def plan_record(
             "acceptance_retrieval": workload.acceptance.retrieval,
             "dtype": dtype,
         },
-        "rows": [row.as_record() for row in prediction.rows],
-        "recommendation": prediction.recommendation.as_record(),
+        "rows": [as_record(row) for row in prediction.rows],
+        "recommendation": as_record(prediction.recommendation),
     }
 
 

@@ -34,7 +34,6 @@ from triforce_cli.decoding.sizing import (
     staged_layers,
 )
 from triforce_cli.decoding.speculation_length import expected_tokens
-from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.environment import device_reserve
 from triforce_cli.runtime.model import ModelConfig
@@ -207,9 +206,6 @@ class Hardware:
     def all_reduce_us(self) -> float:
         return self.all_reduce_s * 1e6
 
-    def as_record(self) -> dict:
-        return as_record(self)
-
 
 @dataclass(frozen=True)
 class Acceptance:
@@ -298,9 +294,6 @@ class Row:
         """Each item's bytes on the device and in host memory, by its name."""
         return {item.what: {"device": item.device_bytes, "host": item.host_bytes} for item in self.memory}
 
-    def as_record(self) -> dict:
-        return as_record(self)
-
 
 @dataclass(frozen=True)
 class Recommendation:
@@ -338,9 +331,6 @@ class Recommendation:
     def speedup(self) -> float:
         """TriForce's predicted speedup over autoregressive decoding with the same offload setting."""
         return self.autoregressive_ms_per_token / self.triforce_ms_per_token
-
-    def as_record(self) -> dict:
-        return as_record(self)
 
 
 @dataclass(frozen=True)
