@@ -17,6 +17,7 @@ latency per token is the cost of one pass of its top tier (the drafting beneath 
 pass yields.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -36,7 +37,7 @@ from triforce_cli.decoding.sizing import (
 from triforce_cli.decoding.speculation_length import expected_tokens
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.environment import device_reserve
-from triforce_cli.runtime.model import ModelConfig
+from triforce_cli.runtime.model import HF_SHAPE_NAMES, ModelConfig
 
 # the offload settings planned: streamed weights (kv+weights, for models larger than the card) are not modelled
 PLANNED_OFFLOADS = ("none", "kv")
@@ -73,28 +74,14 @@ class ModelShape:
     @classmethod
     def from_config(cls, *, name: str, config: ModelConfig) -> "ModelShape":
         """The shape of a model the runtime reads (runtime.model.ModelConfig, from a config.json)."""
-        return cls(
-            name=name,
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            vocab_size=config.vocab_size,
-            tie_word_embeddings=config.tie_word_embeddings,
-            attention_bias=config.attention_bias,
-        )
+        shared = [field.name for field in dataclasses.fields(cls) if field.name not in ("name", "output_vocab")]
+        return cls(name=name, **{field: getattr(config, field) for field in shared})
 
     def llama_config(self, **settings) -> LlamaConfig:
         """A transformers config of a Llama of this shape, to build one (random-weight checks, tests); settings:
         other fields of the config (context length, RoPE)."""
         return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
+            **{theirs: getattr(self, ours) for ours, theirs in HF_SHAPE_NAMES.items()},
             num_key_value_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             tie_word_embeddings=self.tie_word_embeddings,

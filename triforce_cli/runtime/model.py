@@ -46,6 +46,16 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's architecture is not one this runtime implements."""
 
 
+# the shape fields every Llama-family config has, by their names here and in a transformers config
+HF_SHAPE_NAMES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -74,11 +84,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"rope type '{rope.get('rope_type')}' is not supported")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return cls(
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
+            **{ours: getattr(hf, theirs) for ours, theirs in HF_SHAPE_NAMES.items()},
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
