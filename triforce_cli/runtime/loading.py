@@ -80,7 +80,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.norm.weight.device
+        return self.model.device
 
     @property
     def half_prompt_cache(self) -> bool:

@@ -345,8 +345,8 @@ class Transformer(nn.Module):
     @property
     def attention_backend(self) -> str:
         """The kernel family attention runs on: as set by use_attention, else the fastest for the weights."""
-        weight = self.model.norm.weight  # a parameter in every weight form
-        return self.model.layers[0].self_attn.backend or attention_backend(weight.device, weight.dtype)
+        dtype = self.model.norm.weight.dtype  # a parameter in every weight form
+        return self.model.layers[0].self_attn.backend or attention_backend(self.device, dtype)
 
     def compile_steps(self, mode: str | None = None, backend: str = "inductor") -> None:
         """Run decode steps on caches made static (KVCache.make_static) as fixed-shape compiled graphs.
