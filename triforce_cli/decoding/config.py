@@ -7,6 +7,7 @@ from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculation_length import POLICIES
 from triforce_cli.errors import ConfigError
 from triforce_cli.kernels import CHUNK_SCORES
+from triforce_cli.runtime.forms import OFFLOAD_CHOICES, OffloadMode
 
 GAMMA_POLICIES = ("auto", *POLICIES)
 
@@ -36,7 +37,6 @@ MODES = tuple(MODE_TIERS)
 MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs more than it saves
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
-OFFLOAD_CHOICES = ("none", "kv", "kv+weights")
 # Prompt tokens per prefill forward, by device. On the CPU, SDPA's attention over a 7,680-token prompt took 12.4 s
 # in chunks of 256 against 15.2 s in chunks of 512 and 18.1 / 21.7 s in chunks of 384 / 128 (the embedded model,
 # 2 threads); the extension's chunk attention (kernels.attention.chunk_attention), which replaces SDPA on AVX-512
@@ -90,7 +90,7 @@ class EngineConfig:
     ngram: bool | None = None
     ngram_max: int = 3
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
-    offload: str = "none"
+    offload: str = OffloadMode.NONE
     on_chip_layers: int = 0
     cache_positions: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
