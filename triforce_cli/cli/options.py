@@ -11,15 +11,17 @@ from typing import Annotated, Literal
 import typer
 
 from triforce_cli.bench.runner import ALL_MODES
-from triforce_cli.decoding.config import GAMMA_POLICIES, MODES, OFFLOAD_CHOICES
-from triforce_cli.decoding.pipeline import DTYPES
+from triforce_cli.corpus import BENCH_PROMPTS
+from triforce_cli.decoding.config import GAMMA_POLICIES, MODES
+from triforce_cli.decoding.setup import DTYPES
 from triforce_cli.kernels import ATTENTION_BACKENDS, CHUNK_SCORES
-from triforce_cli.runtime.loading import WEIGHT_CHOICES
+from triforce_cli.runtime.forms import OFFLOAD_CHOICES, WEIGHT_CHOICES
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_TOKENS = 2**30  # far beyond any context a model or a cache here can hold
 MAX_THREADS = 1024
 MAX_LAYERS = 1024  # decoder layers of any model this runtime loads
+MAX_REPEATS = 100
 
 
 def parse_token_count(text: str) -> int:
@@ -269,3 +271,38 @@ ForwardCosts = Annotated[
     tuple | None,
     typer.Option(parser=token_counts, metavar="T,...", help="Also time one target forward of T tokens, e.g. 1,2,4,8."),
 ]
+
+# Bench runs
+BenchPromptFiles = Annotated[
+    list[Path] | None,
+    typer.Option("--prompt-file", "-p", metavar="FILE", help="Prompt file; repeat for several."),
+]
+CONTINUED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is None)
+ASKED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is not None)
+BenchBuiltin = Annotated[
+    tuple,
+    typer.Option(
+        parser=names_of(tuple(BENCH_PROMPTS)),
+        metavar="NAME,...",
+        help=f"Built-in prompts when no file is given: documents continued ({CONTINUED}) and chat turns "
+        f"asking about a document ({ASKED}; they need a chat template). Files are continued. qa: the prompts' "
+        "documents [default: qa-stdlib-b's].",
+    ),
+]
+Repeats = Annotated[int, typer.Option(min=1, max=MAX_REPEATS, metavar="N", help="Timed runs of every mode.")]
+Warmup = Annotated[int, typer.Option(min=0, max=MAX_REPEATS, metavar="N", help="Untimed runs of every mode first.")]
+Scenario = Annotated[
+    Literal["decode", "qa"],
+    typer.Option(
+        metavar="decode|qa",
+        help="decode: per-token latency of each prompt; qa: one document, questions asked in turn as a chat, "
+        "the time to each answer.",
+    ),
+]
+Questions = Annotated[
+    Path | None,
+    typer.Option(metavar="FILE", help="qa: the questions, one per line [default: built-in ones]."),
+]
+ResultsFile = Annotated[Path | None, typer.Option(metavar="FILE", help="Write the results to a .json or .csv file.")]
+PlotFile = Annotated[Path | None, typer.Option(metavar="FILE", help="Write a PNG of latency against context length.")]
+
