@@ -317,14 +317,17 @@ def attention_in_cache(
 ATTENTION_BACKENDS = ("flash", "sdpa", "cpu")
 
 
-def attention_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
+def attention_backend(
+    device: torch.device, dtype: torch.dtype, requested: str = "auto", flash_installed: bool | None = None
+) -> str:
     """The kernel family attention() uses for tensors on device in dtype: 'flash' (FlashAttention, CUDA and a 16-bit
     dtype, where flash-attn is installed), 'sdpa' (torch ops, anywhere: torch_attention) or 'cpu' (the CPU kernels
     below). 'auto' picks the fastest that runs; a requested one that cannot run is a ValueError saying why.
+    flash_installed: whether flash-attn is there, where the caller knows; None: whether it imported here.
     """
-    flash_runs = (
-        device.type == "cuda" and optional.flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16)
-    )
+    if flash_installed is None:
+        flash_installed = optional.flash_attn_func is not None
+    flash_runs = device.type == "cuda" and flash_installed and dtype in (torch.float16, torch.bfloat16)
     if requested == "auto":
         return "flash" if flash_runs else "sdpa" if device.type == "cuda" else "cpu"
     if requested not in ATTENTION_BACKENDS:

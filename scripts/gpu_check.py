@@ -23,8 +23,8 @@ import torch
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
-from triforce_cli.decoding.pipeline import resolve_attention
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import resolve_attention
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan import MODELS
 from triforce_cli.plan.model import ModelShape

@@ -19,7 +19,7 @@ from triforce_cli.cache import FullCache
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.sampling import Verdict, sample, verify_draft
-from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
+from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
 from triforce_cli.runtime.model import Transformer
 
 
@@ -99,7 +99,7 @@ def wrap(ref: torch.nn.Module, cfg, name: str = "tiny", eos_token_id: int | None
     return LoadedModel(name, model.eval(), StubTokenizer(cfg.vocab_size, eos_token_id), cfg)
 
 
-def load_tiny(tiny: TinyModel, options: LoadOptions) -> LoadedModel:
+def load_tiny(tiny: TinyModel, options: BuildOptions) -> LoadedModel:
     """tiny's weights as the loader builds a checkpoint's (build_model, with options), in place of its runtime model
     copied from the reference."""
     model = build_model(tiny.ref.state_dict(), tiny.loaded.hf_config, options, Checkpoint(tiny.loaded.name, Path(), []))

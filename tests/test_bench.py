@@ -44,6 +44,7 @@ from triforce_cli.cli.render import bench_tables
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.context_window import extend_context
@@ -64,7 +65,7 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipe(checkpoint) -> Pipeline:
     config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS)
-    return Pipeline.load(str(checkpoint), config=config, dtype="float32", device="cpu")
+    return Pipeline.load(LoadOptions(target=str(checkpoint), dtype="float32", device="cpu"), config=config)
 
 
 def rendered(rows: list[BenchRow]) -> str:
@@ -116,7 +117,9 @@ def test_with_a_separate_drafter_only_the_ngram_modes_put_the_ngram_first(checkp
     drafter = tmp_path / "drafter"
     save_checkpoint(drafter, seed=6, max_position_embeddings=128, num_layers=1)
     config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS)
-    pipe = Pipeline.load(str(checkpoint), draft=str(drafter), config=config, dtype="float32", device="cpu")
+    pipe = Pipeline.load(
+        LoadOptions(target=str(checkpoint), draft=str(drafter), dtype="float32", device="cpu"), config=config
+    )
     modes = ("streaming", "triforce", "ngram", "streaming-ngram", "triforce-ngram")
     config = BenchConfig(modes=modes, contexts=(CONTEXT,), gamma_policies=("fixed",), **FAST)
     rows = Bench(pipe, config).run_context("p", random_prompt(CONTEXT, 30, seed=1))
@@ -202,7 +205,7 @@ def eos_first(tmp_path_factory) -> tuple[Pipeline, list[int]]:
     model.config.eos_token_id = model.generation_config.eos_token_id = eos  # config.json and generation_config.json
     model.save_pretrained(folder)
     config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS)
-    pipe = Pipeline.load(str(folder), config=config, dtype="float32", device="cpu")
+    pipe = Pipeline.load(LoadOptions(target=str(folder), dtype="float32", device="cpu"), config=config)
     assert eos in pipe.target.eos_token_ids
     return pipe, prompt
 

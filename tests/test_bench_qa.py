@@ -24,6 +24,7 @@ from triforce_cli.cli.render import qa_tables
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 
 DOCUMENT = " ".join(f"w{i * 7 % 19}" for i in range(52))
 QUESTIONS = ("w1 w2", "w3 w4 w5", "w6")
@@ -34,7 +35,7 @@ CHUNK = 16  # prefill chunk: the document is three of them and a bit
 @pytest.fixture(scope="module")
 def rows(chat_checkpoint):
     config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS, prefill_chunk=CHUNK)
-    pipe = Pipeline.load(str(chat_checkpoint), config=config, dtype="float32", device="cpu")
+    pipe = Pipeline.load(LoadOptions(target=str(chat_checkpoint), dtype="float32", device="cpu"), config=config)
     bench = Bench(
         pipe,
         BenchConfig(

@@ -32,6 +32,7 @@ from triforce_cli.decoding.chat import ChatTurn, ConversationIds
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import PromptError
 from triforce_cli.runtime.loading import resolve_checkpoint
@@ -54,7 +55,7 @@ CLI_ARGS = (
 @pytest.fixture
 def pipe(tiny) -> Pipeline:
     return Pipeline.load(
-        target="chat", config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_chunk=16)
+        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_chunk=16)
     )  # prefill chunks of 16: the document is several, so prefix reuse keeps some
 
 
@@ -171,9 +172,9 @@ def test_a_question_interrupted_before_its_first_token_is_left_out(pipe):
 
 def test_a_tokenizer_without_chat_template_or_an_empty_document_cannot_chat(tiny):
     with pytest.raises(PromptError, match="needs a chat template, and this model's tokenizer has none"):
-        Pipeline.load(target="tiny").chat(DOCUMENT)
+        Pipeline.load(LoadOptions(target="tiny")).chat(DOCUMENT)
     with pytest.raises(PromptError, match="the document is empty"):
-        Pipeline.load(target="chat").chat(" \n ")
+        Pipeline.load(LoadOptions(target="chat")).chat(" \n ")
 
 
 def test_a_template_that_rewrites_earlier_turns_gets_its_whole_rendering():
@@ -406,7 +407,9 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
     document = tmp_path / "words.txt"
     document.write_text(" ".join(f"w{i % 31}" for i in range(60)))
     config = EngineConfig(max_new_tokens=4, sampling=GREEDY)
-    expected = Pipeline.load(target=str(folder), config=config).chat(document.read_text()).ask(QUESTIONS[0]).text
+    expected = (
+        Pipeline.load(LoadOptions(target=str(folder)), config=config).chat(document.read_text()).ask(QUESTIONS[0]).text
+    )
     command = [sys.executable, "-m", "triforce_cli", "chat", "-p", str(document), "--target", str(folder)]
     command += ["--max-new-tokens", "4", "--temperature", "0"]
     cache = tmp_path / "cache"

@@ -7,13 +7,13 @@ runtime with a character-level stub tokenizer, so ``Pipeline.load`` and ``Engine
 folder; no test here touches the embedded model (see test_embedded.py).
 """
 
-import inspect
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,10 +28,11 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, InterruptWatch, interrupted_exit_code
 from triforce_cli.runtime.loading import LoadedModel
 
-LIBRARY_WEIGHTS_DEFAULT = inspect.signature(Pipeline.load).parameters["weights"].default
+LIBRARY_LOAD_DEFAULTS = LoadOptions()
 
 
 def invoke(*args, input=None):
@@ -442,7 +443,8 @@ class TestPromptCache:
 
 @pytest.fixture
 def captured_load(monkeypatch, tiny) -> dict:
-    """Records the keyword arguments the CLI passes to Pipeline.load (which then runs for real)."""
+    """Records the keyword arguments the CLI passes to Pipeline.load (which then runs for real): options, config
+    and status."""
     captured = {}
     original = Pipeline.load.__func__
 
@@ -488,10 +490,11 @@ class TestOptionsReachBackend:
         assert config.ngram is True
         s = config.sampling
         assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.7, 0.8, 5, 123)
-        assert (captured_load["target"], captured_load["draft"]) == ("tiny", "drafter")
-        assert (captured_load["dtype"], captured_load["device"]) == ("float32", "cpu")
+        options: LoadOptions = captured_load["options"]
+        assert (options.target, options.draft) == ("tiny", "drafter")
+        assert (options.dtype, options.device) == ("float32", "cpu")
         assert [c.spec for c in tiny["calls"]] == ["tiny", "drafter"]
-        assert captured_load["weights"] == "gguf"
+        assert options.weights == "gguf"
         assert all(c.dtype == torch.float32 and c.device == torch.device("cpu") for c in tiny["calls"])
         target_call, drafter_call = tiny["calls"]
         drafter_weights = "half" if half_weights_available() else "dense"  # a drafter has no GGUF file of its own
@@ -509,9 +512,10 @@ class TestOptionsReachBackend:
         result = invoke("-p", prompt_file, "--json")
         assert result.exit_code == 0, result.output
         assert captured_load["config"] == EngineConfig()
-        assert (captured_load["target"], captured_load["draft"]) == (None, None)
-        assert (captured_load["dtype"], captured_load["device"]) == ("auto", "auto")
-        assert captured_load["weights"] == LIBRARY_WEIGHTS_DEFAULT
+        options: LoadOptions = captured_load["options"]
+        assert (options.target, options.draft) == (None, None)
+        assert (options.dtype, options.device) == ("auto", "auto")
+        assert options == replace(LIBRARY_LOAD_DEFAULTS, tune=True)  # a command measures where it may
 
     def test_json_mode_passes_no_status_callback(self, prompt_file, captured_load):
         invoke("-p", prompt_file, "--json", "--max-new-tokens", 2)

@@ -8,6 +8,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.context_window import extend_context, trained_context
 from triforce_cli.runtime.loading import load_hf_model, load_model
@@ -82,11 +83,12 @@ def test_prompt_cache_is_not_shared_across_context_windows(tmp_path):
     config = EngineConfig(mode="autoregressive", max_new_tokens=6, sampling=SamplingConfig(temperature=0))
     prompt = random_prompt(TRAINED // 2, 31, seed=5)
     folder = tmp_path / "prompts"
-    plain = Pipeline.load(str(tmp_path / "ckpt"), config=config, dtype="float32", device="cpu")
+    plain = Pipeline.load(LoadOptions(target=str(tmp_path / "ckpt"), dtype="float32", device="cpu"), config=config)
     assert not plain.generate_ids(prompt, prompt_cache=folder).stats.prompt_cached
     assert plain.generate_ids(prompt, prompt_cache=folder).stats.prompt_cached
     extended = Pipeline.load(
-        str(tmp_path / "ckpt"), config=config, dtype="float32", device="cpu", context_window=4 * TRAINED
+        LoadOptions(target=str(tmp_path / "ckpt"), dtype="float32", device="cpu", context_window=4 * TRAINED),
+        config=config,
     )
     windowed = extended.generate_ids(prompt, prompt_cache=folder)
     assert not windowed.stats.prompt_cached

@@ -18,6 +18,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline, drafter_spec
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.distill.data import RECORD_KEY, TeacherTargets, text_windows
 from triforce_cli.distill.trainer import (
     CHECKPOINT_NAME,
@@ -188,14 +189,14 @@ def test_draft_vocabulary_restricts_proposals_and_greedy_output_stays_exact(targ
     prompt = target.tokenizer(" ".join(f"w{i % 25}" for i in range(60))).input_ids
     greedy = SamplingConfig(temperature=0)
     reference = Pipeline.load(
-        str(target_folder),
+        LoadOptions(target=str(target_folder)),
         config=EngineConfig(mode="autoregressive", sampling=greedy, max_new_tokens=24, budget=32, chunk_size=8),
     )
     expected = reference.generate_ids(prompt).token_ids
     for mode in ("triforce", "streaming"):
         config = EngineConfig(mode=mode, sampling=greedy, max_new_tokens=24, budget=32, chunk_size=8, draft_window=16,
                               sink_tokens=4, ngram=False)  # fmt: skip
-        pipe = Pipeline.load(str(target_folder), draft=str(out), config=config)
+        pipe = Pipeline.load(LoadOptions(target=str(target_folder), draft=str(out)), config=config)
         result = pipe.generate_ids(prompt)
         assert result.token_ids == expected, mode
         drafter_rows = [a for a in result.stats.acceptance if a.proposer == "drafter"]

@@ -31,6 +31,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig, acceptance_probability, probabilities
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, EMBEDDED_NAME
 from triforce_cli.runtime.loading import LoadedModel, load_model, resolve_checkpoint
 
@@ -262,7 +263,7 @@ def test_shipped_drafter_is_small_borrows_the_embedding_and_is_the_default(embed
     pipe = Pipeline.load(config=EngineConfig(max_new_tokens=4))
     assert pipe.drafter is not None and pipe.drafter.source == str(EMBEDDED_DRAFTER)
     assert pipe.engine.drafter_description == f"n-gram prompt lookup (training-free), else {EMBEDDED_DRAFTER.name}"
-    assert Pipeline.load(draft="self").drafter is None
+    assert Pipeline.load(LoadOptions(draft="self")).drafter is None
 
 
 def test_shipped_drafter_predicts_the_target_on_held_out_text(embedded, shipped):

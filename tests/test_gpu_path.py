@@ -28,8 +28,8 @@ from typer.testing import CliRunner
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
-from triforce_cli.decoding.pipeline import resolve_attention
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import resolve_attention
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import resolve_compile, resolve_weights
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
@@ -269,7 +269,7 @@ class TestChoosingCompile:
         assert resolve_weights("auto", torch.float32, torch.device("cpu"), "cpu", compiled=True) == "dense"
 
     def test_half_weights_cannot_compile(self):
-        with pytest.raises(ConfigError, match="--compile runs dense weights only, not half"):
+        with pytest.raises(ConfigError, match="`compile_steps` runs dense weights only, not half"):
             resolve_compile(True, torch.device("cpu"), "half")
 
     def test_cli_compile_with_half_weights_is_one_line(self, tmp_path):
@@ -317,7 +317,7 @@ class TestChoosingKernels:
         ("requested", "weights", "fragment"),
         [
             ("flash", "dense", "needs a CUDA GPU"),
-            ("sdpa", "half", "use --weights dense"),
+            ("sdpa", "half", "use `weights` dense"),
             ("tiled", "dense", "unknown"),
         ],
     )

@@ -19,6 +19,7 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import PromptCache
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.errors import ModelLoadError
 from triforce_cli.runtime.half_weights import HalfLinear, round_to_half, use_half_weights
 from triforce_cli.runtime.loading import LoadedModel, load_hf_model, load_model
@@ -141,7 +142,7 @@ def test_half_weights_need_float32_on_the_cpu(checkpoint):
 
 def test_pipeline_gives_the_drafter_half_weights_too(checkpoint):
     config = EngineConfig(mode="triforce", budget=32, chunk_size=8, draft_window=16, sink_tokens=4)
-    pipe = Pipeline.load(str(checkpoint), draft=str(checkpoint), config=config, weights="half")
+    pipe = Pipeline.load(LoadOptions(target=str(checkpoint), draft=str(checkpoint), weights="half"), config=config)
     assert pipe.target.weights == pipe.drafter.weights == "half"
     assert isinstance(pipe.drafter.model.lm_head, HalfLinear)
 

@@ -19,7 +19,7 @@ from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.plan import MODELS
 from triforce_cli.plan.presets import LLAMA_3_1_ROPE
-from triforce_cli.runtime.loading import Checkpoint, LoadedModel, LoadOptions, build_model
+from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
 
 LLAMA_31_8B = MODELS["Llama-3.1-8B"].target.llama_config(
     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA_3_1_ROPE
@@ -47,7 +47,7 @@ def host_queues(monkeypatch):
     monkeypatch.setattr("triforce_cli.offload.kv.queue_for", lambda device: HostQueue())
 
 
-def load(ledger: MemoryLedger, options: LoadOptions):
+def load(ledger: MemoryLedger, options: BuildOptions):
     """build_model on a fake Llama-3.1-8B state in host memory, the peaks counted from the state's reading on."""
     state = fake_state(SHAPES, DTYPE)
     assert ledger.live("cpu") == WEIGHTS
@@ -95,7 +95,7 @@ def test_loading_on_the_device_peaks_at_its_weights():
     """gpt-fast's load shape: fused and cast in host memory, each tensor crossing once. Moving the checkpoint to the
     device and fusing it there held every q/k/v and gate/up projection twice: 25 GB for these 16 GB."""
     with fake_memory() as ledger:
-        model = load(ledger, LoadOptions(DEVICE, DTYPE))
+        model = load(ledger, BuildOptions(DEVICE, DTYPE))
         resident = ledger.live(DEVICE)
         assert resident == WEIGHTS + INV_FREQ_BYTES
         assert ledger.peak(DEVICE) <= resident + LAYER
@@ -111,7 +111,7 @@ def test_streamed_layers_stay_in_host_memory_pinned_exactly(resident_layers, hos
     ring = min(2, streamed) * LAYER
     pinned_before = pinned_bytes()
     with fake_memory() as ledger:
-        model = load(ledger, LoadOptions(DEVICE, DTYPE, offload_weights=True, resident_layers=resident_layers))
+        model = load(ledger, BuildOptions(DEVICE, DTYPE, offload_weights=True, resident_layers=resident_layers))
         resident = ledger.live(DEVICE)
         assert resident == OUTSIDE_LAYERS + resident_layers * LAYER + ring + INV_FREQ_BYTES
         assert ledger.peak(DEVICE) <= resident + LAYER
@@ -131,7 +131,7 @@ def test_sharded_layers_cross_to_the_device_already_sharded(monkeypatch):
     norms = 2 * LLAMA_31_8B.hidden_size * DTYPE.itemsize
     shard = (LAYER - norms) // 2 + norms
     with fake_memory() as ledger:
-        model = load(ledger, LoadOptions(DEVICE, DTYPE, tensor_parallel=True))
+        model = load(ledger, BuildOptions(DEVICE, DTYPE, tensor_parallel=True))
         resident = ledger.live(DEVICE)
         assert resident == OUTSIDE_LAYERS + NUM_LAYERS * shard + INV_FREQ_BYTES
         assert ledger.peak(DEVICE) <= resident + shard
@@ -166,7 +166,7 @@ def plan_rows(*args: str) -> list[dict]:
 def fake_loaded(ledger: MemoryLedger, name: str, hf_config: LlamaConfig) -> LoadedModel:
     """A checkpoint of hf_config's shape built by the loader on the fake GPU in bfloat16, compiled as on CUDA."""
     state = fake_state(checkpoint_shapes(hf_config), DTYPE)
-    model = build_model(state, hf_config, LoadOptions(DEVICE, DTYPE), Checkpoint(name, Path(), []))
+    model = build_model(state, hf_config, BuildOptions(DEVICE, DTYPE), Checkpoint(name, Path(), []))
     model.compile_steps("reduce-overhead")  # what Pipeline.load does on CUDA: the caches' headroom doubles
     return LoadedModel(name, model, StubTokenizer(hf_config.vocab_size), hf_config)
 

@@ -14,8 +14,9 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.loading import LoadOptions
+from triforce_cli.runtime.loading import BuildOptions
 
 PROMPT = 64
 MODES = ("autoregressive", "retrieval", "streaming", "triforce")
@@ -95,7 +96,7 @@ def loaded_model():
 
 def streamed_model(resident_layers: int, weights: str = "dense"):
     """loaded_model()'s weights loaded as for --offload kv+weights: the layers from resident_layers on streamed."""
-    options = LoadOptions(torch.device("cpu"), weights=weights, offload_weights=True, resident_layers=resident_layers)
+    options = BuildOptions(torch.device("cpu"), weights=weights, offload_weights=True, resident_layers=resident_layers)
     return load_tiny(tiny_model(), options)
 
 
@@ -279,12 +280,10 @@ def test_streamed_weights_must_be_dense():
 
 
 def test_streamed_weights_run_eager_steps(tmp_path):
-    with pytest.raises(ConfigError, match="kv\\+weights runs eager steps: use --no-compile"):
+    with pytest.raises(ConfigError, match="`offload` kv\\+weights runs eager steps: use `compile_steps` False"):
         Pipeline.load(
-            str(save_word_checkpoint(tmp_path / "words")),
+            LoadOptions(target=str(save_word_checkpoint(tmp_path / "words")), device="cpu", compile_steps=True),
             config=EngineConfig(offload="kv+weights"),
-            device="cpu",
-            compile_steps=True,
         )
 
 

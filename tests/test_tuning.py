@@ -16,6 +16,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.decoding import tuning
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.runtime.environment import physical_cores
 from triforce_cli.runtime.loading import resolve_checkpoint
 from triforce_cli.runtime.model import Transformer
@@ -118,18 +119,20 @@ def test_auto_settings_take_the_measured_choice(checkpoint_folder, monkeypatch, 
     fixed_tuning(monkeypatch, tuning.Choice("half", 1))
     torch.set_num_threads(2)
     config = EngineConfig(mode="autoregressive")
-    pipe = Pipeline.load(str(checkpoint_folder), config=config, device="cpu", tune=True)
+    pipe = Pipeline.load(LoadOptions(target=str(checkpoint_folder), device="cpu", tune=True), config=config)
     assert pipe.target.weights == "half" and torch.get_num_threads() == 1
 
     torch.set_num_threads(2)
-    pipe = Pipeline.load(str(checkpoint_folder), config=config, device="cpu", tune=True, threads=2)
+    pipe = Pipeline.load(LoadOptions(target=str(checkpoint_folder), device="cpu", tune=True, threads=2), config=config)
     assert pipe.target.weights == "half" and torch.get_num_threads() == 2  # threads the user set stay
-    pipe = Pipeline.load(str(checkpoint_folder), config=config, device="cpu", weights="dense", tune=True)
+    pipe = Pipeline.load(
+        LoadOptions(target=str(checkpoint_folder), device="cpu", weights="dense", tune=True), config=config
+    )
     assert pipe.target.weights == "dense"  # weights the user named stay
 
     monkeypatch.setenv(tuning.TUNING_ENV, "off")
     monkeypatch.setattr(tuning, "fastest_configuration", lambda *args: pytest.fail("measured with tuning off"))
-    pipe = Pipeline.load(str(checkpoint_folder), config=config, device="cpu", tune=True)
+    pipe = Pipeline.load(LoadOptions(target=str(checkpoint_folder), device="cpu", tune=True), config=config)
     assert pipe.target.weights == "half"  # the rule: half weights on an x86 CPU, nothing measured
 
 
@@ -210,14 +213,16 @@ def test_prefill_runs_on_every_core_and_decoding_on_the_measured_threads(
 
     monkeypatch.setattr(Transformer, "forward", recording_forward)
     config = EngineConfig(mode="autoregressive", max_new_tokens=4, ignore_eos=True)
-    pipe = Pipeline.load(str(checkpoint_folder), config=config, device="cpu", weights="auto", tune=True)
+    pipe = Pipeline.load(
+        LoadOptions(target=str(checkpoint_folder), device="cpu", weights="auto", tune=True), config=config
+    )
     pipe.generate_ids(list(range(1, 20)))
     assert {threads for decoding, threads in seen if not decoding} == {physical_cores()}
     assert {threads for decoding, threads in seen if decoding} == {1}
 
     seen.clear()  # threads the user set hold for prefill too
     torch.set_num_threads(1)
-    pipe = Pipeline.load(str(checkpoint_folder), config=config, device="cpu", tune=True, threads=1)
+    pipe = Pipeline.load(LoadOptions(target=str(checkpoint_folder), device="cpu", tune=True, threads=1), config=config)
     pipe.generate_ids(list(range(1, 20)))
     assert {threads for _, threads in seen} == {1}
 
@@ -237,7 +242,9 @@ def test_a_run_much_slower_than_its_measurement_says_so(checkpoint_folder, monke
     monkeypatch.setattr(tuning, "measure", lambda spec, checkpoint: quick)
     notes = []
     config = EngineConfig(mode="autoregressive", max_new_tokens=2)
-    pipe = Pipeline.load(str(checkpoint_folder), config=config, device="cpu", tune=True, status=notes.append)
+    pipe = Pipeline.load(
+        LoadOptions(target=str(checkpoint_folder), device="cpu", tune=True), config=config, status=notes.append
+    )
     pipe.generate_ids(list(range(1, 20)))
     assert "slower than when its set-up was measured" in notes[-1]
 

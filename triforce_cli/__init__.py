@@ -2,7 +2,7 @@
 
 The library API, imported on first use so that the command line starts (and answers Ctrl-C) before torch loads:
 
-    from triforce_cli import EngineConfig, Pipeline, SamplingConfig
+    from triforce_cli import EngineConfig, LoadOptions, Pipeline, SamplingConfig
 """
 
 import importlib
@@ -12,10 +12,19 @@ _EXPORTS = {
     "EngineConfig": "triforce_cli.decoding.config",
     "GenerationResult": "triforce_cli.decoding.stats",
     "GenerationStats": "triforce_cli.decoding.stats",
+    "LoadOptions": "triforce_cli.decoding.setup",
     "Pipeline": "triforce_cli.decoding.pipeline",
     "SamplingConfig": "triforce_cli.decoding.sampling",
 }
-__all__ = ["ChatSession", "EngineConfig", "GenerationResult", "GenerationStats", "Pipeline", "SamplingConfig"]
+__all__ = [
+    "ChatSession",
+    "EngineConfig",
+    "GenerationResult",
+    "GenerationStats",
+    "LoadOptions",
+    "Pipeline",
+    "SamplingConfig",
+]
 
 
 def __getattr__(name: str):

@@ -28,6 +28,7 @@ from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import GenerationResult, as_record, summary_of
 from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.forms import WeightForm
 from triforce_cli.runtime.loading import LoadedModel, load_hf_model
 
 
@@ -260,7 +261,7 @@ class Bench:
                 target.dtype,
                 None if role == "target" else self.hf_model("target"),
                 loaded.hf_config,
-                half_weights=loaded.weights == "half",
+                half_weights=loaded.weights == WeightForm.HALF,
                 device=target.device,
             )
         return self._hf[role]

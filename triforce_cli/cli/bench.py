@@ -5,10 +5,8 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Literal
 
 import torch
-import typer
 
 from triforce_cli.bench.qa import QA_PEERS, QABench, qa_modes
 from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_qa_results, write_results
@@ -16,6 +14,7 @@ from triforce_cli.bench.runner import Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table, qa_tables
+from triforce_cli.cli.settings import engine_config, load_pipeline, sampling_config
 from triforce_cli.corpus import BENCH_DEFAULT, BENCH_PROMPTS, DOCUMENT_QUESTIONS, QA_QUESTIONS, builtin_document
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
@@ -30,28 +29,14 @@ BENCH_DEFAULTS = BenchConfig()
 SAMPLING_DEFAULTS = SamplingConfig()
 DEFAULT_CONTEXTS = ",".join(map(str, BENCH_DEFAULTS.contexts))
 DEFAULT_POLICIES = ",".join(BENCH_DEFAULTS.gamma_policies)
-MAX_REPEATS = 100
+DEFAULT_BUILTIN = ",".join(BENCH_DEFAULT)
 QA_DEFAULT_MODES = ("autoregressive", "triforce", *QA_PEERS)
 QA_DEFAULT = ("qa-stdlib-b",)  # the qa scenario's document where --builtin is left as it is
-CONTINUED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is None)
-ASKED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is not None)
 
 
 def bench(
-    prompt_file: Annotated[
-        list[Path] | None,
-        typer.Option("--prompt-file", "-p", metavar="FILE", help="Prompt file; repeat for several."),
-    ] = None,
-    builtin: Annotated[
-        tuple,
-        typer.Option(
-            parser=o.names_of(tuple(BENCH_PROMPTS)),
-            metavar="NAME,...",
-            help=f"Built-in prompts when no file is given: documents continued ({CONTINUED}) and chat turns "
-            f"asking about a document ({ASKED}; they need a chat template). Files are continued. qa: the prompts' "
-            "documents [default: qa-stdlib-b's].",
-        ),
-    ] = ",".join(BENCH_DEFAULT),
+    prompt_file: o.BenchPromptFiles = None,
+    builtin: o.BenchBuiltin = DEFAULT_BUILTIN,
     context: o.Contexts = DEFAULT_CONTEXTS,
     modes: o.BenchModes = "default",
     budget: o.BudgetSweep = "auto",
@@ -59,12 +44,8 @@ def bench(
     chunk_score: o.ChunkScore = DEFAULTS.chunk_score,
     max_new_tokens: o.MaxNewTokens = BENCH_DEFAULTS.max_new_tokens,
     ignore_eos: o.IgnoreEos = BENCH_DEFAULTS.ignore_eos,
-    repeats: Annotated[
-        int, typer.Option(min=1, max=MAX_REPEATS, metavar="N", help="Timed runs of every mode.")
-    ] = BENCH_DEFAULTS.repeats,
-    warmup: Annotated[
-        int, typer.Option(min=0, max=MAX_REPEATS, metavar="N", help="Untimed runs of every mode first.")
-    ] = BENCH_DEFAULTS.warmup,
+    repeats: o.Repeats = BENCH_DEFAULTS.repeats,
+    warmup: o.Warmup = BENCH_DEFAULTS.warmup,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = SAMPLING_DEFAULTS.top_p,
     top_k: o.TopK = SAMPLING_DEFAULTS.top_k,
@@ -88,26 +69,15 @@ def bench(
     context_window: o.ContextWindow = None,
     forward_costs: o.ForwardCosts = None,
     prompt_cache: o.PromptCache = None,
-    scenario: Annotated[
-        Literal["decode", "qa"],
-        typer.Option(
-            metavar="decode|qa",
-            help="decode: per-token latency of each prompt; qa: one document, questions asked in turn as a chat, "
-            "the time to each answer.",
-        ),
-    ] = "decode",
-    questions: Annotated[
-        Path | None,
-        typer.Option(metavar="FILE", help="qa: the questions, one per line [default: built-in ones]."),
-    ] = None,
-    out: Annotated[Path | None, typer.Option(metavar="FILE", help="Write the results to a .json or .csv file.")] = None,
-    plot: Annotated[
-        Path | None, typer.Option(metavar="FILE", help="Write a PNG of latency against context length.")
-    ] = None,
+    scenario: o.Scenario = "decode",
+    questions: o.Questions = None,
+    out: o.ResultsFile = None,
+    plot: o.PlotFile = None,
 ) -> None:
     """Per-token latency of every mode and the peers, and the seconds to the first token and to the answer."""
+    options = dict(locals())  # the settings, each named as its field (cli/settings.py)
     with command_console(threads) as err:
-        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        sampling = sampling_config(options)
         config = BenchConfig(
             modes=tuple(m for m in modes if m != "default"),
             contexts=context,
@@ -141,32 +111,8 @@ def bench(
                 document: builtin_document(document) for document in {BENCH_PROMPTS[n].document for n in builtin}
             }
             prompts = {name: (documents[BENCH_PROMPTS[name].document], BENCH_PROMPTS[name].request) for name in builtin}
-        engine_config = EngineConfig(
-            chunk_score=chunk_score,
-            sink_tokens=sink_tokens,
-            draft_window=draft_window,
-            gamma1=gamma1,
-            gamma2=gamma2,
-            refresh_interval=refresh_interval,
-            max_new_tokens=max_new_tokens,
-            offload=offload,
-            on_chip_layers=on_chip_layers,
-            sampling=sampling,
-        )
-        pipe = Pipeline.load(
-            target=target,
-            draft=draft,
-            config=engine_config,
-            dtype=dtype,
-            device=device,
-            status=lambda message: print_note(err, message),
-            weights=weights,
-            context_window=context_window,
-            attention=attention,
-            compile_steps=compile_steps,
-            tune=True,
-            threads=threads,
-        )
+        swept = ("budget", "chunk_size", "gamma_policy", "ignore_eos")  # per run: BenchConfig
+        pipe = load_pipeline(options, engine_config(options, skip=swept), lambda message: print_note(err, message))
         if "default" in modes:
             defaults = default_modes(pipe.target)
             if scenario == "qa":

@@ -36,9 +36,9 @@ from triforce_cli.cli.render import (
     print_setup,
     print_summary,
 )
+from triforce_cli.cli.settings import engine_config, load_pipeline
 from triforce_cli.decoding.chat import ChatSession, transcript_text
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import PromptError, TriforceError
@@ -84,44 +84,16 @@ def chat(
     prompt_cache: o.PromptCache = None,
 ) -> None:
     """Ask questions about a (long) document; each answer is the target's own, after the whole conversation."""
+    options = dict(locals())  # the settings, each named as its field (cli/settings.py)
     out = StdoutConsole(highlight=False)
     with command_console(threads) as err:
-        config = EngineConfig(
-            mode=mode,
-            budget=budget,
-            chunk_size=chunk_size,
-            chunk_score=chunk_score,
-            sink_tokens=sink_tokens,
-            draft_window=draft_window,
-            gamma1=gamma1,
-            gamma2=gamma2,
-            gamma_policy=gamma_policy,
-            max_new_tokens=max_new_tokens,
-            refresh_interval=refresh_interval,
-            ngram=ngram,
-            offload=offload,
-            on_chip_layers=on_chip_layers,
-            sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
-        )
+        config = engine_config(options)
         if prompt_file == "-":
             raise PromptError("chat reads its questions from standard input: give the document as a file")
         document = read_prompt(prompt_file)
         if prompt_cache is not None:
             check_writable(prompt_cache)  # before the model loads, as generate checks it
-        pipe = Pipeline.load(
-            target=target,
-            draft=draft,
-            config=config,
-            dtype=dtype,
-            device=device,
-            status=lambda message: print_note(err, message),
-            weights=weights,
-            context_window=context_window,
-            attention=attention,
-            compile_steps=compile_steps,
-            tune=True,
-            threads=threads,
-        )
+        pipe = load_pipeline(options, config, lambda message: print_note(err, message))
         session = pipe.chat(document)
         prefix_tokens = len(session.conversation.document_prefix_ids)
         print_setup(err, pipe.engine.memory_plan(prefix_tokens), pipe.engine.drafter_description)

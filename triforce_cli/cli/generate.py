@@ -7,8 +7,8 @@ import typer
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.cli.render import PrefillProgress, TokenStream, print_setup, print_summary
+from triforce_cli.cli.settings import engine_config, load_pipeline
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import as_record
@@ -54,44 +54,14 @@ def generate(
     json_output: o.JsonOutput = False,
 ) -> None:
     """Generate a continuation of a (long) prompt, exactly as the target model would."""
+    options = dict(locals())  # the settings, each named as its field (cli/settings.py)
     out = StdoutConsole(highlight=False)
     with command_console(threads, json_output) as err:
-        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        config = EngineConfig(
-            mode=mode,
-            budget=budget,
-            chunk_size=chunk_size,
-            chunk_score=chunk_score,
-            sink_tokens=sink_tokens,
-            draft_window=draft_window,
-            gamma1=gamma1,
-            gamma2=gamma2,
-            gamma_policy=gamma_policy,
-            max_new_tokens=max_new_tokens,
-            ignore_eos=ignore_eos,
-            refresh_interval=refresh_interval,
-            ngram=ngram,
-            offload=offload,
-            on_chip_layers=on_chip_layers,
-            sampling=sampling,
-        )
+        config = engine_config(options)
         text = read_prompt(prompt_file)
         if prompt_cache is not None:
             check_writable(prompt_cache)
-        pipe = Pipeline.load(
-            target=target,
-            draft=draft,
-            config=config,
-            dtype=dtype,
-            device=device,
-            status=None if json_output else (lambda message: print_note(err, message)),
-            weights=weights,
-            context_window=context_window,
-            attention=attention,
-            compile_steps=compile_steps,
-            tune=True,
-            threads=threads,
-        )
+        pipe = load_pipeline(options, config, None if json_output else (lambda message: print_note(err, message)))
         prompt_ids = pipe.encode(text, chat=chat)
         pipe.engine.check_prompt(prompt_ids)
         plan = pipe.engine.memory_plan(len(prompt_ids))

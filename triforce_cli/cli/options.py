@@ -11,15 +11,18 @@ from typing import Annotated, Literal
 import typer
 
 from triforce_cli.bench.runner import ALL_MODES
-from triforce_cli.decoding.config import GAMMA_POLICIES, MODES, OFFLOAD_CHOICES
-from triforce_cli.decoding.pipeline import DTYPES
+from triforce_cli.corpus import BENCH_PROMPTS, BUILTIN_NAMES
+from triforce_cli.decoding.config import GAMMA_POLICIES, MODES
+from triforce_cli.decoding.setup import DTYPES
+from triforce_cli.distill.trainer import SAVE_DTYPES
 from triforce_cli.kernels import ATTENTION_BACKENDS, CHUNK_SCORES
-from triforce_cli.runtime.loading import WEIGHT_CHOICES
+from triforce_cli.runtime.forms import OFFLOAD_CHOICES, WEIGHT_CHOICES
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_TOKENS = 2**30  # far beyond any context a model or a cache here can hold
 MAX_THREADS = 1024
 MAX_LAYERS = 1024  # decoder layers of any model this runtime loads
+MAX_REPEATS = 100
 
 
 def parse_token_count(text: str) -> int:
@@ -269,3 +272,123 @@ ForwardCosts = Annotated[
     tuple | None,
     typer.Option(parser=token_counts, metavar="T,...", help="Also time one target forward of T tokens, e.g. 1,2,4,8."),
 ]
+
+# Bench runs
+BenchPromptFiles = Annotated[
+    list[Path] | None,
+    typer.Option("--prompt-file", "-p", metavar="FILE", help="Prompt file; repeat for several."),
+]
+CONTINUED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is None)
+ASKED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is not None)
+BenchBuiltin = Annotated[
+    tuple,
+    typer.Option(
+        parser=names_of(tuple(BENCH_PROMPTS)),
+        metavar="NAME,...",
+        help=f"Built-in prompts when no file is given: documents continued ({CONTINUED}) and chat turns "
+        f"asking about a document ({ASKED}; they need a chat template). Files are continued. qa: the prompts' "
+        "documents [default: qa-stdlib-b's].",
+    ),
+]
+Repeats = Annotated[int, typer.Option(min=1, max=MAX_REPEATS, metavar="N", help="Timed runs of every mode.")]
+Warmup = Annotated[int, typer.Option(min=0, max=MAX_REPEATS, metavar="N", help="Untimed runs of every mode first.")]
+Scenario = Annotated[
+    Literal["decode", "qa"],
+    typer.Option(
+        metavar="decode|qa",
+        help="decode: per-token latency of each prompt; qa: one document, questions asked in turn as a chat, "
+        "the time to each answer.",
+    ),
+]
+Questions = Annotated[
+    Path | None,
+    typer.Option(metavar="FILE", help="qa: the questions, one per line [default: built-in ones]."),
+]
+ResultsFile = Annotated[Path | None, typer.Option(metavar="FILE", help="Write the results to a .json or .csv file.")]
+PlotFile = Annotated[Path | None, typer.Option(metavar="FILE", help="Write a PNG of latency against context length.")]
+
+
+# Distillation
+def layer_numbers(value: str | tuple) -> tuple[int, ...]:
+    """Parser of '0,1,29' -> (0, 1, 29)."""
+    if isinstance(value, tuple):
+        return value
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"'{value}' is not a list of layer numbers (e.g. 0,1,2,3)") from None
+
+
+DrafterFolder = Annotated[
+    Path, typer.Option(metavar="DIR", help="Folder to write the drafter (and its checkpoint) to.")
+]
+TrainingFiles = Annotated[
+    list[Path] | None,
+    typer.Option("--data", "-d", metavar="FILE", help="Training text file; repeat for several."),
+]
+TrainingBuiltin = Annotated[
+    tuple,
+    typer.Option(
+        parser=names_of(BUILTIN_NAMES, allow_none=True),
+        metavar="NAME,...",
+        help=f"Built-in training text from: {', '.join(BUILTIN_NAMES)}; '' for none.",
+    ),
+]
+InitLayers = Annotated[
+    tuple,
+    typer.Option(parser=layer_numbers, metavar="N,...", help="Target layers the drafter starts from, in order."),
+]
+InitFrom = Annotated[
+    Path | None,
+    typer.Option(
+        metavar="DIR",
+        help="Start from this drafter folder (distilled for the same target) instead of target layers.",
+    ),
+]
+DraftVocab = Annotated[
+    int,
+    typer.Option(metavar="N", help="Tokens the drafter's output layer covers (the most frequent in the data); 0: all."),
+]
+SelfGenerate = Annotated[
+    int,
+    typer.Option(metavar="N", help="Extra training windows the target writes itself (aligns the drafter's context)."),
+]
+SelfTemperature = Annotated[float, typer.Option(metavar="FLOAT", help="Temperature of the target's own windows.")]
+DistillTopK = Annotated[int, typer.Option(metavar="K", help="Target tokens per position in the top-K loss.")]
+SeqLen = Annotated[int, typer.Option(metavar="N", help="Tokens per training window.")]
+BatchSize = Annotated[int, typer.Option(metavar="N", help="Windows per step.")]
+LearningRate = Annotated[float, typer.Option(metavar="FLOAT", help="Peak AdamW learning rate.")]
+MaxSteps = Annotated[int, typer.Option(metavar="N", help="Training steps (the learning-rate schedule spans them).")]
+MaxMinutes = Annotated[
+    float | None,
+    typer.Option(
+        min=0.0,
+        max=1e6,
+        metavar="MINUTES",
+        help="Stop after this many minutes, saving a checkpoint to --resume from.",
+    ),
+]
+EvalEvery = Annotated[int, typer.Option(metavar="STEPS", help="Steps between held-out evaluations and checkpoints.")]
+HeldOutWindows = Annotated[
+    int,
+    typer.Option(
+        metavar="N", help="Windows of real text the held-out acceptance is measured on (kept out of training)."
+    ),
+]
+HeldOut = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="FILE|NAME",
+        help="Measure the held-out acceptance on this text (a file, or a built-in name as for --builtin; repeat "
+        "for several) rather than on windows cut from the training text, which share its documents.",
+    ),
+]
+AcceptanceTemperature = Annotated[float, typer.Option(metavar="FLOAT", help="Temperature of the held-out acceptance.")]
+SaveDtype = Annotated[
+    Literal[tuple(SAVE_DTYPES)], typer.Option(metavar="|".join(SAVE_DTYPES), help="Dtype of the written weights.")
+]
+DistillSeed = Annotated[
+    int,
+    typer.Option(min=0, max=MAX_SEED, metavar="SEED", help="Seed of the split, the sampling and the initial weights."),
+]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --out.")]

@@ -15,10 +15,11 @@ from triforce_cli.bench.report import pyplot
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.decoding.pipeline import DTYPES
+from triforce_cli.decoding.setup import DTYPES
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan.plot import plot_predicted_latency
+from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.store import human_size
 
 DEFAULTS = EngineConfig()
@@ -218,7 +219,7 @@ def print_plan(
         autoregressive = prediction.row("autoregressive", row.offload)
         table.add_row(
             row.mode,
-            row.offload if row.offload == "none" else f"kv {row.on_chip_layers}",
+            row.offload if row.offload == OffloadMode.NONE else f"kv {row.on_chip_layers}",
             f"{row.ms_per_token:,.1f}",
             f"{autoregressive.ms_per_token / row.ms_per_token:.2f}×",
             human_size(row.device_bytes),
@@ -241,7 +242,11 @@ def recommendation_text(advice: planner.Recommendation, machine: planner.Hardwar
             f"nothing fits {machine.name}'s memory, not even with the full KV cache in host memory: more --gpus or a"
             " shorter --context"
         )
-    offload = f"--offload kv --on-chip-layers {advice.on_chip_layers}" if advice.offload == "kv" else "--offload none"
+    offload = (
+        f"--offload kv --on-chip-layers {advice.on_chip_layers}"
+        if advice.offload == OffloadMode.KV
+        else "--offload none"
+    )
     fastest = "" if advice.mode == "triforce" else f"; fastest: {advice.mode}, {advice.mode_ms_per_token:,.1f} ms/token"
     return (
         f"recommended (predicted): {offload} --budget {advice.budget} --gamma1 {advice.gamma1} --gamma2"

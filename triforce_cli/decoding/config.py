@@ -7,6 +7,7 @@ from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculation_length import POLICIES
 from triforce_cli.errors import ConfigError
 from triforce_cli.kernels import CHUNK_SCORES
+from triforce_cli.runtime.forms import OFFLOAD_CHOICES, OffloadMode
 
 GAMMA_POLICIES = ("auto", *POLICIES)
 
@@ -36,7 +37,6 @@ MODES = tuple(MODE_TIERS)
 MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs more than it saves
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
-OFFLOAD_CHOICES = ("none", "kv", "kv+weights")
 # Prompt tokens per prefill forward, by device. On the CPU, the chunk at which a prompt prefilled fastest with SDPA's
 # attention, and close to the fastest with the extension's chunk attention (kernels.attention.chunk_attention), which
 # replaces SDPA on AVX-512 CPUs; see docs/performance.md. A GPU is kept busy by larger chunks.
@@ -89,7 +89,7 @@ class EngineConfig:
     ngram: bool | None = None
     ngram_max: int = 3
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
-    offload: str = "none"
+    offload: str = OffloadMode.NONE
     on_chip_layers: int = 0
     cache_positions: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

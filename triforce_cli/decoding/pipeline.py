@@ -1,8 +1,8 @@
 """The library API: load the models once, then generate for many prompts.
 
-from triforce_cli import EngineConfig, Pipeline, SamplingConfig
+from triforce_cli import EngineConfig, LoadOptions, Pipeline, SamplingConfig
 
-pipe = Pipeline.load(config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
+pipe = Pipeline.load(LoadOptions(), config=EngineConfig(mode="triforce", sampling=SamplingConfig(temperature=0)))
 result = pipe.generate("Summarise this report: ...", chat=True)
 print(result.text, result.stats.ms_per_token)
 """
@@ -16,77 +16,27 @@ from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, check_writable
+from triforce_cli.decoding.setup import LoadOptions, apply_setup, current_machine, resolve_setup
 from triforce_cli.decoding.stats import GenerationResult
-from triforce_cli.decoding.tuning import Tuning, fastest_configuration, slower_than_measured, tuning_enabled
+from triforce_cli.decoding.tuning import Tuning, fastest_configuration, slower_than_measured
 from triforce_cli.errors import ConfigError
-from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
-from triforce_cli.runtime.environment import physical_cores
-from triforce_cli.runtime.loading import (
-    LoadedModel,
-    StatusCallback,
-    load_model,
-    resolve_checkpoint,
-    resolve_compile,
-    resolve_weights,
-)
+from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model, resolve_checkpoint
+from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.parallel import init_parallel, world_size
 from triforce_cli.runtime.prompts import encode_prompt
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SELF_DRAFT = "self"  # --draft value: the target drafts for itself on a StreamingLLM cache
+SELF_DRAFT = "self"  # LoadOptions.draft value: the target drafts for itself on a StreamingLLM cache
 
 
 def drafter_spec(target: str | None, draft: str | None) -> str | None:
-    """The drafter to load: --draft as given, none for 'self', and for the embedded default target without
-    --draft its shipped distilled drafter (after the n-gram, unless --no-ngram)."""
+    """The drafter to load: draft as given, none for 'self', and for the embedded default target without a draft
+    its shipped distilled drafter (after the n-gram, unless EngineConfig.ngram is False)."""
     if draft == SELF_DRAFT:
         return None
     if draft is None and target is None and (EMBEDDED_DRAFTER / "config.json").is_file():
         return str(EMBEDDED_DRAFTER)
     return draft
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"unknown device '{device}' (use auto, cpu or cuda[:N])") from None
-    if resolved.type not in ("cpu", "cuda"):
-        raise ConfigError(f"unsupported device '{device}' (use auto, cpu or cuda[:N])")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' requested but no CUDA GPU is available")
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype '{dtype}' (choose from auto, {', '.join(DTYPES)})")
-    return DTYPES[dtype]
-
-
-def resolve_attention(requested: str, device: torch.device, dtype: torch.dtype, weights: str) -> str:
-    """The attention kernel family to run (kernels.attention_backend), or a ConfigError saying why the requested
-    one cannot run. Half weights read the prompt's keys and values from a packed float16 copy that only the cpu
-    kernels read: the model they define is computed there alone."""
-    try:
-        backend = attention_backend(device, dtype, requested)
-    except ValueError as err:
-        raise ConfigError(f"--attention {requested}: {err}") from None
-    if weights in ("half", "gguf") and backend != "cpu":  # 'auto' weights then resolve to dense
-        raise ConfigError(
-            f"--attention {backend} cannot read {weights} weights' float16 prompt cache: use --weights dense"
-        )
-    return backend
-
-
-def drafter_weights(weights: str) -> str:
-    """A 'half' or 'gguf' target gets a 'half' drafter (a drafter has no GGUF file of its own)."""
-    return "half" if weights in ("half", "gguf") and half_weights_available() else "dense"
 
 
 @dataclass
@@ -100,89 +50,61 @@ class Pipeline:
     @classmethod
     def load(
         cls,
-        target: str | None = None,
-        draft: str | None = None,
+        options: LoadOptions | None = None,
         config: EngineConfig | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
         status: StatusCallback | None = None,
-        weights: str = "auto",
-        context_window: int | None = None,
-        attention: str = "auto",
-        compile_steps: bool | None = None,
-        tune: bool = False,
-        threads: int | None = None,
     ) -> "Pipeline":
-        """Load target (None: the embedded default) and drafter (see drafter_spec); config defaults to EngineConfig().
+        """Load the target and drafter that options name (decoding.setup.LoadOptions; None: every default, the
+        embedded target and its drafter, see drafter_spec); config defaults to EngineConfig().
 
-        weights: 'auto' (the fastest exact form for the device, loading.resolve_weights), 'dense', 'half' (float16
-        weight matrices for target and drafter) or 'gguf' (the target from its GGUF file's blocks); see
-        loading.load_model. Output is exact with respect to the target in the form chosen.
-        context_window: positions both models accept, YaRN-scaled beyond their trained context.
-        attention: 'auto' (the fastest kernel for the device and dtype), 'flash', 'sdpa' or 'cpu'; see
-        resolve_attention.
-        compile_steps: run decode steps as compiled fixed-shape graphs, CUDA graphs on a GPU; None: on CUDA only (see
-        loading.resolve_compile).
-        tune: on the CPU in float32, let 'auto' weights, an unset compile_steps and unset threads take the
-        configuration measured fastest for this target and machine (decoding.tuning; measured the first time).
-        threads: the torch threads the caller set, or None: then a CPU's prefill runs on every physical core, and
-        decoding on the threads measured fastest (with tune) or torch's.
+        Every choice is made first, in one place (setup.resolve_setup, from options, the machine and, where it
+        decides something, the target's checkpoint; with options.tune, the configuration measured fastest); then
+        the target loads, then the drafter, each in the Setup's form, and each is finished by setup.apply_setup.
         """
+        options = options or LoadOptions()
         config = config or EngineConfig()
-        torch_device = init_parallel(resolve_device(device))  # torchrun: this rank's device in the process group
-        parallel = world_size() > 1
-        torch_dtype = resolve_dtype(dtype, torch_device)
-        backend = resolve_attention(attention, torch_device, torch_dtype, weights)
-        if parallel and compile_steps:
-            raise ConfigError("tensor-parallel steps run eager (an all-reduce per block): use --no-compile")
-        compiled = resolve_compile(False if parallel else compile_steps, torch_device, weights)
-        streamed = config.offload == "kv+weights"
-        if streamed and compiled:
-            raise ConfigError("--offload kv+weights runs eager steps: use --no-compile")
-        if weights == "auto" and (streamed or parallel):
-            weights = "dense"  # streamed and sharded weights are parameters, which packed half weights are not
-        tunable = torch_device.type == "cpu" and torch_dtype == torch.float32 and backend == "cpu" and not parallel
-        # only there can 'auto' become gguf, so only there does it matter whether the target is a GGUF file
-        checkpoint = resolve_checkpoint(target, status) if weights == "auto" and tunable and not compiled else None
-        unset = checkpoint is not None and compile_steps is None and config.offload == "none"
+        machine = current_machine()
+        setup = resolve_setup(options, machine, offload=config.offload)
+        init_parallel(setup.device)  # torchrun: join the process group, this rank on setup.device
         tuning = None
-        if tune and tunable and unset and tuning_enabled():
-            tuning = fastest_configuration(target, checkpoint, status)
-            weights, compiled = tuning.choice.weights, tuning.choice.compiled
-            if threads is None:
-                torch.set_num_threads(tuning.choice.threads)
-        gguf_source = checkpoint is not None and checkpoint.gguf is not None
-        weights = resolve_weights(weights, torch_dtype, torch_device, backend, compiled, gguf_source)
+        if setup.reads_checkpoint:
+            checkpoint = resolve_checkpoint(options.target, status)
+            if checkpoint.gguf is not None:
+                machine = replace(machine, gguf_kernels=kernel_error() is None)  # builds the extension once
+            setup = resolve_setup(options, machine, checkpoint, config.offload)
+            if setup.tune:
+                tuning = fastest_configuration(options.target, checkpoint, status)
+                setup = resolve_setup(options, machine, checkpoint, config.offload, tuning.choice)
+                if setup.decode_threads is not None:
+                    torch.set_num_threads(setup.decode_threads)
         target_model = load_model(
-            target,
-            torch_dtype,
-            torch_device,
+            options.target,
+            setup.dtype,
+            setup.device,
             status,
-            weights,
-            context_window=context_window,
-            tensor_parallel=parallel,  # the drafter stays whole on every rank
-            offload_weights=streamed,
+            setup.weights,
+            context_window=options.context_window,
+            tensor_parallel=setup.tensor_parallel,  # the drafter stays whole on every rank
+            offload_weights=setup.offload_weights,
             resident_layers=config.on_chip_layers,
         )
-        draft = drafter_spec(target, draft)
+        draft = drafter_spec(options.target, options.draft)
         drafter = None
         if draft is not None:
             drafter = load_model(
                 draft,
-                torch_dtype,
-                torch_device,
+                setup.dtype,
+                setup.device,
                 status,
-                weights=drafter_weights(weights),
+                weights=setup.drafter_weights,
                 shared_from=target_model,
-                context_window=context_window,
+                context_window=options.context_window,
             )
         for loaded in (target_model, drafter):
             if loaded is not None:
-                loaded.model.use_attention(backend)
-                if compiled:
-                    loaded.model.compile_steps("reduce-overhead" if torch_device.type == "cuda" else None)
-        prefill_threads = physical_cores() if threads is None and torch_device.type == "cpu" else None
-        return cls(target_model, drafter, Engine(target_model, config, drafter, prefill_threads), status, tuning)
+                apply_setup(loaded.model, setup)
+        engine = Engine(target_model, config, drafter, setup.prefill_threads)
+        return cls(target_model, drafter, engine, status, tuning)
 
     @property
     def config(self) -> EngineConfig:

@@ -32,6 +32,7 @@ from triforce_cli.runtime.environment import (
     package_version,
     physical_cores,
 )
+from triforce_cli.runtime.forms import WeightForm
 from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model, resolve_weights
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.store import cache_root, content_identity, mark_used, remove, write_atomically
@@ -183,8 +184,8 @@ def thread_counts() -> list[int]:
 
 def weight_forms(checkpoint: Checkpoint) -> list[str]:
     """The forms the target can take on this CPU in float32, most compact first."""
-    forms = ["gguf"] if checkpoint.gguf is not None and kernel_error() is None else []
-    return [*forms, *(["half"] if half_weights_available() else []), "dense"]
+    forms = [WeightForm.GGUF] if checkpoint.gguf is not None and kernel_error() is None else []
+    return [*forms, *([WeightForm.HALF] if half_weights_available() else []), WeightForm.DENSE]
 
 
 def rule_choice(checkpoint: Checkpoint) -> Choice:
@@ -237,15 +238,15 @@ def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
                 for threads in thread_counts():
                     torch.set_num_threads(threads)
                     runs.setdefault(Choice(weights, threads), []).append(_decode_ms(engine, prompt, state))
-            if weights == "dense":
+            if weights == WeightForm.DENSE:
                 best = min(statistics.median(times) for times in runs.values())
-                dense = {c.threads: times for c, times in runs.items() if c.weights == "dense"}
+                dense = {c.threads: times for c, times in runs.items() if c.weights == WeightForm.DENSE}
                 threads = _decode_threads(dense)
                 if statistics.median(dense[threads]) <= COMPILE_MARGIN * best:
                     torch.set_num_threads(threads)
                     loaded.model.compile_steps()
                     engine = Engine(loaded, config)
-                    runs[Choice("dense", threads, compiled=True)] = [
+                    runs[Choice(WeightForm.DENSE, threads, compiled=True)] = [
                         _decode_ms(engine, prompt, state) for _ in range(RUNS)
                     ]
     finally:

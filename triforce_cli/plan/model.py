@@ -37,10 +37,11 @@ from triforce_cli.decoding.sizing import (
 from triforce_cli.decoding.speculation_length import expected_tokens
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.environment import device_reserve
+from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.model import HF_SHAPE_NAMES, ModelConfig
 
 # the offload settings planned: streamed weights (kv+weights, for models larger than the card) are not modelled
-PLANNED_OFFLOADS = ("none", "kv")
+PLANNED_OFFLOADS = (OffloadMode.NONE, OffloadMode.KV)
 
 # budgets the recommendation tries: from the engine's default, at which this tool measured its acceptance, up past
 # the TriForce paper's 4K, 8K and 12K
@@ -404,7 +405,7 @@ def memory_items(
         drafter,
         size,
         compiled=hardware.cuda_graphs,
-        offloaded=offload != "none",
+        offloaded=offload != OffloadMode.NONE,
         drafter_copies=copies,
     )
     items = [
@@ -435,14 +436,14 @@ def mode_row(
     )
     limit = hardware.memory_bytes * hardware.gpus
     on_chip = 0
-    if offload == "kv":
+    if offload == OffloadMode.KV:
         device = sum(item.device_bytes for item in items)
         layer_bytes = kv_layer_bytes(target, caps.full, size)
         on_chip = on_chip_layers(
             device_bytes=device, layer_bytes=layer_bytes, num_layers=target.num_layers, memory_limit=limit
         )
         items.append(staged_item(target, caps, size, on_chip))
-    streamed = target.num_layers - on_chip if offload == "kv" else 0
+    streamed = target.num_layers - on_chip if offload == OffloadMode.KV else 0
     tiers = MODE_TIERS[mode]
     gamma = (cfg.gamma2 if tiers.retrieval else cfg.gamma1) if tiers.speculative else 0
     full = predicted_forward(
@@ -507,7 +508,7 @@ def selection_seconds(*, target: ModelShape, hardware: Hardware, workload: Workl
     size, devices = workload.dtype_bytes, hardware.gpus
     mean_keys = target.kv_elements(workload.context // workload.engine.chunk_size) // 2 * size / devices
     gathered = target.kv_elements(workload.budget) * size / devices
-    source = hardware.pcie if offload == "kv" else hardware.bandwidth
+    source = hardware.pcie if offload == OffloadMode.KV else hardware.bandwidth
     return (mean_keys + gathered) / hardware.bandwidth + gathered / source
 
 
@@ -582,7 +583,9 @@ def recommend(*, target: ModelShape, drafter: ModelShape, hardware: Hardware, wo
                 key=lambda pair: pair[1].budget,
             )
             return recommendation(triforce=row, workload=chosen, target=target, drafter=drafter, hardware=hardware)
-    row = mode_row(mode="triforce", offload="kv", target=target, drafter=drafter, hardware=hardware, workload=workload)
+    row = mode_row(
+        mode="triforce", offload=OffloadMode.KV, target=target, drafter=drafter, hardware=hardware, workload=workload
+    )
     return recommendation(triforce=row, workload=workload, target=target, drafter=drafter, hardware=hardware)
 
 

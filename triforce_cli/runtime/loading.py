@@ -31,6 +31,7 @@ from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.kernels import half_weights_available
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
+from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, WEIGHT_FORMATS, OffloadMode, WeightForm
 from triforce_cli.runtime.gguf_weights import GGUFEmbedding, use_gguf_weights
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
 from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
@@ -47,8 +48,6 @@ from triforce_cli.runtime.store import (
 )
 
 StatusCallback = Callable[[str], None]
-WEIGHT_FORMATS = ("dense", "half", "gguf")
-WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto: resolve_weights
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 SHARED_WEIGHTS = (EMBEDDING_WEIGHT, "lm_head.weight")  # what a distilled drafter borrows from its target
 DRAFTER_METADATA = "triforce_drafter"  # config.json key written by `triforce distill`
@@ -72,7 +71,7 @@ class LoadedModel:
     source: str = ""  # the checkpoint folder it was loaded from
     weight_files: tuple[Path, ...] = ()
     gguf: Path | None = None  # the GGUF file it was converted from, if any
-    weights: str = "dense"  # one of WEIGHT_FORMATS
+    weights: str = WeightForm.DENSE  # one of WEIGHT_FORMATS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -86,7 +85,7 @@ class LoadedModel:
     def half_prompt_cache(self) -> bool:
         """Whether attention reads the prompt's keys and values as float16 too: with 'half' and 'gguf' weights (as
         llama.cpp keeps its cache in float16), where the CPU kernels that read them can be built or loaded."""
-        return self.weights in ("half", "gguf") and kernel_error() is None
+        return self.weights in HALF_PROMPT_FORMS and kernel_error() is None
 
     @cached_property
     def fingerprint(self) -> str:
@@ -282,18 +281,25 @@ def resolve_weights(
     attention: str = "cpu",
     compiled: bool = False,
     gguf_source: bool = False,
+    *,
+    gguf_kernels: bool | None = None,
+    half_available: bool | None = None,
 ) -> str:
     """'auto' as the fastest exact weight form by rule: on a CPU in float32 with the cpu attention kernels and eager
     steps, 'gguf' for a GGUF checkpoint whose block kernel builds here (a decode step reads a fifth of the float32
     bytes), else 'half' where fbgemm is there (half the bytes); 'dense' elsewhere. Any other choice as it is.
-    runtime.tuning replaces the rule by a measurement where it may."""
-    if weights != "auto":
+    runtime.tuning replaces the rule by a measurement where it may.
+
+    gguf_kernels, half_available: whether the block kernel builds and fbgemm is there, where the caller knows
+    (decoding.setup.Machine); None: found out here, the kernel only for a GGUF checkpoint."""
+    if weights != WeightForm.AUTO:
         return weights
     if not (device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not compiled):
-        return "dense"
-    if gguf_source and kernel_error() is None:
-        return "gguf"
-    return "half" if half_weights_available() else "dense"
+        return WeightForm.DENSE
+    if gguf_source and (kernel_error() is None if gguf_kernels is None else gguf_kernels):
+        return WeightForm.GGUF
+    half = half_weights_available() if half_available is None else half_available
+    return WeightForm.HALF if half else WeightForm.DENSE
 
 
 def resolve_compile(requested: bool | None, device: torch.device, weights: str) -> bool:
@@ -302,8 +308,10 @@ def resolve_compile(requested: bool | None, device: torch.device, weights: str) 
     faster (COMPILE_REASONS). Half and GGUF weights run only in eager steps: their CPU kernels take a packed
     float16 prompt cache and variable-length views."""
     compiled = device.type == "cuda" if requested is None else requested
-    if compiled and weights in ("half", "gguf"):
-        raise ConfigError(f"--compile runs dense weights only, not {weights}: use --weights dense or --no-compile")
+    if compiled and weights in HALF_PROMPT_FORMS:
+        raise ConfigError(
+            f"`compile_steps` runs dense weights only, not {weights}: use `weights` dense or `compile_steps` False"
+        )
     return compiled
 
 
@@ -318,17 +326,17 @@ def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype
     if weights not in WEIGHT_FORMATS:
         raise ModelLoadError(f"unknown weight format '{weights}' (choose from {', '.join(WEIGHT_FORMATS)})")
     on_cpu_in_float32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    if weights == "gguf":
+    if weights == WeightForm.GGUF:
         if not (checkpoint.gguf is not None and on_cpu_in_float32):
             raise ModelLoadError("gguf weights need a GGUF checkpoint, the CPU and float32")
         if (error := kernel_error()) is not None:
             raise ModelLoadError(error)
-    if weights == "half" and not (on_cpu_in_float32 and half_weights_available()):
+    if weights == WeightForm.HALF and not (on_cpu_in_float32 and half_weights_available()):
         raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
 
 
 @dataclass(frozen=True)
-class LoadOptions:
+class BuildOptions:
     """What build_model makes of a checkpoint's state, and where it puts it.
 
     Attributes:
@@ -338,13 +346,13 @@ class LoadOptions:
         tensor_parallel: shard the decoder layers over the default process group (parallel.apply_tp; with one
             process, nothing changes).
         offload_weights: keep the decoder layers from resident_layers on in host memory and stream them to the
-            device for each forward (offload.offload_weights, ``--offload kv+weights``).
+            device for each forward (offload.offload_weights, EngineConfig.offload kv+weights).
         resident_layers: with offload_weights, the first layers whose weights live on the device.
     """
 
     device: torch.device
     dtype: torch.dtype = torch.float32
-    weights: str = "dense"
+    weights: str = WeightForm.DENSE
     tensor_parallel: bool = False
     offload_weights: bool = False
     resident_layers: int = 0
@@ -396,7 +404,7 @@ def move_to_device(model: nn.Module, device: torch.device) -> None:
 
 
 def build_model(
-    state: dict[str, torch.Tensor], hf_config: PretrainedConfig, options: LoadOptions, checkpoint: Checkpoint
+    state: dict[str, torch.Tensor], hf_config: PretrainedConfig, options: BuildOptions, checkpoint: Checkpoint
 ) -> Transformer:
     """The runtime model of a checkpoint's state: every transform applied once, in host memory, in a fixed order,
     before any tensor crosses to the device (gpt-fast's _load_model and apply_tp have the same shape).
@@ -449,9 +457,9 @@ def build_model(
     output_ids = (getattr(hf_config, DRAFTER_METADATA, None) or {}).get("output_ids")
     if output_ids:  # before the weight form, which then packs the restricted output layer too
         model.restrict_output(torch.tensor(output_ids))
-    if options.weights == "gguf":
+    if options.weights == WeightForm.GGUF:
         use_gguf_weights(model, checkpoint.gguf, hf_config, checkpoint.folder)
-    if options.weights == "half":
+    if options.weights == WeightForm.HALF:
         use_half_weights(model)
     if options.tensor_parallel:
         apply_tp(model)
@@ -459,7 +467,7 @@ def build_model(
         try:
             offload.offload_weights(model, options.device, options.resident_layers)
         except ValueError as err:
-            raise ConfigError(f"--offload kv+weights: {err}") from None
+            raise ConfigError(f"`offload` {OffloadMode.KV_WEIGHTS}: {err}") from None
     move_to_device(model, options.device)
     if model.output_ids is not None:  # a plain attribute, no buffer: move_to_device leaves it
         model.output_ids = model.output_ids.to(options.device)
@@ -471,7 +479,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     status: StatusCallback | None = None,
-    weights: str = "dense",
+    weights: str = WeightForm.DENSE,
     shared_from: LoadedModel | None = None,
     context_window: int | None = None,
     tensor_parallel: bool = False,
@@ -492,7 +500,7 @@ def load_model(
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
 
-    tensor_parallel, offload_weights, resident_layers: see LoadOptions.
+    tensor_parallel, offload_weights, resident_layers: see BuildOptions.
     """
     checkpoint = resolve_checkpoint(spec, status)
     name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files
@@ -509,7 +517,7 @@ def load_model(
     runtime_config(hf_config, name)  # an architecture this runtime cannot run fails before any weight is read
     state = read_host_state(files)
     borrow_shared_weights(name, hf_config, state, shared_from)
-    options = LoadOptions(torch.device(device), dtype, weights, tensor_parallel, offload_weights, resident_layers)
+    options = BuildOptions(torch.device(device), dtype, weights, tensor_parallel, offload_weights, resident_layers)
     model = build_model(state, hf_config, options, checkpoint)
     if shared_from is not None and isinstance(shared_from.model.model.embed_tokens, GGUFEmbedding):
         model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's blocks, not a float copy

@@ -35,6 +35,15 @@ def rank() -> int:
     return dist.get_rank() if world_size() > 1 else 0
 
 
+def pending_group() -> tuple[int, int | None]:
+    """The processes this one computes among, and, where torchrun started it and it has yet to join their group
+    (init_parallel), the GPU index torchrun gave it (LOCAL_RANK); None where it joins nothing."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched <= 1 or dist.is_initialized():
+        return world_size(), None
+    return launched, int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def init_parallel(device: torch.device) -> torch.device:
     """Join torchrun's process group where torchrun started this process (WORLD_SIZE > 1); return the device this
     rank computes on (cuda:LOCAL_RANK on a GPU)."""

@@ -1,0 +1,35 @@
+"""The library's settings built from a command's options, once for every command: each option is named as the
+LoadOptions, EngineConfig or SamplingConfig field it sets, so a command hands over its values (``locals()``) and
+the fields are picked by name."""
+
+from dataclasses import fields
+
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
+from triforce_cli.runtime.loading import StatusCallback
+
+
+def _named(cls, values: dict, skip: tuple[str, ...] = ()) -> dict:
+    """The values that set a field of the dataclass cls, but for those in skip."""
+    return {f.name: values[f.name] for f in fields(cls) if f.name in values and f.name not in skip}
+
+
+def load_options(values: dict) -> LoadOptions:
+    """What to load, as a command's options ask; a command measures the fastest configuration where it may."""
+    return LoadOptions(**_named(LoadOptions, values), tune=True)
+
+
+def sampling_config(values: dict) -> SamplingConfig:
+    return SamplingConfig(**_named(SamplingConfig, values))
+
+
+def engine_config(values: dict, skip: tuple[str, ...] = ()) -> EngineConfig:
+    """The EngineConfig of a command's options (those in skip left at their defaults: a bench sweeps them)."""
+    return EngineConfig(**_named(EngineConfig, values, ("sampling", *skip)), sampling=sampling_config(values))
+
+
+def load_pipeline(values: dict, config: EngineConfig, status: StatusCallback | None) -> Pipeline:
+    """The command's models loaded as its options ask, with config."""
+    return Pipeline.load(options=load_options(values), config=config, status=status)

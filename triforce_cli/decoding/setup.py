@@ -1,0 +1,271 @@
+"""What a load is asked for (LoadOptions), what the machine offers (Machine), and what is then run (Setup).
+
+resolve_setup turns the first two, and where it matters the target's checkpoint, into a Setup without reading
+anything itself: every choice of device, dtype, attention kernels, weight form, compiled steps and threads, and
+every combination that cannot run, is decided there. current_machine reads the machine once; Pipeline.load loads
+the models as the Setup says and apply_setup finishes each.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from triforce_cli.decoding.tuning import Choice, tuning_enabled
+from triforce_cli.errors import ConfigError
+from triforce_cli.kernels import attention_backend, half_weights_available
+from triforce_cli.kernels import optional as optional_kernels
+from triforce_cli.runtime.environment import physical_cores
+from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, WeightForm
+from triforce_cli.runtime.loading import Checkpoint, resolve_compile, resolve_weights
+from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.parallel import pending_group
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """What to load and how; every field has the default a plain `Pipeline.load()` runs with.
+
+    Attributes:
+        target: the target model: a folder, a .safetensors or .gguf file, a hub id; None: the embedded default.
+        draft: the drafter (same tokenizer as the target), 'self' for none, None: the shipped one for the embedded
+            target (pipeline.drafter_spec).
+        dtype: 'auto' (bfloat16 on CUDA, float32 on the CPU) or a name of DTYPES.
+        device: 'auto' (CUDA where there is a GPU), 'cpu', 'cuda' or 'cuda:N'.
+        weights: a WeightForm: 'auto' (the fastest exact form for the device, loading.resolve_weights), 'dense',
+            'half' (float16 weight matrices for target and drafter) or 'gguf' (the target from its GGUF file's
+            blocks); see loading.load_model. Output is exact with respect to the target in the form chosen.
+        attention: 'auto' (the fastest kernel for the device and dtype), 'flash', 'sdpa' or 'cpu'; see
+            resolve_attention.
+        compile_steps: run decode steps as compiled fixed-shape graphs, CUDA graphs on a GPU; None: on CUDA only
+            (loading.resolve_compile).
+        context_window: positions both models accept, YaRN-scaled beyond their trained context.
+        threads: the torch threads the caller set, or None: then a CPU's prefill runs on every physical core, and
+            decoding on the threads measured fastest (with tune) or torch's.
+        tune: on the CPU in float32, let 'auto' weights, an unset compile_steps and unset threads take the
+            configuration measured fastest for this target and machine (decoding.tuning; measured the first time).
+    """
+
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    weights: str = WeightForm.AUTO
+    attention: str = "auto"
+    compile_steps: bool | None = None
+    context_window: int | None = None
+    threads: int | None = None
+    tune: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """What a load may use here (current_machine reads it; the defaults describe one x86 CPU and nothing else).
+
+    Attributes:
+        cuda: a CUDA GPU is available.
+        world_size: the processes computing together (torchrun), 1 alone.
+        local_rank: the GPU torchrun gave this process where it has yet to join the group; None otherwise.
+        flash_attention: flash-attn is installed.
+        half_weights: this torch build has fbgemm (half weights, x86).
+        gguf_kernels: the CPU extension with the GGUF block kernels builds here.
+        tuning: measurements of the fastest configuration are allowed (decoding.tuning.tuning_enabled).
+        physical_cores: the physical cores this process may run on.
+    """
+
+    cuda: bool = False
+    world_size: int = 1
+    local_rank: int | None = None
+    flash_attention: bool = False
+    half_weights: bool = True
+    gguf_kernels: bool = True
+    tuning: bool = True
+    physical_cores: int = 1
+
+
+def current_machine() -> Machine:
+    """This machine and process as a Machine, but for gguf_kernels, False here: finding out builds the CPU
+    extension, so Pipeline.load asks only for a GGUF source, the one case that needs to know."""
+    world, local_rank = pending_group()
+    return Machine(
+        cuda=torch.cuda.is_available(),
+        world_size=world,
+        local_rank=local_rank,
+        flash_attention=optional_kernels.flash_attn_func is not None,
+        half_weights=half_weights_available(),
+        gguf_kernels=False,
+        tuning=tuning_enabled(),
+        physical_cores=physical_cores(),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """The choices a load runs with (resolve_setup).
+
+    Attributes:
+        device: this process's device (under torchrun, cuda:LOCAL_RANK).
+        dtype: the compute dtype.
+        attention: the attention kernel family (kernels.attention_backend).
+        weights: the target's weight form, never 'auto'.
+        drafter_weights: the drafter's ('half' beside a half or gguf target where fbgemm is there: a drafter has
+            no GGUF file of its own).
+        compiled: decode steps run as compiled graphs.
+        tensor_parallel: the target's decoder layers are sharded over the processes (the drafter stays whole).
+        offload_weights: the target's layers beyond EngineConfig.on_chip_layers stream from host memory.
+        reads_checkpoint: the target's checkpoint decides something (a GGUF file may become gguf weights, and
+            the tuning is kept per checkpoint): resolve_setup again with it.
+        tune: the configuration measured fastest (decoding.tuning) chooses the weights, compiled steps and decode
+            threads: resolve_setup again with its choice.
+        decode_threads: the torch threads to set for decoding (the measured choice's), None: leave them.
+        prefill_threads: the threads a CPU's prefill runs on (every physical core), None: torch's.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    attention: str
+    weights: str
+    drafter_weights: str
+    compiled: bool
+    tensor_parallel: bool = False
+    offload_weights: bool = False
+    reads_checkpoint: bool = False
+    tune: bool = False
+    decode_threads: int | None = None
+    prefill_threads: int | None = None
+
+    @property
+    def compile_mode(self) -> str | None:
+        """torch.compile's mode for the steps: CUDA graphs on a GPU."""
+        return "reduce-overhead" if self.device.type == "cuda" else None
+
+
+def resolve_device(device: str, cuda: bool | None = None) -> torch.device:
+    """device as a torch device; cuda: whether a CUDA GPU is available (None: asked here)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if device == "auto":
+        return torch.device("cuda" if cuda else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device '{device}' (use auto, cpu or cuda[:N])") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device '{device}' (use auto, cpu or cuda[:N])")
+    if resolved.type == "cuda" and not cuda:
+        raise ConfigError("device 'cuda' requested but no CUDA GPU is available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}' (choose from auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def resolve_attention(
+    requested: str, device: torch.device, dtype: torch.dtype, weights: str, flash_installed: bool | None = None
+) -> str:
+    """The attention kernel family to run (kernels.attention_backend), or a ConfigError saying why the requested
+    one cannot run. Half weights read the prompt's keys and values from a packed float16 copy that only the cpu
+    kernels read: the model they define is computed there alone."""
+    try:
+        backend = attention_backend(device, dtype, requested, flash_installed)
+    except ValueError as err:
+        raise ConfigError(f"`attention` {requested}: {err}") from None
+    if weights in HALF_PROMPT_FORMS and backend != "cpu":  # 'auto' weights then resolve to dense
+        raise ConfigError(
+            f"`attention` {backend} cannot read {weights} weights' float16 prompt cache: use `weights` dense"
+        )
+    return backend
+
+
+def drafter_weights(weights: str, half_available: bool | None = None) -> str:
+    """A 'half' or 'gguf' target gets a 'half' drafter (a drafter has no GGUF file of its own) where fbgemm is
+    there (half_available; None: asked here)."""
+    if weights not in HALF_PROMPT_FORMS:
+        return WeightForm.DENSE
+    half = half_weights_available() if half_available is None else half_available
+    return WeightForm.HALF if half else WeightForm.DENSE
+
+
+def resolve_setup(
+    options: LoadOptions,
+    machine: Machine,
+    checkpoint: Checkpoint | None = None,
+    offload: str = OffloadMode.NONE,
+    choice: Choice | None = None,
+) -> Setup:
+    """The Setup that options ask for on machine, or a ConfigError naming the settings that cannot go together.
+    Reads nothing: what it needs to know of the machine is in machine.
+
+    Args:
+        options: what is asked for.
+        machine: what is there.
+        checkpoint: the target's checkpoint, where the Setup reads_checkpoint (otherwise ignored): a GGUF source
+            lets 'auto' weights become gguf, and a known checkpoint lets tune apply.
+        offload: EngineConfig.offload: kv+weights streams dense weights and runs eager steps.
+        choice: the measured fastest configuration (decoding.tuning.Choice), where the Setup tunes (otherwise
+            ignored): its weights and compiled steps, and its threads unless options.threads are set.
+    """
+    device = resolve_device(options.device, machine.cuda)
+    if machine.local_rank is not None and device.type == "cuda":
+        device = torch.device("cuda", machine.local_rank)  # torchrun: this rank's GPU
+    parallel = machine.world_size > 1
+    dtype = resolve_dtype(options.dtype, device)
+    weights = options.weights
+    attention = resolve_attention(options.attention, device, dtype, weights, machine.flash_attention)
+    if parallel and options.compile_steps:
+        raise ConfigError("tensor-parallel steps run eager (an all-reduce per block): use `compile_steps` False")
+    compiled = resolve_compile(False if parallel else options.compile_steps, device, weights)
+    streamed = offload == OffloadMode.KV_WEIGHTS
+    if streamed and compiled:
+        raise ConfigError(f"`offload` {OffloadMode.KV_WEIGHTS} runs eager steps: use `compile_steps` False")
+    if weights == WeightForm.AUTO and (streamed or parallel):
+        weights = WeightForm.DENSE  # streamed and sharded weights are parameters, which packed half weights are not
+    tunable = device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not parallel
+    # only there can 'auto' become gguf, so only there does it matter whether the target is a GGUF file
+    reads_checkpoint = weights == WeightForm.AUTO and tunable and not compiled
+    checkpoint = checkpoint if reads_checkpoint else None
+    unset = checkpoint is not None and options.compile_steps is None and offload == OffloadMode.NONE
+    tune = options.tune and tunable and unset and machine.tuning
+    decode_threads = None
+    if tune and choice is not None:
+        weights, compiled = choice.weights, choice.compiled
+        if options.threads is None:
+            decode_threads = choice.threads
+    weights = resolve_weights(
+        weights,
+        dtype,
+        device,
+        attention,
+        compiled,
+        gguf_source=checkpoint is not None and checkpoint.gguf is not None,
+        gguf_kernels=machine.gguf_kernels,
+        half_available=machine.half_weights,
+    )
+    return Setup(
+        device=device,
+        dtype=dtype,
+        attention=attention,
+        weights=weights,
+        drafter_weights=drafter_weights(weights, machine.half_weights),
+        compiled=compiled,
+        tensor_parallel=parallel,
+        offload_weights=streamed,
+        reads_checkpoint=reads_checkpoint,
+        tune=tune,
+        decode_threads=decode_threads,
+        prefill_threads=machine.physical_cores if options.threads is None and device.type == "cpu" else None,
+    )
+
+
+def apply_setup(model: Transformer, setup: Setup) -> None:
+    """The transforms a loaded model takes once its weights are on the device, in this order: the attention
+    kernels, then compiled steps. (The weight form, sharding and weight offload apply while the weights are still
+    in host memory: loading.build_model, from the same Setup.)"""
+    model.use_attention(setup.attention)
+    if setup.compiled:
+        model.compile_steps(setup.compile_mode)

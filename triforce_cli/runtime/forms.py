@@ -1,0 +1,39 @@
+"""The weight forms a model can take and the offload modes of its caches, named once for every layer that uses them.
+
+Each is a StrEnum: a member equals its string ('half' == WeightForm.HALF), so settings given as strings, saved
+records and JSON keep their plain values.
+"""
+
+from enum import StrEnum
+
+
+class WeightForm(StrEnum):
+    """How a model holds its weight matrices (runtime/loading.py): 'auto' resolves to one of the others
+    (loading.resolve_weights); 'half' and 'gguf' exist on the CPU in float32 only."""
+
+    AUTO = "auto"
+    DENSE = "dense"  # float weights in the compute dtype
+    HALF = "half"  # float16 weight matrices (half_weights.py)
+    GGUF = "gguf"  # a GGUF file's own blocks (gguf_weights.py)
+
+    @property
+    def uses_half_prompt(self) -> bool:
+        """Whether attention reads the prompt's keys and values from a packed float16 copy (the CPU kernels only),
+        and whether a drafter beside this target takes half weights."""
+        return self in HALF_PROMPT_FORMS
+
+
+HALF_PROMPT_FORMS = (WeightForm.HALF, WeightForm.GGUF)  # `weights in HALF_PROMPT_FORMS` reads a plain string too
+WEIGHT_FORMATS = (WeightForm.DENSE, WeightForm.HALF, WeightForm.GGUF)  # what a loaded model holds
+WEIGHT_CHOICES = tuple(form.value for form in WeightForm)  # what a setting may name
+
+
+class OffloadMode(StrEnum):
+    """Where the target's full KV cache (and weights) live (EngineConfig.offload)."""
+
+    NONE = "none"  # every cache on the device
+    KV = "kv"  # the full KV cache in host memory, streamed layer by layer (offload/kv.py)
+    KV_WEIGHTS = "kv+weights"  # its layers' weights too (offload/weights.py)
+
+
+OFFLOAD_CHOICES = tuple(mode.value for mode in OffloadMode)
