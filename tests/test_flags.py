@@ -21,6 +21,7 @@ from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.distill.trainer import DistillConfig, Distiller
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan.presets import with_figures
@@ -44,7 +45,7 @@ def app_options() -> set[str]:
 def library_keywords() -> set[str]:
     fields = {
         f.name
-        for config in (EngineConfig, SamplingConfig, BenchConfig, DistillConfig)
+        for config in (LoadOptions, EngineConfig, SamplingConfig, BenchConfig, DistillConfig)
         for f in dataclasses.fields(config)
     }
     functions = (Pipeline.load, Pipeline.generate, ChatSession.prefill, Distiller.__init__, with_figures)

@@ -1,7 +1,7 @@
 """Library messages in command-line words: each backticked setting becomes the flag that sets it.
 
 The library is used from Python too, so its errors and notes name a setting by its Python keyword in backticks
-(EngineConfig's and SamplingConfig's fields, Pipeline.load's and generate's keyword arguments, DistillConfig's and
+(LoadOptions', EngineConfig's and SamplingConfig's fields, generate's keyword arguments, DistillConfig's and
 BenchConfig's fields): "use `weights` dense", "`offload` kv+weights runs eager steps: use `compile_steps` False".
 Only the command line knows its flags; console.py passes every error and note through flag_text, which reads those
 as "use --weights dense" and "--offload kv+weights runs eager steps: use --no-compile". A backticked name that is no
@@ -12,7 +12,7 @@ import re
 
 # Setting (Python keyword) -> the flag that sets it. tests/test_flags.py checks each is an option of some command.
 FLAGS = {
-    # Pipeline.load
+    # LoadOptions
     "target": "--target",
     "draft": "--draft",
     "dtype": "--dtype",

@@ -39,6 +39,7 @@ from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.offload import offload_kv, pin_exactly
 from triforce_cli.runtime.environment import available_memory, torch_threads
+from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, padded_length, weight_bytes
 from triforce_cli.runtime.parallel import from_rank_zero, shared_seed, world_size
@@ -123,14 +124,11 @@ class Engine:
         self.config = config
         self.prefill_threads = prefill_threads
         self.drafter = drafter if config.uses_drafter else None
-        if self.drafter is not None and (
-            self.drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab()
-            or self.drafter.model.config.vocab_size != target.model.config.vocab_size
-        ):
-            raise ConfigError(f"drafter {self.drafter.name} does not share the vocabulary of {target.name}")
+        if self.drafter is not None:
+            self.drafter.check_drafts_for(target)
         self.eos_ids = set() if config.ignore_eos else target.eos_token_ids
         self._caches = _Caches()
-        if config.offload == "kv+weights" and target.model.weight_stream is None:
+        if config.offload == OffloadMode.KV_WEIGHTS and target.model.weight_stream is None:
             raise ConfigError(
                 "`offload` kv+weights needs a target loaded with its weights streamed: load_model(...,"
                 " offload_weights=True), as Pipeline.load does for this offload"
@@ -237,7 +235,7 @@ class Engine:
     @property
     def offloaded(self) -> bool:
         """Whether the full KV cache lives in host memory (EngineConfig.offload kv or kv+weights)."""
-        return self.config.offload in ("kv", "kv+weights")
+        return self.config.offload != OffloadMode.NONE
 
     def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
         """What a generation after prompt_tokens holds, and where, before anything is allocated: the models'

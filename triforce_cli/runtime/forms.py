@@ -18,8 +18,8 @@ class WeightForm(StrEnum):
 
     @property
     def uses_half_prompt(self) -> bool:
-        """Whether attention reads the prompt's keys and values from a packed float16 copy (the CPU kernels only),
-        and whether a drafter beside this target takes half weights."""
+        """Whether attention reads the prompt's keys and values from a float16 copy (the CPU kernels only), and
+        whether a drafter beside this target takes half weights."""
         return self in HALF_PROMPT_FORMS
 
 

@@ -81,6 +81,12 @@ class LoadedModel:
     def device(self) -> torch.device:
         return self.model.device
 
+    def check_drafts_for(self, target: "LoadedModel") -> None:
+        """A ConfigError where this model cannot draft for target: their token ids must mean the same tokens."""
+        vocabulary = self.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+        if not vocabulary or self.model.config.vocab_size != target.model.config.vocab_size:
+            raise ConfigError(f"drafter {self.name} does not share the vocabulary of {target.name}")
+
     @property
     def half_prompt_cache(self) -> bool:
         """Whether attention reads the prompt's keys and values as float16 too: with 'half' and 'gguf' weights (as
