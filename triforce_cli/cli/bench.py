@@ -27,6 +27,7 @@ from triforce_cli.runtime.prompts import cut_document, cut_prompt, read_prompt
 DEFAULTS = EngineConfig()
 BENCH_DEFAULTS = BenchConfig()
 SAMPLING_DEFAULTS = SamplingConfig()
+BENCH_SETTINGS = {"max_new_tokens": BENCH_DEFAULTS.max_new_tokens, "ignore_eos": BENCH_DEFAULTS.ignore_eos}
 DEFAULT_CONTEXTS = ",".join(map(str, BENCH_DEFAULTS.contexts))
 DEFAULT_POLICIES = ",".join(BENCH_DEFAULTS.gamma_policies)
 DEFAULT_BUILTIN = ",".join(BENCH_DEFAULT)
@@ -34,6 +35,9 @@ QA_DEFAULT_MODES = ("autoregressive", "triforce", *QA_PEERS)
 QA_DEFAULT = ("qa-stdlib-b",)  # the qa scenario's document where --builtin is left as it is
 
 
+@o.takes("refresh_interval", *o.MACHINE, "prompt_cache", after="gamma_policy")
+@o.takes(*o.SAMPLING, *o.MODELS, *o.DRAFTING, after="warmup", temperature=0.0, seed=0)
+@o.takes(*("chunk_score", "max_new_tokens", "ignore_eos"), after="chunk_size", **BENCH_SETTINGS)
 def bench(
     prompt_file: o.BenchPromptFiles = None,
     builtin: o.BenchBuiltin = DEFAULT_BUILTIN,
@@ -41,43 +45,22 @@ def bench(
     modes: o.BenchModes = "default",
     budget: o.BudgetSweep = "auto",
     chunk_size: o.ChunkSizeSweep = str(DEFAULTS.chunk_size),
-    chunk_score: o.ChunkScore = DEFAULTS.chunk_score,
-    max_new_tokens: o.MaxNewTokens = BENCH_DEFAULTS.max_new_tokens,
-    ignore_eos: o.IgnoreEos = BENCH_DEFAULTS.ignore_eos,
     repeats: o.Repeats = BENCH_DEFAULTS.repeats,
     warmup: o.Warmup = BENCH_DEFAULTS.warmup,
-    temperature: o.Temperature = 0.0,
-    top_p: o.TopP = SAMPLING_DEFAULTS.top_p,
-    top_k: o.TopK = SAMPLING_DEFAULTS.top_k,
-    seed: o.Seed = 0,
-    target: o.Target = None,
-    draft: o.Draft = None,
-    draft_window: o.DraftWindow = DEFAULTS.draft_window,
-    sink_tokens: o.SinkTokens = DEFAULTS.sink_tokens,
-    gamma1: o.Gamma1 = DEFAULTS.gamma1,
-    gamma2: o.Gamma2 = DEFAULTS.gamma2,
     gamma_policy: o.GammaPolicySweep = DEFAULT_POLICIES,
-    refresh_interval: o.RefreshInterval = DEFAULTS.refresh_interval,
-    dtype: o.Dtype = "auto",
-    device: o.Device = "auto",
-    threads: o.Threads = None,
-    weights: o.Weights = "auto",
-    attention: o.Attention = "auto",
-    compile_steps: o.Compile = None,
-    offload: o.Offload = "none",
-    on_chip_layers: o.OnChipLayers = 0,
-    context_window: o.ContextWindow = None,
     forward_costs: o.ForwardCosts = None,
-    prompt_cache: o.PromptCache = None,
     scenario: o.Scenario = "decode",
     questions: o.Questions = None,
     out: o.ResultsFile = None,
     plot: o.PlotFile = None,
+    **settings,
 ) -> None:
     """Per-token latency of every mode and the peers, and the seconds to the first token and to the answer."""
-    options = dict(locals())  # the settings, each named as its field (cli/settings.py)
-    with command_console(threads) as err:
-        sampling = sampling_config(options)
+    max_new_tokens, ignore_eos, prompt_cache = (
+        settings[name] for name in ("max_new_tokens", "ignore_eos", "prompt_cache")
+    )
+    with command_console(settings["threads"]) as err:
+        sampling = sampling_config(settings)
         config = BenchConfig(
             modes=tuple(m for m in modes if m != "default"),
             contexts=context,
@@ -112,7 +95,7 @@ def bench(
             }
             prompts = {name: (documents[BENCH_PROMPTS[name].document], BENCH_PROMPTS[name].request) for name in builtin}
         swept = ("budget", "chunk_size", "gamma_policy", "ignore_eos")  # per run: BenchConfig
-        pipe = load_pipeline(options, engine_config(options, skip=swept), lambda message: print_note(err, message))
+        pipe = load_pipeline(settings, engine_config(settings, skip=swept), lambda message: print_note(err, message))
         if "default" in modes:
             defaults = default_modes(pipe.target)
             if scenario == "qa":

@@ -38,62 +38,29 @@ from triforce_cli.cli.render import (
 )
 from triforce_cli.cli.settings import engine_config, load_pipeline
 from triforce_cli.decoding.chat import ChatSession, transcript_text
-from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.prompt_state import check_writable
-from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import PromptError, TriforceError
 from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, interrupted_exit_code
 from triforce_cli.runtime.prompts import read_prompt
 from triforce_cli.runtime.store import chat_history_file
 
-DEFAULTS = EngineConfig()
-SAMPLING_DEFAULTS = SamplingConfig()
 PROMPT = "> "
 HISTORY_LENGTH = 1000  # lines of the terminal history kept across sessions
 
 
-def chat(
-    prompt_file: o.DocumentFile,
-    target: o.Target = None,
-    draft: o.Draft = None,
-    mode: o.Mode = DEFAULTS.mode,
-    budget: o.Budget = DEFAULTS.budget,
-    chunk_size: o.ChunkSize = DEFAULTS.chunk_size,
-    chunk_score: o.ChunkScore = DEFAULTS.chunk_score,
-    draft_window: o.DraftWindow = DEFAULTS.draft_window,
-    sink_tokens: o.SinkTokens = DEFAULTS.sink_tokens,
-    gamma1: o.Gamma1 = DEFAULTS.gamma1,
-    gamma2: o.Gamma2 = DEFAULTS.gamma2,
-    gamma_policy: o.GammaPolicy = DEFAULTS.gamma_policy,
-    ngram: o.Ngram = DEFAULTS.ngram,
-    refresh_interval: o.RefreshInterval = DEFAULTS.refresh_interval,
-    max_new_tokens: o.MaxNewTokens = DEFAULTS.max_new_tokens,
-    temperature: o.Temperature = SAMPLING_DEFAULTS.temperature,
-    top_p: o.TopP = SAMPLING_DEFAULTS.top_p,
-    top_k: o.TopK = SAMPLING_DEFAULTS.top_k,
-    seed: o.Seed = None,
-    dtype: o.Dtype = "auto",
-    device: o.Device = "auto",
-    threads: o.Threads = None,
-    weights: o.Weights = "auto",
-    attention: o.Attention = "auto",
-    compile_steps: o.Compile = None,
-    offload: o.Offload = "none",
-    on_chip_layers: o.OnChipLayers = 0,
-    context_window: o.ContextWindow = None,
-    prompt_cache: o.PromptCache = None,
-) -> None:
+@o.takes(*o.MODELS, *o.ENGINE, "max_new_tokens", *o.SAMPLING, *o.MACHINE, "prompt_cache")
+def chat(prompt_file: o.DocumentFile, **settings) -> None:
     """Ask questions about a (long) document; each answer is the target's own, after the whole conversation."""
-    options = dict(locals())  # the settings, each named as its field (cli/settings.py)
+    prompt_cache = settings["prompt_cache"]
     out = StdoutConsole(highlight=False)
-    with command_console(threads) as err:
-        config = engine_config(options)
+    with command_console(settings["threads"]) as err:
+        config = engine_config(settings)
         if prompt_file == "-":
             raise PromptError("chat reads its questions from standard input: give the document as a file")
         document = read_prompt(prompt_file)
         if prompt_cache is not None:
             check_writable(prompt_cache)  # before the model loads, as generate checks it
-        pipe = load_pipeline(options, config, lambda message: print_note(err, message))
+        pipe = load_pipeline(settings, config, lambda message: print_note(err, message))
         session = pipe.chat(document)
         prefix_tokens = len(session.conversation.document_prefix_ids)
         print_setup(err, pipe.engine.memory_plan(prefix_tokens), pipe.engine.drafter_description)

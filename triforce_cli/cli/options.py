@@ -4,7 +4,10 @@ A value that cannot be read (``--budget 1e400k``, ``--device gpu``, ``--threads 
 application prints as one line (cli/app.py). Explanations live in the README; help texts stay one or two lines.
 """
 
+import functools
+import inspect
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -12,8 +15,9 @@ import typer
 
 from triforce_cli.bench.runner import ALL_MODES
 from triforce_cli.corpus import BENCH_PROMPTS, BUILTIN_NAMES
-from triforce_cli.decoding.config import GAMMA_POLICIES, MODES
-from triforce_cli.decoding.setup import DTYPES
+from triforce_cli.decoding.config import GAMMA_POLICIES, MODES, EngineConfig
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import DTYPES, LoadOptions
 from triforce_cli.distill.trainer import SAVE_DTYPES
 from triforce_cli.kernels import ATTENTION_BACKENDS, CHUNK_SCORES
 from triforce_cli.runtime.forms import OFFLOAD_CHOICES, WEIGHT_CHOICES
@@ -86,6 +90,17 @@ def completions(choices: tuple[str, ...]):
     return complete
 
 
+def one_of(choices: tuple[str, ...], help: str):
+    """An option that takes one of choices, listed as its metavar."""
+    return Annotated[Literal[choices], typer.Option(metavar="|".join(choices), help=help)]
+
+
+def some_of(flag: str, choices: tuple[str, ...], name: str, help: str):
+    """An option that takes comma-separated names among choices, completed in the shell; name: its metavar's."""
+    parse, complete = names_of(choices), completions(choices)
+    return Annotated[tuple, typer.Option(flag, parser=parse, metavar=f"{name},...", autocompletion=complete, help=help)]
+
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -111,31 +126,22 @@ Draft = Annotated[
         help="Drafter sharing the target's tokenizer, or 'self' [default: the shipped drafter, else self].",
     ),
 ]
-Weights = Annotated[
-    Literal[WEIGHT_CHOICES],
-    typer.Option(
-        metavar="|".join(WEIGHT_CHOICES),
-        help="Weight form; auto: on a CPU in float32 the one measured fastest for the target here (gguf for a GGUF"
-        " file, half or dense), dense elsewhere.",
-    ),
-]
-Dtype = Annotated[
-    Literal[("auto", *DTYPES)],
-    typer.Option(metavar="|".join(("auto", *DTYPES)), help="Compute dtype (auto: bfloat16 on GPU)."),
-]
+Weights = one_of(
+    WEIGHT_CHOICES,
+    "Weight form; auto: on a CPU in float32 the one measured fastest for the target here (gguf for a GGUF file,"
+    " half or dense), dense elsewhere.",
+)
+Dtype = one_of(("auto", *DTYPES), "Compute dtype (auto: bfloat16 on GPU).")
 Device = Annotated[
     str,
     typer.Option(
         parser=device_name, metavar="auto|cpu|cuda[:N]", autocompletion=completions(DEVICES), help="Where to run."
     ),
 ]
-Attention = Annotated[
-    Literal[("auto", *ATTENTION_BACKENDS)],
-    typer.Option(
-        metavar="|".join(("auto", *ATTENTION_BACKENDS)),
-        help="Attention kernels: auto picks flash on CUDA where installed, else sdpa; cpu on a CPU.",
-    ),
-]
+Attention = one_of(
+    ("auto", *ATTENTION_BACKENDS),
+    "Attention kernels: auto picks flash on CUDA where installed, else sdpa; cpu on a CPU.",
+)
 Compile = Annotated[
     bool | None,
     typer.Option(
@@ -153,19 +159,15 @@ ContextWindow = Annotated[
 ]
 
 # Decoding
-Mode = Annotated[Literal[MODES], typer.Option(metavar="|".join(MODES), help="Tiers to run (see the README).")]
+Mode = one_of(MODES, "Tiers to run (see the README).")
 Budget = Annotated[
     int | None,
     typer.Option(parser=token_count, metavar="TOKENS", help="Retrieval-cache budget [default: min(1024, prompt)]."),
 ]
 ChunkSize = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Retrieval-cache chunk size.")]
-ChunkScore = Annotated[
-    Literal[CHUNK_SCORES],
-    typer.Option(
-        metavar="|".join(CHUNK_SCORES),
-        help="Retrieval chunk score: mean (the chunk's mean key) or bound (Quest's min/max-key bound).",
-    ),
-]
+ChunkScore = one_of(
+    CHUNK_SCORES, "Retrieval chunk score: mean (the chunk's mean key) or bound (Quest's min/max-key bound)."
+)
 DraftWindow = Annotated[
     int, typer.Option(parser=token_count, metavar="TOKENS", help="Drafter StreamingLLM recent window.")
 ]
@@ -178,12 +180,7 @@ Gamma1 = Annotated[
 Gamma2 = Annotated[
     int, typer.Option(min=1, metavar="N", help="Tokens the full cache verifies per pass (a ceiling if adaptive).")
 ]
-GammaPolicy = Annotated[
-    Literal[GAMMA_POLICIES],
-    typer.Option(
-        metavar="|".join(GAMMA_POLICIES), help="Speculation lengths: fixed, or adapted after every verification."
-    ),
-]
+GammaPolicy = one_of(GAMMA_POLICIES, "Speculation lengths: fixed, or adapted after every verification.")
 Ngram = Annotated[
     bool | None,
     typer.Option(
@@ -196,14 +193,11 @@ RefreshInterval = Annotated[
     int, typer.Option(min=1, metavar="N", help="Full verifications between retrieval-chunk selections.")
 ]
 MaxNewTokens = Annotated[int, typer.Option(parser=token_count, metavar="TOKENS", help="Tokens to generate at most.")]
-Offload = Annotated[
-    Literal[OFFLOAD_CHOICES],
-    typer.Option(
-        metavar="|".join(OFFLOAD_CHOICES),
-        help="kv: the target's full KV cache in host memory, streamed to the GPU layer by layer; kv+weights: its"
-        " layers' weights too.",
-    ),
-]
+Offload = one_of(
+    OFFLOAD_CHOICES,
+    "kv: the target's full KV cache in host memory, streamed to the GPU layer by layer; kv+weights: its layers'"
+    " weights too.",
+)
 OnChipLayers = Annotated[
     int,
     typer.Option(
@@ -239,16 +233,9 @@ JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object 
 
 # Bench sweeps: comma-separated lists
 BENCH_MODE_CHOICES = ("default", *ALL_MODES)
-BenchModes = Annotated[
-    tuple,
-    typer.Option(
-        "--modes",
-        parser=names_of(BENCH_MODE_CHOICES),
-        metavar="MODE,...",
-        autocompletion=completions(BENCH_MODE_CHOICES),
-        help="Our modes and the peers to time: " + ", ".join(BENCH_MODE_CHOICES) + ".",
-    ),
-]
+BenchModes = some_of(
+    "--modes", BENCH_MODE_CHOICES, "MODE", "Our modes and the peers to time: " + ", ".join(BENCH_MODE_CHOICES) + "."
+)
 Contexts = Annotated[
     tuple, typer.Option("--context", parser=token_counts, metavar="TOKENS,...", help="Context lengths, e.g. 2k,32k.")
 ]
@@ -258,16 +245,7 @@ BudgetSweep = Annotated[
 ChunkSizeSweep = Annotated[
     tuple, typer.Option("--chunk-size", parser=token_counts, metavar="TOKENS,...", help="Chunk sizes to sweep.")
 ]
-GammaPolicySweep = Annotated[
-    tuple,
-    typer.Option(
-        "--gamma-policy",
-        parser=names_of(GAMMA_POLICIES),
-        metavar="POLICY,...",
-        autocompletion=completions(GAMMA_POLICIES),
-        help="Speculation-length policies to sweep.",
-    ),
-]
+GammaPolicySweep = some_of("--gamma-policy", GAMMA_POLICIES, "POLICY", "Speculation-length policies to sweep.")
 ForwardCosts = Annotated[
     tuple | None,
     typer.Option(parser=token_counts, metavar="T,...", help="Also time one target forward of T tokens, e.g. 1,2,4,8."),
@@ -384,11 +362,92 @@ HeldOut = Annotated[
     ),
 ]
 AcceptanceTemperature = Annotated[float, typer.Option(metavar="FLOAT", help="Temperature of the held-out acceptance.")]
-SaveDtype = Annotated[
-    Literal[tuple(SAVE_DTYPES)], typer.Option(metavar="|".join(SAVE_DTYPES), help="Dtype of the written weights.")
-]
+SaveDtype = one_of(tuple(SAVE_DTYPES), "Dtype of the written weights.")
 DistillSeed = Annotated[
     int,
     typer.Option(min=0, max=MAX_SEED, metavar="SEED", help="Seed of the split, the sampling and the initial weights."),
 ]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --out.")]
+
+
+# Options several commands take, each with its default: a command names those it takes with `takes`, so each is
+# declared here once and reaches the command in its **settings, named as the LoadOptions, EngineConfig or
+# SamplingConfig field it sets (cli/settings.py builds those from them).
+LOAD_DEFAULTS, ENGINE_DEFAULTS, SAMPLING_DEFAULTS = LoadOptions(), EngineConfig(), SamplingConfig()
+SHARED: dict[str, tuple[object, object]] = {
+    "target": (Target, LOAD_DEFAULTS.target),
+    "draft": (Draft, LOAD_DEFAULTS.draft),
+    "mode": (Mode, ENGINE_DEFAULTS.mode),
+    "budget": (Budget, ENGINE_DEFAULTS.budget),
+    "chunk_size": (ChunkSize, ENGINE_DEFAULTS.chunk_size),
+    "chunk_score": (ChunkScore, ENGINE_DEFAULTS.chunk_score),
+    "draft_window": (DraftWindow, ENGINE_DEFAULTS.draft_window),
+    "sink_tokens": (SinkTokens, ENGINE_DEFAULTS.sink_tokens),
+    "gamma1": (Gamma1, ENGINE_DEFAULTS.gamma1),
+    "gamma2": (Gamma2, ENGINE_DEFAULTS.gamma2),
+    "gamma_policy": (GammaPolicy, ENGINE_DEFAULTS.gamma_policy),
+    "ngram": (Ngram, ENGINE_DEFAULTS.ngram),
+    "refresh_interval": (RefreshInterval, ENGINE_DEFAULTS.refresh_interval),
+    "max_new_tokens": (MaxNewTokens, ENGINE_DEFAULTS.max_new_tokens),
+    "ignore_eos": (IgnoreEos, ENGINE_DEFAULTS.ignore_eos),
+    "temperature": (Temperature, SAMPLING_DEFAULTS.temperature),
+    "top_p": (TopP, SAMPLING_DEFAULTS.top_p),
+    "top_k": (TopK, SAMPLING_DEFAULTS.top_k),
+    "seed": (Seed, SAMPLING_DEFAULTS.seed),
+    "dtype": (Dtype, LOAD_DEFAULTS.dtype),
+    "device": (Device, LOAD_DEFAULTS.device),
+    "threads": (Threads, LOAD_DEFAULTS.threads),
+    "weights": (Weights, LOAD_DEFAULTS.weights),
+    "attention": (Attention, LOAD_DEFAULTS.attention),
+    "compile_steps": (Compile, LOAD_DEFAULTS.compile_steps),
+    "offload": (Offload, ENGINE_DEFAULTS.offload),
+    "on_chip_layers": (OnChipLayers, ENGINE_DEFAULTS.on_chip_layers),
+    "context_window": (ContextWindow, LOAD_DEFAULTS.context_window),
+    "prompt_cache": (PromptCache, None),
+}
+MODELS = ("target", "draft")
+DRAFTING = ("draft_window", "sink_tokens", "gamma1", "gamma2")  # the drafter's cache and the speculation lengths
+ENGINE = ("mode", "budget", "chunk_size", "chunk_score", *DRAFTING, "gamma_policy", "ngram", "refresh_interval")
+SAMPLING = ("temperature", "top_p", "top_k", "seed")
+MACHINE = (
+    "dtype",
+    "device",
+    "threads",
+    "weights",
+    "attention",
+    "compile_steps",
+    "offload",
+    "on_chip_layers",
+    "context_window",
+)
+
+
+def takes(*names: str, after: str | None = None, **defaults):
+    """A command that also takes the shared options names (SHARED; defaults: another default for some), passed to
+    it in its **settings and listed in its help after its parameter `after` (None: its first).
+
+    Returns:
+        A decorator: the command with a signature of its own parameters and those options (keyword-only), which
+        typer reads, and which calls the command with all of them by name.
+    """
+
+    def decorate(command: Callable) -> Callable:
+        own = [p for p in inspect.signature(command).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        at = 1 if after is None else [p.name for p in own].index(after) + 1
+        shared = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=SHARED[name][0], default=value)
+            for name in names
+            for value in [defaults.get(name, SHARED[name][1])]
+        ]
+        parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        parameters[at:at] = shared
+
+        @functools.wraps(command)
+        def run(**values):
+            return command(**values)
+
+        run.__signature__ = inspect.Signature(parameters, return_annotation=None)
+        run.__annotations__ = {p.name: p.annotation for p in parameters}
+        return run
+
+    return decorate
