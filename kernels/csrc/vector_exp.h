@@ -18,14 +18,17 @@ constexpr float kLn2High = 0.693359375f;
 constexpr float kLn2Low = -2.12194440e-4f;
 constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-constexpr int kExpDegree = sizeof(kExpPoly) / sizeof(kExpPoly[0]);
 
 // Declares r and p(r) from n and the clamped x, in the intrinsics of one width: PS is their prefix (_mm512,
-// _mm256), V the vector type. Written once so that both widths compute the same polynomial the same way.
+// _mm256), V the vector type. Written once so that both widths compute the same polynomial the same way; the
+// steps are written out, so every constant is known where it is broadcast.
 #define TRIFORCE_EXP_POLYNOMIAL(PS, V, n, clamped)                                                               \
   const V r = PS##_fnmadd_ps(n, PS##_set1_ps(kLn2Low), PS##_fnmadd_ps(n, PS##_set1_ps(kLn2High), clamped));      \
-  V p = PS##_set1_ps(kExpPoly[0]);                                                                               \
-  for (int i = 1; i < kExpDegree; ++i) p = PS##_fmadd_ps(p, r, PS##_set1_ps(kExpPoly[i]));                       \
+  V p = PS##_fmadd_ps(PS##_set1_ps(kExpPoly[0]), r, PS##_set1_ps(kExpPoly[1]));                                \
+  p = PS##_fmadd_ps(p, r, PS##_set1_ps(kExpPoly[2]));                                                            \
+  p = PS##_fmadd_ps(p, r, PS##_set1_ps(kExpPoly[3]));                                                            \
+  p = PS##_fmadd_ps(p, r, PS##_set1_ps(kExpPoly[4]));                                                            \
+  p = PS##_fmadd_ps(p, r, PS##_set1_ps(kExpPoly[5]));                                                            \
   p = PS##_fmadd_ps(p, PS##_mul_ps(r, r), PS##_add_ps(r, PS##_set1_ps(1.0f)))
 
 __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
