@@ -4,9 +4,29 @@ import json
 
 import pytest
 import torch
-from helpers import full_cache_for, llama_config, random_prompt, reference_logits, save_checkpoint, wrap
-from transformers import GPT2Config, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from helpers import (
+    full_cache_for,
+    llama_config,
+    random_prompt,
+    reference_logits,
+    save_checkpoint,
+    save_tokenizer,
+    wrap,
+)
+from transformers import (
+    GPT2Config,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.runtime.loading import load_model
 from triforce_cli.runtime.model import (
     ConcatLinear,
@@ -140,6 +160,51 @@ def test_qwen2_biases_match_transformers():
     with torch.no_grad():
         model.model.layers[0].self_attn.qkv_proj.bias[: cfg.num_attention_heads * model.config.head_dim].zero_()
     assert not torch.allclose(our_logits(model, ids), reference_logits(ref, ids), atol=1e-3)
+
+
+def qwen3(seed: int = 0) -> tuple[Qwen3Config, Qwen3ForCausalLM]:
+    """A tiny Qwen3 (per-head q and k norms), its norm weights random so that they matter."""
+    cfg = llama_config(config_class=Qwen3Config, head_dim=8, tie_word_embeddings=False, initializer_range=0.2)
+    torch.manual_seed(seed)
+    ref = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return cfg, ref
+
+
+def test_qwen3_query_and_key_norms_match_transformers():
+    """Prefill, a second chunk and decode steps with the cache equal transformers' Qwen3; the norms are used."""
+    cfg, ref = qwen3()
+    model = wrap(ref, cfg).model
+    assert model.config.qk_norm and not model.config.attention_bias
+    ids = random_prompt(SEQ, 32, seed=6)
+    whole = our_logits(model, ids)
+    torch.testing.assert_close(whole, reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    cache = full_cache_for(model)
+    first = model(torch.tensor(ids[:50]), 0, cache)
+    steps = [model(torch.tensor([t]), 50 + i, cache) for i, t in enumerate(ids[50:])]
+    torch.testing.assert_close(torch.cat([first, *steps]), whole, atol=ATOL, rtol=1e-5)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_norm.weight.fill_(1.0)
+    assert not torch.allclose(our_logits(model, ids), whole, atol=1e-3)
+
+
+def test_qwen3_checkpoint_loads_and_every_mode_is_greedy_equal(tmp_path):
+    """A saved Qwen3 checkpoint goes through load_model, and every mode gives autoregressive's greedy tokens."""
+    cfg, ref = qwen3(seed=1)
+    ref.save_pretrained(tmp_path / "qwen3")
+    save_tokenizer(tmp_path / "qwen3", cfg.vocab_size)
+    loaded = load_model(str(tmp_path / "qwen3"))
+    ids = random_prompt(64, 32, seed=7)
+    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    greedy = SamplingConfig(temperature=0)
+    settings = {"budget": 16, "chunk_size": 8, "draft_window": 16, "sink_tokens": 4, "max_new_tokens": 24}
+    expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **settings)).generate(ids)
+    for mode in ("retrieval", "streaming", "triforce"):
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
+        assert result.token_ids == expected.token_ids, mode
 
 
 def mistral(sliding_window):

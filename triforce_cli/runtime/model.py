@@ -33,6 +33,7 @@ from triforce_cli.kernels import attention, attention_backend, attention_in_cach
 from triforce_cli.offload.weights import WeightStream
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MAX_STEP_TOKENS = 128  # longest decode step compiled with a fixed shape (MAX_GAMMA + 1 rounded up); longer: eager
 
 
@@ -72,10 +73,11 @@ class ModelConfig:
     output_bias: bool  # bias on the attention output projection
     mlp_bias: bool
     rope: dict
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
-        if getattr(hf, "model_type", None) not in ("llama", "qwen2", "mistral"):
+        if getattr(hf, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(f"model type '{getattr(hf, 'model_type', None)}' is not Llama-family")
         if getattr(hf, "sliding_window", None) and (hf.model_type == "mistral" or getattr(hf, "use_sliding_window", 0)):
             raise UnsupportedModelError("sliding-window attention is not supported")
@@ -94,6 +96,7 @@ class ModelConfig:
             output_bias=bool(getattr(hf, "attention_bias", False)) and hf.model_type != "qwen2",
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             rope=rope,
+            qk_norm=hf.model_type == "qwen3",
         )
 
 
@@ -204,6 +207,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.output_bias)
         self.scale = cfg.head_dim**-0.5
         self.backend: str | None = None  # kernels.attention_backend's choice; None: the fastest for the tensors
+        # Qwen3: each query and key head normalised before RoPE; None elsewhere
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | LayerwiseWrite
@@ -211,7 +217,10 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         rotated_heads = self.num_heads + self.num_kv_heads  # queries, then keys
         qkv = self.qkv_proj(x).view(num_tokens, rotated_heads + self.num_kv_heads, self.head_dim).transpose(0, 1)
-        qk = rotate(qkv[:rotated_heads], cos, sin)  # (Hq + Hkv, T, D)
+        qk = qkv[:rotated_heads]  # (Hq + Hkv, T, D)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[: self.num_heads]), self.k_norm(qk[self.num_heads :])])
+        qk = rotate(qk, cos, sin)
         q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[rotated_heads:]
         if cache.static_step:
             keys, values = cache.step_update(self.layer, q, k, v)  # (Hkv, S, D), all slots
