@@ -221,6 +221,25 @@ def test_mistral_without_sliding_window_matches_transformers():
     torch.testing.assert_close(our_logits(wrap(ref, cfg).model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
 
 
+def test_mistral_nemo_head_dim_wider_than_hidden_over_heads_matches_transformers():
+    """Mistral-Nemo's heads are not hidden_size / num_heads wide: head_dim comes from the config."""
+    cfg = llama_config(
+        config_class=MistralConfig, head_dim=16, tie_word_embeddings=False, sliding_window=None, initializer_range=0.2
+    )
+    torch.manual_seed(2)
+    ref = MistralForCausalLM(cfg).eval()
+    model = wrap(ref, cfg).model
+    assert model.config.head_dim == 16 != cfg.hidden_size // cfg.num_attention_heads
+    ids = random_prompt(SEQ, 32, seed=8)
+    whole = our_logits(model, ids)
+    torch.testing.assert_close(whole, reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    cache = full_cache_for(model)
+    steps = [model(torch.tensor(ids[:40]), 0, cache)] + [
+        model(torch.tensor([t]), 40 + i, cache) for i, t in enumerate(ids[40:])
+    ]
+    torch.testing.assert_close(torch.cat(steps), whole, atol=ATOL, rtol=1e-5)
+
+
 def test_mistral_sliding_window_is_honoured_or_refused():
     cfg, ref = mistral(sliding_window=16)
     try:
