@@ -10,7 +10,7 @@ import torch
 from triforce_cli.decoding.setup import LoadOptions, Machine, Setup, resolve_setup
 from triforce_cli.decoding.tuning import Choice
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.forms import OffloadMode, WeightForm
+from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, WeightForm
 from triforce_cli.runtime.loading import Checkpoint
 
 CPU = Machine(physical_cores=8)  # an x86 CPU: half weights, the GGUF kernels, tuning allowed
@@ -292,7 +292,7 @@ def test_the_defaults_resolve_on_a_bare_cpu():
         reads_checkpoint=True,
         prefill_threads=1,
     )
-    assert isinstance(setup.weights, WeightForm) and setup.weights.uses_half_prompt
+    assert isinstance(setup.weights, WeightForm) and setup.weights in HALF_PROMPT_FORMS
     assert setup.compile_mode is None
 
 
@@ -303,4 +303,4 @@ def test_compiled_steps_on_cuda_are_cuda_graphs():
 def test_forms_compare_as_their_strings():
     assert WeightForm.GGUF == "gguf" and "kv+weights" == OffloadMode.KV_WEIGHTS
     assert {"half": 1}[HALF] == 1 and f"{DENSE}" == "dense"
-    assert [form.uses_half_prompt for form in WeightForm] == [False, False, True, True]
+    assert [form in HALF_PROMPT_FORMS for form in WeightForm] == [False, False, True, True]

@@ -37,7 +37,7 @@ QA_DEFAULT = ("qa-stdlib-b",)  # the qa scenario's document where --builtin is l
 
 @o.takes("refresh_interval", *o.MACHINE, "prompt_cache", after="gamma_policy")
 @o.takes(*o.SAMPLING, *o.MODELS, *o.DRAFTING, after="warmup", temperature=0.0, seed=0)
-@o.takes(*("chunk_score", "max_new_tokens", "ignore_eos"), after="chunk_size", **BENCH_SETTINGS)
+@o.takes("chunk_score", "max_new_tokens", "ignore_eos", after="chunk_size", **BENCH_SETTINGS)
 def bench(
     prompt_file: o.BenchPromptFiles = None,
     builtin: o.BenchBuiltin = DEFAULT_BUILTIN,
@@ -94,8 +94,8 @@ def bench(
                 document: builtin_document(document) for document in {BENCH_PROMPTS[n].document for n in builtin}
             }
             prompts = {name: (documents[BENCH_PROMPTS[name].document], BENCH_PROMPTS[name].request) for name in builtin}
-        swept = ("budget", "chunk_size", "gamma_policy", "ignore_eos")  # per run: BenchConfig
-        pipe = load_pipeline(settings, engine_config(settings, skip=swept), lambda message: print_note(err, message))
+        per_run = ("ignore_eos",)  # BenchConfig's, like the sweeps, which are the command's own parameters
+        pipe = load_pipeline(settings, engine_config(settings, skip=per_run), lambda message: print_note(err, message))
         if "default" in modes:
             defaults = default_modes(pipe.target)
             if scenario == "qa":

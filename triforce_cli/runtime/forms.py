@@ -16,14 +16,10 @@ class WeightForm(StrEnum):
     HALF = "half"  # float16 weight matrices (half_weights.py)
     GGUF = "gguf"  # a GGUF file's own blocks (gguf_weights.py)
 
-    @property
-    def uses_half_prompt(self) -> bool:
-        """Whether attention reads the prompt's keys and values from a float16 copy (the CPU kernels only), and
-        whether a drafter beside this target takes half weights."""
-        return self in HALF_PROMPT_FORMS
 
-
-HALF_PROMPT_FORMS = (WeightForm.HALF, WeightForm.GGUF)  # `weights in HALF_PROMPT_FORMS` reads a plain string too
+# the forms whose attention reads the prompt's keys and values from a float16 copy (the CPU kernels only), and beside
+# which a drafter takes half weights; `weights in HALF_PROMPT_FORMS` reads a plain string too
+HALF_PROMPT_FORMS = (WeightForm.HALF, WeightForm.GGUF)
 WEIGHT_FORMATS = (WeightForm.DENSE, WeightForm.HALF, WeightForm.GGUF)  # what a loaded model holds
 WEIGHT_CHOICES = tuple(form.value for form in WeightForm)  # what a setting may name
 
