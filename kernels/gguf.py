@@ -1,13 +1,21 @@
-"""Weights kept as GGUF blocks (Q4_0, Q4_1, Q8_0) and multiplied as such on the CPU.
+"""Weights kept as GGUF blocks and multiplied as such on the CPU: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants
+Q4_K, Q5_K, Q6_K.
 
-A GGUF block stores 32 consecutive weights of one row as w = d * q + m: float16 d (and m, for Q4_1), 4-bit q in
-[0, 15] (Q4_1; Q4_0 is w = d * (q - 8), so m = -8 d) or 8-bit q in [-128, 127] (Q8_0, m = 0). pack_blocks
-widens d and m to float32 (exact) and lays the blocks out in tiles of 16 rows for the C++ kernel
-(csrc/gguf_blocks.cpp). For a few rows it sums d * sum(q x) + m * sum(x) per block; for many (a prefill chunk) it
-rebuilds every weight as d * q + m in float32, exactly as dequantize does, and multiplies those. Either way the
-activations stay float32, so a product with packed blocks differs from the product with the dequantized weights
-only by float32 rounding. A 4-bit weight costs 0.75 bytes this way, an 8-bit one 1.125: about a
-fifth (a quarter) of float32.
+Every one of these types stores, for each group of 32 (Q6_K: 16) consecutive weights of a row, integers q and a
+float32 scale d (and for some a minimum m), so that the weight is d * q + m as gguf-py's dequantization computes it:
+- Q4_0: d * (q - 8), q in [0, 15] (m = -8 d, exact); Q4_1: d * q + m; Q4_K: (d * sc) * q - dmin * mn for its 8
+  groups of 32 in a 256-weight super-block, the 6-bit sc and mn unpacked and their products taken in float32 (exact:
+  an 11-bit mantissa times a 6-bit integer), so that d = d * sc and m = -(dmin * mn) per group;
+- Q8_0: d * q, q in [-128, 127]; Q5_0: d * (q - 16), q (5 bits) - 16 in [-16, 15]; Q5_1: d * q + m, q in [0, 31];
+  Q5_K: (d * sc) * q - dmin * mn as Q4_K with 5-bit q; Q6_K: (d * sc) * (q - 32) with an int8 sc per 16 weights.
+unpack_blocks turns a tensor's bytes into those q, d and m; pack_blocks lays them out in tiles of 16 rows for the
+C++ kernel (csrc/gguf_blocks.cpp): q's of 4 bits two to a byte, others (5, 6 and 8 bits) one int8 each, d and m in
+float32. For a few activation rows the kernel sums d * sum(q x) + m * sum(x) per group; for many (a prefill chunk) it
+rebuilds every weight as d * q + m in float32, exactly as gguf-py rounds it, and multiplies those. The activations
+stay float32, so the product differs from the product with the dequantized weights only by float32 rounding.
+
+Bytes per weight in memory: 0.75 for the 4-bit types (a file's Q4_K is 0.5625), 1.125 for Q8_0 and Q5_0, 1.25 for
+Q5_1, Q5_K and Q6_K; float32 is 4. Other types (Q2_K, Q3_K, the IQ types) are dequantized by the loader.
 
 The kernel is part of the CPU extension (kernels.native), and picks its AVX-512, AVX2 or plain body by what the CPU
 has (kernels.native.cpu_isa).
@@ -15,19 +23,46 @@ has (kernels.native.cpu_isa).
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-BLOCK = 32  # weights per block
+BLOCK = 32  # weights per block of the packed layout
 LANES = 16  # rows per tile of the packed layout
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # a block in the file: float16 d, [float16 m], the q's
-BLOCK_KINDS = tuple(BLOCK_BYTES)
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """A GGUF block type: its bytes and weights per block in the file, and its packed form."""
+
+    file_bytes: int
+    file_weights: int  # 32, or 256 for a K-quant super-block
+    four_bit: bool  # packed two q's a byte, else one int8 each
+    minimums: bool  # w = d * q + m, else d * q
+    group: int  # consecutive weights sharing one d (and m): 32, or 16 (Q6_K)
+
+    def bytes_per_weight(self) -> float:
+        """Bytes per weight of the packed form (q, d and m)."""
+        return (0.5 if self.four_bit else 1.0) + 4 * (1 + self.minimums) / self.group
+
+
+BLOCK_TYPES = {
+    "Q4_0": BlockKind(18, 32, True, True, 32),
+    "Q4_1": BlockKind(20, 32, True, True, 32),
+    "Q8_0": BlockKind(34, 32, False, False, 32),
+    "Q5_0": BlockKind(22, 32, False, False, 32),
+    "Q5_1": BlockKind(24, 32, False, True, 32),
+    "Q4_K": BlockKind(144, 256, True, True, 32),
+    "Q5_K": BlockKind(176, 256, False, True, 32),
+    "Q6_K": BlockKind(210, 256, False, False, 16),
+}
+BLOCK_KINDS = tuple(BLOCK_TYPES)
 
 
 @dataclass
 class PackedBlocks:
     """A weight (N, K) as tiled blocks. q: (N/16, K/32, 16, 16) uint8 (4-bit, two weights a byte) or
-    (N/16, K/32, 32, 16) int8; d, m: (N/16, K/32, 16) float32; m is None for Q8_0. N is padded to a multiple of
-    16 with zero rows; out_features is the weight's own N."""
+    (N/16, K/32, 32, 16) int8; d: (N/16, K/G, 16) float32 for groups of G = 32 or 16 weights; m: as d, or None. N is
+    padded to a multiple of 16 with zero rows; out_features is the weight's own N."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -39,8 +74,73 @@ class PackedBlocks:
         return self.q.shape[1] * BLOCK
 
     @property
+    def group(self) -> int:
+        """Weights per scale: 32, or 16."""
+        return self.in_features // self.d.shape[1]
+
+    @property
+    def form(self) -> tuple[bool, bool, int]:
+        """(4-bit, has minimums, group): parts of one form can be stacked into one set of tiles."""
+        return self.q.dtype == torch.uint8, self.m is not None, self.group
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of each block, as float32: (B,)."""
+    return np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16)[:, 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:
+    """(B, n) bytes -> (B, 2n) 4-bit values: for each run of `span` bytes, their low nibbles, then their high ones."""
+    runs = qs.reshape(qs.shape[0], -1, 1, span) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (runs & 0xF).reshape(qs.shape[0], -1)
+
+
+def _bits(packed: np.ndarray, width: int, count: int) -> np.ndarray:
+    """(B, n) unsigned ints -> (B, count * n): the `width`-bit fields 0, 1, ... of every int, field by field."""
+    shifts = np.arange(0, width * count, width, dtype=packed.dtype).reshape(1, count, 1)
+    return ((packed[:, None, :] >> shifts) & ((1 << width) - 1)).reshape(packed.shape[0], -1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 scale bytes -> the 8 groups' 6-bit scales and minimums, each (B, 8) float32."""
+    low, high, mixed = (scales[:, i : i + 4] for i in (0, 4, 8))
+    sc = np.concatenate([low & 0x3F, (mixed & 0xF) | ((low >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def unpack_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A GGUF tensor's bytes (..., blocks * file bytes) uint8 -> q (B, W) int16, d (B, W/G) float32 and m (as d, or
+    None) for its B blocks of W weights in groups of G, such that the weights are d * q + m (each group's d and m
+    broadcast over its G q's), rounded as gguf-py's dequantize rounds them."""
+    kind_of = BLOCK_TYPES[kind]
+    blocks = raw.reshape(-1, kind_of.file_bytes)
+    d = _half(blocks, 0)[:, None]
+    if kind in ("Q4_0", "Q4_1"):
+        q = _nibbles(blocks[:, 2 + 2 * (kind == "Q4_1") :], 16).astype(np.int16)
+        return q, d, (_half(blocks, 2)[:, None] if kind == "Q4_1" else -8 * d)
+    if kind == "Q8_0":
+        return blocks[:, 2:].view(np.int8).astype(np.int16), d, None
+    if kind in ("Q5_0", "Q5_1"):
+        start = 2 + 2 * (kind == "Q5_1")
+        high = _bits(np.ascontiguousarray(blocks[:, start : start + 4]).view(np.uint32), 1, 32)  # (B, 32)
+        q = (_nibbles(blocks[:, start + 4 :], 16) | (high << 4)).astype(np.int16)
+        return (q, d, _half(blocks, 2)[:, None]) if kind == "Q5_1" else (q - 16, d, None)
+    if kind in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scales(blocks[:, 4:16])
+        q = _nibbles(blocks[:, 16 + 32 * (kind == "Q5_K") :], 32).astype(np.int16)
+        if kind == "Q5_K":
+            q |= _bits(blocks[:, 16:48], 1, 8) << 4
+        return q, d * sc, -(_half(blocks, 2)[:, None] * mn)
+    if kind == "Q6_K":
+        q = _nibbles(blocks[:, :128], 64).astype(np.int16) | (_bits(blocks[:, 128:192].reshape(-1, 32), 2, 4)
+                                                                 .reshape(len(blocks), -1) << 4)  # fmt: skip
+        return q - 32, _half(blocks, 208)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32), None
+    raise ValueError(f"GGUF type {kind} is not kept packed")
 
 
 def _tiled(values: torch.Tensor, rows: int) -> torch.Tensor:
@@ -51,22 +151,21 @@ def _tiled(values: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def pack_blocks(raw: torch.Tensor, kind: str) -> PackedBlocks:
-    """A GGUF tensor's bytes, (N, K/32 * block bytes) uint8 rows, as PackedBlocks."""
+    """A GGUF tensor's bytes, (N, K/W * file bytes) uint8 rows, as PackedBlocks."""
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, BLOCK_BYTES[kind])  # (N, K/32, block bytes)
-    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()  # (N, K/32)
-    if kind == "Q8_0":
-        q = _tiled(blocks[..., 2:].contiguous().view(torch.int8), rows)  # (N/16, K/32, 32, 16)
-        return PackedBlocks(q, _tiled(d, rows), None, rows)
-    if kind == "Q4_1":
-        m, nibbles = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float(), blocks[..., 4:]
+    kind_of = BLOCK_TYPES[kind]
+    q, d, m = (None if t is None else torch.from_numpy(t) for t in unpack_blocks(raw.numpy(), kind))
+    q = q.reshape(rows, -1, BLOCK)  # (N, K/32, 32)
+    if kind_of.four_bit:
+        q = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)  # byte j: weights j and j + 16 of its block
     else:
-        m, nibbles = -8 * d, blocks[..., 2:]
-    return PackedBlocks(_tiled(nibbles, rows), _tiled(d, rows), _tiled(m, rows), rows)
+        q = q.to(torch.int8)
+    d, m = (None if t is None else _tiled(t.reshape(rows, -1), rows) for t in (d, m))  # (N/16, K/G, 16)
+    return PackedBlocks(_tiled(q, rows), d, m, rows)
 
 
 def _row_values(packed: PackedBlocks, rows: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The q's as (R, K/32, 32) float32 and d, m as (R, K/32, 1) of the given rows (None: all N), padding dropped."""
+    """The q's as (R, K/G, G) float32 and d, m as (R, K/G, 1) of the given rows (None: all N), padding dropped."""
     if rows is None:
         q = packed.q.movedim(-1, 1).reshape(-1, *packed.q.shape[1:3])[: packed.out_features]  # (N, K/32, 16|32)
         scales = [t.movedim(-1, 1).reshape(-1, t.shape[1])[: packed.out_features] for t in (packed.d, packed.m)
@@ -75,9 +174,10 @@ def _row_values(packed: PackedBlocks, rows: torch.Tensor | None) -> tuple[torch.
         tiles, lanes = rows // LANES, rows % LANES
         q = packed.q[tiles, :, :, lanes]  # (R, K/32, 16|32)
         scales = [t[tiles, :, lanes] for t in (packed.d, packed.m) if t is not None]
-    if packed.m is not None:
+    if packed.q.dtype == torch.uint8:
         q = torch.cat((q & 0xF, q >> 4), dim=-1)  # weights j, then j + 16 of each block
-    return q.float(), *(s[..., None] for s in scales)
+    q = q.float().reshape(q.shape[0], -1, packed.group)
+    return q, *(s[..., None] for s in scales)
 
 
 def dequantize(packed: PackedBlocks, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -283,3 +283,96 @@ def wrong_verify_draft(draft_tokens, draft_probs, target_probs, generator, agree
     if verdict.accepted == draft_tokens.shape[0]:
         return verdict
     return Verdict(verdict.accepted, int(sample(target_probs[verdict.accepted][None], generator)))
+
+
+# Each GGUF type's float16 fields (byte offsets in its block) and the typical size of what multiplies them (scale
+# times q), so that random blocks hold weights of about a chosen size
+HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+               "Q6_K": (208,), "Q3_K": (108,)}  # fmt: skip
+TYPICAL_Q = {
+    "Q4_0": 4,
+    "Q4_1": 8,
+    "Q8_0": 64,
+    "Q5_0": 8,
+    "Q5_1": 16,
+    "Q4_K": 240,
+    "Q5_K": 500,
+    "Q6_K": 1000,
+    "Q3_K": 64,
+}
+BLOCK_SHAPES = {"Q3_K": (110, 256)}  # types not kept packed: bytes and weights of a block
+
+
+def random_blocks(rows: int, cols: int, kind: str, seed: int, size: float = 0.3) -> torch.Tensor:
+    """Random bytes (rows, cols / block weights * block bytes) of a GGUF type, as a file of it holds (gguf-py has no
+    quantizer for the K-quants): every bit pattern of the q's and 6- or 8-bit scales, float16 fields finite and
+    weights of about `size`."""
+    import numpy as np
+    from triforce_cli.kernels.gguf import BLOCK_TYPES
+
+    block_bytes, block_weights = BLOCK_SHAPES.get(kind) or (
+        BLOCK_TYPES[kind].file_bytes,
+        BLOCK_TYPES[kind].file_weights,
+    )
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // block_weights, block_bytes), dtype=np.uint8)
+    for at in HALF_FIELDS[kind]:
+        halves = (rng.standard_normal(len(blocks)) * size / TYPICAL_Q[kind]).astype(np.float16)
+        blocks[:, at : at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def write_gguf_model(path: Path, types, layers: int = 2, hidden: int = 256, ffn: int = 512, seed: int = 0) -> None:
+    """A small Llama GGUF file as llama.cpp writes one, with the embedded model's tokenizer (its vocabulary of
+    49,152 tokens, chat template included): 4 heads of 64 (2 key/value heads), tied embedding; every weight matrix
+    random blocks of the type types(GGUF tensor name) gives, norms float32 ones."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    from triforce_cli.runtime.embedded import embedded_gguf_path
+
+    source = GGUFReader(str(embedded_gguf_path()))
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    writer = GGUFWriter(str(path), "llama")
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), kind, sub)
+    writer.add_block_count(layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_dimension_count(hidden // 4)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    shapes = {"token_embd": (vocab, hidden)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_q": (hidden, hidden), f"blk.{i}.attn_k": (hidden // 2, hidden),
+                   f"blk.{i}.attn_v": (hidden // 2, hidden), f"blk.{i}.attn_output": (hidden, hidden),
+                   f"blk.{i}.ffn_gate": (ffn, hidden), f"blk.{i}.ffn_up": (ffn, hidden),
+                   f"blk.{i}.ffn_down": (hidden, ffn)}  # fmt: skip
+    for index, (name, (rows, cols)) in enumerate(shapes.items()):
+        kind = types(name)
+        raw = random_blocks(rows, cols, kind, seed=seed * 1000 + index, size=0.02 if name == "token_embd" else 0.1)
+        writer.add_tensor(f"{name}.weight", raw.numpy(), raw_dtype=GGMLQuantizationType[kind])
+        if name.endswith("ffn_down"):
+            layer = name.split(".")[1]
+            for norm in ("attn_norm", "ffn_norm"):
+                writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llama_cpp_q4_k_m(name: str) -> str:
+    """The types llama.cpp's Q4_K_M quantization gives a Llama whose rows are multiples of 256 wide: Q6_K for the
+    value projections and the MLP's down projections, Q4_K for the rest, and (here) Q8_0 for the embedding."""
+    if name == "token_embd":
+        return "Q8_0"
+    return "Q6_K" if name.endswith(("attn_v", "ffn_down")) else "Q4_K"

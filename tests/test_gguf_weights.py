@@ -1,4 +1,5 @@
-"""GGUF weights (`--weights gguf`): linears and embedding computed from Q4_0, Q4_1 and Q8_0 blocks kept packed.
+"""GGUF weights (`--weights gguf`): linears and embedding computed from the blocks of every type kept packed (Q4_0,
+Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K).
 
 The kernel must give the product with the dequantized weights (gguf-py's own dequantization is the reference) in
 every body the CPU can run, the runtime must compute what transformers computes on those dequantized weights,
@@ -6,7 +7,9 @@ and every speculative mode must reproduce its own autoregressive output, greedy 
 """
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +17,18 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from helpers import full_cache_for, make_model, random_prompt, reference_logits
+from helpers import (
+    full_cache_for,
+    llama_cpp_q4_k_m,
+    make_model,
+    random_blocks,
+    random_prompt,
+    reference_logits,
+    write_gguf_model,
+)
 from torch import nn
-from triforce_cli.kernels.gguf import BLOCK_KINDS, blocks_linear, dequantize, pack_blocks
+from triforce_cli.kernels.gguf import BLOCK_KINDS, BLOCK_TYPES, blocks_linear, dequantize, pack_blocks
+from typer.testing import CliRunner
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -38,6 +50,20 @@ def quantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.from_numpy(gguf_quantize(weight.detach().float().numpy(), GGMLQuantizationType[kind]))
 
 
+def weight_bytes(rows: int, cols: int, kind: str, seed: int) -> torch.Tensor:
+    """A random (rows, cols) weight as a GGUF tensor's bytes: gguf-py's quantizer where it has one, else
+    random_blocks."""
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        return random_blocks(rows, cols, kind, seed)
+    torch.manual_seed(seed)
+    return quantized(torch.randn(rows, cols), kind)
+
+
+def width(kind: str) -> int:
+    """Columns of a test weight: 3 blocks, or 2 super-blocks of a K-quant."""
+    return 2 * 256 if BLOCK_TYPES[kind].file_weights == 256 else 96
+
+
 def reference_weight(raw: torch.Tensor, kind: str) -> torch.Tensor:
     """gguf-py's dequantization of the bytes: the weight the blocks hold."""
     return torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType[kind]))
@@ -45,10 +71,9 @@ def reference_weight(raw: torch.Tensor, kind: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 def test_dequantize_is_gguf_py_dequantization_bit_for_bit(kind):
-    torch.manual_seed(0)
-    raw = quantized(torch.randn(40, 96), kind)
+    raw = weight_bytes(40, width(kind), kind, seed=0)
     packed = pack_blocks(raw, kind)
-    assert (packed.out_features, packed.in_features) == (40, 96)
+    assert (packed.out_features, packed.in_features) == (40, width(kind))
     assert packed.q.shape[0] == 3  # 40 rows padded to 3 tiles of 16
     assert torch.equal(dequantize(packed), reference_weight(raw, kind))
     rows = torch.tensor([39, 0, 17, 17])
@@ -56,13 +81,19 @@ def test_dequantize_is_gguf_py_dequantization_bit_for_bit(kind):
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_packed_bytes_per_weight_are_the_types_own(kind):
+    """What the planner counts for a type (BlockKind.bytes_per_weight) is what its packed blocks hold."""
+    packed = pack_blocks(weight_bytes(32, width(kind), kind, seed=1), kind)
+    assert packed.nbytes == 32 * width(kind) * BLOCK_TYPES[kind].bytes_per_weight()
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40, 64, 77])
 def test_product_is_the_dequantized_product(body, kind, rows):
     """Few-row bodies (up to 6 rows a pass, then the rest), and the rebuilt-tile product from 64 rows on (6 rows
     a pass there, then the rest)."""
-    torch.manual_seed(rows)
-    raw = quantized(torch.randn(40, 96), kind)
-    x = torch.randn(rows, 96)
+    raw = weight_bytes(40, width(kind), kind, seed=rows)
+    x = torch.randn(rows, width(kind))
     out = blocks_linear(x, pack_blocks(raw, kind))
     expected = x.double() @ reference_weight(raw, kind).double().T
     assert out.shape == (rows, 40)
@@ -90,37 +121,54 @@ def test_a_wrong_input_is_one_clear_error():
         blocks_linear(torch.randn(2, 96), packed)
 
 
-def gguf_tiny_model(seed: int, tie: bool = False, vocab_size: int = 32, **config):
-    """A tiny model whose linears were quantized to Q4_1 (Q4_0 for the MLP's down projection) and its embedding
-    and output layer to Q8_0; returns (the transformers reference holding the dequantized weights, the dense
-    runtime model on them, the runtime model computing from the blocks)."""
-    tiny = make_model(
-        seed=seed,
-        initializer_range=0.3,
-        tie_word_embeddings=tie,
-        vocab_size=vocab_size,
-        intermediate_size=64,
-        **config,
-    )
+def classic_types(name: str) -> str:
+    """Q4_1 linears, Q4_0 for the MLP's down projection, Q8_0 for the embedding and output layer."""
+    if name in ("lm_head", "model.embed_tokens"):
+        return "Q8_0"
+    return "Q4_0" if name.endswith("down_proj") else "Q4_1"
+
+
+def q4_k_m_types(name: str) -> str:
+    """As llama.cpp's Q4_K_M mixes them: Q4_K, with Q6_K for the value and down projections and the output layer,
+    Q5_0 and Q5_1 for a few, Q8_0 for the embedding; Q5_K for the up projection, so that every type is there."""
+    for suffix, kind in (("v_proj", "Q6_K"), ("down_proj", "Q6_K"), ("lm_head", "Q6_K"), ("embed_tokens", "Q8_0"),
+                         ("k_proj", "Q5_0"), ("gate_proj", "Q5_1"), ("up_proj", "Q5_K")):  # fmt: skip
+        if name.endswith(suffix):
+            return kind
+    return "Q4_K"
+
+
+def gguf_tiny_model(seed: int, tie: bool = False, vocab_size: int = 32, types=classic_types, **config):
+    """A tiny model whose linears, embedding and output layer hold GGUF blocks of the type types(module name)
+    gives (gguf-py's quantization of random weights, or random blocks for the K-quants); returns (the transformers
+    reference holding the dequantized weights, the dense runtime model on them, the runtime model computing from
+    the blocks)."""
+    settings = {"seed": seed, "initializer_range": 0.3, "tie_word_embeddings": tie, "vocab_size": vocab_size,
+                "intermediate_size": 64, **config}  # fmt: skip
+    tiny = make_model(**settings)
     blocks = {}
     with torch.no_grad():
-        for name, module in tiny.ref.named_modules():
+        for index, (name, module) in enumerate(tiny.ref.named_modules()):
             if isinstance(module, (nn.Linear, nn.Embedding)) and name not in blocks:
                 if name == "lm_head" and tie:
                     continue
-                kind = "Q8_0" if name in ("lm_head", "model.embed_tokens") else "Q4_1"
-                kind = "Q4_0" if name.endswith("down_proj") else kind
-                raw = quantized(module.weight, kind)
+                kind = types(name)
+                rows, cols = module.weight.shape
+                if kind in ("Q4_K", "Q5_K", "Q6_K"):
+                    raw = random_blocks(rows, cols, kind, seed=seed * 1000 + index)
+                else:
+                    raw = quantized(module.weight, kind)
                 module.weight.copy_(reference_weight(raw, kind))
                 blocks[name] = pack_blocks(raw, kind)
-    dense = make_model(seed=seed, initializer_range=0.3, tie_word_embeddings=tie, vocab_size=vocab_size,
-                       intermediate_size=64, **config)  # fmt: skip
+    dense = make_model(**settings)
     dense.model.load_hf_state(tiny.ref.state_dict())
-    packed = make_model(seed=seed, initializer_range=0.3, tie_word_embeddings=tie, vocab_size=vocab_size,
-                        intermediate_size=64, **config)  # fmt: skip
+    packed = make_model(**settings)
     packed.model.load_hf_state(tiny.ref.state_dict())
     assert apply_gguf_blocks(packed.model, blocks) == len(blocks)
     return tiny.ref, dense.loaded, dataclasses.replace(packed.loaded, weights="gguf")
+
+
+K_QUANT_SHAPES = {"hidden_size": 256, "intermediate_size": 256, "num_heads": 4, "num_kv_heads": 2}  # rows of 256
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
@@ -137,21 +185,35 @@ def test_every_weight_computes_from_its_blocks(tie):
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_logits_match_transformers_on_the_dequantized_weights(tie):
     ref, dense, packed = gguf_tiny_model(2, tie=tie)
+    check_logits(ref, dense, packed)
+
+
+def test_a_q4_k_m_mix_matches_transformers_on_its_dequantized_weights():
+    ref, dense, packed = gguf_tiny_model(2, types=q4_k_m_types, **K_QUANT_SHAPES)
+    kinds = {type(m).__name__: m for m in packed.model.modules()}
+    assert "Linear" not in kinds and "ConcatLinear" in kinds  # q (Q4_K), k (Q5_0), v (Q6_K) forms cannot stack
+    check_logits(ref, dense, packed)
+
+
+def check_logits(ref, dense, packed):
+    """Both runtime models' prefill logits are transformers', to float32 rounding of sums as wide as the model."""
     ids = random_prompt(48, 32, seed=3)
     expected = reference_logits(ref, ids)
+    rounding = max(1e-4, 2e-5 * expected.abs().max().item())
     for loaded in (dense, packed):
         logits = loaded.model(torch.tensor(ids), 0, full_cache_for(loaded.model, 64), num_logits=len(ids))
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits, expected, atol=rounding, rtol=1e-4)
 
 
 SETTINGS = {"chunk_size": 8, "budget": 32, "sink_tokens": 4, "draft_window": 16, "gamma1": 2, "gamma2": 6,
             "max_new_tokens": 60, "prefill_chunk": 16}  # fmt: skip
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_greedy_every_mode_equals_dense_autoregressive(seed):
+@pytest.mark.parametrize(("seed", "types"), [(0, classic_types), (1, classic_types), (2, q4_k_m_types)])
+def test_greedy_every_mode_equals_dense_autoregressive(seed, types):
     """Packed blocks in every mode give the tokens plain greedy decoding gives on the dequantized weights."""
-    _, dense, packed = gguf_tiny_model(seed)
+    shapes = K_QUANT_SHAPES if types is q4_k_m_types else {}
+    _, dense, packed = gguf_tiny_model(seed, types=types, **shapes)
     drafter = make_model(seed=seed + 50, num_layers=1, initializer_range=0.3, tie_word_embeddings=False).loaded
     prompt = random_prompt(200, 32, seed=100 + seed)
     expected = Engine(dense, EngineConfig(mode="autoregressive", sampling=GREEDY, **SETTINGS)).generate(prompt)
@@ -289,3 +351,87 @@ def test_a_gguf_file_gives_its_weights_in_hugging_face_row_order_and_is_kept_whi
         handle.write(bytes([last ^ 1]))
     gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
     assert len(reads) == 2
+
+
+def every_packed_type(name: str) -> str:
+    """The first layer as llama.cpp's Q4_K_M (llama_cpp_q4_k_m), the second with the 5-bit types in it too."""
+    if name.startswith("blk.1."):
+        for suffix, kind in (("attn_k", "Q5_0"), ("attn_output", "Q5_1"), ("ffn_up", "Q5_K")):
+            if name.endswith(suffix):
+                return kind
+    return llama_cpp_q4_k_m(name)
+
+
+def some_q3_k(name: str) -> str:
+    """every_packed_type, the attention output projections Q3_K (a type not kept packed)."""
+    return "Q3_K" if name.endswith("attn_output") else every_packed_type(name)
+
+
+@pytest.fixture(scope="module")
+def k_quant_files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("k-quants")
+    files = {"mixed": folder / "tiny-Q4_K_M.gguf", "q3_k": folder / "tiny-Q3_K.gguf"}
+    write_gguf_model(files["mixed"], every_packed_type)
+    write_gguf_model(files["q3_k"], some_q3_k)
+    return files
+
+
+@pytest.mark.embedded  # the files carry the embedded model's tokenizer
+def test_a_k_quant_file_keeps_every_weight_packed_and_generates_as_its_dequantized_copy(k_quant_files, tmp_path,
+                                                                                        monkeypatch):  # fmt: skip
+    """`generate --target file.gguf`: greedy tokens of every mode from the packed blocks are those of plain greedy
+    decoding on the float32 weights transformers dequantizes the file to; `bench` names the file's types."""
+    from triforce_cli.cli.app import app
+    from triforce_cli.runtime.loading import load_model
+
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    notes = []
+    packed = load_model(str(k_quant_files["mixed"]), weights="gguf", status=notes.append)
+    assert packed.file_types == {"Q4_K": 7, "Q6_K": 4, "Q8_0": 1, "Q5_0": 1, "Q5_1": 1, "Q5_K": 1}
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in packed.model.modules())
+    assert not any("not kept packed" in note for note in notes)
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The old lighthouse keeper wrote in his logbook every night. " * 40)
+
+    def tokens(*args) -> list[int]:
+        command = ["generate", "--target", k_quant_files["mixed"], "-p", prompt, "--temperature", 0, "--chunk-size",
+                   8, "--budget", 64, "--max-new-tokens", 24, "--ignore-eos", "--json", *args]  # fmt: skip
+        result = CliRunner().invoke(app, list(map(str, command)))
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.splitlines()[-1])["token_ids"]
+
+    expected = tokens("--weights", "dense", "--mode", "autoregressive")
+    assert len(set(expected)) > 5
+    for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
+        assert tokens("--weights", "gguf", "--mode", mode) == expected, mode
+
+    command = ["bench", "--target", k_quant_files["mixed"], "-p", prompt, "--context", 256, "--max-new-tokens", 4,
+               "--repeats", 1, "--warmup", 0, "--budget", 64, "--chunk-size", 8, "--weights", "gguf", "--modes",
+               "autoregressive,triforce", "--ignore-eos"]  # fmt: skip
+    result = CliRunner().invoke(app, list(map(str, command)))
+    assert result.exit_code == 0, result.output
+    header = " ".join(result.stdout.split())  # as wrapped to the terminal's width
+    assert "gguf weights; its GGUF file holds Q4_K x7, Q6_K x4, Q8_0 x1, Q5_0 x1, Q5_1 x1, Q5_K x1" in header
+
+
+@pytest.mark.embedded
+def test_a_type_not_kept_packed_is_named_and_computed_from_its_dequantized_weights(k_quant_files, tmp_path,
+                                                                                   monkeypatch):  # fmt: skip
+    from triforce_cli.runtime.loading import load_model
+
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    notes = []
+    packed = load_model(str(k_quant_files["q3_k"]), weights="gguf", status=notes.append)
+    assert [note for note in notes if "not kept packed" in note] == [
+        "tiny-Q3_K: Q3_K x2 weights are not kept packed: computed from float32 copies"
+    ]
+    modules = dict(packed.model.named_modules())
+    assert type(modules["model.layers.0.self_attn.o_proj"]).__name__ == "Linear"
+    assert isinstance(modules["model.layers.0.mlp.down_proj"], GGUFLinear)
+    dense = load_model(str(k_quant_files["q3_k"]), weights="dense")
+    torch.testing.assert_close(modules["model.layers.0.self_attn.o_proj"].weight,
+                               dense.model.model.layers[0].self_attn.o_proj.weight, atol=0, rtol=0)  # fmt: skip
+    prompt = random_prompt(64, 1000, seed=3)
+    config = EngineConfig(mode="autoregressive", sampling=GREEDY, max_new_tokens=12, prefill_chunk=32)
+    assert Engine(packed, config).generate(prompt).token_ids == Engine(dense, config).generate(prompt).token_ids

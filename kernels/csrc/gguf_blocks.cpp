@@ -1,19 +1,24 @@
-// Products with GGUF weight blocks kept packed: Q4_0, Q4_1 (4-bit) and Q8_0 (8-bit), 32 weights a block.
+// Products with GGUF weight blocks kept packed, 32 weights a block: 4-bit q's (Q4_0, Q4_1, Q4_K) and 8-bit ones
+// (Q8_0; Q5_0, Q5_1, Q5_K and Q6_K, whose 5 and 6 bits are held in a byte).
 //
-// A block holds w = d * q + m for its 32 weights (Q4_0: m = -8 d; Q8_0: m = 0), d and m float32 here (widened
-// exactly from the file's float16). The loader (kernels/gguf.py) lays the blocks out in tiles of 16 output rows:
+// A block holds w = d * q + m for its 32 weights (m = 0 where there are no minimums), d and m float32 here (the
+// loader, kernels/gguf.py, computes them from the file's float16 and 6- or 8-bit scales exactly as gguf-py's
+// dequantization does). Q6_K has a d per 16 weights: two a block. The loader lays the blocks out in tiles of 16
+// output rows:
 //   4-bit: q (N/16, K/32, 16, 16) uint8, byte [j][lane] = q[row lane, 32 b + j] | q[row lane, 32 b + 16 + j] << 4
 //   8-bit: q (N/16, K/32, 32, 16) int8,  byte [j][lane] = q[row lane, 32 b + j]
-//   d, m:  (N/16, K/32, 16) float32
+//   d:     (N/16, K/32 * groups, 16) float32, groups = 1 or 2 scales a block (the second for weights 16..31)
+//   m:     (N/16, K/32, 16) float32, or none (groups = 1 only)
 // so that one 16-byte load gives one weight column for 16 output rows, and a tile's 16 outputs are one AVX-512
 // register (two AVX2 ones).
 //
-// Few activation rows (decode and verification steps) take, per block, d * sum(q * x) + m * sum(x); many rows (a
-// prefill chunk) rebuild each tile's weights as d * q + m, rounded exactly as the plain dequantization rounds them,
-// and multiply those. Either way the result is the product with the dequantized weights up to the rounding of
-// float32 sums: the activations are never rounded below float32, which is why the int8 and bf16 dot-product units
-// (AVX512-VNNI, AVX512-BF16, AMX) are not used. One source, three bodies: AVX-512, AVX2+FMA and plain C++, picked
-// at run time by what the CPU has (isa.h); tiles of output rows are split over torch's intra-op threads.
+// Few activation rows (decode and verification steps) take, per block, d * sum(q * x) + m * sum(x) (with two
+// scales, each half's sum times its d); many rows (a prefill chunk) rebuild each tile's weights as d * q + m, rounded
+// exactly as the plain dequantization rounds them, and multiply those. Either way the result is the product with the
+// dequantized weights up to the rounding of float32 sums: the activations are never rounded below float32, which is
+// why the int8 and bf16 dot-product units (AVX512-VNNI, AVX512-BF16, AMX) are not used. One source, three bodies:
+// AVX-512, AVX2+FMA and plain C++, picked at run time by what the CPU has (isa.h); tiles of output rows are split
+// over torch's intra-op threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,13 +45,18 @@ constexpr int64_t kLanes = 16;  // output rows in a tile
 struct Blocks {
   const uint8_t* q;
   const float* d;
-  const float* m;  // nullptr for 8-bit blocks
+  const float* m;  // nullptr where there are no minimums
   int64_t tiles, blocks;
   bool four_bit;
+  int64_t groups;  // scales a block: 1, or 2 (one per 16 weights)
 
   int64_t block_bytes() const { return four_bit ? kBlock / 2 * kLanes : kBlock * kLanes; }
   const uint8_t* q_at(int64_t tile, int64_t b) const { return q + (tile * blocks + b) * block_bytes(); }
-  int64_t scale_at(int64_t tile, int64_t b) const { return (tile * blocks + b) * kLanes; }
+  // the 16 lanes' scale of block b's weights 16 * half.., (minimums: half 0, one a block)
+  int64_t scale_at(int64_t tile, int64_t b, int64_t half = 0) const {
+    return ((tile * blocks + b) * groups + (groups == 2 ? half : 0)) * kLanes;
+  }
+  int64_t minimum_at(int64_t tile, int64_t b) const { return (tile * blocks + b) * kLanes; }
 };
 
 struct Rows {  // activations x (T, K), their sums over each block (T, K/32) and outputs (T, N), row-major
@@ -64,21 +74,26 @@ struct Rows {  // activations x (T, K), their sums over each block (T, K/32) and
 inline void dequantize_tile(const Blocks& w, int64_t tile, float* buffer, int64_t stride = kLanes) {
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* qb = w.q_at(tile, b);
-    const float* d = w.d + w.scale_at(tile, b);
     float* out = buffer + b * kBlock * stride;
-    if (w.four_bit) {
-      const float* m = w.m + w.scale_at(tile, b);
-      for (int j = 0; j < 16; ++j) {
-        for (int lane = 0; lane < kLanes; ++lane) {
-          const int byte = qb[j * kLanes + lane];
-          out[j * stride + lane] = d[lane] * float(byte & 0xF) + m[lane];
-          out[(j + 16) * stride + lane] = d[lane] * float(byte >> 4) + m[lane];
+    const float* m = w.m ? w.m + w.minimum_at(tile, b) : nullptr;
+    for (int half = 0; half < 2; ++half) {  // weights 16 * half + j, j < 16
+      const float* d = w.d + w.scale_at(tile, b, half);
+      float* half_out = out + half * 16 * stride;
+      if (w.four_bit) {
+        for (int j = 0; j < 16; ++j)
+          for (int lane = 0; lane < kLanes; ++lane)
+            half_out[j * stride + lane] = d[lane] * float((qb[j * kLanes + lane] >> (4 * half)) & 0xF) + m[lane];
+      } else {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(qb) + half * 16 * kLanes;
+        if (m) {
+          for (int j = 0; j < 16; ++j)
+            for (int lane = 0; lane < kLanes; ++lane)
+              half_out[j * stride + lane] = d[lane] * float(qs[j * kLanes + lane]) + m[lane];
+        } else {
+          for (int j = 0; j < 16; ++j)
+            for (int lane = 0; lane < kLanes; ++lane) half_out[j * stride + lane] = d[lane] * float(qs[j * kLanes + lane]);
         }
       }
-    } else {
-      const int8_t* qs = reinterpret_cast<const int8_t*>(qb);
-      for (int j = 0; j < kBlock; ++j)
-        for (int lane = 0; lane < kLanes; ++lane) out[j * stride + lane] = d[lane] * float(qs[j * kLanes + lane]);
     }
   }
 }
@@ -130,9 +145,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tiles_avx512(const Blo
         }
       }
       const __m512 d = _mm512_loadu_ps(w.d + w.scale_at(tile, b));
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(dot[r][0], dot[r][1]), d, acc[r]);
+      if (w.groups == 2) {
+        const __m512 d_second = _mm512_loadu_ps(w.d + w.scale_at(tile, b, 1));
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(dot[r][1], d_second, _mm512_fmadd_ps(dot[r][0], d, acc[r]));
+      } else {
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(dot[r][0], dot[r][1]), d, acc[r]);
+      }
       if (w.m) {
-        const __m512 m = _mm512_loadu_ps(w.m + w.scale_at(tile, b));
+        const __m512 m = _mm512_loadu_ps(w.m + w.minimum_at(tile, b));
         for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(io.sums[r * w.blocks + b]), acc[r]);
       }
     }
@@ -173,9 +193,15 @@ __attribute__((target("avx2,fma"))) void tiles_avx2(const Blocks& w, const Rows&
           }
         }
         const __m256 d = _mm256_loadu_ps(w.d + w.scale_at(tile, b) + half * 8);
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(dot[r][0], dot[r][1]), d, acc[r]);
+        if (w.groups == 2) {
+          const __m256 d_second = _mm256_loadu_ps(w.d + w.scale_at(tile, b, 1) + half * 8);
+          for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(dot[r][1], d_second, _mm256_fmadd_ps(dot[r][0], d, acc[r]));
+        } else {
+          for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(dot[r][0], dot[r][1]), d, acc[r]);
+        }
         if (w.m) {
-          const __m256 m = _mm256_loadu_ps(w.m + w.scale_at(tile, b) + half * 8);
+          const __m256 m = _mm256_loadu_ps(w.m + w.minimum_at(tile, b) + half * 8);
           for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(io.sums[r * w.blocks + b]), acc[r]);
         }
       }
@@ -307,16 +333,19 @@ Blocks check_blocks(const at::Tensor& q, const at::Tensor& d, const std::optiona
   TORCH_CHECK((four_bit && q.size(2) == 16) || (q.scalar_type() == at::kChar && q.size(2) == kBlock),
               "blocks: uint8 with 16 bytes a column pair (4-bit) or int8 with 32 (8-bit)");
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == q.size(0) &&
-                  d.size(1) == q.size(1) && d.size(2) == kLanes,
-              "scales: float32 (N/16, K/32, 16)");
+                  (d.size(1) == q.size(1) || d.size(1) == 2 * q.size(1)) && d.size(2) == kLanes,
+              "scales: float32 (N/16, K/32 or K/16, 16)");
+  const int64_t groups = d.size(1) / q.size(1);
   const float* minimums = nullptr;
   if (m.has_value()) {
-    TORCH_CHECK(four_bit, "minimums: 4-bit blocks only");
+    TORCH_CHECK(groups == 1, "minimums: blocks with one scale only");
     TORCH_CHECK(m->scalar_type() == at::kFloat && m->is_contiguous() && m->sizes() == d.sizes(),
                 "minimums: float32 (N/16, K/32, 16)");
     minimums = m->data_ptr<float>();
   }
-  return Blocks{static_cast<const uint8_t*>(q.data_ptr()), d.data_ptr<float>(), minimums, q.size(0), q.size(1), four_bit};
+  TORCH_CHECK(!four_bit || minimums, "4-bit blocks: with minimums");
+  return Blocks{static_cast<const uint8_t*>(q.data_ptr()), d.data_ptr<float>(), minimums, q.size(0), q.size(1),
+                four_bit, groups};
 }
 
 // x (T, K) float32 -> (T, N): x @ W.T for the weight W (N, K) the blocks hold.

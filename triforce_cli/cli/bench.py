@@ -125,7 +125,7 @@ def bench(
             print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")
             rows += runner.run_context(name, ids)
         console = StdoutConsole()
-        console.print(bench_header(machine_description()))
+        console.print(bench_header(machine_description(), pipe.target))
         for table in bench_tables(rows):
             console.print(table)
         if runner.forward_costs:
@@ -183,7 +183,7 @@ def _qa(
         print_note(err, f"{name} at {length} tokens: {len(questions)} questions, {len(config.modes)} modes...")
         rows += runner.run_document(name, document, questions)
     console = StdoutConsole()
-    console.print(bench_header(machine_description()))
+    console.print(bench_header(machine_description(), pipe.target))
     for table in qa_tables(rows):
         console.print(table)
     if out is not None:

@@ -20,6 +20,9 @@ from triforce_cli.decoding.sizing import MemoryPlan
 from triforce_cli.decoding.speculative import Tier
 from triforce_cli.decoding.stats import GenerationStats
 from triforce_cli.distill.trainer import DistillProgress
+from triforce_cli.runtime.forms import WeightForm
+from triforce_cli.runtime.gguf_weights import describe_types, expanded_types
+from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.store import human_size
 
 TIER_STYLES = {Tier.NGRAM: "magenta", Tier.DRAFTER: "green", Tier.RETRIEVAL: "yellow", Tier.TARGET: "cyan"}
@@ -234,10 +237,18 @@ def _ratio(value: float | None) -> str:
     return f"{value:.2f}×" if value is not None else "-"
 
 
-def bench_header(machine: dict) -> Text:
-    """The line above the bench tables: the CPU, its vector extensions and the threads (from machine_description)."""
+def bench_header(machine: dict, target: LoadedModel) -> Text:
+    """The lines above the bench tables: the CPU, its vector extensions and the threads (from machine_description);
+    the target, its weight form and, for a GGUF file, the types its weight matrices hold."""
     features = ", ".join(machine["cpu_features"]) or "none (no AVX2)"
-    return Text(f"CPU: {machine['processor']}, vector extensions {features}; {machine['torch_threads']} threads")
+    line = f"CPU: {machine['processor']}, vector extensions {features}; {machine['torch_threads']} threads"
+    weights = f"target: {target.name}, {target.weights} weights"
+    if target.file_types:
+        weights += f"; its GGUF file holds {describe_types(target.file_types)}"
+        expanded = expanded_types(target.file_types) if target.weights == WeightForm.GGUF else {}
+        if expanded:
+            weights += f" ({describe_types(expanded)} computed from float32 copies)"
+    return Text(f"{line}\n{weights}")
 
 
 def bench_tables(rows: list[BenchRow]) -> list[Table]:

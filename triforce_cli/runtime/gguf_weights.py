@@ -1,7 +1,10 @@
-"""GGUF weights: the target's linears and embedding computed from the GGUF file's own blocks (Q4_0, Q4_1, Q8_0).
+"""GGUF weights: the target's linears and embedding computed from the GGUF file's own blocks (Q4_0, Q4_1, Q8_0,
+Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K; kernels.gguf.BLOCK_KINDS).
 
-On a CPU a decode step reads every weight once, so reading 4.5 to 8.5 bits per weight instead of 16 or 32 is most
-of the step. The values are the checkpoint's (the dense path dequantizes the same blocks); only float32 rounding
+On a CPU a decode step reads every weight once, so reading 6 to 10 bits per weight instead of 16 or 32 is most
+of the step. A file may mix types tensor by tensor (a Q4_K_M file holds Q4_K, Q6_K and, for rows whose width is not
+a multiple of 256, Q5_0 tensors); each tensor keeps its own. A tensor of another type (Q2_K, Q3_K, an IQ type, float16)
+is dequantized to float32 by the loader, and load_model says which (weight_types). The values are the checkpoint's (the dense path dequantizes the same blocks); only float32 rounding
 differs (kernels.gguf). transformers supplies the GGUF-to-HF name map and the row order
 of the q/k projections (llama.cpp permutes their rows for its rotary layout). The runtime fuses the q/k/v and the
 gate/up projections into one linear each; their blocks are stacked the same way, a tile of 16 rows at a time.
@@ -9,6 +12,7 @@ A tied embedding is one set of blocks serving both the token lookup and the outp
 """
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +29,8 @@ from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkp
 from triforce_cli.runtime.store import content_identity, write_atomically
 
 BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # in a converted checkpoint's folder: its packed blocks
-BLOCKS_LAYOUT = "tiles-of-16/1"  # kernels.gguf's layout; a kept copy in another is read anew
+BLOCKS_LAYOUT = "tiles-of-16/2"  # kernels.gguf's layout; a kept copy in another is read anew
+TYPES_FILE = "gguf-blocks/types.json"  # in a converted checkpoint's folder: the file's weight types, counted
 
 
 class GGUFLinear(nn.Module):
@@ -70,8 +75,8 @@ class GGUFEmbedding(nn.Module):
 def stack(parts: list[GGUFLinear]) -> nn.Module:
     """One linear computing parts side by side: their tiles stacked where each part has whole tiles of rows and the
     same kind of blocks, else a ConcatLinear of them."""
-    kinds = {part.m is None for part in parts}
-    if len(kinds) > 1 or any(part.out_features % LANES for part in parts):
+    forms = {part.packed.form for part in parts}
+    if len(forms) > 1 or any(part.out_features % LANES for part in parts):
         return ConcatLinear(parts)
     m = None if parts[0].m is None else torch.cat([part.m for part in parts])
     packed = PackedBlocks(
@@ -84,8 +89,8 @@ def stack(parts: list[GGUFLinear]) -> nn.Module:
 
 
 def read_gguf_blocks(gguf: Path, hf_config: PretrainedConfig) -> dict[str, PackedBlocks]:
-    """The weights the file stores as Q4_0, Q4_1 or Q8_0, packed, by Hugging Face parameter name without '.weight'
-    (such as model.layers.0.mlp.up_proj or model.embed_tokens)."""
+    """The weights the file stores in a type kept packed (BLOCK_KINDS), packed, by Hugging Face parameter name
+    without '.weight' (such as model.layers.0.mlp.up_proj or model.embed_tokens)."""
     reader = GGUFReader(str(gguf))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
@@ -155,3 +160,35 @@ def apply_gguf_blocks(model: Transformer, blocks: dict[str, PackedBlocks]) -> in
             model.lm_head = embedding
         used += 1
     return used
+
+
+def weight_types(gguf: Path, folder: Path) -> dict[str, int]:
+    """How many of the file's weight matrices (tensors of two or more dimensions) each GGUF type holds, such as
+    {'Q5_0': 166, 'Q4_K': 16, 'Q6_K': 14, 'Q8_0': 15}, most first; kept in folder (the converted checkpoint's)
+    after the first time, while the file's content is the same."""
+    stored = folder / TYPES_FILE
+    source = content_identity(gguf)
+    try:
+        kept = json.loads(stored.read_text())
+        if kept.get("source") == source:
+            return kept["types"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass  # absent or unreadable: counted anew below
+    counts = Counter(t.tensor_type.name for t in GGUFReader(str(gguf)).tensors if len(t.shape) > 1)
+    types = dict(counts.most_common())
+    try:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(stored, lambda partial: partial.write_text(json.dumps({"source": source, "types": types})))
+    except OSError:
+        pass  # a read-only cache: counted again next time
+    return types
+
+
+def expanded_types(types: dict[str, int]) -> dict[str, int]:
+    """The types of weight_types that gguf weights do not keep packed: the loader dequantizes them to float32."""
+    return {kind: count for kind, count in types.items() if kind not in BLOCK_KINDS and kind != "F32"}
+
+
+def describe_types(types: dict[str, int]) -> str:
+    """'Q5_0 x166, Q4_K x16' for weight_types."""
+    return ", ".join(f"{kind} x{count}" for kind, count in types.items())

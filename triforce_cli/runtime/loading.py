@@ -32,7 +32,13 @@ from triforce_cli.kernels import half_weights_available
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
 from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, WEIGHT_FORMATS, OffloadMode, WeightForm
-from triforce_cli.runtime.gguf_weights import GGUFEmbedding, use_gguf_weights
+from triforce_cli.runtime.gguf_weights import (
+    GGUFEmbedding,
+    describe_types,
+    expanded_types,
+    use_gguf_weights,
+    weight_types,
+)
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
 from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
 from triforce_cli.runtime.native import kernel_error
@@ -72,6 +78,11 @@ class LoadedModel:
     weight_files: tuple[Path, ...] = ()
     gguf: Path | None = None  # the GGUF file it was converted from, if any
     weights: str = WeightForm.DENSE  # one of WEIGHT_FORMATS
+
+    @cached_property
+    def file_types(self) -> dict[str, int]:
+        """The GGUF file's weight matrices by type (gguf_weights.weight_types); empty for another checkpoint."""
+        return {} if self.gguf is None else weight_types(self.gguf, Path(self.source))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -500,9 +511,9 @@ def load_model(
 
     weights: 'dense' computes from float weights; 'half' (CPU, float32) rounds the weight matrices to float16
     and reads them as such, half the bytes per step (half_weights.py; attention then also reads the prompt's
-    keys and values from a float16 copy, see half_prompt_cache); 'gguf' computes from a GGUF file's own Q4_0,
-    Q4_1 and Q8_0 blocks (GGUF source, CPU, float32; gguf_weights.py), with the prompt's keys and values read as
-    float16 too.
+    keys and values from a float16 copy, see half_prompt_cache); 'gguf' computes from a GGUF file's own blocks
+    (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; GGUF source, CPU, float32; gguf_weights.py), with the prompt's
+    keys and values read as float16 too; a note names the file's types that are dequantized instead.
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
 
@@ -527,7 +538,11 @@ def load_model(
     model = build_model(state, hf_config, options, checkpoint)
     if shared_from is not None and isinstance(shared_from.model.model.embed_tokens, GGUFEmbedding):
         model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's blocks, not a float copy
-    return LoadedModel(name, model, tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
+    loaded = LoadedModel(name, model, tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
+    expanded = expanded_types(loaded.file_types) if weights == WeightForm.GGUF else {}
+    if expanded and status is not None:
+        status(f"{name}: {describe_types(expanded)} weights are not kept packed: computed from float32 copies")
+    return loaded
 
 
 def load_hf_model(
