@@ -4,6 +4,7 @@ once per generation (Transformer.fit_rope) so that every mode stays token-for-to
 import pytest
 import torch
 from helpers import full_cache_for, llama_config, random_prompt, reference_logits, save_tokenizer, wrap
+from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import LlamaConfig, Phi3Config, Phi3ForCausalLM
 
 from triforce_cli.decoding.config import EngineConfig
@@ -11,7 +12,7 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.prompt_state import PromptCache
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.runtime.loading import load_model
-from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError
+from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig, Transformer, UnsupportedModelError
 
 ATOL = 1e-5
 ORIGINAL = 64  # original_max_position_embeddings: a context past it takes the long factors
@@ -134,6 +135,26 @@ def test_phi3_set_stays_fixed_within_a_generation():
     model.fit_rope(40)
     assert model.rope_factors == "short" and model.inv_freq.data_ptr() == buffer
     torch.testing.assert_close(our_logits(model, ids[:40]), reference_logits(ref, ids[:40]), atol=ATOL, rtol=1e-5)
+
+
+def test_a_compiled_step_reads_the_set_fitted_after_it_compiled():
+    """fit_rope copies into the buffer a compiled step reads (as a CUDA graph replays it): one graph, compiled with
+    fullgraph=True, gives the eager logits of a 4-token verification with the short set, the long one, and back."""
+    cfg, ref = phi3(seed=3)
+    model = wrap(ref, cfg).model
+    counter = CompileCounterWithBackend("aot_eager")
+    model.fixed_step = torch.compile(model.compute_logits, backend=counter, fullgraph=True, dynamic=False)
+    ids = random_prompt(40, VOCAB, seed=10)
+    for length in (40, 96, 40):
+        model.fit_rope(length)
+        expected = our_logits(model, ids)  # eager: a cache not made static
+        cache = full_cache_for(model)
+        model(torch.tensor(ids[:36]), 0, cache, decoding=False)
+        cache.make_static(cfg.num_attention_heads, MAX_STEP_TOKENS)
+        got = model(torch.tensor(ids[36:]), 36, cache)
+        assert cache.static_step
+        torch.testing.assert_close(got, expected[36:], atol=ATOL, rtol=1e-5)
+    assert counter.frame_count == 1
 
 
 def test_fit_rope_is_a_no_op_without_longrope():
