@@ -6,13 +6,13 @@ or separate output embeddings. Parameter names are those of Hugging Face's Llama
 projections reading the same input are fused into one linear stacking their rows (qkv_proj, gate_up_proj, which
 are Phi-3's own names): a decode step then makes three fewer calls per layer into the weight kernels, each of which
 has a fixed cost.
+fuse_checkpoint renames a checkpoint's state dict accordingly (Transformer.load_hf_state). Which cache is passed
+in decides the tier; the model never branches on it.
+Batch size is 1: tokens (T,), hidden states (T, C).
 
 LongRoPE has a short and a long set of frequencies; transformers picks one per forward from the positions it sees,
 which would make a forward verifying several tokens differ from single steps. Here the set is chosen once per
 generation, from the positions it may reach (Transformer.fit_rope), and every forward of it uses that one.
-fuse_checkpoint renames a checkpoint's state dict accordingly (Transformer.load_hf_state). Which cache is passed
-in decides the tier; the model never branches on it.
-Batch size is 1: tokens (T,), hidden states (T, C).
 
 compile_steps() makes every decode step of up to MAX_STEP_TOKENS tokens a fixed-shape step compiled with
 torch.compile(fullgraph=True): the tokens are padded to a power of two, positions and the cache's write slot are
