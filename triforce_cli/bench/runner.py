@@ -337,7 +337,7 @@ class Bench:
         """The prefilled prompt, and whether it came from the prompt cache (a miss prefills and saves it there)."""
         if self.config.prompt_cache is None:
             return self.engine_for().prefill(prompt_ids), False
-        cache = self.pipe.prompt_cache(self.config.prompt_cache)
+        cache = self.pipe.prompt_cache(self.config.prompt_cache, self.base_config.max_new_tokens)
         state = cache.load(prompt_ids)
         if state is not None:
             return state, True

@@ -82,17 +82,20 @@ class _Caches:
 
 @dataclass(frozen=True)
 class _Prefilled:
-    """A prompt the full cache holds at positions [0, len(ids)) as a prefill in chunks of `chunk` computed them."""
+    """A prompt the full cache holds at positions [0, len(ids)) as a prefill in chunks of `chunk` computed them,
+    rotated with the LongRoPE set rope_factors (Transformer.fit_rope; None for other RoPE variants)."""
 
     ids: tuple[int, ...]
     chunk: int
+    rope_factors: str | None
 
-    def reusable(self, prompt_ids: list[int], chunk: int) -> int:
-        """Positions a prefill of prompt_ids in chunks of `chunk` may keep instead of computing: the whole chunks
-        both prompts share, short of prompt_ids' last token (its logits are computed). A chunk is kept only where
-        this prefill computed it whole with the same chunking, so every kept position holds what a fresh prefill
-        of prompt_ids would write there, bit for bit: the same forward of the same tokens on the same cache."""
-        if chunk != self.chunk:
+    def reusable(self, prompt_ids: list[int], chunk: int, rope_factors: str | None) -> int:
+        """Positions a prefill of prompt_ids in chunks of `chunk`, rotated with rope_factors, may keep instead of
+        computing: the whole chunks both prompts share, short of prompt_ids' last token (its logits are computed).
+        A chunk is kept only where this prefill computed it whole with the same chunking and the same frequencies,
+        so every kept position holds what a fresh prefill of prompt_ids would write there, bit for bit: the same
+        forward of the same tokens on the same cache."""
+        if chunk != self.chunk or rope_factors != self.rope_factors:
             return 0
         limit = min(len(self.ids), len(prompt_ids) - 1)
         shared = next((i for i in range(limit) if self.ids[i] != prompt_ids[i]), limit)
@@ -307,13 +310,17 @@ class Engine:
     def _allocate(self, prompt_tokens: int, keep: int = 0) -> _InUse:
         """This engine's caches for a generation after prompt_tokens, emptied, the retrieval cache set to the
         prompt's budget: those held where they fit (sizing's policy), the others built after a memory check and
-        after the caches they replace are released.
+        after the caches they replace are released. The target and the drafter take the RoPE frequencies of a
+        context of prompt_tokens + max_new_tokens for every forward until the next allocation (fit_rope).
 
         keep: prompt positions to keep in a full cache that is held, with the retrieval cache's summaries of the
         chunks they fill (a prefix shared with the last prefill, _Prefilled.reusable); _InUse.kept says how many
         were kept (none where the full cache is built anew).
         """
         cfg = self.config
+        for loaded in (self.target, self.drafter):
+            if loaded is not None:  # the RoPE frequencies of every forward of this generation (LongRoPE's set)
+                loaded.model.fit_rope(prompt_tokens + cfg.max_new_tokens)
         caps = self._capacities(prompt_tokens)
         build, release = self._renewal(caps)
         caches = self._caches
@@ -606,7 +613,7 @@ class Engine:
         prompt_ids once it has finished (an interrupted one leaves nothing)."""
         self._caches.prefilled = None
         yield
-        self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk)
+        self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk, self.target.model.rope_factors)
 
     def _prefill_caches(
         self,
@@ -671,7 +678,9 @@ class Engine:
         chain: list[ModelTier] = []  # the tiers, top first, once built
         try:
             held = self._caches.prefilled
-            keep = 0 if prompt_state is not None or held is None else held.reusable(prompt_ids, self.prefill_chunk)
+            rope_factors = self.target.model.rope_factors_for(len(prompt_ids) + cfg.max_new_tokens)
+            reusable = 0 if held is None else held.reusable(prompt_ids, self.prefill_chunk, rope_factors)
+            keep = 0 if prompt_state is not None else reusable
             # 1. allocate
             caches = self._allocate(len(prompt_ids), keep)
             stats.compile_seconds = self._warm_up(caches)

@@ -136,12 +136,14 @@ class Pipeline:
             self.reconfigure(cache_positions=self.target.model.config.max_position_embeddings)
         return chat
 
-    def prompt_cache(self, folder: Path) -> PromptCache:
-        """The saved prefills of this target in folder, checked writable before any prefill."""
+    def prompt_cache(self, folder: Path, new_tokens: int | None = None) -> PromptCache:
+        """The saved prefills of this target in folder, checked writable before any prefill, for runs of new_tokens
+        new tokens (None: this pipeline's max_new_tokens)."""
         if world_size() > 1:
             raise ConfigError("--prompt-cache holds whole prefills: run it without torchrun")
         check_writable(folder)
-        return PromptCache(folder, self.target, self.status, self.engine.prefill_chunk)
+        new_tokens = self.engine.config.max_new_tokens if new_tokens is None else new_tokens
+        return PromptCache(folder, self.target, self.status, self.engine.prefill_chunk, new_tokens)
 
     def generate_ids(
         self,

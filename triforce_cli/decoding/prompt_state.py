@@ -5,8 +5,9 @@ of a benchmark, every repeat, and later runs through ``--prompt-cache`` restore 
 
 A saved prefill must never serve a run it does not belong to. Its file is named by a hash of everything that
 shapes the prefilled state (``PromptCache.key``): the checkpoint's fingerprint (resolved paths, sizes, times and
-headers of its files, tokenizer included), dtype, weight format, rotary setting, attention kernel, prefill chunk
-and the prompt's token ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
+headers of its files, tokenizer included), dtype, weight format, rotary setting (with LongRoPE's set, which the
+run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, prefill chunk and the prompt's token
+ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
 match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
 
 A prompt that only starts like a saved one (the same document, another question) reuses the saved state's whole
@@ -109,39 +110,46 @@ class PromptCache:
     """Saved prefills of one target in a folder, each checked against its key and checksum before use.
 
     status: where the one-line notes go (a replaced entry, a save that failed).
+    new_tokens: the run's max_new_tokens, which with the prompt's length choose a LongRoPE model's frequencies.
     """
 
     folder: Path
     target: LoadedModel
     status: StatusCallback | None = None
     prefill_chunk: int | None = None  # tokens per prefill forward (the rounding of the state depends on it)
+    new_tokens: int = 0
 
-    def _settings(self) -> dict:
-        """Everything but the prompt that shapes a prefilled state."""
+    def _settings(self, prompt_tokens: int) -> dict:
+        """Everything but the prompt's ids that shapes a prefilled state for a run after prompt_tokens tokens: its
+        LongRoPE set (Transformer.fit_rope) among them, so a state rotated with one never serves a run of the other."""
         target = self.target
         config = target.hf_config
+        rope_factors = target.model.rope_factors_for(prompt_tokens + self.new_tokens)
         return {
             "model": target.fingerprint,
             "dtype": str(target.dtype),
             "weights": target.weights,
-            "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings],
+            "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings, rope_factors],
             "attention": target.model.attention_backend,
             "prefill_chunk": self.prefill_chunk,
         }
 
-    def key(self, prompt_ids: list[int]) -> str:
-        """Everything that shapes the prefilled state, as one JSON string."""
+    def key(self, prompt_ids: list[int], run_tokens: int | None = None) -> str:
+        """Everything that shapes the prefilled state of prompt_ids, as one JSON string; run_tokens: the prompt
+        length of the run it serves (a longer prompt starting with prompt_ids), None: prompt_ids' own."""
         prompt = hashlib.sha256(_id_bytes(prompt_ids)).hexdigest()
-        return json.dumps({**self._settings(), "prompt": prompt}, sort_keys=True, default=str)
+        settings = self._settings(len(prompt_ids) if run_tokens is None else run_tokens)
+        return json.dumps({**settings, "prompt": prompt}, sort_keys=True, default=str)
 
     def block_hashes(self, prompt_ids: list[int], limit: int) -> list[tuple[int, str]]:
         """(end, hash) of each whole prefill chunk of prompt_ids ending at or before limit, in order: the hash of the
-        chunk ending at `end` covers the settings and ids [0, end), so two prompts share it exactly where they
-        share those ids under the same settings. None without a known prefill chunk."""
+        chunk ending at `end` covers the settings of a run after prompt_ids and ids [0, end), so two prompts share it
+        exactly where they share those ids under the same settings. None without a known prefill chunk."""
         chunk = self.prefill_chunk
         if not chunk:
             return []
-        digest = hashlib.sha256(json.dumps(self._settings(), sort_keys=True, default=str).encode())
+        settings = self._settings(len(prompt_ids))
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
         found = []
         for end in range(chunk, min(limit, len(prompt_ids)) + 1, chunk):
             digest.update(_id_bytes(prompt_ids[end - chunk : end]))
@@ -171,14 +179,16 @@ class PromptCache:
             name = index.get(digest)
             path = self.folder / name if isinstance(name, str) and "/" not in name else None
             if path is not None and path.is_file():
-                return self._checked(path, None, prompt_ids[:end], "prefilling the prompt whole")
+                return self._checked(path, None, prompt_ids[:end], "prefilling the prompt whole", len(prompt_ids))
         return None
 
-    def _checked(self, path: Path, key: str | None, prompt_ids: list[int], instead: str) -> PromptState | None:
+    def _checked(
+        self, path: Path, key: str | None, prompt_ids: list[int], instead: str, run_tokens: int | None = None
+    ) -> PromptState | None:
         """The state saved in path where it passes _read's checks, marked used; else None, the file removed and a
         note saying why and what happens instead."""
         try:
-            state = self._read(path, key, prompt_ids)
+            state = self._read(path, key, prompt_ids, run_tokens)
         except StaleEntry as reason:
             self._note(f"prompt cache entry {path.name} {reason}: {instead}")
             path.unlink(missing_ok=True)
@@ -200,9 +210,9 @@ class PromptCache:
         index.update({digest: path.name for _, digest in self.block_hashes(prompt_ids, len(prompt_ids))})
         write_atomically(self.folder / PREFIX_INDEX, lambda partial: partial.write_text(json.dumps(index)))
 
-    def _read(self, path: Path, key: str | None, prompt_ids: list[int]) -> PromptState:
-        """The state saved in path, checked against key (None: the key of the ids it holds) and its checksum; it must
-        hold prompt_ids or (key None) start with them."""
+    def _read(self, path: Path, key: str | None, prompt_ids: list[int], run_tokens: int | None = None) -> PromptState:
+        """The state saved in path, checked against key (None: the key of the ids it holds for a run after
+        run_tokens, see key) and its checksum; it must hold prompt_ids or (key None) start with them."""
         try:
             # read and checked in host memory: restore copies the keys and values to wherever the run's cache lives
             # (the GPU, or host memory when it is offloaded), so nothing crosses to the device only to come back
@@ -215,7 +225,7 @@ class PromptCache:
             raise StaleEntry("lacks some of its tensors")
         state = PromptState(**tensors)
         saved_ids = state.prompt_ids.tolist()
-        if metadata.get("key") != (self.key(saved_ids) if key is None else key):
+        if metadata.get("key") != (self.key(saved_ids, run_tokens) if key is None else key):
             raise StaleEntry("was saved for another model, setting or prompt")
         if metadata.get("checksum") != state.checksum():
             raise StaleEntry("was changed after it was saved (its checksum does not match)")

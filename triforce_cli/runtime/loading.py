@@ -40,7 +40,13 @@ from triforce_cli.runtime.gguf_weights import (
     weight_types,
 )
 from triforce_cli.runtime.half_weights import round_to_half, use_half_weights
-from triforce_cli.runtime.model import ModelConfig, Transformer, UnsupportedModelError, rope_frequencies
+from triforce_cli.runtime.model import (
+    ModelConfig,
+    Transformer,
+    UnsupportedModelError,
+    long_rope_frequencies,
+    rope_frequencies,
+)
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.parallel import apply_tp
 from triforce_cli.runtime.store import (
@@ -455,8 +461,9 @@ def build_model(
     for key, tensor in state.items():
         state[key] = tensor.to(options.dtype)
     inv_freq, rope_scale = rope_frequencies(hf_config, model_config.head_dim)  # in host memory, as everything here
+    long_inv_freq = long_rope_frequencies(hf_config)
     with torch.device("meta"):
-        model = Transformer(model_config, inv_freq, rope_scale)
+        model = Transformer(model_config, inv_freq, rope_scale, long_inv_freq)
     try:
         missing, unexpected = model.load_hf_state(state, assign=True)
     except RuntimeError as err:  # a tensor whose shape is not the one config.json implies

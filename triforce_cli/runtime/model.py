@@ -1,13 +1,18 @@
 """One Llama-family decoder serving every tier: ``forward(tokens, start, cache) -> logits``.
 
-RMSNorm, rotary embeddings (plain, linear, llama3 and YaRN scaling, initialised by transformers'
-``ROPE_INIT_FUNCTIONS``), grouped-query attention with optional q/k/v biases (Qwen2), SwiGLU MLP, tied or
-separate output embeddings. Parameter names are those of Hugging Face's Llama/Qwen2 checkpoints, except that the
-projections reading the same input are fused into one linear stacking their rows (qkv_proj, gate_up_proj): a
-decode step then makes three fewer calls per layer into the weight kernels, each of which has a fixed cost.
+RMSNorm, rotary embeddings (plain, linear, llama3, YaRN and Phi-3's LongRoPE scaling, initialised by
+transformers' ``ROPE_INIT_FUNCTIONS``), grouped-query attention with optional q/k/v biases (Qwen2), SwiGLU MLP, tied
+or separate output embeddings. Parameter names are those of Hugging Face's Llama/Qwen2 checkpoints, except that the
+projections reading the same input are fused into one linear stacking their rows (qkv_proj, gate_up_proj, which
+are Phi-3's own names): a decode step then makes three fewer calls per layer into the weight kernels, each of which
+has a fixed cost.
 fuse_checkpoint renames a checkpoint's state dict accordingly (Transformer.load_hf_state). Which cache is passed
 in decides the tier; the model never branches on it.
 Batch size is 1: tokens (T,), hidden states (T, C).
+
+LongRoPE has a short and a long set of frequencies; transformers picks one per forward from the positions it sees,
+which would make a forward verifying several tokens differ from single steps. Here the set is chosen once per
+generation, from the positions it may reach (Transformer.fit_rope), and every forward of it uses that one.
 
 compile_steps() makes every decode step of up to MAX_STEP_TOKENS tokens a fixed-shape step compiled with
 torch.compile(fullgraph=True): the tokens are padded to a power of two, positions and the cache's write slot are
@@ -32,8 +37,8 @@ from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear
 from triforce_cli.offload.weights import WeightStream
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 MAX_STEP_TOKENS = 128  # longest decode step compiled with a fixed shape (MAX_GAMMA + 1 rounded up); longer: eager
 
 
@@ -79,11 +84,17 @@ class ModelConfig:
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
         if getattr(hf, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(f"model type '{getattr(hf, 'model_type', None)}' is not Llama-family")
-        if getattr(hf, "sliding_window", None) and (hf.model_type == "mistral" or getattr(hf, "use_sliding_window", 0)):
+        window = getattr(hf, "sliding_window", None)
+        windowed = hf.model_type in ("mistral", "phi3") or getattr(hf, "use_sliding_window", 0)
+        # a window as wide as the context (Phi-3's 128K models) never hides a position: attention is plain causal
+        if window and windowed and window < hf.max_position_embeddings:
             raise UnsupportedModelError("sliding-window attention is not supported")
         rope = dict(getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
         if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(f"rope type '{rope.get('rope_type')}' is not supported")
+        partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
+        if partial != 1.0:
+            raise UnsupportedModelError(f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return cls(
             **{ours: getattr(hf, theirs) for ours, theirs in HF_SHAPE_NAMES.items()},
@@ -101,13 +112,24 @@ class ModelConfig:
 
 
 def rope_frequencies(hf: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim/2,) and the cos/sin scale of the configured RoPE variant."""
+    """Inverse frequencies (head_dim/2,) and the cos/sin scale of the configured RoPE variant (LongRoPE's short
+    set: see long_rope_frequencies)."""
     rope = hf.rope_parameters
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
         return 1.0 / (rope["rope_theta"] ** exponents), 1.0
     return ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+
+
+def long_rope_frequencies(hf: PretrainedConfig) -> torch.Tensor | None:
+    """LongRoPE's long inverse frequencies (head_dim/2,), those transformers uses once a forward's positions pass
+    original_max_position_embeddings (their cos/sin scale is the short set's); None for every other RoPE variant."""
+    rope = hf.rope_parameters
+    if rope.get("rope_type") != "longrope":
+        return None
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=rope["original_max_position_embeddings"] + 1)
+    return inv_freq
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -285,7 +307,11 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scale: float):
+    def __init__(
+        self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scale: float, long_inv_freq: torch.Tensor | None = None
+    ):
+        """inv_freq (D/2,) and rope_scale: rope_frequencies'; long_inv_freq: long_rope_frequencies' for LongRoPE,
+        whose inv_freq is then the short set (see fit_rope)."""
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
@@ -294,6 +320,12 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scale = rope_scale
+        # LongRoPE: both sets of frequencies, fit_rope copying one into inv_freq; rope_factors names the one there
+        self.rope_factors: str | None = None
+        if long_inv_freq is not None:
+            self.register_buffer("short_inv_freq", inv_freq.clone(), persistent=False)
+            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+            self.rope_factors = "short"
         self.output_ids: torch.Tensor | None = None  # see restrict_output
         self.fixed_step: Callable[..., torch.Tensor] | None = None  # compute_logits compiled, see compile_steps
         # the layers' weights streamed from host memory (offload.offload_weights), or None: all on the device
@@ -337,7 +369,29 @@ class Transformer(nn.Module):
     def from_hf_config(cls, hf: PretrainedConfig) -> "Transformer":
         cfg = ModelConfig.from_hf(hf)
         inv_freq, rope_scale = rope_frequencies(hf, cfg.head_dim)
-        return cls(cfg, inv_freq, rope_scale)
+        return cls(cfg, inv_freq, rope_scale, long_rope_frequencies(hf))
+
+    def rope_factors_for(self, context_length: int) -> str | None:
+        """The LongRoPE set ('short' or 'long') fit_rope(context_length) chooses; None for other RoPE variants."""
+        if self.rope_factors is None:
+            return None
+        return "long" if context_length > self.config.rope["original_max_position_embeddings"] else "short"
+
+    def fit_rope(self, context_length: int) -> None:
+        """Rotate every forward from now on with the RoPE frequencies for a generation of up to context_length
+        positions (prompt and new tokens); a no-op but for LongRoPE (Phi-3).
+
+        LongRoPE's long set where context_length exceeds original_max_position_embeddings, else its short set. This
+        is transformers' rule for a forward of the whole sequence, but chosen once per generation instead of per
+        forward (transformers takes the last position of each forward, dynamic_rope_update): the logits of a
+        forward verifying several tokens then equal those of single steps, so every mode is token-for-token the
+        autoregressive one. The set is copied into inv_freq, whose address compiled steps and CUDA graphs hold.
+        """
+        chosen = self.rope_factors_for(context_length)
+        if chosen is not None and chosen != self.rope_factors:
+            with torch.no_grad():
+                self.inv_freq.copy_(self.long_inv_freq if chosen == "long" else self.short_inv_freq)
+            self.rope_factors = chosen
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (T, D) of positions (T,), as rotate() takes them."""
