@@ -19,7 +19,7 @@ from triforce_cli.decoding.config import MODE_TIERS, MODES, PREFILL_CHUNK, Engin
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sizing import RING_LAYERS
 from triforce_cli.decoding.stats import as_record
-from triforce_cli.plan import DEFAULT_ACCEPTANCE, MODELS, Acceptance, Hardware, Workload, plan
+from triforce_cli.plan import DEFAULT_ACCEPTANCE, EMBEDDED_PRESET, MODELS, Acceptance, Hardware, Workload, plan
 from triforce_cli.plan.model import ModelShape
 from triforce_cli.plan.presets import GIB, HARDWARE, HARDWARE_CHOICES, SMOLLM2_135M, SMOLLM2_135M_DRAFTER, hardware_name
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
@@ -420,3 +420,61 @@ class TestCommandLine:
 
 def loaded(model: Transformer, hf) -> LoadedModel:
     return LoadedModel("meta", model, StubTokenizer(model.config.vocab_size), hf)
+
+
+class TestGGUFWeights:
+    """`plan --weights q4_k_m` (or a .gguf --model): the bytes the packed blocks hold, as the runtime packs them."""
+
+    def test_a_mix_gives_llama_cpps_types_and_the_packed_bytes(self):
+        from triforce_cli.kernels.gguf import BLOCK_TYPES
+
+        from triforce_cli.plan.weights import mix_weight_bytes
+
+        shape = MODELS[EMBEDDED_PRESET].target  # 576 wide: Q4_K falls back to Q5_0, Q6_K to Q8_0
+        smol = mix_weight_bytes("q4_k_m", shape)
+        assert smol.output == BLOCK_TYPES["Q8_0"].bytes_per_weight()
+        # the types of llama.cpp's Q4_K_M file of it: 14 of 30 down projections Q6_K, 16 Q4_K (1536 wide); every
+        # other matrix Q5_0 or, for 14 value projections, Q8_0 (both 1.125 bytes packed)
+        down = shape.hidden_size * shape.intermediate_size
+        others = shape.layer_parameters - 2 * shape.hidden_size - down  # norms are not matrices
+        by_hand = (14 * down * 1.25 + 16 * down * 0.75 + 30 * others * 1.125) / (30 * (down + others))
+        assert smol.layers == pytest.approx(by_hand)
+        wide = mix_weight_bytes("q4_k_m", MODELS["Llama-3.1-8B"].target)  # 4096 wide: real K-quants
+        assert 0.75 < wide.layers < 1.0 and wide.output == BLOCK_TYPES["Q6_K"].bytes_per_weight()
+        assert mix_weight_bytes("q8_0", shape).layers == 1.125
+
+    @pytest.mark.embedded  # the file carries the embedded model's tokenizer
+    def test_a_file_gives_its_own_types_and_a_mix_predicts_them(self, tmp_path):
+        from helpers import write_gguf_model
+
+        from triforce_cli.plan.weights import _fitted, _more_bits, file_weight_bytes, mix_weight_bytes
+
+        def q4_k_m(name: str) -> str:  # llama.cpp's choices for a 2-layer model 256 wide, as plan.weights models them
+            if name == "token_embd":
+                return "Q6_K"  # tied: the output layer's type
+            promoted = name.endswith(("attn_v", "ffn_down")) and _more_bits(int(name.split(".")[1]), 2)
+            return _fitted("Q6_K" if promoted else "Q4_K", 256)
+
+        path = tmp_path / "tiny-Q4_K_M.gguf"
+        write_gguf_model(path, q4_k_m)
+        from_file = file_weight_bytes(path)
+        payload = plan_json("--model", str(path), "--hardware", "this-cpu", "--context", "1k")
+        shape = triforce_cli.plan.model_preset(str(path)).target
+        assert (shape.hidden_size, shape.num_layers, shape.intermediate_size) == (256, 2, 512)
+        assert payload["settings"]["weights"] == {"name": path.name, "layers": from_file.layers, "output": 1.25}
+        assert mix_weight_bytes("q4_k_m", shape).layers == pytest.approx(from_file.layers)
+        held = row(payload, "autoregressive", "none")["memory"]
+        assert held["target weights"]["device"] == round(shape.weight_bytes(from_file))
+
+    def test_fewer_bytes_a_weight_predict_a_faster_cpu_step(self):
+        dense = plan_json("--model", "smollm2-135m", "--hardware", "this-cpu", "--context", "8k", "--dtype", "float32")
+        packed = plan_json(*("--model", "smollm2-135m", "--hardware", "this-cpu", "--context", "8k"),
+                           *("--dtype", "float32", "--weights", "q4_k_m"))  # fmt: skip
+        for mode in ("autoregressive", "triforce"):
+            assert row(packed, mode, "none")["ms_per_token"] < row(dense, mode, "none")["ms_per_token"]
+        assert "weights q4_k_m" in invoke("--model", "smollm2-135m", "--context", "8k", "--weights", "q4_k_m").stdout
+
+    def test_gguf_weights_on_a_gpu_are_one_error_line(self):
+        result = invoke("--hardware", "rtx-4090", "--context", "8k", "--weights", "q4_k_m")
+        assert result.exit_code == 1 and "GGUF blocks are computed on the CPU" in result.stderr
+        assert "Traceback" not in result.output

@@ -19,6 +19,7 @@ from triforce_cli.decoding.setup import DTYPES
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan.plot import plot_predicted_latency
+from triforce_cli.plan.weights import WEIGHT_PLANS
 from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.store import human_size
 
@@ -67,7 +68,7 @@ def plan(
         str,
         typer.Option(
             metavar="PRESET|CONFIG",
-            help=f"A preset ({', '.join(planner.MODELS)}) or a local config.json or its folder.",
+            help=f"A preset ({', '.join(planner.MODELS)}), a local config.json or its folder, or a .gguf file.",
         ),
     ] = planner.EMBEDDED_PRESET,
     hardware: Annotated[
@@ -99,6 +100,14 @@ def plan(
     dtype: Annotated[
         Literal[tuple(DTYPES)], typer.Option(metavar="|".join(DTYPES), help="Dtype of weights and caches.")
     ] = "bfloat16",
+    weights: Annotated[
+        Literal[tuple(WEIGHT_PLANS)] | None,
+        typer.Option(
+            metavar="dtype|q4_k_m|q8_0|...",
+            help="The target's weights: the dtype's, or GGUF blocks of a quantization as llama.cpp names it, kept"
+            " packed on the CPU [default: a .gguf --model's own types, else dtype].",
+        ),
+    ] = None,
     memory_gb: Annotated[float | None, figure("Memory per device, GB of 2^30 bytes.")] = None,
     bandwidth_gbs: Annotated[float | None, figure("Device memory bandwidth, GB/s.")] = None,
     pcie_gbs: Annotated[float | None, figure("Host-to-device bandwidth, GB/s.")] = None,
@@ -122,6 +131,7 @@ def plan(
             engine=engine,
             acceptance=planner.Acceptance(draft=acceptance_draft, retrieval=acceptance_retrieval),
             dtype_bytes=DTYPES[dtype].itemsize,
+            weights=planner.weight_bytes(weights, model=model, shape=preset.target),
         )
         workload.engine.budget_for(context)  # a budget the context cannot hold, before measuring anything
         machine = planner.with_figures(
@@ -132,6 +142,11 @@ def plan(
             pcie_gbs=pcie_gbs,
             tflops=tflops,
         )
+        if workload.weights is not None and machine.gpu:
+            raise ConfigError(
+                f"`--weights {workload.weights.name}`: GGUF blocks are computed on the CPU; plan them with --hardware"
+                f" {planner.THIS_CPU}"
+            )
         setup = {"target": preset.target, "drafter": preset.drafter, "hardware": machine}
         prediction = planner.plan(**setup, workload=workload)
         if json_output:
@@ -179,6 +194,7 @@ def plan_record(
             "acceptance_draft": workload.acceptance.draft,
             "acceptance_retrieval": workload.acceptance.retrieval,
             "dtype": dtype,
+            "weights": None if workload.weights is None else as_record(workload.weights),
         },
         "rows": [as_record(row) for row in prediction.rows],
         "recommendation": as_record(prediction.recommendation),
@@ -200,7 +216,8 @@ def print_plan(
     out.print(
         Text(
             f"{preset.target.name} ({preset.target.parameters / 1e6:,.0f}M), drafter {preset.drafter.name}"
-            f" ({preset.drafter.parameters / 1e6:,.0f}M), {dtype}; {workload.context} tokens, budget"
+            f" ({preset.drafter.parameters / 1e6:,.0f}M), {dtype}{weights_text(workload.weights)};"
+            f" {workload.context} tokens, budget"
             f" {workload.budget}, chunk {cfg.chunk_size}, gamma1 {cfg.gamma1}, gamma2 {cfg.gamma2}, acceptance"
             f" {alpha.draft:.2f} (drafter) / {alpha.retrieval:.2f} (retrieval)"
         )
@@ -229,6 +246,16 @@ def print_plan(
     table.caption = Text("kv N: the full KV cache in host memory, N layers of it on the device too")
     out.print(table)
     out.print(Text(recommendation_text(prediction.recommendation, machine)))
+
+
+def weights_text(weights: planner.WeightBytes | None) -> str:
+    """', weights q4_k_m (0.83 bytes a weight in the layers, 1.25 in the output layer)', or nothing for the dtype's."""
+    if weights is None:
+        return ""
+    return (
+        f", weights {weights.name} ({weights.layers:.2f} bytes a weight in the layers, {weights.output:.2f} in the"
+        " output layer)"
+    )
 
 
 def flops_text(flops: float) -> str:

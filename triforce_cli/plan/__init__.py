@@ -13,6 +13,7 @@ from triforce_cli.plan.model import (
     Plan,
     Recommendation,
     Row,
+    WeightBytes,
     Workload,
     context_sweep,
     plan,
@@ -30,6 +31,7 @@ from triforce_cli.plan.presets import (
     model_preset,
     with_figures,
 )
+from triforce_cli.plan.weights import weight_bytes
 
 
 def machine(spelling: str) -> Hardware:
@@ -52,6 +54,7 @@ __all__ = [
     "Plan",
     "Recommendation",
     "Row",
+    "WeightBytes",
     "Workload",
     "context_sweep",
     "hardware_name",
@@ -59,5 +62,6 @@ __all__ = [
     "model_preset",
     "plan",
     "predict_rows",
+    "weight_bytes",
     "with_figures",
 ]

@@ -114,6 +114,13 @@ class ModelShape:
         output = self.hidden_size if shares_table else self.output_parameters
         return self.num_layers * self.layer_parameters + self.vocab_size * self.hidden_size + output
 
+    def weight_bytes(self, weights: "WeightBytes") -> float:
+        """Bytes of the parameters held (see parameters), at weights' bytes per weight."""
+        shares_table = self.tie_word_embeddings and self.output_vocab is None
+        output = self.hidden_size if shares_table else self.output_parameters
+        table = self.vocab_size * self.hidden_size + output
+        return self.num_layers * self.layer_parameters * weights.layers + table * weights.output
+
     def kv_elements(self, positions: int) -> int:
         """Key and value elements of every layer for this many positions."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * positions
@@ -209,14 +216,30 @@ class Acceptance:
 
 
 @dataclass(frozen=True)
+class WeightBytes:
+    """Bytes one weight of the target takes where it is held and read: in its decoder layers, and in its output layer
+    and embedding (a GGUF quantization gives them other types; plan.weights). name: the form as the user named it."""
+
+    name: str
+    layers: float
+    output: float
+
+
+@dataclass(frozen=True)
 class Workload:
     """What is generated: a prompt of `context` tokens, the engine's settings (budget, chunk size, gammas, windows,
-    new tokens), the acceptance rates, and the bytes of one element of weights and caches."""
+    new tokens), the acceptance rates, and the bytes of one element of weights and caches; weights: the target's
+    bytes per weight where they are not dtype_bytes (GGUF blocks)."""
 
     context: int
     engine: EngineConfig
     acceptance: Acceptance
     dtype_bytes: int
+    weights: WeightBytes | None = None
+
+    @property
+    def target_weights(self) -> WeightBytes:
+        return self.weights or WeightBytes("dtype", self.dtype_bytes, self.dtype_bytes)
 
     @property
     def budget(self) -> int:
@@ -345,6 +368,7 @@ def predicted_forward(
     tokens: int,
     positions: int,
     dtype_bytes: int,
+    weights: WeightBytes | None = None,
     streamed_layers: int = 0,
     split: bool = True,
 ) -> PredictedForward:
@@ -352,6 +376,7 @@ def predicted_forward(
     seconds of PCIe transfer it overlaps.
 
     Args:
+        dtype_bytes: bytes of a cache and activation element (and of a weight, unless weights says otherwise).
         streamed_layers: layers whose keys and values come over PCIe during the forward (offloaded, not on chip).
         split: whether the model is split over hardware.gpus in tensor parallel (the drafter is not: each device
             holds it whole).
@@ -361,7 +386,8 @@ def predicted_forward(
         transfer, plus the fixed costs; then the output layer.
     """
     devices = hardware.gpus if split else 1
-    layer_bytes = shape.layer_parameters * dtype_bytes / devices
+    weights = weights or WeightBytes("dtype", dtype_bytes, dtype_bytes)
+    layer_bytes = shape.layer_parameters * weights.layers / devices
     kv_bytes = 2 * shape.num_kv_heads * shape.head_dim * positions * dtype_bytes / devices
     attention_flops = 4 * shape.num_heads * shape.head_dim * positions * tokens
     layer_flops = (2 * shape.layer_parameters * tokens + attention_flops) / devices
@@ -373,7 +399,7 @@ def predicted_forward(
         all_reduce = 2 * (hardware.all_reduce_s + moved / hardware.link)
     layers = (shape.num_layers - streamed_layers) * compute + streamed_layers * max(compute, transfer)
     fixed = shape.num_layers * (hardware.layer_overhead_s + all_reduce)
-    output_bytes = shape.output_parameters * dtype_bytes / devices
+    output_bytes = shape.output_parameters * weights.output / devices
     output_flops = 2 * shape.output_parameters * tokens / devices
     output = max(output_bytes / hardware.bandwidth, output_flops / hardware.flops)
     return PredictedForward(layers + fixed + output, streamed_layers * transfer)
@@ -409,7 +435,7 @@ def memory_items(
         drafter_copies=copies,
     )
     items = [
-        MemoryItem("target weights", target.parameters * size, 0),
+        MemoryItem("target weights", round(target.weight_bytes(workload.target_weights)), 0),
         MemoryItem("drafter weights", drafter.parameters * size * copies if tiers.drafter else 0, 0),
         *caches,
         MemoryItem("CUDA reserve", device_reserve(hardware.memory_bytes) * copies if hardware.gpu else 0, 0),
@@ -452,6 +478,7 @@ def mode_row(
         tokens=gamma + 1,
         positions=workload.context,
         dtype_bytes=size,
+        weights=workload.weights,
         streamed_layers=streamed,
     )
     draft = retrieval = None
@@ -467,7 +494,12 @@ def mode_row(
 
         def on_retrieval(tokens: int) -> float:
             cost = predicted_forward(
-                shape=target, hardware=hardware, tokens=tokens, positions=attended, dtype_bytes=size
+                shape=target,
+                hardware=hardware,
+                tokens=tokens,
+                positions=attended,
+                dtype_bytes=size,
+                weights=workload.weights,
             )
             return cost.seconds
 

@@ -226,8 +226,8 @@ def hardware_name(spelling: str) -> str:
 
 
 def model_preset(name_or_path: str) -> ModelPreset:
-    """A preset by name, spelled any way spelling_key reads alike, else the config.json of a local folder or file,
-    read with transformers; its drafter is then a llama-68m-shaped one with its vocabulary. A preset's exact name
+    """A preset by name, spelled any way spelling_key reads alike, else the config.json of a local folder or file (or
+    the config a GGUF file's metadata implies), read with transformers; its drafter is then a llama-68m-shaped one with its vocabulary. A preset's exact name
     (any case) wins over a file of that name, another spelling only where no such file exists. Nothing is
     downloaded."""
     path = Path(name_or_path).expanduser()
@@ -237,13 +237,17 @@ def model_preset(name_or_path: str) -> ModelPreset:
         return MODELS[named]
     if not path.exists():
         raise ConfigError(
-            f"unknown model '{name_or_path}': give a preset ({', '.join(MODELS)}) or a local config.json or a folder"
-            f" holding one{did_you_mean(key, MODEL_SPELLINGS)}"
+            f"unknown model '{name_or_path}': give a preset ({', '.join(MODELS)}), a local config.json or a folder"
+            f" holding one, or a .gguf file{did_you_mean(key, MODEL_SPELLINGS)}"
         )
     from transformers import AutoConfig  # slow to import: only for a config file
 
     try:
-        config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+        if path.suffix == ".gguf":  # the config its metadata implies, as transformers reads it
+            hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        else:
+            hf_config = AutoConfig.from_pretrained(path)
+        config = ModelConfig.from_hf(hf_config)
     except UnsupportedModelError as err:
         raise ConfigError(f"{path}: {err}") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
