@@ -41,6 +41,8 @@ class KVCache(ABC):
     values: torch.Tensor
     write_start: torch.Tensor | None = None  # (1,) int32 on the device once make_static(): the next write's slot
     static_step: bool = False  # whether the prepared forward is a fixed-shape step (prepared with padding)
+    # whether slot j of a view holds position j (the full cache's), so that a sliding window applies by slot
+    slots_are_positions: bool = False
 
     @abstractmethod
     def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
@@ -81,6 +83,11 @@ class KVCache(ABC):
         put_rows(self.keys, layer, slots, k)
         put_rows(self.values, layer, slots, v)
         return self.keys[layer], self.values[layer]
+
+    def first_slot(self, layer: int) -> torch.Tensor | None:
+        """For a fixed-shape step of a sliding-window layer: the first slot of layer's buffers it reads, (1,) int32
+        on the device; None: slot 0."""
+        return None
 
     @property
     def max_write(self) -> int | None:

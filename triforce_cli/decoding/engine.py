@@ -359,7 +359,13 @@ class Engine:
     def _new_retrieval(self, caps: Capacities) -> RetrievalCache:
         cfg = self.config
         retrieval = RetrievalCache(
-            self._caches.full, caps.budget, cfg.chunk_size, caps.recent, self.target.device, cfg.chunk_score
+            self._caches.full,
+            caps.budget,
+            cfg.chunk_size,
+            caps.recent,
+            self.target.device,
+            cfg.chunk_score,
+            self.target.model.config.sliding_windows,
         )
         if retrieval.staging is not None and self.target.device.type == "cuda":
             pin_exactly(retrieval.staging)  # its uploads are asynchronous, as the offloaded storage's are
