@@ -7,6 +7,7 @@ import torch
 from helpers import full_cache_for, llama_config, random_prompt, reference_logits, save_tokenizer, wrap
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from triforce_cli.cache import RetrievalCache
+from triforce_cli.kernels import half_weights_available
 from triforce_cli.kernels.attention import HalfPrefix, attention, attention_in_cache, half_prefix_available
 
 from triforce_cli.decoding.config import EngineConfig
@@ -214,3 +215,22 @@ def test_retrieval_cache_selects_no_chunk_before_the_window():
     assert ((in_view + 1) * chunk > SEQ - 6 + 1).all()
     keys, _ = small_window.update(1, None, full.keys[1, :, :1], full.values[1, :, :1])
     assert keys.shape[1] == budget - small_window.first_slots[1] + 1
+
+
+@pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
+def test_half_weights_read_the_float16_prompt_inside_the_window_in_every_mode(tmp_path):
+    """With half weights attention reads the prompt's float16 copy, cut to the window for one query and widened
+    for several: every mode still gives autoregressive's greedy tokens."""
+    cfg, ref = mistral(seed=3)
+    ref.save_pretrained(tmp_path / "windowed")
+    save_tokenizer(tmp_path / "windowed", cfg.vocab_size)
+    loaded = load_model(str(tmp_path / "windowed"), weights="half")
+    ids = random_prompt(64, cfg.vocab_size, seed=8)
+    greedy = SamplingConfig(temperature=0)
+    settings = {"budget": 16, "chunk_size": 8, "draft_window": 16, "sink_tokens": 4, "max_new_tokens": 24}
+    reference = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **settings))
+    expected = reference.generate(ids)
+    assert reference._caches.full.half_prefix(0).length == len(ids)
+    for mode in ("retrieval", "streaming", "triforce"):
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
+        assert result.token_ids == expected.token_ids, mode
