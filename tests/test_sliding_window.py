@@ -131,9 +131,10 @@ def windowed_reference(q, k, v, scale, window):
     return (scores.softmax(-1) @ v).float()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
 @pytest.mark.parametrize("num_queries", [1, 3, 8, 20])
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "half-prefix"])
-def test_cpu_attention_reads_only_the_window(num_queries, half):
+def test_attention_reads_only_the_window(num_queries, half, backend):
     torch.manual_seed(0)
     q, k, v = torch.randn(4, num_queries, 16), torch.randn(2, 70, 16), torch.randn(2, 70, 16)
     prefix = None
@@ -142,7 +143,7 @@ def test_cpu_attention_reads_only_the_window(num_queries, half):
             pytest.skip("the CPU extension is not loaded")
         k[:, :50], v[:, :50] = k[:, :50].half().float(), v[:, :50].half().float()
         prefix = HalfPrefix(k[:, :50].half(), v[:, :50].half())
-    out = attention(q, k, v, 0.25, prefix, "cpu", window=WINDOW)
+    out = attention(q, k, v, 0.25, prefix, backend, window=WINDOW)
     torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
 
 
