@@ -76,34 +76,17 @@ class RetrievalCache(SlotCache):
                 dtype=full.keys.dtype,
                 device=full.keys.device,
             )  # page-locked by whoever placed the storage there (offload.pin_exactly), exactly its bytes
-        self.windows = windows
-        # per layer, the first slot its view holds: past the chunks selected only to fill the budget of a windowed
-        # layer; on the device too, for fixed-shape steps (first_slot)
-        self.first_slots = [0] * num_layers
-        self.first_slots_at = torch.zeros((num_layers, 1), dtype=torch.int32, device=device)
+        # a windowed layer's view starts past the chunks selected only to fill the budget
+        self._hold_first_slots(windows)
         self.selected_until = 0
         self.synced_until = 0
         self.length = 0
         self._write = slice(0, 0)
 
-    def make_static(self) -> None:
-        super().make_static()
-        torch._dynamo.mark_static_address(self.first_slots_at)
-
-    def first_slot(self, layer: int) -> torch.Tensor:
-        return self.first_slots_at[layer]
-
-    def update(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = super().update(layer, q, k, v)
-        first = self.first_slots[layer]
-        return keys[:, first:], values[:, first:]
-
     def first_selectable(self, length: int) -> list[int]:
         """Per layer, the first chunk that may be selected for a query at position ``length``: the chunk holding
         the first position of its sliding window, 0 for a layer without one."""
-        windows = self.windows or [None] * len(self.first_slots)
+        windows = self.windows or (None,) * len(self.first_slots)
         return [0 if window is None else max(0, length - window + 1) // self.chunk_size for window in windows]
 
     def rollback(self, length: int) -> None:
@@ -155,10 +138,9 @@ class RetrievalCache(SlotCache):
         first_selectable = self.first_selectable(length)
         selectable = torch.tensor(first_selectable, device=scores.device) if self.windows else None
         self.chunk_ids = top_chunks(scores, keep, selectable)  # (layers, Hkv, keep)
-        self.first_slots = [
-            max(0, keep - max(0, complete_chunks - first)) * self.chunk_size for first in first_selectable
-        ]
-        self.first_slots_at.copy_(torch.tensor(self.first_slots, dtype=torch.int32)[:, None])
+        if self.windows:
+            filling = [max(0, keep - max(0, complete_chunks - first)) for first in first_selectable]
+            self._start_views_at([chunks * self.chunk_size for chunks in filling])
         selected = slice(0, self.budget)
         pairs = ((self.keys, self.full.keys), (self.values, self.full.values))
         if self.staging is None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import full_cache_for, llama_config, random_prompt, reference_logits, save_tokenizer, wrap
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-from triforce_cli.cache import RetrievalCache
+from triforce_cli.cache import RetrievalCache, StreamingCache
 from triforce_cli.kernels import half_weights_available
 from triforce_cli.kernels.attention import HalfPrefix, attention, attention_in_cache, half_prefix_available
 
@@ -235,3 +235,18 @@ def test_half_weights_read_the_float16_prompt_inside_the_window_in_every_mode(tm
     for mode in ("retrieval", "streaming", "triforce"):
         result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
         assert result.token_ids == expected.token_ids, mode
+
+
+def test_streaming_cache_leaves_what_a_windowed_drafter_cannot_see_out_of_its_view():
+    """Sinks before a windowed layer's window are not read there, nor window positions before it; a layer without a
+    window reads every slot. Positions are checked through the values, each slot holding its position."""
+    sinks, draft_window = 4, 16
+    cache = StreamingCache(2, 1, 1, sinks, draft_window, 4, torch.float32, windows=(None, 6))
+    for position in range(40):
+        cache.prepare(position, 1)
+        keys = torch.full((1, 1, 1), float(position))
+        views = [cache.update(layer, None, keys, keys)[1].flatten().tolist() for layer in range(2)]
+        held = [float(p) for p in cache.cached_positions()]
+        assert views[0] == held
+        assert views[1] == [p for p in held if p > position - 6], position
+        assert cache.first_slot(1).item() == len(held) - len(views[1])
