@@ -64,8 +64,11 @@ def mask_future_new_keys(scores: torch.Tensor, num_queries: int) -> None:
     scores[:, :, scores.shape[2] - num_queries :].masked_fill_(future, float("-inf"))
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """CPU path for few queries against a long cache: one batched matmul per KV head, no KV copies.
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """CPU path for few queries against a long cache: one batched matmul per KV head, no KV copies. window: a
+    sliding window, each query reading its last ``window`` keys at most (window_mask).
 
     The G query heads that share a KV head are stacked into one (G*T, D) matrix, so each cached key is read
     once per KV head instead of once per query head. For one query the scores come from keys @ queries, a tall
@@ -81,7 +84,11 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         scores = torch.bmm(k, qg.transpose(1, 2)).transpose(1, 2)  # (Hkv, G, L) from an (Hkv, L, G) product
     else:
         scores = torch.bmm(qg, k.transpose(1, 2))  # (Hkv, G*T, L)
-        mask_future_new_keys(scores, num_queries)
+        if window is None:
+            mask_future_new_keys(scores, num_queries)
+        else:
+            hidden = ~window_mask(num_queries, k.shape[1], window, q.device)
+            scores.masked_fill_(hidden.repeat(group, 1), float("-inf"))
     probs = scores.float().softmax(dim=-1).to(v.dtype)  # contiguous
     out = torch.bmm(probs, v)  # (Hkv, G*T, D)
     return out.reshape(num_q_heads, num_queries, head_dim)
@@ -394,8 +401,9 @@ def windowed_attention(
 
     'flash' masks the window itself. Otherwise the keys before the first query's window are cut off: one query
     then reads the rest as attention() would, fast paths and float16 prefix included; several queries, each with
-    its own lower bound, run SDPA with the explicit band mask (window_mask), over at most window + T - 1 keys, the
-    float16 prefix's keys read widened (exactly) where it holds them.
+    its own lower bound, read at most window + T - 1 keys with the band mask (window_mask): on the CPU up to
+    FEW_QUERIES of them through grouped_attention, else SDPA, the float16 prefix's keys read widened (exactly) where
+    it holds them.
 
     Args:
         q: (Hq, T, D) queries.
@@ -419,6 +427,8 @@ def windowed_attention(
     k, v = k[:, first:], v[:, first:]
     if num_queries == 1:
         return attention(q, k, v, scale, prefix, backend)
+    if backend == "cpu" and prefix is None and num_queries <= FEW_QUERIES:
+        return grouped_attention(q, k, v, scale, window)  # a verification step's fast path, banded
     if prefix is not None:
         k = torch.cat([prefix.keys.to(k.dtype), k[:, prefix.length :]], dim=1)
         v = torch.cat([prefix.values.to(v.dtype), v[:, prefix.length :]], dim=1)
