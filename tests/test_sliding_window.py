@@ -5,7 +5,15 @@ every mode on a loaded checkpoint, and a retrieval cache that selects nothing a 
 import pytest
 import torch
 from helpers import full_cache_for, llama_config, random_prompt, reference_logits, save_tokenizer, wrap
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    DynamicCache,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from triforce_cli.cache import RetrievalCache, StreamingCache
 from triforce_cli.kernels import half_weights_available
 from triforce_cli.kernels.attention import HalfPrefix, attention, attention_in_cache, half_prefix_available
@@ -43,6 +51,20 @@ def qwen2_mixed(seed: int = 0):
     return cfg, Qwen2ForCausalLM(cfg).eval()
 
 
+def qwen3_explicit_layer_types(seed: int = 0):
+    """A Qwen3 whose config names each layer's kind: layer 0 windowed, layer 1 reading every key."""
+    cfg = llama_config(
+        config_class=Qwen3Config,
+        tie_word_embeddings=False,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    return cfg, Qwen3ForCausalLM(cfg).eval()
+
+
 @torch.no_grad()
 def reference_steps(ref, ids: list[int], first: int) -> torch.Tensor:
     """transformers' logits (T, V) for ids: the first `first` in one forward, then one token at a time on its cache
@@ -57,12 +79,15 @@ def reference_steps(ref, ids: list[int], first: int) -> torch.Tensor:
 def test_windows_follow_transformers_rule_per_layer():
     assert ModelConfig.from_hf(mistral()[0]).sliding_windows == (WINDOW, WINDOW)
     assert ModelConfig.from_hf(qwen2_mixed()[0]).sliding_windows == (None, WINDOW)
+    assert ModelConfig.from_hf(qwen3_explicit_layer_types()[0]).sliding_windows == (WINDOW, None)
     off = llama_config(config_class=Qwen2Config, use_sliding_window=False, sliding_window=WINDOW)
     assert ModelConfig.from_hf(off).sliding_windows == ()
     assert ModelConfig.from_hf(mistral(window=None)[0]).sliding_windows == ()
 
 
-@pytest.mark.parametrize("build", [mistral, qwen2_mixed], ids=["mistral", "qwen2-mixed"])
+@pytest.mark.parametrize(
+    "build", [mistral, qwen2_mixed, qwen3_explicit_layer_types], ids=["mistral", "qwen2-mixed", "qwen3-layer-types"]
+)
 def test_logits_equal_transformers_for_prefill_chunks_verifications_and_steps(build):
     cfg, ref = build()
     model = wrap(ref, cfg).model
