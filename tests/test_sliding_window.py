@@ -1,6 +1,8 @@
-"""Sliding-window attention (Mistral's sliding_window, Qwen2's windowed layers): logits equal to transformers' for
-prefill chunks, verification-sized steps and decode steps over sequences several windows long, greedy equality of
-every mode on a loaded checkpoint, and a retrieval cache that selects nothing a windowed layer cannot see."""
+"""Sliding-window attention (Mistral's sliding_window, Qwen2's and Qwen3's windowed layers): logits equal to
+transformers' for prefill chunks, verification-sized steps and decode steps over sequences several windows long,
+the attention kernels against an explicit band mask, greedy equality of every mode (eager and fixed-shape steps,
+dense and half weights) on loaded checkpoints, and draft caches that let a windowed layer read nothing before its
+window."""
 
 import pytest
 import torch
