@@ -7,7 +7,7 @@ whole context and new keys 0..t ("bottom-right aligned" causal mask, as in Flash
 Shapes: q (Hq, T, D); k, v (Hkv, L, D) with L >= T and Hq a multiple of Hkv (grouped-query attention,
 query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
 
-A sliding-window layer (Mistral, Qwen2's windowed layers) reads a view whose key j is at position j (the full
+A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view whose key j is at position j (the full
 cache's): query t, at position L - T + t, reads keys j with L - T + t - W < j (``window`` W), as transformers'
 sliding_window_overlay masks. Where every query's window starts at or before key 0 nothing changes; otherwise
 the keys before the first query's window are cut off the view, which serves one query exactly, and several queries
@@ -289,9 +289,10 @@ def flash_decode(
     """FlashAttention's decoding kernel (flash_attn_with_kvcache) over a cache layer's whole buffers.
 
     q (Hq, T, D); keys, values (Hkv, S, D) with the T new keys already written at slots [seen - T, seen); seen
-    (1,) int32 on the device; window: a sliding window over slots that are positions (the full cache's), -1: none. The kernel reads the buffers in place: it takes any strides whose last one is 1
-    (flash-attn's mha_fwd_kvcache checks only that), so the head-major (Hkv, S, D) layout every cache keeps is
-    read through a (1, S, Hkv, D) view, no copy; the causal mask is bottom-right aligned, as the caches need.
+    (1,) int32 on the device; window: a sliding window over slots that are positions (the full cache's), -1: none.
+    The kernel reads the buffers in place: it takes any strides whose last one is 1 (flash-attn's mha_fwd_kvcache
+    checks only that), so the head-major (Hkv, S, D) layout every cache keeps is read through a (1, S, Hkv, D) view,
+    no copy; the causal mask is bottom-right aligned, as the caches need.
     A custom op, so that torch.compile keeps it as one call inside a captured graph: the flash-attn function
     itself is not traceable.
     """
@@ -328,8 +329,8 @@ def attention_in_cache(
     Output (Hq, T, D).
 
     window: a sliding window over slots that are positions (the full cache's): query t reads only slots above
-    start + t - window. first_slot: (1,) int32 on the device, the first slot any query reads (a retrieval cache's
-    layer whose first chunks lie outside its window); 'flash' cannot take it, and runs the masked path instead.
+    start + t - window. first_slot: (1,) int32 on the device, the first slot any query reads (a draft cache's
+    windowed layer, SlotCache.first_slots); 'flash' cannot take it, and runs the masked path instead.
 
     'flash' reads through flash_decode, which stops at slot start + T. Any other backend computes grouped-query
     attention over the whole buffers with a mask (the CPU's own kernels take variable-length views and run in eager
