@@ -7,9 +7,9 @@ whole context and new keys 0..t ("bottom-right aligned" causal mask, as in Flash
 Shapes: q (Hq, T, D); k, v (Hkv, L, D) with L >= T and Hq a multiple of Hkv (grouped-query attention,
 query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
 
-A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view whose key j is at position j (the full
-cache's): query t, at position L - T + t, reads keys j with L - T + t - W < j (``window`` W), as transformers'
-sliding_window_overlay masks. Where every query's window starts at or before key 0 nothing changes; otherwise
+A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view whose key j is at position j
+(the full cache's): query t, at position L - T + t, reads keys j with L - T + t - W < j (``window`` W), as
+transformers' sliding_window_overlay masks. Where every query's window starts at or before key 0 nothing changes; otherwise
 the keys before the first query's window are cut off the view, which serves one query exactly, and several queries
 get each its own lower bound (windowed_attention).
 """
