@@ -9,9 +9,9 @@ query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
 
 A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view whose key j is at position j
 (the full cache's): query t, at position L - T + t, reads keys j with L - T + t - W < j (``window`` W), as
-transformers' sliding_window_overlay masks. Where every query's window starts at or before key 0 nothing changes; otherwise
-the keys before the first query's window are cut off the view, which serves one query exactly, and several queries
-get each its own lower bound (windowed_attention).
+transformers' sliding_window_overlay masks. Where every query's window starts at or before key 0 nothing
+changes; otherwise the keys before the first query's window are cut off the view, which serves one query exactly,
+and several queries get each its own lower bound (windowed_attention).
 """
 
 from dataclasses import dataclass
