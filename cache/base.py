@@ -41,6 +41,8 @@ class KVCache(ABC):
     values: torch.Tensor
     write_start: torch.Tensor | None = None  # (1,) int32 on the device once make_static(): the next write's slot
     static_step: bool = False  # whether the prepared forward is a fixed-shape step (prepared with padding)
+    # whether slot j of a view holds position j (the full cache's), so that a sliding window applies by slot
+    slots_are_positions: bool = False
 
     @abstractmethod
     def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
@@ -82,6 +84,11 @@ class KVCache(ABC):
         put_rows(self.values, layer, slots, v)
         return self.keys[layer], self.values[layer]
 
+    def first_slot(self, layer: int) -> torch.Tensor | None:
+        """For a fixed-shape step of a sliding-window layer: the first slot of layer's buffers it reads, (1,) int32
+        on the device; None: slot 0."""
+        return None
+
     @property
     def max_write(self) -> int | None:
         """Most positions one forward may write (None: as many as fit)."""
@@ -106,14 +113,41 @@ class KVCache(ABC):
 class SlotCache(KVCache):
     """A cache whose prepare() puts the prepared positions in consecutive slots, ``_write``, right after the slots
     the forward reads with them (the StreamingLLM and the retrieval cache): update() stores there, and the view is
-    every slot up to the last one written."""
+    every slot up to the last one written, from the layer's first slot on.
+
+    A model's sliding-window layers (``windows``, ModelConfig.sliding_windows) may not read some of the first
+    slots, whose positions lie before their window: the subclass sets each layer's first slot (``_start_views_at``),
+    kept on the device too for fixed-shape steps (first_slot). Without windows every view starts at slot 0.
+    """
 
     _write: slice  # the slots of the prepared positions, set by prepare()
+    windows: tuple[int | None, ...] = ()
+    first_slots: list[int]  # per layer, the first slot its view holds
+    first_slots_at: torch.Tensor  # (layers, 1) int32 on the cache's device: first_slots, for fixed-shape steps
+
+    def _hold_first_slots(self, windows: tuple[int | None, ...]) -> None:
+        """Keep the model's sliding windows per layer, every view starting at slot 0 until told otherwise."""
+        num_layers = self.keys.shape[0]
+        self.windows = windows
+        self.first_slots = [0] * num_layers
+        self.first_slots_at = torch.zeros((num_layers, 1), dtype=torch.int32, device=self.keys.device)
+
+    def _start_views_at(self, first_slots: list[int]) -> None:
+        """Have each layer's view start at its slot in first_slots, on the device too."""
+        self.first_slots = first_slots
+        self.first_slots_at.copy_(torch.tensor(first_slots, dtype=torch.int32)[:, None])
+
+    def make_static(self) -> None:
+        super().make_static()
+        torch._dynamo.mark_static_address(self.first_slots_at)
+
+    def first_slot(self, layer: int) -> torch.Tensor:
+        return self.first_slots_at[layer]
 
     def update(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys[layer, :, self._write] = k
         self.values[layer, :, self._write] = v
-        end = self._write.stop
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
+        view = slice(self.first_slots[layer], self._write.stop)
+        return self.keys[layer, :, view], self.values[layer, :, view]

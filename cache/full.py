@@ -38,6 +38,8 @@ class StorageStream(Protocol):
 
 
 class FullCache(KVCache):
+    slots_are_positions = True
+
     def __init__(
         self,
         num_layers: int,
@@ -185,6 +187,7 @@ class LayerwiseWrite:
     """
 
     static_step = False  # eager forwards of any length
+    slots_are_positions = True
 
     def __init__(self, full: FullCache, start: int, num_tokens: int):
         """Prepare full for the positions [start, start + num_tokens) (FullCache.prepare)."""

@@ -11,6 +11,11 @@ complete. ``select_chunks`` re-selects with the query
 the full model computed at the last cached position (the last full verification pass, no extra forward);
 ``sync_recent`` copies the full model's keys/values of newly verified tokens over the middle tier's own.
 
+A sliding-window layer (``windows``) never selects a chunk that lies wholly before the window of the position
+selection serves (the full cache's length), chunk 0's sinks included: the target could never read it there. Where
+the window holds fewer complete chunks than the budget, the layer's first slots hold unselectable chunks, and its
+view starts after them (``first_slots``).
+
 The full cache's storage may live elsewhere (in host memory, offload/kv.py): selection then gathers the chosen
 chunks there and copies only them, and the mean keys, to this cache's device. Selection serves every layer at once:
 one scoring op on the device, and where the storage is elsewhere one read of the chosen ids, one gather of every
@@ -35,9 +40,11 @@ class RetrievalCache(SlotCache):
         recent_capacity: int,
         device: torch.device | str | None = None,
         score: str = "mean",
+        windows: tuple[int | None, ...] = (),
     ):
         """device: where this cache lives and the model computes; None: where the full cache's storage is.
-        score: how chunks are scored, one of kernels.CHUNK_SCORES."""
+        score: how chunks are scored, one of kernels.CHUNK_SCORES.
+        windows: the model's sliding window per layer (ModelConfig.sliding_windows), () where none has one."""
         if budget % chunk_size:
             raise ValueError(f"budget {budget} is not a multiple of chunk size {chunk_size}")
         if score not in CHUNK_SCORES:
@@ -69,10 +76,18 @@ class RetrievalCache(SlotCache):
                 dtype=full.keys.dtype,
                 device=full.keys.device,
             )  # page-locked by whoever placed the storage there (offload.pin_exactly), exactly its bytes
+        # a windowed layer's view starts past the chunks selected only to fill the budget
+        self._hold_first_slots(windows)
         self.selected_until = 0
         self.synced_until = 0
         self.length = 0
         self._write = slice(0, 0)
+
+    def first_selectable(self, length: int) -> list[int]:
+        """Per layer, the first chunk that may be selected for a query at position ``length``: the chunk holding
+        the first position of its sliding window, 0 for a layer without one."""
+        windows = self.windows or (None,) * len(self.first_slots)
+        return [0 if window is None else max(0, length - window + 1) // self.chunk_size for window in windows]
 
     def rollback(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -120,7 +135,12 @@ class RetrievalCache(SlotCache):
         self._update_mean_keys(complete_chunks)
         queries = self.full.queries_at(length - 1).to(self.chunk_keys.device)  # (layers, Hq, D)
         scores = summary_scores(queries, self.chunk_keys[:, :, :, :complete_chunks], self.score)  # (layers, Hkv, C)
-        self.chunk_ids = top_chunks(scores, keep)  # (layers, Hkv, keep)
+        first_selectable = self.first_selectable(length)
+        selectable = torch.tensor(first_selectable, device=scores.device) if self.windows else None
+        self.chunk_ids = top_chunks(scores, keep, selectable)  # (layers, Hkv, keep)
+        if self.windows:
+            filling = [max(0, keep - max(0, complete_chunks - first)) for first in first_selectable]
+            self._start_views_at([chunks * self.chunk_size for chunks in filling])
         selected = slice(0, self.budget)
         pairs = ((self.keys, self.full.keys), (self.values, self.full.values))
         if self.staging is None:

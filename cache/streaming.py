@@ -4,6 +4,10 @@ Positions [0, sink_tokens) stay in slots [0, sink_tokens). Positions [window_sta
 them, at slot ``sink_tokens + position - window_start``. When a write would not fit, the oldest positions are
 evicted so that the last ``window`` positions before the write remain. ``max_step`` slots on top of the window
 hold one step's new (speculative) tokens, so rollback within a step never needs an evicted position.
+
+A drafter with sliding-window layers (``windows``) reads there only from the first position the step's first
+query sees: sinks before it are left out of the view, and so are window positions before it where the drafter's
+window is shorter than ``window``. The step's later queries read as the first does: a draft, not the model.
 """
 
 import torch
@@ -22,7 +26,9 @@ class StreamingCache(SlotCache):
         max_step: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        windows: tuple[int | None, ...] = (),
     ):
+        """windows: the drafter's sliding window per layer (ModelConfig.sliding_windows), () where none has one."""
         self.sink_tokens = sink_tokens
         self.window = window
         self.max_step = max_step
@@ -33,6 +39,7 @@ class StreamingCache(SlotCache):
         self.length = 0
         self.window_start = sink_tokens
         self._write = slice(0, 0)
+        self._hold_first_slots(windows)
 
     @property
     def max_write(self) -> int:
@@ -78,6 +85,16 @@ class StreamingCache(SlotCache):
             self._evict(keep_from=max(self.sink_tokens, start - self.window))
         self._write = self._begin_write(self.slot(start), num_tokens, padding)
         self.length = start + num_tokens
+        if self.windows:
+            self._start_views_at([self.first_visible_slot(start, window) for window in self.windows])
+
+    def first_visible_slot(self, position: int, window: int | None) -> int:
+        """The first slot a query at position reads through a sliding window (None: slot 0); position is held or
+        being written."""
+        first = 0 if window is None else max(0, position - window + 1)
+        if first < self.sink_tokens:
+            return first
+        return self.slot(min(max(first, self.window_start), position))
 
     def _evict(self, keep_from: int) -> None:
         """Move positions [keep_from, length) to the front of the window region."""

@@ -6,6 +6,12 @@ whole context and new keys 0..t ("bottom-right aligned" causal mask, as in Flash
 
 Shapes: q (Hq, T, D); k, v (Hkv, L, D) with L >= T and Hq a multiple of Hkv (grouped-query attention,
 query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
+
+A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view whose key j is at position j
+(the full cache's): query t, at position L - T + t, reads keys j with L - T + t - W < j (``window`` W), as
+transformers' sliding_window_overlay masks. Where every query's window starts at or before key 0 nothing
+changes; otherwise the keys before the first query's window are cut off the view, which serves one query exactly,
+and several queries get each its own lower bound (windowed_attention).
 """
 
 from dataclasses import dataclass
@@ -30,13 +36,18 @@ def new_token_mask(num_queries: int, num_keys: int, device: torch.device) -> tor
     return cols <= rows + offset
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain attention: repeat KV heads, explicit masked softmax in float32."""
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Plain attention: repeat KV heads, explicit masked softmax in float32; window: a sliding window, as
+    attention() takes it."""
     group = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)  # (Hq, L, D)
     v = v.repeat_interleave(group, dim=0)
     scores = (q.float() @ k.float().transpose(1, 2)) * scale  # (Hq, T, L)
     mask = new_token_mask(q.shape[1], k.shape[1], q.device)
+    if window is not None:
+        mask &= window_mask(q.shape[1], k.shape[1], window, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
@@ -53,8 +64,11 @@ def mask_future_new_keys(scores: torch.Tensor, num_queries: int) -> None:
     scores[:, :, scores.shape[2] - num_queries :].masked_fill_(future, float("-inf"))
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """CPU path for few queries against a long cache: one batched matmul per KV head, no KV copies.
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """CPU path for few queries against a long cache: one batched matmul per KV head, no KV copies. window: a
+    sliding window, each query reading its last ``window`` keys at most (window_mask).
 
     The G query heads that share a KV head are stacked into one (G*T, D) matrix, so each cached key is read
     once per KV head instead of once per query head. For one query the scores come from keys @ queries, a tall
@@ -70,7 +84,11 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         scores = torch.bmm(k, qg.transpose(1, 2)).transpose(1, 2)  # (Hkv, G, L) from an (Hkv, L, G) product
     else:
         scores = torch.bmm(qg, k.transpose(1, 2))  # (Hkv, G*T, L)
-        mask_future_new_keys(scores, num_queries)
+        if window is None:
+            mask_future_new_keys(scores, num_queries)
+        else:
+            hidden = ~window_mask(num_queries, k.shape[1], window, q.device)
+            scores.masked_fill_(hidden.repeat(group, 1), float("-inf"))
     probs = scores.float().softmax(dim=-1).to(v.dtype)  # contiguous
     out = torch.bmm(probs, v)  # (Hkv, G*T, D)
     return out.reshape(num_q_heads, num_queries, head_dim)
@@ -243,24 +261,38 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return blocked_attention(q, k, v, scale)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """FlashAttention 2: bottom-right causal masking and grouped-query heads are native."""
+def flash_window(window: int | None) -> tuple[int, int]:
+    """FlashAttention's window_size for a sliding window W (None: none): W - 1 keys left of each query's own, none
+    right; (-1, -1) is its unbounded window."""
+    return (-1, -1) if window is None else (window - 1, 0)
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """FlashAttention 2: bottom-right causal masking, grouped-query heads and sliding windows are native."""
     out = optional.flash_attn_func(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], softmax_scale=scale, causal=True
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        softmax_scale=scale,
+        causal=True,
+        window_size=flash_window(window),
     )  # (1, T, Hq, D)
     return out[0].transpose(0, 1)
 
 
 @torch.library.custom_op("triforce::flash_decode", mutates_args=())
 def flash_decode(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, scale: float, window: int = -1
 ) -> torch.Tensor:
     """FlashAttention's decoding kernel (flash_attn_with_kvcache) over a cache layer's whole buffers.
 
     q (Hq, T, D); keys, values (Hkv, S, D) with the T new keys already written at slots [seen - T, seen); seen
-    (1,) int32 on the device. The kernel reads the buffers in place: it takes any strides whose last one is 1
-    (flash-attn's mha_fwd_kvcache checks only that), so the head-major (Hkv, S, D) layout every cache keeps is
-    read through a (1, S, Hkv, D) view, no copy; the causal mask is bottom-right aligned, as the caches need.
+    (1,) int32 on the device; window: a sliding window over slots that are positions (the full cache's), -1: none.
+    The kernel reads the buffers in place: it takes any strides whose last one is 1 (flash-attn's mha_fwd_kvcache
+    checks only that), so the head-major (Hkv, S, D) layout every cache keeps is read through a (1, S, Hkv, D) view,
+    no copy; the causal mask is bottom-right aligned, as the caches need.
     A custom op, so that torch.compile keeps it as one call inside a captured graph: the flash-attn function
     itself is not traceable.
     """
@@ -271,22 +303,34 @@ def flash_decode(
         cache_seqlens=seen,
         softmax_scale=scale,
         causal=True,
+        window_size=flash_window(None if window < 0 else window),
     )  # (1, T, Hq, D)
     return out[0].transpose(0, 1).contiguous()
 
 
 @flash_decode.register_fake
-def _(q, keys, values, seen, scale):
+def _(q, keys, values, seen, scale, window=-1):
     return q.new_empty(q.shape)  # contiguous, as flash_decode returns it whatever q's strides
 
 
 def attention_in_cache(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor, scale: float, backend: str
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    backend: str,
+    window: int | None = None,
+    first_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for a fixed-shape step over a cache layer's whole buffers keys, values (Hkv, S, D), holding the T
     new keys and values at slots [start, start + T), start (1,) int32 on the device: query t (q: (Hq, T, D)) reads
     slots [0, start + t]. Nothing depends on a host-side length, so the step compiles once for every position.
     Output (Hq, T, D).
+
+    window: a sliding window over slots that are positions (the full cache's): query t reads only slots above
+    start + t - window. first_slot: (1,) int32 on the device, the first slot any query reads (a draft cache's
+    windowed layer, SlotCache.first_slots); 'flash' cannot take it, and runs the masked path instead.
 
     'flash' reads through flash_decode, which stops at slot start + T. Any other backend computes grouped-query
     attention over the whole buffers with a mask (the CPU's own kernels take variable-length views and run in eager
@@ -301,12 +345,17 @@ def attention_in_cache(
     A full cache kept from a longer earlier prompt (Engine._allocate reuses it) is read to its whole capacity.
     """
     num_q_heads, num_queries, head_dim = q.shape
-    if backend == "flash":
-        return flash_decode(q, keys, values, start + num_queries, scale)
+    if backend == "flash" and first_slot is None:
+        return flash_decode(q, keys, values, start + num_queries, scale, -1 if window is None else window)
     num_kv_heads = keys.shape[0]
     group = num_q_heads // num_kv_heads
-    last_visible = start.long() + torch.arange(num_queries, device=q.device)  # (T,)
-    hidden = torch.arange(keys.shape[1], device=q.device)[None, :] > last_visible[:, None]  # (T, S)
+    last_visible = start.long() + torch.arange(num_queries, device=q.device)[:, None]  # (T, 1)
+    slots = torch.arange(keys.shape[1], device=q.device)[None, :]  # (1, S)
+    hidden = slots > last_visible  # (T, S)
+    if window is not None:
+        hidden |= slots <= last_visible - window
+    if first_slot is not None:
+        hidden |= slots < first_slot.long()
     qg = q.reshape(num_kv_heads, group * num_queries, head_dim)  # (Hkv, G*T, D)
     scores = float32_bmm(qg, keys.transpose(1, 2)).mul_(scale)  # (Hkv, G*T, S) float32
     scores.masked_fill_(hidden.repeat(group, 1), float("-inf"))
@@ -339,6 +388,65 @@ def attention_backend(
     return requested
 
 
+def windowed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int,
+    prefix: HalfPrefix | None,
+    backend: str,
+) -> torch.Tensor:
+    """Attention of a sliding-window layer whose view reaches before some query's window (L > window): query t
+    reads keys j with L - T + t - window < j <= L - T + t.
+
+    'flash' masks the window itself. Otherwise the keys before the first query's window are cut off: one query
+    then reads the rest as attention() would, fast paths and float16 prefix included; several queries, each with
+    its own lower bound, read at most window + T - 1 keys with the band mask (window_mask): on the CPU up to
+    FEW_QUERIES of them through grouped_attention, else SDPA, the float16 prefix's keys read widened (exactly) where
+    it holds them.
+
+    Args:
+        q: (Hq, T, D) queries.
+        k, v: (Hkv, L, D) keys and values at positions 0..L-1, the last T the queries' own.
+        scale: the factor on the scores.
+        window: the layer's sliding window W.
+        prefix: a float16 copy of the first keys and values (HalfPrefix), or None.
+        backend: attention_backend's choice.
+
+    Returns:
+        (Hq, T, D) in q's dtype.
+    """
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    if backend == "flash":
+        return flash_attention(q, k, v, scale, window)
+    first = max(0, num_keys - num_queries - window + 1)  # the first key the first query reads
+    if prefix is not None and first < prefix.length:
+        prefix = HalfPrefix(prefix.keys[:, first:], prefix.values[:, first:])
+    else:
+        prefix = None
+    k, v = k[:, first:], v[:, first:]
+    if num_queries == 1:
+        return attention(q, k, v, scale, prefix, backend)
+    if backend == "cpu" and prefix is None and num_queries <= FEW_QUERIES:
+        return grouped_attention(q, k, v, scale, window)  # a verification step's fast path, banded
+    if prefix is not None:
+        k = torch.cat([prefix.keys.to(k.dtype), k[:, prefix.length :]], dim=1)
+        v = torch.cat([prefix.values.to(v.dtype), v[:, prefix.length :]], dim=1)
+    mask = window_mask(num_queries, k.shape[1], window, q.device)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0]
+
+
+def window_mask(num_queries: int, num_keys: int, reach: int, device: torch.device) -> torch.Tensor:
+    """Boolean (T, L) mask, True where query t may read key j: L - T + t - reach < j <= L - T + t (the bottom-right
+    causal mask of new_token_mask, each query reading its last ``reach`` keys at most)."""
+    offset = num_keys - num_queries
+    rows = torch.arange(num_queries, device=device)[:, None]
+    cols = torch.arange(num_keys, device=device)[None, :]
+    return (cols <= rows + offset) & (cols > rows + offset - reach)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -346,17 +454,22 @@ def attention(
     scale: float,
     prefix: HalfPrefix | None = None,
     backend: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Dispatch to a kernel of backend (attention_backend; None: the fastest for q's device and dtype), and within
     the CPU kernels to the fastest for the number of queries.
 
     prefix: a float16 copy of the first keys and values of k and v (a CPU cache's prompt, HalfPrefix); they are
     then read from it instead (half_prefix_attention), at well under half the cost of reading them as float32.
+    window: the sliding window of the layer, over a view whose key j is at position j (windowed_attention where
+    a query's window starts after key 0); None: every key.
 
     On the CPU, grouped_attention takes up to FEW_QUERIES queries, where it beat or tied SDPA at every context
     length measured (SDPA won at 16); more go to chunk attention or SDPA. See docs/performance.md for the timings.
     """
     backend = backend or attention_backend(q.device, q.dtype)
+    if window is not None and k.shape[1] > window:
+        return windowed_attention(q, k, v, scale, window, prefix, backend)
     if backend == "flash":
         return flash_attention(q, k, v, scale)
     if backend == "sdpa":

@@ -87,11 +87,19 @@ def _scores(q: torch.Tensor, summaries: torch.Tensor, score: str) -> torch.Tenso
     return score_chunks(q, summaries[0]) if score == "mean" else bound_scores(q, summaries[0], summaries[1])
 
 
-def top_chunks(scores: torch.Tensor, num_chunks: int) -> torch.Tensor:
+def top_chunks(scores: torch.Tensor, num_chunks: int, first_selectable: torch.Tensor | None = None) -> torch.Tensor:
     """Indices (..., Hkv, num_chunks), ascending, of the best chunks per KV head of scores (..., Hkv, C); chunk 0
-    (the sinks) always kept."""
+    (the sinks) always kept.
+
+    first_selectable: (...,) per leading index (a layer), the first chunk that may be chosen: the chunks before it
+    lie before a sliding window, chunk 0 included. They are taken only where fewer than num_chunks remain, and then
+    come first, as many for every KV head of that index (the reader skips them, RetrievalCache.first_slots).
+    """
     scores = scores.clone()
     scores[..., 0] = float("inf")
+    if first_selectable is not None:
+        chunk = torch.arange(scores.shape[-1], device=scores.device)
+        scores.masked_fill_(chunk < first_selectable[..., None, None], float("-inf"))
     chosen = scores.topk(num_chunks, dim=-1).indices
     return chosen.sort(dim=-1).values
 

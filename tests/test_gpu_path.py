@@ -22,7 +22,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
-from triforce_cli.kernels import attention_backend, attention_in_cache, attention_reference, optional
+from triforce_cli.kernels import attention, attention_backend, attention_in_cache, attention_reference, optional
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
@@ -224,19 +224,27 @@ class TestFlashDecoding:
     reference: the same call runs the real kernel on a GPU."""
 
     @staticmethod
-    def stand_in(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal):
+    def window_of(window_size: tuple[int, int]) -> int | None:
+        """The sliding window of flash-attn's window_size: (left, 0), left keys before each query's own; (-1, -1)
+        none."""
+        left, right = window_size
+        assert (left, right) == (-1, -1) or (left >= 0 and right == 0)
+        return None if left < 0 else left + 1
+
+    def stand_in(self, q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size=(-1, -1)):
         assert q.dim() == k_cache.dim() == 4 and q.shape[0] == k_cache.shape[0] == 1  # (batch, seq, heads, dim)
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1  # all flash-attn asks of a cache's strides
         assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (1,) and causal
         seen = int(cache_seqlens[0])
         keys, values = k_cache[0, :seen].transpose(0, 1), v_cache[0, :seen].transpose(0, 1)
-        return attention_reference(q[0].transpose(0, 1), keys, values, softmax_scale).transpose(0, 1)[None]
+        window = self.window_of(window_size)
+        return attention_reference(q[0].transpose(0, 1), keys, values, softmax_scale, window).transpose(0, 1)[None]
 
-    @staticmethod
-    def prefill_stand_in(q, k, v, softmax_scale, causal):
+    def prefill_stand_in(self, q, k, v, softmax_scale, causal, window_size=(-1, -1)):
         """flash_attn_func, for the eager prefill: (1, T, H, D) tensors, bottom-right causal."""
         assert causal
-        out = attention_reference(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), softmax_scale)
+        keys, values = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        out = attention_reference(q[0].transpose(0, 1), keys, values, softmax_scale, self.window_of(window_size))
         return out.transpose(0, 1)[None]
 
     def test_flash_reads_the_head_major_buffers_in_place_and_compiles(self, monkeypatch):
@@ -248,6 +256,20 @@ class TestFlashDecoding:
         expected = attention_in_cache(q, keys, values, start, 0.3, "sdpa")
         for step in (attention_in_cache, torch.compile(attention_in_cache, fullgraph=True, dynamic=False)):
             torch.testing.assert_close(step(q, keys, values, start, 0.3, "flash"), expected)
+
+    def test_flash_steps_and_prefill_take_a_sliding_window(self, monkeypatch):
+        monkeypatch.setattr(optional, "flash_attn_with_kvcache", self.stand_in)
+        monkeypatch.setattr(optional, "flash_attn_func", self.prefill_stand_in)
+        generator = torch.Generator().manual_seed(5)
+        keys, values = torch.randn(2, 40, 8, generator=generator), torch.randn(2, 40, 8, generator=generator)
+        q = torch.randn(6, 3, 8, generator=generator)
+        start = torch.tensor([20], dtype=torch.int32)
+        expected = attention_in_cache(q, keys, values, start, 0.3, "sdpa", window=7)
+        assert not torch.allclose(expected, attention_in_cache(q, keys, values, start, 0.3, "sdpa"))
+        torch.testing.assert_close(attention_in_cache(q, keys, values, start, 0.3, "flash", window=7), expected)
+        view = slice(0, 23)
+        out = attention(q, keys[:, view], values[:, view], 0.3, backend="flash", window=7)
+        torch.testing.assert_close(out, expected)
 
     def test_a_model_on_flash_steps_generates_the_eager_tokens(self, monkeypatch):
         monkeypatch.setattr(optional, "flash_attn_with_kvcache", self.stand_in)

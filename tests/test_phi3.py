@@ -58,6 +58,17 @@ def phi3(seed: int = 0) -> tuple[Phi3Config, Phi3ForCausalLM]:
     return cfg, Phi3ForCausalLM(cfg).eval()
 
 
+def test_a_windowed_phi3_is_transformers_phi3():
+    """Phi-3 with a sliding window (as Phi-3-mini-4k sets one): prefill logits past the window are transformers'."""
+    cfg = phi3_config(sliding_window=12)
+    torch.manual_seed(3)
+    ref = Phi3ForCausalLM(cfg).eval()
+    ours = wrap(ref, cfg).model
+    ids = random_prompt(40, VOCAB, seed=4)
+    ours.fit_rope(len(ids))
+    torch.testing.assert_close(our_logits(ours, ids), reference_logits(ref, ids), atol=ATOL, rtol=ATOL)
+
+
 def our_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor(ids), 0, full_cache_for(model))
 
@@ -83,12 +94,12 @@ def reference_steps(ref: Phi3ForCausalLM, ids: list[int], first: int) -> torch.T
 
 
 def test_phi3_configs_accepted_and_refused():
-    """LongRoPE is accepted; a sliding window narrower than the context and partial rotary are refused by name."""
+    """LongRoPE is accepted, and a sliding window on every layer (Phi-3-mini-4k's 2047); partial rotary is refused
+    by name."""
     cfg = ModelConfig.from_hf(phi3_config())
     assert cfg.rope["rope_type"] == "longrope" and cfg.rope["original_max_position_embeddings"] == ORIGINAL
-    ModelConfig.from_hf(phi3_config(sliding_window=256))  # as wide as the context: plain causal attention
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ModelConfig.from_hf(phi3_config(sliding_window=32))
+    assert cfg.sliding_windows == ()
+    assert ModelConfig.from_hf(phi3_config(sliding_window=32)).sliding_windows == (32, 32)
     partial = phi3_config()
     partial.rope_parameters["partial_rotary_factor"] = 0.5
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):

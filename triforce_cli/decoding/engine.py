@@ -199,14 +199,14 @@ class Engine:
     def _layout(self, kind: str, caps: Capacities) -> tuple:
         """What a held cache of kind (CacheKind) must have been built with for this engine to reuse it, besides
         room enough: the full cache's _full_layout; the retrieval cache's chunks, recent region and compiled steps;
-        the drafter cache's shape and compiled steps."""
+        the drafter cache's shape, sliding windows and compiled steps."""
         cfg = self.config
         if kind == CacheKind.FULL:
             return self._full_layout()
         if kind == CacheKind.RETRIEVAL:
             return cfg.chunk_size, cfg.chunk_score, caps.recent, self.compiled
         draft = self._drafter_model
-        shape = draft.config.num_layers, draft.config.num_kv_heads, draft.config.head_dim
+        shape = draft.config.num_layers, draft.config.num_kv_heads, draft.config.head_dim, draft.config.sliding_windows
         return *shape, cfg.sink_tokens, cfg.draft_window, caps.draft_step, draft.fixed_step is not None
 
     def _renewal(self, caps: Capacities) -> tuple[list[str], list[str]]:
@@ -366,7 +366,13 @@ class Engine:
     def _new_retrieval(self, caps: Capacities) -> RetrievalCache:
         cfg = self.config
         retrieval = RetrievalCache(
-            self._caches.full, caps.budget, cfg.chunk_size, caps.recent, self.target.device, cfg.chunk_score
+            self._caches.full,
+            caps.budget,
+            cfg.chunk_size,
+            caps.recent,
+            self.target.device,
+            cfg.chunk_score,
+            self.target.model.config.sliding_windows,
         )
         if retrieval.staging is not None and self.target.device.type == "cuda":
             pin_exactly(retrieval.staging)  # its uploads are asynchronous, as the offloaded storage's are
@@ -385,6 +391,7 @@ class Engine:
             caps.draft_step,
             self.target.dtype,
             self.target.device,
+            draft.sliding_windows,
         )
         if self._drafter_model.fixed_step is not None:
             streaming.make_static()

@@ -79,16 +79,18 @@ class ModelConfig:
     mlp_bias: bool
     rope: dict
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    # per layer, the sliding window W of a windowed layer (a query at position i reads keys j with i - W < j <= i),
+    # None for a layer reading every earlier key; empty: no layer is windowed
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def sliding_window(self, layer: int) -> int | None:
+        """The window of layer (sliding_windows), None where it reads every earlier key."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
         if getattr(hf, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(f"model type '{getattr(hf, 'model_type', None)}' is not Llama-family")
-        window = getattr(hf, "sliding_window", None)
-        windowed = hf.model_type in ("mistral", "phi3") or getattr(hf, "use_sliding_window", 0)
-        # a window as wide as the context (Phi-3's 128K models) never hides a position: attention is plain causal
-        if window and windowed and window < hf.max_position_embeddings:
-            raise UnsupportedModelError("sliding-window attention is not supported")
         rope = dict(getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
         if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(f"rope type '{rope.get('rope_type')}' is not supported")
@@ -108,7 +110,28 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             rope=rope,
             qk_norm=hf.model_type == "qwen3",
+            sliding_windows=hf_sliding_windows(hf),
         )
+
+
+def hf_sliding_windows(hf: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers applies it, () where no layer has one.
+
+    Mistral and Phi-3 window every layer when sliding_window is set (Phi-3's 128K models set one wider than their
+    context: no position is ever hidden). Qwen2 and Qwen3 configs set sliding_window to None
+    unless use_sliding_window, and window the layers whose layer_types entry is "sliding_attention" (by default
+    those from max_window_layers on).
+    """
+    window = getattr(hf, "sliding_window", None)
+    if not window:
+        return ()
+    if hf.model_type in ("mistral", "phi3"):
+        return (window,) * hf.num_hidden_layers
+    if hf.model_type in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
+        return ()
+    layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(windows) else ()
 
 
 def rope_frequencies(hf: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -232,6 +255,7 @@ class Attention(nn.Module):
         # Qwen3: each query and key head normalised before RoPE; None elsewhere
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.sliding_window(layer)  # sliding window, None: every earlier key
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | LayerwiseWrite
@@ -244,13 +268,17 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[: self.num_heads]), self.k_norm(qk[self.num_heads :])])
         qk = rotate(qk, cos, sin)
         q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[rotated_heads:]
+        # the window applies by position, where slots are positions (the full cache); the draft caches approximate
+        window = self.window if cache.slots_are_positions else None
         if cache.static_step:
             keys, values = cache.step_update(self.layer, q, k, v)  # (Hkv, S, D), all slots
             backend = self.backend or attention_backend(x.device, x.dtype)
-            out = attention_in_cache(q, keys, values, cache.write_start, self.scale, backend)
+            first_slot = cache.first_slot(self.layer) if self.window else None
+            out = attention_in_cache(q, keys, values, cache.write_start, self.scale, backend, window, first_slot)
         else:
             keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
-            out = attention(q, keys, values, self.scale, cache.half_prefix(self.layer), self.backend)  # (Hq, T, D)
+            prefix = cache.half_prefix(self.layer)
+            out = attention(q, keys, values, self.scale, prefix, self.backend, window)  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -1,0 +1,279 @@
+"""Sliding-window attention (Mistral's sliding_window, Qwen2's and Qwen3's windowed layers): logits equal to
+transformers' for prefill chunks, verification-sized steps and decode steps over sequences several windows long,
+the attention kernels against an explicit band mask, greedy equality of every mode (eager and fixed-shape steps,
+dense and half weights) on loaded checkpoints, and draft caches that let a windowed layer read nothing before its
+window."""
+
+import pytest
+import torch
+from helpers import full_cache_for, llama_config, random_prompt, reference_logits, save_tokenizer, wrap
+from transformers import (
+    DynamicCache,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from triforce_cli.cache import RetrievalCache, StreamingCache
+from triforce_cli.kernels import half_weights_available
+from triforce_cli.kernels.attention import HalfPrefix, attention, attention_in_cache, half_prefix_available
+
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.runtime.loading import load_model
+from triforce_cli.runtime.model import ModelConfig
+
+WINDOW = 12
+SEQ = 80  # several windows
+ATOL = 1e-5
+
+
+def mistral(seed: int = 0, window: int = WINDOW):
+    cfg = llama_config(
+        config_class=MistralConfig, tie_word_embeddings=False, sliding_window=window, initializer_range=0.2
+    )
+    torch.manual_seed(seed)
+    return cfg, MistralForCausalLM(cfg).eval()
+
+
+def qwen2_mixed(seed: int = 0):
+    """A Qwen2 whose layer 0 reads every key and layer 1 a window (max_window_layers=1)."""
+    cfg = llama_config(
+        config_class=Qwen2Config,
+        tie_word_embeddings=False,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    return cfg, Qwen2ForCausalLM(cfg).eval()
+
+
+def qwen3_explicit_layer_types(seed: int = 0):
+    """A Qwen3 whose config names each layer's kind: layer 0 windowed, layer 1 reading every key."""
+    cfg = llama_config(
+        config_class=Qwen3Config,
+        tie_word_embeddings=False,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    return cfg, Qwen3ForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def reference_steps(ref, ids: list[int], first: int) -> torch.Tensor:
+    """transformers' logits (T, V) for ids: the first `first` in one forward, then one token at a time on its cache
+    (DynamicCache, which keeps only a window of a windowed layer's keys)."""
+    cache = DynamicCache(config=ref.config)
+    logits = [ref(torch.tensor([ids[:first]]), cache=cache, use_cache=True).logits[0]]
+    for token in ids[first:]:
+        logits.append(ref(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0])
+    return torch.cat(logits).float()
+
+
+def test_windows_follow_transformers_rule_per_layer():
+    assert ModelConfig.from_hf(mistral()[0]).sliding_windows == (WINDOW, WINDOW)
+    assert ModelConfig.from_hf(qwen2_mixed()[0]).sliding_windows == (None, WINDOW)
+    assert ModelConfig.from_hf(qwen3_explicit_layer_types()[0]).sliding_windows == (WINDOW, None)
+    off = llama_config(config_class=Qwen2Config, use_sliding_window=False, sliding_window=WINDOW)
+    assert ModelConfig.from_hf(off).sliding_windows == ()
+    assert ModelConfig.from_hf(mistral(window=None)[0]).sliding_windows == ()
+
+
+@pytest.mark.parametrize(
+    "build", [mistral, qwen2_mixed, qwen3_explicit_layer_types], ids=["mistral", "qwen2-mixed", "qwen3-layer-types"]
+)
+def test_logits_equal_transformers_for_prefill_chunks_verifications_and_steps(build):
+    cfg, ref = build()
+    model = wrap(ref, cfg).model
+    ids = random_prompt(SEQ, cfg.vocab_size, seed=3)
+    expected = reference_logits(ref, ids)
+    whole = model(torch.tensor(ids), 0, full_cache_for(model))
+    torch.testing.assert_close(whole, expected, atol=ATOL, rtol=1e-5)
+    # chunks shorter and longer than the window, each query with its own lower bound
+    cache, parts, start = full_cache_for(model), [], 0
+    for size in (5, 20, 1, 9, 3, 30, 1, 1, 10):
+        parts.append(model(torch.tensor(ids[start : start + size]), start, cache))
+        start += size
+    torch.testing.assert_close(torch.cat(parts), expected, atol=ATOL, rtol=1e-5)
+    steps = [model(torch.tensor(ids[:30]), 0, cache := full_cache_for(model))]
+    steps += [model(torch.tensor([t]), 30 + i, cache) for i, t in enumerate(ids[30:])]
+    torch.testing.assert_close(torch.cat(steps), reference_steps(ref, ids, 30), atol=ATOL, rtol=1e-5)
+
+
+def test_without_the_window_the_logits_differ():
+    """The test above can fail: the same weights read with every key give other logits past the window."""
+    cfg, ref = mistral()
+    ids = random_prompt(SEQ, cfg.vocab_size, seed=3)
+    cfg.sliding_window = None
+    unwindowed = wrap(ref, cfg).model
+    logits = unwindowed(torch.tensor(ids), 0, full_cache_for(unwindowed))
+    cfg.sliding_window = WINDOW
+    assert not torch.allclose(logits[WINDOW + 1 :], reference_logits(ref, ids)[WINDOW + 1 :], atol=1e-3)
+    torch.testing.assert_close(logits[:WINDOW], reference_logits(ref, ids)[:WINDOW], atol=ATOL, rtol=1e-5)
+
+
+def test_rollback_then_rewrite_keeps_the_window_exact():
+    """A verification that rejects tokens rolls back; the positions written again give transformers' logits."""
+    cfg, ref = mistral(seed=1)
+    model = wrap(ref, cfg).model
+    ids = random_prompt(SEQ, cfg.vocab_size, seed=4)
+    cache = full_cache_for(model)
+    model(torch.tensor(ids[:40]), 0, cache)
+    model(torch.tensor(random_prompt(7, cfg.vocab_size, seed=9)), 40, cache)  # drafts, all rejected
+    cache.rollback(40)
+    logits = model(torch.tensor(ids[40:47]), 40, cache)
+    torch.testing.assert_close(logits, reference_logits(ref, ids[:47])[40:], atol=ATOL, rtol=1e-5)
+
+
+def test_layerwise_prefill_equals_chunked_forwards():
+    cfg, ref = mistral(seed=2)
+    model = wrap(ref, cfg).model
+    ids = torch.tensor(random_prompt(SEQ, cfg.vocab_size, seed=5))
+    chunked = full_cache_for(model)
+    for start in range(0, SEQ, 16):
+        last = model(ids[start : start + 16], start, chunked)
+    layerwise = full_cache_for(model)
+    logits = model.prefill_layerwise(ids, 0, layerwise, chunk=16)
+    torch.testing.assert_close(logits, last[-1:], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(layerwise.keys[:, :, :SEQ], chunked.keys[:, :, :SEQ])
+
+
+def windowed_reference(q, k, v, scale, window):
+    """Explicit masked softmax in float64: query t at position L - T + t reads keys in its window."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
+    keys = torch.arange(num_keys)[None, :]
+    visible = (keys <= positions) & (keys > positions - window)
+    scores = (q.double() @ k.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ v).float()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
+@pytest.mark.parametrize("num_queries", [1, 3, 8, 20])
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "half-prefix"])
+def test_attention_reads_only_the_window(num_queries, half, backend):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, num_queries, 16), torch.randn(2, 70, 16), torch.randn(2, 70, 16)
+    prefix = None
+    if half:
+        if num_queries == 1 and not half_prefix_available(q):
+            pytest.skip("the CPU extension is not loaded")
+        k[:, :50], v[:, :50] = k[:, :50].half().float(), v[:, :50].half().float()
+        prefix = HalfPrefix(k[:, :50].half(), v[:, :50].half())
+    out = attention(q, k, v, 0.25, prefix, backend, window=WINDOW)
+    torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_queries", [1, 4])
+def test_fixed_shape_step_masks_the_window(num_queries):
+    torch.manual_seed(1)
+    q, keys, values = torch.randn(4, num_queries, 16), torch.randn(2, 64, 16), torch.randn(2, 64, 16)
+    start = 40
+    out = attention_in_cache(q, keys, values, torch.tensor([start], dtype=torch.int32), 0.25, "sdpa", WINDOW)
+    seen = start + num_queries
+    expected = windowed_reference(q, keys[:, :seen], values[:, :seen], 0.25, WINDOW)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("build", [mistral, qwen2_mixed], ids=["mistral", "qwen2-mixed"])
+def test_checkpoint_loads_and_every_mode_is_greedy_equal(tmp_path, build):
+    """A saved windowed checkpoint goes through load_model, and every mode gives autoregressive's greedy tokens for
+    a prompt several windows long."""
+    cfg, ref = build(seed=1)
+    ref.save_pretrained(tmp_path / "windowed")
+    save_tokenizer(tmp_path / "windowed", cfg.vocab_size)
+    loaded = load_model(str(tmp_path / "windowed"))
+    assert loaded.model.config.sliding_windows == ModelConfig.from_hf(cfg).sliding_windows
+    ids = random_prompt(64, cfg.vocab_size, seed=7)
+    model = loaded.model
+    torch.testing.assert_close(model(torch.tensor(ids), 0, full_cache_for(model)), reference_logits(ref, ids))
+    greedy = SamplingConfig(temperature=0)
+    settings = {"budget": 16, "chunk_size": 8, "draft_window": 16, "sink_tokens": 4, "max_new_tokens": 24}
+    expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **settings)).generate(ids)
+    with torch.no_grad():
+        reference = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+    assert expected.token_ids == reference
+    for mode in ("retrieval", "streaming", "triforce"):
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
+        assert result.token_ids == expected.token_ids, mode
+    # the fixed-shape steps (masked over the caches' whole buffers, kernels.attention_in_cache), run uncompiled
+    model.fixed_step = model.compute_logits
+    for mode in ("autoregressive", "retrieval", "triforce"):
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
+        assert result.token_ids == expected.token_ids, f"{mode}, fixed-shape steps"
+
+
+def test_retrieval_cache_selects_no_chunk_before_the_window():
+    """Chunks wholly before a windowed layer's window, chunk 0's sinks included, are neither selected nor read;
+    the layer without a window keeps chunk 0 and reads every selected chunk."""
+    cfg, ref = qwen2_mixed(seed=2)
+    model = wrap(ref, cfg).model
+    full = full_cache_for(model)
+    model(torch.tensor(random_prompt(SEQ, cfg.vocab_size, seed=6)), 0, full)
+    chunk, budget = 4, 12
+    retrieval = RetrievalCache(full, budget, chunk, 16, windows=model.config.sliding_windows)
+    retrieval.select_chunks()
+    first_visible = SEQ - WINDOW + 1  # of the next position's window
+    windowed = retrieval.chunk_ids[1]  # (Hkv, chunks)
+    hidden = retrieval.first_slots[1] // chunk
+    assert hidden == 0  # the window holds enough chunks for the budget here
+    assert ((windowed + 1) * chunk > first_visible).all()
+    assert (retrieval.chunk_ids[0, :, 0] == 0).all() and retrieval.first_slots[0] == 0
+    retrieval.prepare(SEQ, 1)
+    keys, _ = retrieval.update(1, None, full.keys[1, :, :1], full.values[1, :, :1])
+    assert keys.shape[1] == budget + 1  # the selected chunks and the key written here
+
+    small_window = RetrievalCache(full, budget, chunk, 16, windows=(None, 6))
+    small_window.select_chunks()
+    small_window.prepare(SEQ, 1)
+    complete = SEQ // chunk
+    selectable = complete - (SEQ - 6 + 1) // chunk  # chunks of the window
+    assert small_window.first_slots[1] == (budget // chunk - selectable) * chunk
+    in_view = small_window.chunk_ids[1, :, small_window.first_slots[1] // chunk :]
+    assert ((in_view + 1) * chunk > SEQ - 6 + 1).all()
+    keys, _ = small_window.update(1, None, full.keys[1, :, :1], full.values[1, :, :1])
+    assert keys.shape[1] == budget - small_window.first_slots[1] + 1
+
+
+@pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
+def test_half_weights_read_the_float16_prompt_inside_the_window_in_every_mode(tmp_path):
+    """With half weights attention reads the prompt's float16 copy, cut to the window for one query and widened
+    for several: every mode still gives autoregressive's greedy tokens."""
+    cfg, ref = mistral(seed=3)
+    ref.save_pretrained(tmp_path / "windowed")
+    save_tokenizer(tmp_path / "windowed", cfg.vocab_size)
+    loaded = load_model(str(tmp_path / "windowed"), weights="half")
+    ids = random_prompt(64, cfg.vocab_size, seed=8)
+    greedy = SamplingConfig(temperature=0)
+    settings = {"budget": 16, "chunk_size": 8, "draft_window": 16, "sink_tokens": 4, "max_new_tokens": 24}
+    reference = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **settings))
+    expected = reference.generate(ids)
+    assert reference._caches.full.half_prefix(0).length == len(ids)
+    for mode in ("retrieval", "streaming", "triforce"):
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
+        assert result.token_ids == expected.token_ids, mode
+
+
+def test_streaming_cache_leaves_what_a_windowed_drafter_cannot_see_out_of_its_view():
+    """Sinks before a windowed layer's window are not read there, nor window positions before it; a layer without a
+    window reads every slot. Positions are checked through the values, each slot holding its position."""
+    sinks, draft_window = 4, 16
+    cache = StreamingCache(2, 1, 1, sinks, draft_window, 4, torch.float32, windows=(None, 6))
+    for position in range(40):
+        cache.prepare(position, 1)
+        keys = torch.full((1, 1, 1), float(position))
+        views = [cache.update(layer, None, keys, keys)[1].flatten().tolist() for layer in range(2)]
+        held = [float(p) for p in cache.cached_positions()]
+        assert views[0] == held
+        assert views[1] == [p for p in held if p > position - 6], position
+        assert cache.first_slot(1).item() == len(held) - len(views[1])
