@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from helpers import chat_model
+from helpers import ALPHABET, PROMPT, chat_model, tiny_loaded
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app as cli_app
@@ -50,9 +50,9 @@ def pipeline(cls: type[Pipeline] = Pipeline, **changes) -> Pipeline:
     return cls(target, None, Engine(target, config(**changes)))
 
 
-def reference_text(prompt: str, chat: bool, max_new_tokens: int = NEW_TOKENS, **sampling) -> str:
-    """What Pipeline.generate (as `triforce generate` runs it) writes for prompt, on a pipeline of its own."""
-    pipe = pipeline(max_new_tokens=max_new_tokens, sampling=SamplingConfig(**{"temperature": 0, **sampling}))
+def reference_text(prompt: str, chat: bool, max_new_tokens: int = NEW_TOKENS, mode: str = "triforce") -> str:
+    """What greedy Pipeline.generate (as `triforce generate` runs it) writes for prompt, on a pipeline of its own."""
+    pipe = pipeline(max_new_tokens=max_new_tokens, sampling=GREEDY, mode=mode)
     return pipe.generate(prompt, chat=chat).text
 
 
@@ -314,11 +314,24 @@ def test_bad_completion_requests(live, fields, param, words):
     assert response.json()["error"]["param"] == param and words in response.json()["error"]["message"]
 
 
-def test_a_prompt_the_engine_refuses_is_a_400_and_unknown_routes_a_404(live):
-    short = post(live, {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2}, route="completions")  # < one chunk of 8
-    assert short.status_code == 400 and "chunk" in short.json()["error"]["message"]
-    missing = httpx.get(f"{live.url}/v1/files")
-    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+def test_a_prompt_shorter_than_a_retrieval_chunk_runs_without_that_tier(live):
+    response = live.client().completions.create(model=MODEL, prompt="w1 w2", max_tokens=4, temperature=0)
+    assert response.usage.triforce["mode"] == "streaming"  # 2 tokens: no whole chunk of 8 to retrieve
+    assert response.choices[0].text == reference_text("w1 w2", chat=False, max_new_tokens=4, mode="autoregressive")
+
+
+def test_chat_without_a_chat_template_is_a_400_and_unknown_routes_a_404():
+    target = tiny_loaded("plain", seed=0, pieces=list(ALPHABET))  # a character tokenizer without a chat template
+    server = LiveServer(create_app(pipeline=Pipeline(target, None, Engine(target, config()))))
+    try:
+        response = post(server, {"model": "plain", "messages": [{"role": "user", "content": "hello there"}]})
+        assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+        text = server.client().completions.create(model="plain", prompt=PROMPT, max_tokens=3, temperature=0)
+        assert len(text.choices[0].text) == 3
+        missing = httpx.get(f"{server.url}/v1/files")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    finally:
+        server.close()
 
 
 # ------------------------------------------------------------------------------------------------ the queue

@@ -55,6 +55,7 @@ def usage_of(finished: Finished) -> s.Usage:
         total_tokens=stats.prompt_tokens + len(finished.token_ids),
         prompt_tokens_details=s.PromptTokensDetails(cached_tokens=reused),
         triforce=s.TriforceUsage(
+            mode=stats.mode,
             prefix_tokens_reused=stats.reused_tokens,
             prompt_cached=stats.prompt_cached,
             prefill_seconds=stats.prefill_seconds,

@@ -191,6 +191,8 @@ class TierCounts(BaseModel):
 class TriforceUsage(BaseModel):
     """The extension of `usage`: what this request's generation kept and how each tier fared."""
 
+    mode: str  # the tiers that ran (EngineConfig.mode): the server's, or for a prompt shorter than a retrieval chunk
+    # the same without the retrieval tier
     prefix_tokens_reused: int  # prompt positions kept from the previous request's prefill (in-memory prefix reuse)
     prompt_cached: bool  # the whole prompt's prefill restored from --prompt-cache
     prefill_seconds: float

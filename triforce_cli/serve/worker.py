@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import GenerationStats
-from triforce_cli.errors import TriforceError
+from triforce_cli.errors import ConfigError, TriforceError
 from triforce_cli.serve.metrics import Metrics
 from triforce_cli.serve.schemas import ApiError
 
@@ -136,11 +136,25 @@ class Worker:
         prompt_cache: a folder of saved prefills (Pipeline.generate_ids), or None.
         """
         self.pipeline, self.queue_size, self.metrics, self.prompt_cache = pipeline, queue_size, metrics, prompt_cache
+        self.mode = pipeline.config.mode  # the server's; a short prompt may run without the retrieval tier (mode_for)
         self._waiting: deque[Job] = deque()
         self._changed = threading.Condition()
         self._running: Job | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="triforce-worker", daemon=True)
+
+    def mode_for(self, prompt_tokens: int) -> str:
+        """The server's mode, or, for a prompt too short for the retrieval cache's budget (a question of a few
+        tokens, shorter than one chunk), the same tiers without the retrieval one: every mode's output is the
+        target's, so the answer is the same, where the engine would refuse the prompt."""
+        config = replace(self.pipeline.config, mode=self.mode)
+        if not config.uses_retrieval:
+            return self.mode
+        try:
+            config.budget_for(prompt_tokens)
+        except ConfigError:
+            return "streaming" if config.uses_drafter else "autoregressive"
+        return self.mode
 
     def start(self) -> None:
         self._thread.start()
@@ -209,8 +223,13 @@ class Worker:
                 job.emit("text", piece)
 
         try:
-            if (pipeline.config.max_new_tokens, pipeline.config.sampling) != (request.max_tokens, request.sampling):
-                pipeline.reconfigure(max_new_tokens=request.max_tokens, sampling=request.sampling)
+            settings = {
+                "mode": self.mode_for(len(request.prompt_ids)),
+                "max_new_tokens": request.max_tokens,
+                "sampling": request.sampling,
+            }
+            if any(getattr(pipeline.config, name) != value for name, value in settings.items()):
+                pipeline.reconfigure(**settings)
             result = pipeline.generate_ids(
                 request.prompt_ids,
                 on_tokens=on_tokens,
