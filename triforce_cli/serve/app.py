@@ -275,13 +275,14 @@ def create_app(
         choice = s.CompletionChoice(text=finished.text, finish_reason=finished.finish_reason)
         return s.Completion(id=ident, model=name, choices=[choice], usage=usage)
 
-    def chunk(route: str, ident: str, text: str, finish: str | None = None, role: str | None = None) -> str:
+    def chunk(route: str, ident: str, text: str | None, finish: str | None = None, role: str | None = None) -> str:
         """One event of a streamed answer: a piece of text, or its finish reason (and the chat's role first)."""
         if route == CHAT_ROUTE:
             choice = s.ChatChunkChoice(delta=s.Delta(role=role, content=text), finish_reason=finish)
             event = s.ChatCompletionChunk(id=ident, model=name, choices=[choice])
         else:
-            event = s.Completion(id=ident, model=name, choices=[s.CompletionChoice(text=text, finish_reason=finish)])
+            choice = s.CompletionChoice(text=text or "", finish_reason=finish)
+            event = s.Completion(id=ident, model=name, choices=[choice])
         return f"data: {event.model_dump_json()}\n\n"
 
     def usage_chunk(route: str, ident: str, usage: s.Usage) -> str:
@@ -302,7 +303,7 @@ def create_app(
                 yield chunk(route, ident, value)
                 kind, value = await job.events.get()
             if kind == "done":
-                yield chunk(route, ident, "", finish=value.finish_reason)
+                yield chunk(route, ident, None, finish=value.finish_reason)
                 if include_usage:
                     yield usage_chunk(route, ident, usage_of(value))
                 metrics.request(route, "ok")

@@ -12,7 +12,7 @@ an unknown one, refused. Types are strict: ``"max_tokens": "5"`` is a 400, not 5
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_TEMPERATURE = 2.0  # OpenAI's range
@@ -235,8 +235,14 @@ class ChatCompletion(BaseModel):
 
 
 class Delta(BaseModel):
+    """What a chunk adds to the message: the role in the first, text in the others, nothing in the last."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer
+    def _given(self) -> dict[str, str]:
+        return {key: value for key, value in (("role", self.role), ("content", self.content)) if value is not None}
 
 
 class ChatChunkChoice(BaseModel):
