@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import openai
@@ -23,9 +24,11 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.serve.app import create_app
 from triforce_cli.serve.worker import TextSoFar
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "chat"  # the tiny target's name, which the server serves it as
 DOCUMENT = " ".join(f"w{(7 * i) % 19}" for i in range(96))  # a "long" document: several prefill chunks of 16
 NEW_TOKENS = 16
@@ -497,5 +500,32 @@ def test_the_serve_command_loads_the_models_and_runs_uvicorn(tiny, monkeypatch, 
         assert httpx.get(f"{server.url}/v1/models").status_code == 401  # the key came from TRIFORCE_API_KEY
         models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer from-env"}).json()
         assert models["data"][0]["id"] == "chat" and models["data"][0]["max_model_len"] == 512
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------------------------------ the real model
+@pytest.mark.embedded
+def test_the_embedded_model_answers_through_the_server_as_the_pipeline_does():
+    """On SmolLM2 with its drafter: greedy chat equals Pipeline.generate, and a second question about the same
+    document reuses its first prefill chunk."""
+    pipe = Pipeline.load(LoadOptions(), config=EngineConfig(max_new_tokens=24, sampling=GREEDY))
+    document = (ROOT / "triforce_cli" / "runtime" / "embedded.py").read_text()
+    first, second = (f"{document}\n\n{q}" for q in ("What does this module do?", "What is the name of the model?"))
+    expected = pipe.generate(first, chat=True).text
+    pipe.generate("an unrelated prompt that shares nothing with the document", chat=True)  # forget its prefill
+    server = LiveServer(create_app(pipeline=pipe))
+    try:
+        client = server.client()
+        name = client.models.list().data[0].id
+
+        def ask(content: str):
+            messages = [{"role": "user", "content": content}]
+            return client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
+
+        answer = ask(first)
+        assert answer.choices[0].message.content == expected
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0
+        assert ask(second).usage.triforce["prefix_tokens_reused"] >= 256
     finally:
         server.close()
