@@ -346,6 +346,7 @@ class Recorder:
     results: list = field(default_factory=list)
     gate: threading.Event = field(default_factory=threading.Event)
     pause: float = 0.0  # seconds to wait after each verification's tokens
+    fail: bool = False  # raise instead of generating
 
 
 class RecordingPipeline(Pipeline):
@@ -357,6 +358,8 @@ class RecordingPipeline(Pipeline):
         recorder = self.recorder
         recorder.prompts.append(prompt_ids)
         assert recorder.gate.wait(30)
+        if recorder.fail:
+            raise RuntimeError("the model broke")
 
         def slowly(ids, origins):
             on_tokens(ids, origins)
@@ -446,6 +449,18 @@ def test_a_client_gone_while_queued_frees_its_place(gated):
     recorder.gate.set()
     first.join(timeout=60)
     assert len(recorder.prompts) == 1  # the withdrawn request never ran
+
+
+def test_a_failing_generation_is_a_500_and_the_server_goes_on(gated):
+    server, recorder = gated
+    recorder.gate.set()
+    recorder.fail = True
+    body = {"model": MODEL, "prompt": f"{DOCUMENT} w1", "max_tokens": 2}
+    failed = post(server, body, route="completions")
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    assert "the model broke" in failed.json()["error"]["message"]
+    recorder.fail = False
+    assert post(server, body, route="completions").status_code == 200
 
 
 # ------------------------------------------------------------------------------------------------ the API key

@@ -10,6 +10,7 @@ verification.
 
 import asyncio
 import json
+import logging
 import secrets
 import threading
 import time
@@ -33,6 +34,8 @@ from triforce_cli.runtime.prompts import encode_messages, encode_prompt
 from triforce_cli.serve import schemas as s
 from triforce_cli.serve.metrics import CONTENT_TYPE, Metrics
 from triforce_cli.serve.worker import Finished, GenerationRequest, Job, QueueFull, Worker
+
+log = logging.getLogger("triforce.serve")
 
 OPEN_ROUTES = ("/health",)  # answered without the API key
 RETRY_AFTER_SECONDS = 1  # a full queue's advice: try again after this long
@@ -162,6 +165,12 @@ def create_app(
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         return await api_error(request, s.ApiError(error.status_code, str(error.detail), code=str(error.status_code)))
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=error)
+        message = f"the server failed: {type(error).__name__}: {error}"
+        return await api_error(request, s.ApiError(500, message, kind="server_error"))
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -242,6 +251,7 @@ def create_app(
 
     async def answer(request: Request, route: str, body: s.GenerationFields, generation: GenerationRequest):
         """Queue the generation and answer it: one JSON object, or a stream of server-sent events."""
+        include_usage = body.include_usage  # checked before the job is queued
         job = Job(generation, asyncio.get_running_loop())
         try:
             worker.submit(job)
@@ -249,7 +259,6 @@ def create_app(
             message = f"the server is busy: {worker.queue_size} requests wait already; retry later"
             headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
             raise s.ApiError(503, message, code="queue_full", kind="server_error", headers=headers) from None
-        include_usage = body.include_usage
         ident = f"{'chatcmpl' if route == CHAT_ROUTE else 'cmpl'}-{uuid.uuid4().hex}"
         kind, value = await first_event(request, job)
         if kind == "gone":
