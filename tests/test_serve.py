@@ -20,6 +20,7 @@ from helpers import ALPHABET, PROMPT, chat_model, tiny_loaded
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app as cli_app
+from triforce_cli.cli.serve import is_loopback
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
@@ -544,3 +545,11 @@ def test_the_embedded_model_answers_through_the_server_as_the_pipeline_does():
         assert ask(second).usage.triforce["prefix_tokens_reused"] >= 256
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True), ("0.0.0.0", False), ("a.b", False)],
+)
+def test_only_loopback_addresses_count_as_private(host, loopback):
+    assert is_loopback(host) == loopback
