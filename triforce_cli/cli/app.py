@@ -15,6 +15,7 @@ from triforce_cli.cli.distill import distill
 from triforce_cli.cli.generate import generate
 from triforce_cli.cli.info import info
 from triforce_cli.cli.plan import plan
+from triforce_cli.cli.serve import serve
 from triforce_cli.interrupts import interrupted_exit_code
 
 # click's exceptions, wherever this typer takes click from (recent versions carry their own copy)
@@ -71,4 +72,5 @@ app.command()(bench)
 app.command()(distill)
 app.command()(info)
 app.command()(plan)
+app.command()(serve)
 app.add_typer(cache_app, name="cache")

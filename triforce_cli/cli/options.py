@@ -231,6 +231,25 @@ PromptCache = Annotated[
 Chat = Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a user turn of the model's chat template.")]
 JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object and nothing else.")]
 
+# Serving
+Host = Annotated[str, typer.Option(metavar="ADDRESS", help="Address to listen on; 0.0.0.0 serves other machines too.")]
+Port = Annotated[int, typer.Option(min=0, max=65535, metavar="PORT", help="TCP port to listen on.")]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        envvar="TRIFORCE_API_KEY",
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on every route but /health.",
+        show_default=False,
+    ),
+]
+QueueSize = Annotated[
+    int, typer.Option(min=1, max=4096, metavar="N", help="Requests that may wait for the model; more get 503.")
+]
+ServedModelName = Annotated[
+    str | None, typer.Option(metavar="NAME", help="The model id clients send [default: the target's name].")
+]
+
 # Bench sweeps: comma-separated lists
 BENCH_MODE_CHOICES = ("default", *ALL_MODES)
 BenchModes = some_of(

@@ -47,6 +47,7 @@ from triforce_cli.runtime.store import human_size
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
+StopCheck = Callable[[], bool]  # asked once before each verification round: True stops the generation there
 ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took
 
 
@@ -666,12 +667,14 @@ class Engine:
         on_tokens: TokenCallback | None = None,
         prompt_state: PromptState | None = None,
         on_prompt_state: Callable[[PromptState], None] | None = None,
+        should_stop: StopCheck | None = None,
     ) -> GenerationResult:
         """Generate after prompt_ids, restoring prompt_state instead of prefilling when it is given.
 
         on_prompt_state receives the freshly prefilled prompt (to save it). A target with half or GGUF weights
         reads the prompt from a float16 copy (FullCache.make_half_copy). Ctrl-C stops early and still returns
-        what was generated.
+        what was generated. should_stop is asked before each round of the top tier (once per verification): True
+        ends the generation there, with stop_reason "cancelled" (a server's client gone, a stop string written).
         """
         self.check_prompt(prompt_ids)
         if prompt_state is not None and not prompt_state.matches(prompt_ids):
@@ -704,7 +707,7 @@ class Engine:
             chain = self._tier_chain(top)
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
             stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]
-            self._decode(top, prompt_ids, generated, stats, on_tokens)
+            self._decode(top, prompt_ids, generated, stats, on_tokens, should_stop)
         except KeyboardInterrupt:
             stats.stop_reason = "interrupted"
         stats.tier_costs = [tier.costs() for tier in chain if tier.proposer is not None]
@@ -719,14 +722,19 @@ class Engine:
             chain.append(chain[-1].proposer)
         return chain
 
-    def _decode(self, top: ModelTier, prompt_ids: list[int], generated: list[int], stats, on_tokens) -> None:
-        """Rounds of the top tier (ModelTier.step) until max_new_tokens or an end-of-sequence token."""
+    def _decode(
+        self, top: ModelTier, prompt_ids: list[int], generated: list[int], stats, on_tokens, should_stop=None
+    ) -> None:
+        """Rounds of the top tier (ModelTier.step) until max_new_tokens, an end-of-sequence token or should_stop."""
         cfg = self.config
         committed = list(prompt_ids) + generated
         if generated[-1] in self.eos_ids:
             stats.stop_reason = "eos"
             return
         while len(generated) < cfg.max_new_tokens:
+            if should_stop is not None and should_stop():
+                stats.stop_reason = "cancelled"
+                return
             started = time.perf_counter()
             verified = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more than wanted
             tokens = verified.tokens  # autoregressive decoding reads its token here: one read per token

@@ -14,7 +14,7 @@ import torch
 
 from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.decoding.engine import Engine, PrefillCallback, TokenCallback
+from triforce_cli.decoding.engine import Engine, PrefillCallback, StopCheck, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, check_writable
 from triforce_cli.decoding.setup import LoadOptions, apply_setup, current_machine, resolve_setup
 from triforce_cli.decoding.stats import GenerationResult
@@ -151,23 +151,31 @@ class Pipeline:
         on_prefill: PrefillCallback | None = None,
         on_tokens: TokenCallback | None = None,
         prompt_cache: Path | None = None,
+        should_stop: StopCheck | None = None,
     ) -> GenerationResult:
         """Generate after token ids; with prompt_cache (a folder), reuse a saved prefill of them or save this one,
         reusing the whole prefill chunks of the saved prompt that shares the most of them (prefix reuse). A note
-        tells where the machine ran much slower than when its set-up was measured."""
+        tells where the machine ran much slower than when its set-up was measured. should_stop: asked once per
+        verification, True ends the generation there (Engine.generate)."""
         if prompt_cache is None:
-            result = self.engine.generate(prompt_ids, on_prefill, on_tokens)
+            result = self.engine.generate(prompt_ids, on_prefill, on_tokens, should_stop=should_stop)
         else:
             cache = self.prompt_cache(prompt_cache)
             state = cache.load(prompt_ids)
             if state is not None:
-                result = self.engine.generate(prompt_ids, on_prefill, on_tokens, prompt_state=state)
+                result = self.engine.generate(
+                    prompt_ids, on_prefill, on_tokens, prompt_state=state, should_stop=should_stop
+                )
             else:
                 earlier = cache.load_longest_prefix(prompt_ids)
                 if earlier is not None:
                     self.engine.restore(earlier, next_prompt_tokens=len(prompt_ids))
                 result = self.engine.generate(
-                    prompt_ids, on_prefill, on_tokens, on_prompt_state=lambda fresh: cache.save(fresh, prompt_ids)
+                    prompt_ids,
+                    on_prefill,
+                    on_tokens,
+                    on_prompt_state=lambda fresh: cache.save(fresh, prompt_ids),
+                    should_stop=should_stop,
                 )
         slow = None if self.tuning is None else slower_than_measured(self.tuning, result.stats.prefill_chunk_seconds)
         if slow is not None and self.status is not None:

@@ -52,7 +52,7 @@ class GenerationStats:
     round_tokens: list[int] = field(default_factory=list)  # tokens that step committed
     acceptance: list[AcceptanceStats] = field(default_factory=list)
     tier_costs: list[TierCosts] = field(default_factory=list)  # each adaptive tier's measured costs and decisions
-    stop_reason: str = "max_new_tokens"  # or "eos", "interrupted"
+    stop_reason: str = "max_new_tokens"  # or "eos", "interrupted", "cancelled" (Engine.generate's should_stop)
     prompt_cached: bool = False  # the prompt's KV cache was restored instead of prefilled
     reused_tokens: int = 0  # prompt positions kept from the previous prompt's prefill (a shared prefix)
 

@@ -39,16 +39,22 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> 
     """Token ids of the prompt; with chat, wrapped as one user turn by the model's chat template."""
     if not chat:
         return tokenizer(text).input_ids
+    return encode_messages(tokenizer, [{"role": "user", "content": text}])
+
+
+def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation as the model's chat template renders it, with the prompt for the model's answer.
+
+    Args:
+        tokenizer: the target's; a PromptError where it has no chat template.
+        messages: {"role", "content"} dicts, oldest first.
+    Returns:
+        The ids of the rendered text, tokenized without adding special tokens (the template writes its own).
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("`chat` needs a chat template, and this model's tokenizer has none")
-    return tokenizer(user_turn(tokenizer, text), add_special_tokens=False).input_ids
-
-
-def user_turn(tokenizer: PreTrainedTokenizerBase, content: str) -> str:
-    """content as one user turn of the tokenizer's chat template, with the prompt for the model's answer."""
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-    )
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
 
 
 DOCUMENT_PLACEHOLDER = "<<triforce-document>>"  # stands for the document while the chat template is rendered

@@ -1,0 +1,358 @@
+"""The HTTP side of `triforce serve`: a FastAPI application over one Pipeline (create_app).
+
+Requests are parsed and checked here, on the event loop (tokenizing in a thread, one at a time), then handed to the
+Worker, which generates them one after another on its own thread. A full queue is a 503 with Retry-After. Streamed
+answers are server-sent events ending with ``data: [DONE]``; the first event is awaited before the response starts,
+so that an error found by the engine (a prompt it cannot take) is still a status code. A client that goes away
+(watched while it waits, and by Starlette once its stream runs) is withdrawn from the queue or stopped at the next
+verification.
+"""
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.stats import GenerationStats
+from triforce_cli.errors import TriforceError
+from triforce_cli.runtime.prompts import encode_messages, encode_prompt
+from triforce_cli.serve import schemas as s
+from triforce_cli.serve.metrics import CONTENT_TYPE, Metrics
+from triforce_cli.serve.worker import Finished, GenerationRequest, Job, QueueFull, Worker
+
+log = logging.getLogger("triforce.serve")
+
+OPEN_ROUTES = ("/health",)  # answered without the API key
+RETRY_AFTER_SECONDS = 1  # a full queue's advice: try again after this long
+DISCONNECT_POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
+CHAT_ROUTE, COMPLETIONS_ROUTE = "/v1/chat/completions", "/v1/completions"
+GENERATION_ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE)
+
+
+def usage_of(finished: Finished) -> s.Usage:
+    """OpenAI's usage, with the prompt tokens not computed again as cached_tokens and the triforce extension."""
+    stats: GenerationStats = finished.stats
+    reused = stats.prompt_tokens if stats.prompt_cached else stats.reused_tokens
+    tiers = [
+        s.TierCounts(proposer=pair.proposer, verifier=pair.verifier, proposed=pair.drafted, accepted=pair.accepted)
+        for pair in stats.acceptance
+    ]
+    return s.Usage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=len(finished.token_ids),
+        total_tokens=stats.prompt_tokens + len(finished.token_ids),
+        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=reused),
+        triforce=s.TriforceUsage(
+            mode=stats.mode,
+            prefix_tokens_reused=stats.reused_tokens,
+            prompt_cached=stats.prompt_cached,
+            prefill_seconds=stats.prefill_seconds,
+            decode_seconds=stats.decode_seconds,
+            stop_reason=stats.stop_reason,
+            tiers=tiers,
+        ),
+    )
+
+
+def parsed(model: type[s.GenerationFields], body: bytes) -> s.GenerationFields:
+    """The request body as model; an ApiError naming the first field that is wrong, unknown or not JSON."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        if first["type"] == "json_invalid":
+            message = f"the body is not valid JSON: {first['ctx'].get('error', first['msg'])}"
+            param = None
+        elif first["type"] == "extra_forbidden":
+            message = f"unknown field '{param}': not supported by this server (see docs/serving.md for the fields)"
+        elif first["type"] == "missing":
+            message = f"'{param}' is required"
+        elif param is None:
+            message = f"the body must be a JSON object: {first['msg']}"
+        else:
+            message = f"'{param}': {first['msg']}"
+        raise s.ApiError(400, message, param=param) from None
+
+
+class ApiKeyGuard:
+    """ASGI middleware answering 401 to a request without `Authorization: Bearer <api_key>`, but on OPEN_ROUTES. A
+    plain ASGI one: Starlette's BaseHTTPMiddleware wraps `receive`, which hides a client's going away from the
+    routes."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = "missing or incorrect API key: send the header 'Authorization: Bearer <key>'"
+                error = s.ApiError(401, message, code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(
+    *,
+    pipeline: Pipeline,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    queue_size: int = 16,
+    prompt_cache: Path | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible application over pipeline; its worker thread runs while the application does
+    (lifespan).
+
+    Args:
+        pipeline: the loaded models, with the defaults of every request (EngineConfig.max_new_tokens and sampling).
+            Its caches are sized for the target's whole context (EngineConfig.cache_positions), unless they are
+            sized already, so that prompts of any length keep the last prefill for the next one (prefix reuse).
+        model_name: the id clients name in `model`; None: the target's name.
+        api_key: where given, every route but /health needs `Authorization: Bearer <api_key>`.
+        queue_size: requests that may wait beside the one being generated; one more is answered 503.
+        prompt_cache: a folder of saved prefills reused across restarts (Pipeline.generate_ids), or None.
+    Returns:
+        The FastAPI application, for uvicorn to serve.
+    """
+    context = pipeline.target.model.config.max_position_embeddings
+    if pipeline.config.cache_positions is None:
+        pipeline.reconfigure(cache_positions=context)
+    defaults = pipeline.config
+    name = model_name or pipeline.target.name
+    metrics = Metrics()
+    worker = Worker(pipeline=pipeline, queue_size=queue_size, metrics=metrics, prompt_cache=prompt_cache)
+    tokenizer_lock = threading.Lock()  # a fast tokenizer is not to be used by two threads at once
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(worker.close)
+
+    app = FastAPI(title="triforce", lifespan=lifespan)
+    app.state.worker = worker
+    if api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+
+    @app.exception_handler(s.ApiError)
+    async def api_error(request: Request, error: s.ApiError) -> JSONResponse:
+        if request.url.path in GENERATION_ROUTES:
+            outcome = "rejected" if error.status == 503 else "invalid" if error.status < 500 else "failed"
+            metrics.request(request.url.path, outcome)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return await api_error(request, s.ApiError(error.status_code, str(error.detail), code=str(error.status_code)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=error)
+        message = f"the server failed: {type(error).__name__}: {error}"
+        return await api_error(request, s.ApiError(500, message, kind="server_error"))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        text = metrics.render(waiting=worker.waiting, generating=worker.busy)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    def card() -> s.ModelCard:
+        return s.ModelCard(id=name, created=started, max_model_len=context)
+
+    @app.get("/v1/models")
+    async def models() -> s.ModelList:
+        return s.ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> s.ModelCard:
+        check_model(model_id)
+        return card()
+
+    def check_model(requested: str) -> None:
+        if requested != name:
+            message = f"the model '{requested}' does not exist: this server serves '{name}'"
+            raise s.ApiError(404, message, param="model", code="model_not_found")
+
+    def tokenized(encode: Callable[[], list[int]]) -> Callable[[], list[int]]:
+        def run() -> list[int]:
+            with tokenizer_lock:
+                return encode()
+
+        return run
+
+    def generation_request(body: s.GenerationFields, prompt_ids: list[int], prompt_param: str) -> GenerationRequest:
+        """The checked request: the token limit within the context (the server's --max-new-tokens by default, or
+        what the context leaves), the sampling (the server's defaults where the request says nothing)."""
+        room = context - len(prompt_ids)
+        if room < 1:
+            raise s.ApiError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; the {context}-token context leaves no room for an answer",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        limit = body.token_limit
+        if limit is None:
+            limit = min(defaults.max_new_tokens, room)
+        elif limit > room:
+            raise s.ApiError(
+                400,
+                f"the prompt's {len(prompt_ids)} tokens plus max_tokens {limit} exceed the {context}-token context;"
+                f" at most {room} new tokens fit",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        sampling = SamplingConfig(
+            temperature=defaults.sampling.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.sampling.top_p if body.top_p is None else body.top_p,
+            top_k=defaults.sampling.top_k,
+            seed=defaults.sampling.seed if body.seed is None else body.seed,
+        )
+        return GenerationRequest(prompt_ids, limit, sampling, body.stop_strings, body.stream)
+
+    async def watch(request: Request, job: Job) -> None:
+        """Until cancelled: where the client goes away, withdraw its job and wake its reader."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+        worker.withdraw(job)
+        job.events.put_nowait(("gone", None))
+
+    async def first_event(request: Request, job: Job) -> tuple[str, object]:
+        """The job's first event, the client watched meanwhile (a streamed job's stream watches it afterwards)."""
+        watcher = asyncio.create_task(watch(request, job))
+        try:
+            return await job.events.get()
+        finally:
+            watcher.cancel()
+
+    async def answer(request: Request, route: str, body: s.GenerationFields, generation: GenerationRequest):
+        """Queue the generation and answer it: one JSON object, or a stream of server-sent events."""
+        include_usage = body.include_usage  # checked before the job is queued
+        job = Job(generation, asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except QueueFull:
+            message = f"the server is busy: {worker.queue_size} requests wait already; retry later"
+            headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+            raise s.ApiError(503, message, code="queue_full", kind="server_error", headers=headers) from None
+        ident = f"{'chatcmpl' if route == CHAT_ROUTE else 'cmpl'}-{uuid.uuid4().hex}"
+        kind, value = await first_event(request, job)
+        if kind == "gone":
+            metrics.request(route, "cancelled")
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        if kind == "error":
+            raise value
+        if not body.stream:
+            metrics.request(route, "ok")
+            return complete_response(route, ident, value)
+        return StreamingResponse(
+            stream(route, ident, job, (kind, value), include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    def complete_response(route: str, ident: str, finished: Finished) -> BaseModel:
+        usage = usage_of(finished)
+        if route == CHAT_ROUTE:
+            message = s.AssistantMessage(content=finished.text)
+            choice = s.ChatChoice(message=message, finish_reason=finished.finish_reason)
+            return s.ChatCompletion(id=ident, model=name, choices=[choice], usage=usage)
+        choice = s.CompletionChoice(text=finished.text, finish_reason=finished.finish_reason)
+        return s.Completion(id=ident, model=name, choices=[choice], usage=usage)
+
+    def chunk(route: str, ident: str, text: str | None, finish: str | None = None, role: str | None = None) -> str:
+        """One event of a streamed answer: a piece of text, or its finish reason (and the chat's role first)."""
+        if route == CHAT_ROUTE:
+            choice = s.ChatChunkChoice(delta=s.Delta(role=role, content=text), finish_reason=finish)
+            event = s.ChatCompletionChunk(id=ident, model=name, choices=[choice])
+        else:
+            choice = s.CompletionChoice(text=text or "", finish_reason=finish)
+            event = s.Completion(id=ident, model=name, choices=[choice])
+        return f"data: {event.model_dump_json()}\n\n"
+
+    def usage_chunk(route: str, ident: str, usage: s.Usage) -> str:
+        """The last event of a stream with stream_options.include_usage: no choices, the usage."""
+        kind = s.ChatCompletionChunk if route == CHAT_ROUTE else s.Completion
+        return f"data: {kind(id=ident, model=name, choices=[], usage=usage).model_dump_json()}\n\n"
+
+    async def stream(
+        route: str, ident: str, job: Job, first: tuple[str, object], include_usage: bool
+    ) -> AsyncIterator[str]:
+        """The events of a streamed answer; a client gone (Starlette cancels this) stops the generation."""
+        done = False
+        try:
+            if route == CHAT_ROUTE:
+                yield chunk(route, ident, "", role="assistant")
+            kind, value = first
+            while kind == "text":
+                yield chunk(route, ident, value)
+                kind, value = await job.events.get()
+            if kind == "done":
+                yield chunk(route, ident, None, finish=value.finish_reason)
+                if include_usage:
+                    yield usage_chunk(route, ident, usage_of(value))
+                metrics.request(route, "ok")
+            elif kind == "error":
+                yield f"data: {json.dumps(value.body())}\n\n"
+                metrics.request(route, "failed")
+            yield "data: [DONE]\n\n"
+            done = True
+        finally:
+            if not done:
+                worker.withdraw(job)
+                metrics.request(route, "cancelled")
+
+    @app.post(CHAT_ROUTE)
+    async def chat_completions(request: Request) -> Response:
+        body = parsed(s.ChatCompletionRequest, await request.body())
+        check_model(body.model)
+        body.check_no_ops()
+        messages = [{"role": message.role, "content": message.text} for message in body.messages]
+        tokenizer = pipeline.target.tokenizer
+        try:
+            ids = await run_in_threadpool(tokenized(lambda: encode_messages(tokenizer, messages)))
+        except TriforceError as error:
+            raise s.ApiError(400, str(error), param="messages") from None
+        return await answer(request, CHAT_ROUTE, body, generation_request(body, ids, "messages"))
+
+    @app.post(COMPLETIONS_ROUTE)
+    async def completions(request: Request) -> Response:
+        body = parsed(s.CompletionRequest, await request.body())
+        check_model(body.model)
+        body.check_no_ops()
+        prompt = body.one_prompt
+        tokenizer = pipeline.target.tokenizer
+        if isinstance(prompt, str):
+            ids = await run_in_threadpool(tokenized(lambda: encode_prompt(tokenizer, prompt, chat=False)))
+        else:
+            vocab = pipeline.target.model.config.vocab_size
+            if any(not 0 <= token < vocab for token in prompt):
+                raise s.ApiError(400, f"a prompt token id lies outside the vocabulary (0..{vocab - 1})", param="prompt")
+            ids = list(prompt)
+        return await answer(request, COMPLETIONS_ROUTE, body, generation_request(body, ids, "prompt"))
+
+    return app
