@@ -435,3 +435,25 @@ def test_a_type_not_kept_packed_is_named_and_computed_from_its_dequantized_weigh
     prompt = random_prompt(64, 1000, seed=3)
     config = EngineConfig(mode="autoregressive", sampling=GREEDY, max_new_tokens=12, prefill_chunk=32)
     assert Engine(packed, config).generate(prompt).token_ids == Engine(dense, config).generate(prompt).token_ids
+
+
+@pytest.mark.embedded
+def test_the_shipped_drafter_drafts_for_another_file_of_its_model_only(k_quant_files, tmp_path, monkeypatch):
+    """A file of the embedded model in other types keeps its embedding (the drafter borrows it): the shipped drafter
+    is its default; a model with another embedding drafts for itself."""
+    from transformers import AutoConfig
+
+    from triforce_cli.decoding.pipeline import drafter_spec
+    from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
+    from triforce_cli.runtime.loading import resolve_checkpoint
+
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    embedded = resolve_checkpoint(None)
+    same = LoadedModel("a Q4_K_M copy", None, None, AutoConfig.from_pretrained(embedded.folder),
+                       weight_files=embedded.weight_files)  # fmt: skip
+    assert drafter_spec(same, None) == str(EMBEDDED_DRAFTER)
+    assert drafter_spec(same, "self") is None and drafter_spec(same, "other") == "other"
+    other = resolve_checkpoint(str(k_quant_files["mixed"]))
+    stranger = LoadedModel("random", None, None, AutoConfig.from_pretrained(other.folder),
+                           weight_files=other.weight_files)  # fmt: skip
+    assert drafter_spec(stranger, None) is None

@@ -123,7 +123,8 @@ Draft = Annotated[
     str | None,
     typer.Option(
         metavar="MODEL|self",
-        help="Drafter sharing the target's tokenizer, or 'self' [default: the shipped drafter, else self].",
+        help="Drafter sharing the target's tokenizer, or 'self' [default: the shipped drafter where it fits the"
+        " target, else self].",
     ),
 ]
 Weights = one_of(

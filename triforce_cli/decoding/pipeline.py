@@ -7,6 +7,7 @@ result = pipe.generate("Summarise this report: ...", chat=True)
 print(result.text, result.stats.ms_per_token)
 """
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,7 +22,14 @@ from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.decoding.tuning import Tuning, fastest_configuration, slower_than_measured
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
-from triforce_cli.runtime.loading import LoadedModel, StatusCallback, load_model, resolve_checkpoint
+from triforce_cli.runtime.loading import (
+    DRAFTER_METADATA,
+    LoadedModel,
+    StatusCallback,
+    embedding_digest,
+    load_model,
+    resolve_checkpoint,
+)
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.parallel import init_parallel, world_size
 from triforce_cli.runtime.prompts import encode_prompt
@@ -29,13 +37,20 @@ from triforce_cli.runtime.prompts import encode_prompt
 SELF_DRAFT = "self"  # LoadOptions.draft value: the target drafts for itself on a StreamingLLM cache
 
 
-def drafter_spec(target: str | None, draft: str | None) -> str | None:
-    """The drafter to load: draft as given, none for 'self', and for the embedded default target without a draft
-    its shipped distilled drafter (after the n-gram, unless EngineConfig.ngram is False)."""
+def drafter_spec(target: LoadedModel, draft: str | None) -> str | None:
+    """The drafter to load for the loaded target: draft as given, none for 'self', and without a draft the shipped
+    distilled drafter where the target is the model it was distilled for (the embedded default, or another file of
+    it, such as a K-quant GGUF: the drafter borrows the target's embedding, so it fits a target whose embedding is
+    the one it was trained on), after the n-gram unless EngineConfig.ngram is False."""
     if draft == SELF_DRAFT:
         return None
-    if draft is None and target is None and (EMBEDDED_DRAFTER / "config.json").is_file():
-        return str(EMBEDDED_DRAFTER)
+    if draft is None and (EMBEDDED_DRAFTER / "config.json").is_file():
+        shipped = json.loads((EMBEDDED_DRAFTER / "config.json").read_text())
+        shape = ("vocab_size", "hidden_size")  # the embedding's: compared before it is read and hashed
+        same_shape = all(shipped.get(key) == getattr(target.hf_config, key, None) for key in shape)
+        digest = (shipped.get(DRAFTER_METADATA) or {}).get("embedding_sha256")
+        if same_shape and target.weight_files and embedding_digest(target.weight_files) == digest:
+            return str(EMBEDDED_DRAFTER)
     return draft
 
 
@@ -88,7 +103,7 @@ class Pipeline:
             offload_weights=setup.offload_weights,
             resident_layers=config.on_chip_layers,
         )
-        draft = drafter_spec(options.target, options.draft)
+        draft = drafter_spec(target_model, options.draft)
         drafter = None
         if draft is not None:
             drafter = load_model(

@@ -30,7 +30,7 @@ class LoadOptions:
     Attributes:
         target: the target model: a folder, a .safetensors or .gguf file, a hub id; None: the embedded default.
         draft: the drafter (same tokenizer as the target), 'self' for none, None: the shipped one for the embedded
-            target (pipeline.drafter_spec).
+            target or another file of that model (pipeline.drafter_spec).
         dtype: 'auto' (bfloat16 on CUDA, float32 on the CPU) or a name of DTYPES.
         device: 'auto' (CUDA where there is a GPU), 'cpu', 'cuda' or 'cuda:N'.
         weights: a WeightForm: 'auto' (the fastest exact form for the device, loading.resolve_weights), 'dense',
