@@ -322,10 +322,12 @@ def random_blocks(rows: int, cols: int, kind: str, seed: int, size: float = 0.3)
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
-def write_gguf_model(path: Path, types, layers: int = 2, hidden: int = 256, ffn: int = 512, seed: int = 0) -> None:
+def write_gguf_model(
+    path: Path, types, layers: int = 2, hidden: int = 256, ffn: int = 512, heads: int = 4, seed: int = 0
+) -> None:
     """A small Llama GGUF file as llama.cpp writes one, with the embedded model's tokenizer (its vocabulary of
-    49,152 tokens, chat template included): 4 heads of 64 (2 key/value heads), tied embedding; every weight matrix
-    random blocks of the type types(GGUF tensor name) gives, norms float32 ones."""
+    49,152 tokens, chat template included): `heads` query heads (half as many key/value heads), tied embedding;
+    every weight matrix random blocks of the type types(GGUF tensor name) gives, norms float32 ones."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
@@ -343,9 +345,9 @@ def write_gguf_model(path: Path, types, layers: int = 2, hidden: int = 256, ffn:
     writer.add_context_length(2048)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_rope_dimension_count(hidden // 4)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads // 2)
+    writer.add_rope_dimension_count(hidden // heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
