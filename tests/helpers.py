@@ -365,6 +365,13 @@ def write_gguf_model(
             layer = name.split(".")[1]
             for norm in ("attn_norm", "ffn_norm"):
                 writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+    close_gguf(writer, hidden)
+
+
+def close_gguf(writer, hidden: int) -> None:
+    """Add the final norm (float32 ones) to a GGUFWriter of a Llama and write the file."""
+    import numpy as np
+
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

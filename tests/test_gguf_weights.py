@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from helpers import (
+    close_gguf,
     full_cache_for,
     llama_cpp_q4_k_m,
     make_model,
@@ -309,11 +310,7 @@ def write_tiny_gguf(path, hf_config) -> dict[str, torch.Tensor]:
         add(f"blk.{i}.ffn_down.weight", f"{layer}.mlp.down_proj", torch.randn(hidden, 64), "Q4_1")
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer, hidden)
     return held
 
 

@@ -31,40 +31,27 @@ SEQ = 80  # several windows
 ATOL = 1e-5
 
 
-def mistral(seed: int = 0, window: int = WINDOW):
-    cfg = llama_config(
-        config_class=MistralConfig, tie_word_embeddings=False, sliding_window=window, initializer_range=0.2
-    )
+def windowed(model_class, config_class, seed: int, **settings):
+    """A tiny random-weight transformers model of that class, untied, with the window settings given."""
+    cfg = llama_config(config_class=config_class, tie_word_embeddings=False, initializer_range=0.2, **settings)
     torch.manual_seed(seed)
-    return cfg, MistralForCausalLM(cfg).eval()
+    return cfg, model_class(cfg).eval()
+
+
+def mistral(seed: int = 0, window: int = WINDOW):
+    return windowed(MistralForCausalLM, MistralConfig, seed, sliding_window=window)
 
 
 def qwen2_mixed(seed: int = 0):
     """A Qwen2 whose layer 0 reads every key and layer 1 a window (max_window_layers=1)."""
-    cfg = llama_config(
-        config_class=Qwen2Config,
-        tie_word_embeddings=False,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=1,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(seed)
-    return cfg, Qwen2ForCausalLM(cfg).eval()
+    return windowed(Qwen2ForCausalLM, Qwen2Config, seed, use_sliding_window=True, sliding_window=WINDOW,
+                    max_window_layers=1)  # fmt: skip
 
 
 def qwen3_explicit_layer_types(seed: int = 0):
     """A Qwen3 whose config names each layer's kind: layer 0 windowed, layer 1 reading every key."""
-    cfg = llama_config(
-        config_class=Qwen3Config,
-        tie_word_embeddings=False,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention"],
-        initializer_range=0.2,
-    )
-    torch.manual_seed(seed)
-    return cfg, Qwen3ForCausalLM(cfg).eval()
+    return windowed(Qwen3ForCausalLM, Qwen3Config, seed, use_sliding_window=True, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"])  # fmt: skip
 
 
 @torch.no_grad()
