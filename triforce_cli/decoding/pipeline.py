@@ -21,7 +21,7 @@ from triforce_cli.decoding.setup import LoadOptions, apply_setup, current_machin
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.decoding.tuning import Tuning, fastest_configuration, slower_than_measured
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
+from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, EMBEDDED_NAME
 from triforce_cli.runtime.loading import (
     DRAFTER_METADATA,
     LoadedModel,
@@ -49,7 +49,9 @@ def drafter_spec(target: LoadedModel, draft: str | None) -> str | None:
         shape = ("vocab_size", "hidden_size")  # the embedding's: compared before it is read and hashed
         same_shape = all(shipped.get(key) == getattr(target.hf_config, key, None) for key in shape)
         digest = (shipped.get(DRAFTER_METADATA) or {}).get("embedding_sha256")
-        if same_shape and target.weight_files and embedding_digest(target.weight_files) == digest:
+        if target.name == EMBEDDED_NAME or (
+            same_shape and target.weight_files and embedding_digest(target.weight_files) == digest
+        ):
             return str(EMBEDDED_DRAFTER)
     return draft
 
