@@ -530,3 +530,44 @@ def test_saved_prefill_holds_the_window_and_serves_the_fresh_tokens(tmp_path):
     offloaded = Engine(loaded, EngineConfig(mode="autoregressive", offload="kv", **WINDOW_KEPT))
     with pytest.raises(ConfigError, match="sliding window"):
         offloaded.generate(ids, prompt_state=loaded_state)
+
+
+def test_self_speculation_fills_the_drafter_cache_from_the_positions_held():
+    """A StreamingLLM cache filled from a full cache that dropped its first positions shows every windowed layer the
+    keys that one filled from a cache keeping every position shows."""
+    cfg, ref = mistral(seed=2)
+    model = wrap(ref, cfg).model
+    ids = torch.tensor(random_prompt(SEQ, cfg.vocab_size, seed=6))
+    head_dim = model.config.head_dim
+    views = []
+    for full in (full_cache_for(model), windowed_cache_for(model, WINDOW + 12)):
+        for start in range(0, SEQ, 8):
+            model(ids[start : start + 8], start, full)
+        streaming = StreamingCache(2, 2, head_dim, 4, 16, 8, torch.float32, windows=model.config.sliding_windows)
+        streaming.fill_from(full)
+        streaming.prepare(SEQ, 1)
+        key = torch.zeros(2, 1, head_dim)
+        views.append([streaming.update(layer, None, key, key)[0] for layer in range(2)])
+    assert full.offset > 0
+    for plain, windowed in zip(*views, strict=True):
+        assert plain.shape[1] == WINDOW  # the window's positions before the new one, and the new one
+        torch.testing.assert_close(windowed, plain)
+
+
+def test_retrieval_cache_selects_again_where_the_positions_to_copy_were_dropped():
+    """The middle tier skipped while the full cache moved past positions it had not copied: it chooses its chunks
+    again, for the full cache's new length, instead of reading positions no longer held."""
+    cfg, ref = mistral(seed=2)
+    model = wrap(ref, cfg).model
+    ids = torch.tensor(random_prompt(SEQ, cfg.vocab_size, seed=6))
+    full = windowed_cache_for(model, WINDOW + 12)
+    for start in range(0, 48, 8):
+        model(ids[start : start + 8], start, full)
+    retrieval = RetrievalCache(full, 8, ALIGN, 40, windows=model.config.sliding_windows)
+    retrieval.select_chunks()
+    for start in range(48, 72, 8):
+        model(ids[start : start + 8], start, full)
+    assert full.offset > retrieval.synced_until == 48
+    retrieval.sync_recent()
+    assert retrieval.selected_until == retrieval.length == 72
+    assert (retrieval.chunk_ids * ALIGN >= 72 - WINDOW + 1 - ALIGN).all()
