@@ -182,21 +182,20 @@ class RetrievalCache(SlotCache):
                 self.full.upload(buffer[:, :, selected], staged)
         self.selected_until = complete_chunks * self.chunk_size
         self.synced_until = self.selected_until
-        self._copy_recent()
+        self.sync_recent()
 
     def sync_recent(self) -> None:
-        """Copy the full cache's positions [synced_until, full.length) into the recent region (_copy_recent); where
-        the full cache, keeping only its window, dropped some of them (the middle tier skipped for a few rounds),
-        choose the chunks again instead (select_chunks), which needs none of them."""
-        if self.synced_until < self.full.offset:
-            self.select_chunks()
-        else:
-            self._copy_recent()
-
-    def _copy_recent(self) -> None:
         """Copy the full cache's positions [synced_until, full.length) into the recent region (FullCache.upload:
-        offloaded, queued after the copies that write them to the host storage)."""
+        offloaded, queued after the copies that write them to the host storage).
+
+        Where the full cache, keeping only its window, dropped some of them (the middle tier skipped for some
+        rounds), choose the chunks again instead (select_chunks), which copies only the positions from its chunks'
+        end on: held wherever the full cache's first position is a multiple of the chunk size.
+        """
         start, stop = self.synced_until, self.full.length
+        if start < self.full.offset <= stop // self.chunk_size * self.chunk_size:
+            self.select_chunks()
+            return
         if stop - self.selected_until > self.recent_capacity:
             raise CacheCapacityError("recent region of the retrieval cache is full; select chunks again first")
         if stop > start:
