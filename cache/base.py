@@ -41,7 +41,8 @@ class KVCache(ABC):
     values: torch.Tensor
     write_start: torch.Tensor | None = None  # (1,) int32 on the device once make_static(): the next write's slot
     static_step: bool = False  # whether the prepared forward is a fixed-shape step (prepared with padding)
-    # whether slot j of a view holds position j (the full cache's), so that a sliding window applies by slot
+    # whether a view holds consecutive positions, its last ones the new tokens' (the full cache's), so that a sliding
+    # window applies by slot
     slots_are_positions: bool = False
 
     @abstractmethod

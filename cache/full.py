@@ -1,5 +1,11 @@
 """Full KV cache: every position stored at its own index, preallocated once, no reallocation while decoding.
 
+A model whose every layer has the same sliding window W (``window``) reads no key more than W - 1 positions before
+its query, so the cache may keep only the last positions: slot = position - ``offset``, and when a write would pass
+the last slot the positions no query from the write on can read are dropped, the rest moved to slot 0 (_make_room).
+A cache of W + slack slots then moves about W positions once every slack positions written, and rolling back
+within the positions written since stays exact: every position the next write's queries read is still held.
+
 Offloaded (offload/kv.py), its storage lives in host memory and a stream object installed as ``stream`` serves
 the forwards on the device; the cache keeps its bookkeeping, and calls the stream where storage is touched.
 
@@ -48,12 +54,27 @@ class FullCache(KVCache):
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        window: int | None = None,
+        align: int = 1,
     ):
+        """An empty cache, its buffers allocated (zeros).
+
+        Args:
+            capacity: slots per layer and KV head: the positions [0, capacity) without window; with it, the most
+                positions held at once (any number written).
+            window: the sliding window W every layer of the model shares, or None (every position kept): a write
+                then keeps only the positions from W - 1 before its first one on (module docstring).
+            align: with window, the first position held (offset) is always a multiple of it: the retrieval
+                cache's chunk size, so that each of its chunks is held whole or not at all.
+        """
         shape = (num_layers, num_kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.stream: StorageStream | None = None  # set by offload.offload_kv
         self.capacity = capacity
+        self.window = window
+        self.align = align
+        self.offset = 0  # the position slot 0 holds: positions before it were dropped (only with window)
         self.length = 0
         # Queries of the last forward, per layer (Hq, T, D), and the position of their first row: the retrieval
         # cache selects chunks with them, so re-selection costs no extra forward.
@@ -62,8 +83,8 @@ class FullCache(KVCache):
         # with make_static: (layers, Hq, max_step, D), where fixed-shape steps write their queries instead
         self.step_queries: torch.Tensor | None = None
         self._write = slice(0, 0)
-        # float16 copy of the first positions (make_half_copy): buffers of the storage's shape, made on first use;
-        # positions [0, _half_length) hold the float16 rounding of the keys and values there now
+        # float16 copy of the first positions (make_half_copy): buffers of the storage's shape and slots, made on
+        # first use; positions [offset, _half_length) hold the float16 rounding of the keys and values there now
         self.half_keys: torch.Tensor | None = None
         self.half_values: torch.Tensor | None = None
         self._half_length = 0
@@ -80,16 +101,16 @@ class FullCache(KVCache):
         if self.half_keys is None:
             self.half_keys = torch.empty_like(self.keys, dtype=torch.float16)
             self.half_values = torch.empty_like(self.values, dtype=torch.float16)
-        new = slice(self._half_length, self.length)
+        new = slice(max(self._half_length, self.offset) - self.offset, self.length - self.offset)
         self.half_keys[:, :, new] = self.keys[:, :, new]
         self.half_values[:, :, new] = self.values[:, :, new]
         self._half_length = self.length
         self._half_in_use = True
 
     def half_prefix(self, layer: int) -> HalfPrefix | None:
-        if not self._half_in_use:
+        if not self._half_in_use or self._half_length <= self.offset:
             return None
-        held = slice(0, self._half_length)
+        held = slice(0, self._half_length - self.offset)
         return HalfPrefix(self.half_keys[layer, :, held], self.half_values[layer, :, held])
 
     def _forget_half_beyond(self, length: int) -> None:
@@ -98,16 +119,47 @@ class FullCache(KVCache):
             self._half_in_use = False
 
     def rollback(self, length: int) -> None:
+        """Forget every position from length on; rolled back to 0, the cache is empty (nothing dropped)."""
         super().rollback(length)
         self._forget_half_beyond(self.length)
+        if self.length == 0:
+            self.offset = self._half_length = 0
         if self.stream is not None:
             self.stream.forget_beyond(self.length)
 
     def reset(self) -> None:
-        super().reset()
-        self._forget_half_beyond(0)
-        if self.stream is not None:
-            self.stream.forget_beyond(0)
+        self.rollback(0)
+
+    def can_write_from(self, position: int) -> bool:
+        """Whether a forward may write from position: every earlier position its queries read is held (always
+        without window; with it, none of the W - 1 before position was dropped)."""
+        return self.window is None or max(0, position - self.window + 1) >= self.offset
+
+    def _make_room(self, start: int, stop: int) -> None:
+        """Before a write of positions [start, stop), padding included, with window: where stop would pass the last
+        slot, drop the positions before the first that the write's queries read (rounded down to align) and move
+        the rest, up to start, and their float16 copy to slot 0. A ValueError where that first position was dropped
+        already (a rollback further back than the last write)."""
+        first_read = max(0, start - self.window + 1)
+        if first_read < self.offset:
+            raise ValueError(
+                f"cannot write position {start}: its window starts at {first_read}, and the cache dropped the"
+                f" positions before {self.offset}"
+            )
+        if stop - self.offset <= self.capacity:
+            return
+        offset = max(self.offset, first_read // self.align * self.align)
+        shift = offset - self.offset
+        moves = [(self.keys, self.values, start)]
+        if self.half_keys is not None:
+            moves.append((self.half_keys, self.half_values, min(self._half_length, start)))
+        for keys, values, end in moves:
+            count = end - offset  # positions [offset, end) stay, from slot shift to slot 0
+            for buffer in (keys, values) if count > 0 else ():
+                for layer in range(buffer.shape[0]):  # one layer at a time: the ranges overlap
+                    buffer[layer, :, :count] = buffer[layer, :, shift : shift + count].clone()
+        self.offset = offset
+        self._half_length = max(self._half_length, offset)
 
     def settle(self) -> None:
         """Return once reads of keys and values see every write (an offloaded cache writes back asynchronously)."""
@@ -139,15 +191,51 @@ class FullCache(KVCache):
 
     def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
         self._check_start(start)
-        end = start + num_tokens
-        if end + (padding or 0) > self.capacity:
-            raise CacheCapacityError(f"full cache holds {self.capacity} positions, {end + (padding or 0)} requested")
         self._forget_half_beyond(start)
-        self._write = self._begin_write(start, num_tokens, padding)
+        stop = start + num_tokens + (padding or 0)
+        if self.window is not None:
+            self._make_room(start, stop)
+        self._prepare_slots(start, num_tokens, padding)
+
+    def _prepare_slots(self, start: int, num_tokens: int, padding: int | None) -> None:
+        """Prepare the slots of positions [start, start + num_tokens), padding after them; CacheCapacityError where
+        they pass the last slot."""
+        stop = start + num_tokens + (padding or 0)
+        if stop - self.offset > self.capacity:
+            held = f"positions {self.offset}-{self.offset + self.capacity}" if self.offset else "positions"
+            raise CacheCapacityError(f"full cache holds {self.capacity} {held}, up to {stop} requested")
+        self._write = self._begin_write(start - self.offset, num_tokens, padding)
         self.query_start = start
-        self.length = end
+        self.length = start + num_tokens
         if self.stream is not None:
             self.stream.begin(self, start)
+
+    def assign(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold keys and values (layers, Hkv, n, D) as positions [first, first + n) and nothing else, as a prefill
+        of them leaves them (a saved prefill put back, PromptState.restore); with window, only the last of them
+        that fit, from a multiple of align. A ValueError where first > 0 without window, or where the positions
+        held lack one that a write right after them reads.
+        """
+        stop = first + keys.shape[2]
+        self.reset()
+        if self.window is None:
+            if first:
+                raise ValueError(f"a cache keeping every position cannot start at position {first}")
+        else:
+            if stop - first > self.capacity:
+                first = -(-(stop - self.capacity) // self.align) * self.align
+            if first > max(0, stop - self.window + 1):
+                raise ValueError(f"positions {first}-{stop} lack some of the window before position {stop}")
+        self.offset = self._half_length = first
+        self._prepare_slots(first, stop - first, None)
+        count = stop - first
+        self.keys[:, :, :count] = keys[:, :, keys.shape[2] - count :]
+        self.values[:, :, :count] = values[:, :, values.shape[2] - count :]
+
+    def held(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The positions held: the first, and the keys and values (layers, Hkv, length - first, D), views."""
+        held = slice(0, self.length - self.offset)
+        return self.offset, self.keys[:, :, held], self.values[:, :, held]
 
     def step_update(self, layer, q, k, v):
         put_rows(self.step_queries, layer, torch.arange(q.shape[1], device=q.device), q)
@@ -159,7 +247,7 @@ class FullCache(KVCache):
             return self.stream.update(self, layer, k, v)
         self.keys[layer, :, self._write] = k
         self.values[layer, :, self._write] = v
-        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
+        return self.keys[layer, :, : self._write.stop], self.values[layer, :, : self._write.stop]
 
     def query_at(self, layer: int, position: int) -> torch.Tensor:
         """The (Hq, D) query the last forward computed at ``position``."""
@@ -183,7 +271,8 @@ class LayerwiseWrite:
     the storage's own, or offloaded, its device buffer from the stream (LayerStream.buffers: an on-chip layer's, or
     its ring slot with its positions before start copied in); ``end_layer`` copies the layer's T positions back to
     the host storage at once (LayerStream.write_back). The queries of each layer's last forward are kept, as after
-    forwards chunk by chunk (query_at).
+    forwards chunk by chunk (query_at). A cache keeping only a window (FullCache.window) is written the same way,
+    by slot, but must hold every position of the T, and the window before them, at once.
     """
 
     static_step = False  # eager forwards of any length
@@ -215,12 +304,13 @@ class LayerwiseWrite:
         positions = slice(self.written, self.written + k.shape[1])
         if layer != self.layer or positions.stop > self.full.length:
             raise ValueError(f"layer {layer} cannot write positions {positions.start}-{positions.stop} now")
-        self._keys[:, positions] = k
-        self._values[:, positions] = v
+        slots = slice(positions.start - self.full.offset, positions.stop - self.full.offset)
+        self._keys[:, slots] = k
+        self._values[:, slots] = v
         self.full.queries[layer] = q
         self.full.query_start = positions.start
         self.written = positions.stop
-        return self._keys[:, : positions.stop], self._values[:, : positions.stop]
+        return self._keys[:, : slots.stop], self._values[:, : slots.stop]
 
     def half_prefix(self, layer: int) -> HalfPrefix | None:
         return self.full.half_prefix(layer)

@@ -16,6 +16,10 @@ selection serves (the full cache's length), chunk 0's sinks included: the target
 the window holds fewer complete chunks than the budget, the layer's first slots hold unselectable chunks, and its
 view starts after them (``first_slots``).
 
+A full cache that keeps only the window (FullCache.window: every layer windowed alike) holds whole chunks from
+``first_chunk`` on: the summaries of the chunks before it are dropped, chosen chunks are read at their slots there,
+and the chunks filling the budget before the window, which no layer reads, may be any chunk held.
+
 The full cache's storage may live elsewhere (in host memory, offload/kv.py): selection then gathers the chosen
 chunks there and copies only them, and the mean keys, to this cache's device. Selection serves every layer at once:
 one scoring op on the device, and where the storage is elsewhere one read of the chosen ids, one gather of every
@@ -26,6 +30,7 @@ straight from the storage.
 """
 
 import torch
+import torch.nn.functional as F
 from triforce_cli.cache.base import CacheCapacityError, SlotCache
 from triforce_cli.cache.full import FullCache
 from triforce_cli.kernels import CHUNK_SCORES, SUMMARIES, chunk_summaries, gather_chunks, summary_scores, top_chunks
@@ -66,7 +71,8 @@ class RetrievalCache(SlotCache):
             dtype=full.keys.dtype,
             device=device,
         )
-        self.num_mean_keys = 0
+        self.num_mean_keys = 0  # chunks summarised: [first_chunk, num_mean_keys) at chunk_keys' [0, num - first)
+        self.first_chunk = 0  # the first chunk summarised (the full cache dropped those before: FullCache.window)
         self.chunk_ids: torch.Tensor | None = None  # (layers, Hkv, budget/chunk) after the first selection
         # the chosen chunks' keys and values of every layer, gathered where the storage is when that is elsewhere
         self.staging: torch.Tensor | None = None  # (2, layers, Hkv, budget, D)
@@ -98,6 +104,8 @@ class RetrievalCache(SlotCache):
         prefix reused), whose complete chunks' summaries are kept rather than computed again."""
         self.length = self.selected_until = self.synced_until = 0
         self.num_mean_keys = min(self.num_mean_keys, keep // self.chunk_size)
+        if self.num_mean_keys <= self.first_chunk:
+            self.num_mean_keys = self.first_chunk = 0
         self.chunk_ids = None
 
     @property
@@ -110,14 +118,25 @@ class RetrievalCache(SlotCache):
         return self.length - self.selected_until
 
     def _update_mean_keys(self, complete_chunks: int) -> None:
+        """Summarise the complete chunks not summarised yet, up to complete_chunks; first drop the summaries of
+        the chunks the full cache no longer holds whole (FullCache.window), which no layer may select."""
+        first_held = -(-self.full.offset // self.chunk_size)
+        if first_held > self.first_chunk:
+            shift, still = first_held - self.first_chunk, max(0, self.num_mean_keys - first_held)
+            if still:
+                self.chunk_keys[:, :, :, :still] = self.chunk_keys[:, :, :, shift : shift + still].clone()
+            self.first_chunk = first_held
+            self.num_mean_keys = max(self.num_mean_keys, first_held)
         if complete_chunks <= self.num_mean_keys:
             return
         first, stop = self.num_mean_keys * self.chunk_size, complete_chunks * self.chunk_size
+        held = slice(first - self.full.offset, stop - self.full.offset)
+        kept = slice(self.num_mean_keys - self.first_chunk, complete_chunks - self.first_chunk)
         self.full.settle()
         for layer in range(self.keys.shape[0]):
-            summaries = chunk_summaries(self.full.keys[layer, :, first:stop], self.chunk_size, self.score)
-            for kept, summary in zip(self.chunk_keys, summaries, strict=True):
-                kept[layer, :, self.num_mean_keys : complete_chunks] = summary.to(kept.device)
+            summaries = chunk_summaries(self.full.keys[layer, :, held], self.chunk_size, self.score)
+            for summary_keys, summary in zip(self.chunk_keys, summaries, strict=True):
+                summary_keys[layer, :, kept] = summary.to(summary_keys.device)
         self.num_mean_keys = complete_chunks
 
     def select_chunks(self) -> None:
@@ -134,21 +153,30 @@ class RetrievalCache(SlotCache):
             raise ValueError(f"budget {self.budget} exceeds the {length} cached tokens")
         self._update_mean_keys(complete_chunks)
         queries = self.full.queries_at(length - 1).to(self.chunk_keys.device)  # (layers, Hq, D)
-        scores = summary_scores(queries, self.chunk_keys[:, :, :, :complete_chunks], self.score)  # (layers, Hkv, C)
-        first_selectable = self.first_selectable(length)
-        selectable = torch.tensor(first_selectable, device=scores.device) if self.windows else None
+        summaries = self.chunk_keys[:, :, :, : max(0, complete_chunks - self.first_chunk)]
+        scores = summary_scores(queries, summaries, self.score)  # (layers, Hkv, chunks held)
+        if self.first_chunk:  # (layers, Hkv, C): the chunks the full cache dropped, before the window, never chosen
+            scores = F.pad(scores, (self.first_chunk, 0), value=float("-inf"))
+        first_selectable = [max(first, self.first_chunk) for first in self.first_selectable(length)]
+        selectable = None
+        if self.windows or self.first_chunk:
+            selectable = torch.tensor(first_selectable, device=scores.device)
         self.chunk_ids = top_chunks(scores, keep, selectable)  # (layers, Hkv, keep)
-        if self.windows:
+        if selectable is not None:
             filling = [max(0, keep - max(0, complete_chunks - first)) for first in first_selectable]
             self._start_views_at([chunks * self.chunk_size for chunks in filling])
         selected = slice(0, self.budget)
-        pairs = ((self.keys, self.full.keys), (self.values, self.full.values))
+        # the full cache's slots from chunk first_chunk on, and the chunks there; those filling the budget before a
+        # window (never read) may lie before it: any chunk held serves
+        held = slice(self.first_chunk * self.chunk_size - self.full.offset, None)
+        pairs = ((self.keys, self.full.keys[:, :, held]), (self.values, self.full.values[:, :, held]))
+        chunk_ids = (self.chunk_ids - self.first_chunk).clamp_(min=0) if self.first_chunk else self.chunk_ids
         if self.staging is None:
             for buffer, source in pairs:
-                gather_chunks(source, self.chunk_ids, self.chunk_size, out=buffer[:, :, selected])
+                gather_chunks(source, chunk_ids, self.chunk_size, out=buffer[:, :, selected])
         else:
             self.full.settle()  # the storage holds every write, and the staging buffer's last upload is done
-            at_storage = self.chunk_ids.to(self.full.keys.device)  # the one read of the device
+            at_storage = chunk_ids.to(self.full.keys.device)  # the one read of the device
             for (buffer, source), staged in zip(pairs, self.staging, strict=True):
                 gather_chunks(source, at_storage, self.chunk_size, out=staged)
                 self.full.upload(buffer[:, :, selected], staged)
@@ -158,14 +186,25 @@ class RetrievalCache(SlotCache):
 
     def sync_recent(self) -> None:
         """Copy the full cache's positions [synced_until, full.length) into the recent region (FullCache.upload:
-        offloaded, queued after the copies that write them to the host storage)."""
+        offloaded, queued after the copies that write them to the host storage).
+
+        Where the full cache, keeping only its window, dropped some of them (the middle tier skipped for some
+        rounds), choose the chunks again instead (select_chunks), which copies only the positions from its chunks'
+        end on: held wherever the full cache's first position is a multiple of the chunk size.
+        """
         start, stop = self.synced_until, self.full.length
+        if start < self.full.offset <= stop // self.chunk_size * self.chunk_size:
+            self.select_chunks()
+            return
         if stop - self.selected_until > self.recent_capacity:
             raise CacheCapacityError("recent region of the retrieval cache is full; select chunks again first")
         if stop > start:
             slots = slice(self.budget + start - self.selected_until, self.budget + stop - self.selected_until)
-            self.full.upload(self.keys[:, :, slots], self.full.keys[:, :, start:stop])
-            self.full.upload(self.values[:, :, slots], self.full.values[:, :, start:stop])
+            held = slice(start - self.full.offset, stop - self.full.offset)
+            if held.start < 0:
+                raise ValueError(f"the full cache no longer holds position {start}; select chunks again first")
+            self.full.upload(self.keys[:, :, slots], self.full.keys[:, :, held])
+            self.full.upload(self.values[:, :, slots], self.full.values[:, :, held])
         self.synced_until = stop
         self.length = stop
 

@@ -106,17 +106,20 @@ class StreamingCache(SlotCache):
         self.window_start = keep_from
 
     def fill_from(self, full: FullCache) -> None:
-        """Take the sinks and the recent window from a full cache of the same model, instead of a prefill."""
+        """Take the sinks and the recent window from a full cache of the same model, instead of a prefill.
+
+        Positions a full cache keeping only its window (FullCache.window) dropped lie before the window of every
+        later query, in every layer: their slots here are left as they are, out of every layer's view.
+        """
         self.reset()
         full.settle()
+        first, keys, values = full.held()
         length = full.length
-        sinks = min(length, self.sink_tokens)
-        self.keys[:, :, :sinks] = full.keys[:, :, :sinks]
-        self.values[:, :, :sinks] = full.values[:, :, :sinks]
         self.window_start = max(self.sink_tokens, length - self.window)
-        recent = slice(self.window_start, length)
-        count = recent.stop - recent.start
-        if count > 0:
-            self.keys[:, :, self.sink_tokens : self.sink_tokens + count] = full.keys[:, :, recent]
-            self.values[:, :, self.sink_tokens : self.sink_tokens + count] = full.values[:, :, recent]
+        sinks = min(length, self.sink_tokens)
+        for begin, end in ((min(first, sinks), sinks), (max(self.window_start, first), length)):  # sinks, window
+            if end > begin:
+                slots = slice(self.slot(begin), self.slot(begin) + end - begin)
+                self.keys[:, :, slots] = keys[:, :, begin - first : end - first]
+                self.values[:, :, slots] = values[:, :, begin - first : end - first]
         self.length = length

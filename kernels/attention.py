@@ -7,11 +7,11 @@ whole context and new keys 0..t ("bottom-right aligned" causal mask, as in Flash
 Shapes: q (Hq, T, D); k, v (Hkv, L, D) with L >= T and Hq a multiple of Hkv (grouped-query attention,
 query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
 
-A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view whose key j is at position j
-(the full cache's): query t, at position L - T + t, reads keys j with L - T + t - W < j (``window`` W), as
-transformers' sliding_window_overlay masks. Where every query's window starts at or before key 0 nothing
-changes; otherwise the keys before the first query's window are cut off the view, which serves one query exactly,
-and several queries get each its own lower bound (windowed_attention).
+A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view of consecutive positions
+(the full cache's, from its first held one): query t, at index L - T + t, reads keys j with L - T + t - W < j
+(``window`` W), as transformers' sliding_window_overlay masks by position. Where every query's window starts at
+or before key 0 nothing changes; otherwise the keys before the first query's window are cut off the view, which
+serves one query exactly, and several queries get each its own lower bound (windowed_attention).
 """
 
 from dataclasses import dataclass
@@ -289,7 +289,8 @@ def flash_decode(
     """FlashAttention's decoding kernel (flash_attn_with_kvcache) over a cache layer's whole buffers.
 
     q (Hq, T, D); keys, values (Hkv, S, D) with the T new keys already written at slots [seen - T, seen); seen
-    (1,) int32 on the device; window: a sliding window over slots that are positions (the full cache's), -1: none.
+    (1,) int32 on the device; window: a sliding window over slots of consecutive positions (the full cache's), -1:
+    none.
     The kernel reads the buffers in place: it takes any strides whose last one is 1 (flash-attn's mha_fwd_kvcache
     checks only that), so the head-major (Hkv, S, D) layout every cache keeps is read through a (1, S, Hkv, D) view,
     no copy; the causal mask is bottom-right aligned, as the caches need.
@@ -328,7 +329,7 @@ def attention_in_cache(
     slots [0, start + t]. Nothing depends on a host-side length, so the step compiles once for every position.
     Output (Hq, T, D).
 
-    window: a sliding window over slots that are positions (the full cache's): query t reads only slots above
+    window: a sliding window over slots of consecutive positions (the full cache's): query t reads only slots above
     start + t - window. first_slot: (1,) int32 on the device, the first slot any query reads (a draft cache's
     windowed layer, SlotCache.first_slots); 'flash' cannot take it, and runs the masked path instead.
 
@@ -408,7 +409,7 @@ def windowed_attention(
 
     Args:
         q: (Hq, T, D) queries.
-        k, v: (Hkv, L, D) keys and values at positions 0..L-1, the last T the queries' own.
+        k, v: (Hkv, L, D) keys and values of consecutive positions, the last T the queries' own.
         scale: the factor on the scores.
         window: the layer's sliding window W.
         prefix: a float16 copy of the first keys and values (HalfPrefix), or None.
@@ -461,7 +462,7 @@ def attention(
 
     prefix: a float16 copy of the first keys and values of k and v (a CPU cache's prompt, HalfPrefix); they are
     then read from it instead (half_prefix_attention), at well under half the cost of reading them as float32.
-    window: the sliding window of the layer, over a view whose key j is at position j (windowed_attention where
+    window: the sliding window of the layer, over a view of consecutive positions (windowed_attention where
     a query's window starts after key 0); None: every key.
 
     On the CPU, grouped_attention takes up to FEW_QUERIES queries, where it beat or tied SDPA at every context

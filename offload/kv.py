@@ -160,6 +160,8 @@ def offload_kv(
     """
     if full.keys.device.type != "cpu":
         raise ValueError(f"an offloaded full cache lives in host memory, not on {full.keys.device}")
+    if full.window is not None:
+        raise ValueError("a full cache keeping only a sliding window cannot be offloaded: its forwards stream from 0")
     if torch.device(device).type == "cuda":  # asynchronous copies need page-locked host memory
         pin_exactly(full.keys)
         pin_exactly(full.values)

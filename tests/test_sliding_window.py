@@ -2,7 +2,11 @@
 transformers' for prefill chunks, verification-sized steps and decode steps over sequences several windows long,
 the attention kernels against an explicit band mask, greedy equality of every mode (eager and fixed-shape steps,
 dense and half weights) on loaded checkpoints, and draft caches that let a windowed layer read nothing before its
-window."""
+window. A model whose every layer has the window keeps only it in its full cache: the bytes it holds, the logits
+through many moves and rollbacks, the same chunk selection, every mode's greedy tokens, prefix reuse and saved
+prefills."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,19 +20,27 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from triforce_cli.cache import RetrievalCache, StreamingCache
+from triforce_cli.cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
 from triforce_cli.kernels import half_weights_available
 from triforce_cli.kernels.attention import HalfPrefix, attention, attention_in_cache, half_prefix_available
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.prompt_state import PromptCache
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.errors import ConfigError
+from triforce_cli.plan import DEFAULT_ACCEPTANCE, Hardware, Workload
+from triforce_cli.plan.model import ModelShape, memory_items
 from triforce_cli.runtime.loading import load_model
 from triforce_cli.runtime.model import ModelConfig
 
 WINDOW = 12
 SEQ = 80  # several windows
 ATOL = 1e-5
+SETTINGS = {"budget": 16, "chunk_size": 8, "draft_window": 16, "sink_tokens": 4, "max_new_tokens": 24}
+CPU = Hardware(
+    name="cpu", memory_bytes=16 << 30, bandwidth=20e9, pcie=20e9, flops=100e9, layer_overhead_s=1e-4, gpu=False
+)
 
 
 def windowed(model_class, config_class, seed: int, **settings):
@@ -185,18 +197,17 @@ def test_checkpoint_loads_and_every_mode_is_greedy_equal(tmp_path, build):
     model = loaded.model
     torch.testing.assert_close(model(torch.tensor(ids), 0, full_cache_for(model)), reference_logits(ref, ids))
     greedy = SamplingConfig(temperature=0)
-    settings = {"budget": 16, "chunk_size": 8, "draft_window": 16, "sink_tokens": 4, "max_new_tokens": 24}
-    expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **settings)).generate(ids)
+    expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **SETTINGS)).generate(ids)
     with torch.no_grad():
         reference = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     assert expected.token_ids == reference
     for mode in ("retrieval", "streaming", "triforce"):
-        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **SETTINGS)).generate(ids)
         assert result.token_ids == expected.token_ids, mode
     # the fixed-shape steps (masked over the caches' whole buffers, kernels.attention_in_cache), run uncompiled
     model.fixed_step = model.compute_logits
     for mode in ("autoregressive", "retrieval", "triforce"):
-        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **SETTINGS)).generate(ids)
         assert result.token_ids == expected.token_ids, f"{mode}, fixed-shape steps"
 
 
@@ -242,12 +253,11 @@ def test_half_weights_read_the_float16_prompt_inside_the_window_in_every_mode(tm
     loaded = load_model(str(tmp_path / "windowed"), weights="half")
     ids = random_prompt(64, cfg.vocab_size, seed=8)
     greedy = SamplingConfig(temperature=0)
-    settings = {"budget": 16, "chunk_size": 8, "draft_window": 16, "sink_tokens": 4, "max_new_tokens": 24}
-    reference = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **settings))
+    reference = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **SETTINGS))
     expected = reference.generate(ids)
     assert reference._caches.full.half_prefix(0).length == len(ids)
     for mode in ("retrieval", "streaming", "triforce"):
-        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings)).generate(ids)
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **SETTINGS)).generate(ids)
         assert result.token_ids == expected.token_ids, mode
 
 
@@ -264,3 +274,287 @@ def test_streaming_cache_leaves_what_a_windowed_drafter_cannot_see_out_of_its_vi
         assert views[0] == held
         assert views[1] == [p for p in held if p > position - 6], position
         assert cache.first_slot(1).item() == len(held) - len(views[1])
+
+
+# ------------------------------------------------------------------ a full cache that keeps only the window
+# Mistral windows every layer alike: its full cache keeps W + slack slots, dropping positions no later query reads.
+
+WINDOW_KEPT = {**SETTINGS, "prefill_chunk": 8}  # the slack (sizing.full_slots) then lies well under the prompt
+ALIGN = 4
+
+
+def windowed_cache_for(model, capacity: int, align: int = ALIGN) -> FullCache:
+    """A full cache of capacity slots that keeps only model's shared window."""
+    cfg = model.config
+    return FullCache(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, torch.float32, window=WINDOW, align=align
+    )
+
+
+def saved(folder, built):
+    """The model built (config, transformers model) saved in folder and loaded; and its transformers reference."""
+    cfg, ref = built
+    ref.save_pretrained(folder)
+    save_tokenizer(folder, cfg.vocab_size)
+    return load_model(str(folder)), ref
+
+
+def saved_mistral(tmp_path, seed: int = 1, window: int | None = WINDOW):
+    """A windowed Mistral checkpoint on disk, loaded; and its transformers reference."""
+    return saved(tmp_path / "windowed", mistral(seed=seed, window=window))
+
+
+def test_shared_window_is_that_of_every_layer_alike():
+    assert ModelConfig.from_hf(mistral()[0]).shared_window == WINDOW
+    assert ModelConfig.from_hf(qwen2_mixed()[0]).shared_window is None
+    assert ModelConfig.from_hf(mistral(window=None)[0]).shared_window is None
+    shape = ModelShape.from_config(name="m", config=ModelConfig.from_hf(mistral()[0]))
+    assert shape.shared_window == WINDOW
+
+
+@pytest.mark.parametrize("capacity, align", [(WINDOW + 12, ALIGN), (WINDOW + 10, 1)])
+def test_logits_equal_transformers_on_a_cache_that_moves_many_times(capacity, align):
+    """Prefill chunks of several sizes, then single steps, on a cache of a few slots more than the window: the cache
+    drops and moves positions again and again, and the logits stay transformers'."""
+    cfg, ref = mistral()
+    model = wrap(ref, cfg).model
+    ids = random_prompt(SEQ, cfg.vocab_size, seed=3)
+    cache, parts, start, offsets = windowed_cache_for(model, capacity, align), [], 0, set()
+    for size in (5, 8, 1, 9, 3, 8, 1, 1, 7, 8, 2, 8):  # 61 positions
+        parts.append(model(torch.tensor(ids[start : start + size]), start, cache))
+        start += size
+        offsets.add(cache.offset)
+    torch.testing.assert_close(torch.cat(parts), reference_logits(ref, ids[:start]), atol=ATOL, rtol=1e-5)
+    steps = []
+    for position in range(start, SEQ):
+        steps.append(model(torch.tensor(ids[position : position + 1]), position, cache))
+        offsets.add(cache.offset)
+    torch.testing.assert_close(torch.cat(steps), reference_steps(ref, ids, start)[start:], atol=ATOL, rtol=1e-5)
+    assert cache.keys.shape[2] == capacity and len(offsets) > 5 and cache.offset >= SEQ - capacity
+    assert all(offset % align == 0 for offset in offsets)
+
+
+def test_a_cache_keeping_the_window_refuses_what_it_cannot_serve():
+    """A write longer than its slack is a CacheCapacityError; a write needing a dropped position (a rollback past
+    the last write) is a ValueError, never a forward over what the cache no longer holds."""
+    cfg, ref = mistral()
+    model = wrap(ref, cfg).model
+    ids = random_prompt(SEQ, cfg.vocab_size, seed=3)
+    cache = windowed_cache_for(model, WINDOW + 12)
+    with pytest.raises(CacheCapacityError):
+        model(torch.tensor(ids[:30]), 0, cache)
+    cache.reset()
+    for start in range(0, 40, 8):
+        model(torch.tensor(ids[start : start + 8]), start, cache)
+    assert cache.offset > 0 and not cache.can_write_from(cache.offset)
+    cache.rollback(cache.offset)
+    with pytest.raises(ValueError, match="dropped"):
+        model(torch.tensor(ids[cache.offset : cache.offset + 1]), cache.offset, cache)
+
+
+def test_rollback_after_a_move_rewrites_exactly():
+    """Rejected drafts whose write moved the cache are rolled back; the positions written again give transformers'
+    logits."""
+    cfg, ref = mistral(seed=1)
+    model = wrap(ref, cfg).model
+    ids = random_prompt(SEQ, cfg.vocab_size, seed=4)
+    cache = windowed_cache_for(model, WINDOW + 8, align=1)
+    for start in range(0, 40, 4):
+        model(torch.tensor(ids[start : start + 4]), start, cache)
+    before = cache.offset
+    model(torch.tensor(random_prompt(7, cfg.vocab_size, seed=9)), 40, cache)  # drafts, all rejected
+    assert cache.offset > before  # their write moved the cache
+    cache.rollback(40)
+    logits = model(torch.tensor(ids[40:47]), 40, cache)
+    torch.testing.assert_close(logits, reference_logits(ref, ids[:47])[40:], atol=ATOL, rtol=1e-5)
+
+
+def test_half_copy_moves_with_the_positions_it_copies():
+    """The float16 prompt copy read from a cache that keeps the window gives the logits read from a cache that
+    keeps every position, through moves past the prompt."""
+    if not half_prefix_available(torch.zeros(1)):
+        pytest.skip("the CPU extension is not loaded")
+    cfg, ref = mistral(seed=2)
+    model = wrap(ref, cfg).model
+    ids = random_prompt(SEQ, cfg.vocab_size, seed=5)
+    logits = []
+    for cache in (full_cache_for(model), windowed_cache_for(model, WINDOW + 12)):
+        for start in range(0, 48, 8):
+            model(torch.tensor(ids[start : start + 8]), start, cache)
+        cache.make_half_copy()
+        logits.append(torch.cat([model(torch.tensor([t]), 48 + i, cache) for i, t in enumerate(ids[48:])]))
+    torch.testing.assert_close(logits[1], logits[0], atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [8, 16], ids=["window-holds-the-budget", "budget-filled-before-the-window"])
+def test_retrieval_cache_selects_the_same_chunks_on_a_cache_keeping_the_window(budget):
+    """Selection on a full cache that dropped every position before the window reads the same chunks in the
+    windowed layers' view as on one keeping every position."""
+    cfg, ref = mistral(seed=2)
+    model = wrap(ref, cfg).model
+    ids = torch.tensor(random_prompt(SEQ, cfg.vocab_size, seed=6))
+    chunk = 4
+    views = []
+    for full in (full_cache_for(model), windowed_cache_for(model, WINDOW + 12, align=chunk)):
+        for start in range(0, SEQ, 8):
+            model(ids[start : start + 8], start, full)
+        retrieval = RetrievalCache(full, budget, chunk, 16, windows=model.config.sliding_windows)
+        retrieval.select_chunks()
+        retrieval.prepare(SEQ, 1)
+        first = retrieval.first_slots[0]
+        assert (first > 0) == (budget == 16)  # the window holds three whole chunks
+        key = torch.zeros(cfg.num_key_value_heads, 1, model.config.head_dim)
+        keys, _ = retrieval.update(0, None, key, key)
+        views.append((retrieval.chunk_ids[:, :, first // chunk :], keys))
+    assert views[1][0].shape[-1] > 0
+    assert torch.equal(views[1][0], views[0][0])
+    torch.testing.assert_close(views[1][1], views[0][1])
+
+
+def test_full_cache_bytes_are_the_window_and_a_slack(tmp_path):
+    """The memory plan, the allocated cache and the planner hold W + slack positions for a model whose every layer
+    has the window; the same model without one, offloaded, or a Qwen2 with one windowed layer, every position."""
+    loaded, _ = saved_mistral(tmp_path)
+    ids = random_prompt(64, loaded.model.config.vocab_size, seed=7)
+    per_position = 2 * 2 * 2 * loaded.model.config.head_dim * 4  # keys and values, 2 layers, 2 KV heads, float32
+    engine = Engine(loaded, EngineConfig(mode="autoregressive", **WINDOW_KEPT))
+    spare = engine.config.speculation_depth
+    slots = WINDOW + max(8, spare) + WINDOW_KEPT["chunk_size"]
+    assert engine.memory_plan(len(ids)).bytes_of("full KV cache") == slots * per_position
+    engine.generate(ids)
+    full = engine._caches.full
+    assert full.keys.nbytes + full.values.nbytes == slots * per_position and full.offset > 0
+    offloaded = Engine(loaded, EngineConfig(mode="autoregressive", offload="kv", **WINDOW_KEPT))
+    every = len(ids) + WINDOW_KEPT["max_new_tokens"] + spare
+    assert offloaded.memory_plan(len(ids)).bytes_of("full KV cache") == every * per_position
+    for other in (saved_mistral(tmp_path / "plain", window=None)[0], saved(tmp_path / "mixed", qwen2_mixed())[0]):
+        other_engine = Engine(other, EngineConfig(mode="autoregressive", **WINDOW_KEPT))
+        assert other_engine.memory_plan(len(ids)).bytes_of("full KV cache") == every * per_position
+
+    shape = ModelShape.from_config(name="m", config=loaded.model.config)
+    workload = Workload(len(ids), EngineConfig(**WINDOW_KEPT), DEFAULT_ACCEPTANCE, dtype_bytes=4)
+    planned = {}
+    for name, target in (("windowed", shape), ("plain", replace(shape, shared_window=None))):
+        items, _ = memory_items(
+            target=target, drafter=target, hardware=CPU, workload=workload, mode="autoregressive", offload="none"
+        )
+        planned[name] = next(item.device_bytes for item in items if item.what == "full KV cache")
+    assert planned == {"windowed": slots * per_position, "plain": every * per_position}
+
+
+# the drafter's fixed-shape steps are warmed up at every power of two up to its longest write (the prefill chunk)
+@pytest.mark.parametrize("fixed_shape, prefill_chunk", [(False, 8), (True, 32)], ids=["eager", "fixed-shape"])
+def test_every_mode_is_greedy_equal_on_a_cache_keeping_the_window(tmp_path, fixed_shape, prefill_chunk):
+    """Every mode gives transformers' greedy tokens for a prompt several windows long, with a full cache that holds
+    fewer positions than the prompt and moves many times; self-speculation fills its drafter cache from it."""
+    loaded, ref = saved_mistral(tmp_path)
+    model = loaded.model
+    if fixed_shape:
+        model.fixed_step = model.compute_logits  # masked over the caches' whole buffers, uncompiled
+    ids = random_prompt(64, model.config.vocab_size, seed=7)
+    greedy = SamplingConfig(temperature=0)
+    with torch.no_grad():
+        reference = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+    for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
+        settings = {**WINDOW_KEPT, "prefill_chunk": prefill_chunk}
+        engine = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings))
+        result = engine.generate(ids)
+        assert result.token_ids == reference, mode
+        full = engine._caches.full
+        assert full.capacity < len(ids) and full.offset > 0, mode
+
+
+@pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
+def test_half_weights_are_greedy_equal_on_a_cache_keeping_the_window(tmp_path):
+    """With half weights every mode reads the float16 prompt copy, which moves with the cache."""
+    cfg, ref = mistral(seed=3)
+    ref.save_pretrained(tmp_path / "windowed")
+    save_tokenizer(tmp_path / "windowed", cfg.vocab_size)
+    loaded = load_model(str(tmp_path / "windowed"), weights="half")
+    ids = random_prompt(64, cfg.vocab_size, seed=8)
+    greedy = SamplingConfig(temperature=0)
+    expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **WINDOW_KEPT)).generate(ids)
+    for mode in ("retrieval", "streaming", "triforce"):
+        result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **WINDOW_KEPT)).generate(ids)
+        assert result.token_ids == expected.token_ids, mode
+
+
+def test_prefix_reuse_keeps_what_the_window_still_holds(tmp_path):
+    """A prompt extending a prefilled one keeps its prefix where the cache still holds the window before its end;
+    after an answer moved the cache past it, nothing is kept. Either way the tokens are a fresh engine's."""
+    loaded, _ = saved_mistral(tmp_path)
+    vocab = loaded.model.config.vocab_size
+    document, question = random_prompt(64, vocab, seed=7), random_prompt(9, vocab, seed=8)
+    greedy = SamplingConfig(temperature=0)
+    config = EngineConfig(mode="triforce", sampling=greedy, ngram=False, **WINDOW_KEPT)
+    engine = Engine(loaded, config)
+    engine.prefill(document, capture=False)
+    reused = engine.generate(document + question)
+    assert reused.stats.reused_tokens == 64
+    assert reused.token_ids == Engine(loaded, config).generate(document + question).token_ids
+    again = engine.generate(document + question[:4])  # the answer above moved the cache past the document's end
+    assert again.stats.reused_tokens == 0
+    assert again.token_ids == Engine(loaded, config).generate(document + question[:4]).token_ids
+
+
+def test_saved_prefill_holds_the_window_and_serves_the_fresh_tokens(tmp_path):
+    """A prefill saved from a cache keeping the window holds the prompt's last positions; put back (through the
+    prompt cache's file) every mode gives a fresh prefill's tokens, and an offloaded run refuses it in one line."""
+    loaded, _ = saved_mistral(tmp_path)
+    ids = random_prompt(64, loaded.model.config.vocab_size, seed=7)
+    greedy = SamplingConfig(temperature=0)
+    state = Engine(loaded, EngineConfig(mode="autoregressive", **WINDOW_KEPT)).prefill(ids)
+    assert 0 < state.first_position and state.keys.shape[2] == len(ids) - state.first_position < WINDOW + 20
+    cache = PromptCache(tmp_path / "prompts", loaded, prefill_chunk=WINDOW_KEPT["prefill_chunk"])
+    cache.save(state, ids)
+    loaded_state = cache.load(ids)
+    assert loaded_state is not None and loaded_state.first_position == state.first_position
+    for mode in ("autoregressive", "triforce"):
+        config = EngineConfig(mode=mode, sampling=greedy, ngram=False, **WINDOW_KEPT)
+        restored = Engine(loaded, config).generate(ids, prompt_state=loaded_state)
+        assert restored.stats.prompt_cached
+        assert restored.token_ids == Engine(loaded, config).generate(ids).token_ids, mode
+    offloaded = Engine(loaded, EngineConfig(mode="autoregressive", offload="kv", **WINDOW_KEPT))
+    with pytest.raises(ConfigError, match="sliding window"):
+        offloaded.generate(ids, prompt_state=loaded_state)
+
+
+def test_self_speculation_fills_the_drafter_cache_from_the_positions_held():
+    """A StreamingLLM cache filled from a full cache that dropped its first positions shows every windowed layer the
+    keys that one filled from a cache keeping every position shows."""
+    cfg, ref = mistral(seed=2)
+    model = wrap(ref, cfg).model
+    ids = torch.tensor(random_prompt(SEQ, cfg.vocab_size, seed=6))
+    head_dim = model.config.head_dim
+    views = []
+    for full in (full_cache_for(model), windowed_cache_for(model, WINDOW + 12)):
+        for start in range(0, SEQ, 8):
+            model(ids[start : start + 8], start, full)
+        streaming = StreamingCache(2, 2, head_dim, 4, 16, 8, torch.float32, windows=model.config.sliding_windows)
+        streaming.fill_from(full)
+        streaming.prepare(SEQ, 1)
+        key = torch.zeros(2, 1, head_dim)
+        views.append([streaming.update(layer, None, key, key)[0] for layer in range(2)])
+    assert full.offset > 0
+    for plain, windowed in zip(*views, strict=True):
+        assert plain.shape[1] == WINDOW  # the window's positions before the new one, and the new one
+        torch.testing.assert_close(windowed, plain)
+
+
+def test_retrieval_cache_selects_again_where_the_positions_to_copy_were_dropped():
+    """The middle tier skipped while the full cache moved past positions it had not copied: it chooses its chunks
+    again, for the full cache's new length, instead of reading positions no longer held."""
+    cfg, ref = mistral(seed=2)
+    model = wrap(ref, cfg).model
+    ids = torch.tensor(random_prompt(SEQ, cfg.vocab_size, seed=6))
+    full = windowed_cache_for(model, WINDOW + 12)
+    for start in range(0, 48, 8):
+        model(ids[start : start + 8], start, full)
+    retrieval = RetrievalCache(full, 8, ALIGN, 40, windows=model.config.sliding_windows)
+    retrieval.select_chunks()
+    for start in range(48, 72, 8):
+        model(ids[start : start + 8], start, full)
+    assert full.offset > retrieval.synced_until == 48
+    retrieval.sync_recent()
+    assert retrieval.selected_until == retrieval.length == 72
+    assert (retrieval.chunk_ids * ALIGN >= 72 - WINDOW + 1 - ALIGN).all()

@@ -61,11 +61,13 @@ def measure_forward_costs(
 ) -> list[ForwardCost]:
     """Median-ready timings of forwards of each token count, full cache first, then the retrieval cache."""
     cfg = target.model.config
-    context = state.keys.shape[2]
+    context, held = state.prompt_ids.shape[0], state.keys.shape[2]
     most = max(token_counts)
-    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context + most, target.dtype, target.device)
+    window = cfg.shared_window if held < context else None  # a state that kept only the window: as it was held
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, held + most, target.dtype, target.device)
+    full = FullCache(*shape, window=window)
     state.restore(full, half_copy=target.half_prompt_cache)
-    retrieval = RetrievalCache(full, budget, chunk_size, chunk_size + most)
+    retrieval = RetrievalCache(full, budget, chunk_size, chunk_size + most, windows=cfg.sliding_windows)
     retrieval.select_chunks()
     new_ids = state.prompt_ids[-most:].to(target.device)  # any tokens: only the cost is measured
     costs = []

@@ -190,12 +190,22 @@ class Engine:
             device_type=self.target.device.type,
             model_drafter=self.uses_model_drafter,
             held=held.capacity if kept else 0,
+            window=self._full_window(),
         )
+
+    def _full_window(self) -> int | None:
+        """The sliding window every layer of the target shares, the only positions its full cache keeps (FullCache's
+        window); None where the cache keeps every position: a target with layers of other windows or none, or a
+        cache offloaded to host memory, whose streaming and layer-wise prefill take every position."""
+        return None if self.offloaded else self.target.model.config.shared_window
 
     def _full_layout(self) -> tuple:
         """What a held full cache must have been built with for this engine to reuse it, besides room enough: where
-        it lives (the host, with its on-chip layers) and whether steps on it compile."""
-        return self.offloaded, self.config.on_chip_layers if self.offloaded else 0, self.compiled and not self.offloaded
+        it lives (the host, with its on-chip layers), whether steps on it compile and, keeping only a window, the
+        retrieval chunk its first position is a multiple of."""
+        offloaded = self.offloaded
+        align = self.config.chunk_size if self._full_window() else None
+        return offloaded, self.config.on_chip_layers if offloaded else 0, self.compiled and not offloaded, align
 
     def _layout(self, kind: str, caps: Capacities) -> tuple:
         """What a held cache of kind (CacheKind) must have been built with for this engine to reuse it, besides
@@ -316,7 +326,8 @@ class Engine:
 
         keep: prompt positions to keep in a full cache that is held, with the retrieval cache's summaries of the
         chunks they fill (a prefix shared with the last prefill, _Prefilled.reusable); _InUse.kept says how many
-        were kept (none where the full cache is built anew).
+        were kept: none where the full cache is built anew, or keeps only a window and dropped a position a
+        forward from keep reads (FullCache.can_write_from).
         """
         cfg = self.config
         for loaded in (self.target, self.drafter):
@@ -325,7 +336,7 @@ class Engine:
         caps = self._capacities(prompt_tokens)
         build, release = self._renewal(caps)
         caches = self._caches
-        kept = 0 if CacheKind.FULL in build else keep
+        kept = 0 if CacheKind.FULL in build or not caches.full.can_write_from(keep) else keep
         if build:
             self.check_memory(prompt_tokens)
             sizes = self.memory_plan(prompt_tokens).bytes_by_kind()
@@ -359,7 +370,7 @@ class Engine:
             full = FullCache(*shape, "cpu")  # offload_kv pins it, exactly its bytes
             offload_kv(full, device, self.config.on_chip_layers)  # its forwards run eager, on the streamed views
         else:
-            full = FullCache(*shape, device)
+            full = FullCache(*shape, device, window=self._full_window(), align=self.config.chunk_size)
             if self.compiled:
                 full.make_static(model.num_heads, MAX_STEP_TOKENS)
         return full
@@ -611,9 +622,20 @@ class Engine:
         allocated for it once (a cache too small for it is built anew and keeps nothing)."""
         prompt_ids = prompt_state.prompt_ids.tolist()
         self.check_prompt(prompt_ids)
+        self._check_restorable(prompt_state)
         full = self._allocate(max(len(prompt_ids), next_prompt_tokens)).full
         with self._filling(prompt_ids):
             prompt_state.restore(full)
+
+    def _check_restorable(self, prompt_state: PromptState) -> None:
+        """A ConfigError where prompt_state holds only the prompt's last positions (its full cache kept a sliding
+        window) and this engine's full cache keeps every position (offloaded): it lacks the positions before."""
+        if prompt_state.first_position and self._full_window() is None:
+            raise ConfigError(
+                f"the saved prefill holds only the positions from {prompt_state.first_position} on (its full cache"
+                " kept the sliding window alone), and this run's full cache keeps every position (`offload`): run"
+                " it without `prompt_cache` or without `offload`"
+            )
 
     @contextmanager
     def _filling(self, prompt_ids: list[int]) -> Iterator[None]:
@@ -679,6 +701,8 @@ class Engine:
         self.check_prompt(prompt_ids)
         if prompt_state is not None and not prompt_state.matches(prompt_ids):
             raise PromptError("the saved prompt state belongs to another prompt")
+        if prompt_state is not None:
+            self._check_restorable(prompt_state)
         cfg = self.config
         generator = torch.Generator(device=self.target.device)
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed()

@@ -39,41 +39,46 @@ PREFIX_INDEX = ".prefix-index.json"  # block hash -> saved file (a dot name: nev
 
 @dataclass
 class PromptState:
+    """A prefilled prompt of P tokens. A full cache keeping only its window (FullCache.window) holds the prompt's
+    last positions alone: keys and values then hold positions [first_position, P), first_position = P - n."""
+
     prompt_ids: torch.Tensor  # (P,)
-    keys: torch.Tensor  # (layers, Hkv, P, D)
-    values: torch.Tensor  # (layers, Hkv, P, D)
+    keys: torch.Tensor  # (layers, Hkv, n, D), n <= P: positions [P - n, P)
+    values: torch.Tensor  # (layers, Hkv, n, D)
     last_queries: torch.Tensor  # (layers, Hq, D): queries at the last prompt position
     last_logits: torch.Tensor  # (1, V): logits after the last prompt token
 
     @classmethod
     def capture(cls, full: FullCache, prompt_ids: list[int], last_logits: torch.Tensor) -> "PromptState":
-        length = full.length
         full.settle()
-        queries = full.queries_at(length - 1)
+        _, keys, values = full.held()
+        queries = full.queries_at(full.length - 1)
         return cls(
             torch.tensor(prompt_ids, dtype=torch.long),
-            full.keys[:, :, :length].clone(),
-            full.values[:, :, :length].clone(),
+            keys.clone(),
+            values.clone(),
             queries.clone(),
             last_logits.clone(),
         )
+
+    @property
+    def first_position(self) -> int:
+        """The first position keys and values hold: 0 but for a full cache that kept only its window."""
+        return self.prompt_ids.shape[0] - self.keys.shape[2]
 
     def matches(self, prompt_ids: list[int]) -> bool:
         return self.prompt_ids.tolist() == list(prompt_ids)
 
     def restore(self, full: FullCache, half_copy: bool = False) -> None:
-        """Put the prompt into a full cache as if it had just been prefilled.
+        """Put the prompt into a full cache as if it had just been prefilled (FullCache.assign: a ValueError where
+        it cannot hold what this state holds).
 
         half_copy: also give the cache its float16 copy of the prompt (FullCache.make_half_copy), as a prefill does
         for a target with half or GGUF weights.
         """
-        length = self.keys.shape[2]
-        full.reset()
-        full.prepare(0, length)
-        full.keys[:, :, :length] = self.keys
-        full.values[:, :, :length] = self.values
+        full.assign(self.first_position, self.keys, self.values)
         full.queries = [q[:, None, :] for q in self.last_queries]  # (Hq, 1, D) per layer
-        full.query_start = length - 1
+        full.query_start = full.length - 1
         if half_copy:
             full.make_half_copy()
 

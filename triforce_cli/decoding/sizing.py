@@ -6,7 +6,8 @@ plan` predicts are the same functions' results. Weights are each caller's own: t
 holds, the planner the parameters of a shape.
 
 Sizing policy (Engine, docs/architecture.md): the caches are allocated once and kept across generations. The full
-cache holds max(prompt + new tokens, EngineConfig.cache_positions) positions plus one step's headroom, and never
+cache holds max(prompt + new tokens, EngineConfig.cache_positions) positions plus one step's headroom (for a
+target whose every layer has the same sliding window, at most that window and a slack: full_slots), and never
 shrinks: a cache already held that is large enough is kept, a longer prompt grows it (the old one released first).
 The retrieval cache holds the largest budget any prompt that fits the full cache can use (EngineConfig.budget_for
 of the longest such prompt), so a shorter prompt's smaller budget reuses its buffers.
@@ -103,7 +104,8 @@ HOST_ADVICE = "use a shorter prompt or fewer `max_new_tokens`"  # what frees hos
 class Capacities:
     """Positions each cache is allocated for; 0 for a cache the generation does not build.
 
-    full: positions of the full KV cache. budget: the largest retrieval budget the retrieval cache holds; recent:
+    full: slots of the full KV cache: the positions it takes, or where it keeps only a sliding window (full_slots)
+    the most it holds at once. budget: the largest retrieval budget the retrieval cache holds; recent:
     the positions of its recent region after the budget. draft_step: slots of the drafter's StreamingLLM cache for
     one write past its sinks and window (StreamingCache.max_step); streaming: all its slots.
     """
@@ -126,6 +128,17 @@ def headroom(config: EngineConfig, compiled: bool) -> int:
     return config.speculation_depth * (2 if compiled else 1)
 
 
+def full_slots(config: EngineConfig, positions: int, window: int | None, spare: int, device_type: str) -> int:
+    """Slots of a full cache for `positions`: as many, or for a target whose every layer has the sliding window W
+    (ModelConfig.shared_window) at most W + the longest write (a prefill chunk, or a step with its padding) + one
+    retrieval chunk, the slack that keeps its first position a multiple of the chunk size (cache.FullCache's window).
+    Such a cache moves about W positions per slack positions written, and holds any number of positions."""
+    if window is None:
+        return positions
+    longest = max(config.prefill_chunk_on(device_type), spare)
+    return min(positions, window + longest + config.chunk_size)
+
+
 def capacities(
     config: EngineConfig,
     prompt_tokens: int,
@@ -134,6 +147,7 @@ def capacities(
     device_type: str,
     model_drafter: bool,
     held: int = 0,
+    window: int | None = None,
 ) -> Capacities:
     """The positions of every cache a generation after prompt_tokens holds (see the module docstring).
 
@@ -143,17 +157,20 @@ def capacities(
         compiled: whether decode steps run compiled (headroom).
         device_type: 'cpu' or 'cuda', which decides the prefill chunk a StreamingLLM cache takes at once.
         model_drafter: whether a model drafts on a StreamingLLM cache (not for an n-gram drafter alone).
-        held: positions of a full cache already held, kept where they suffice (0: none).
+        held: slots of a full cache already held, kept where they suffice (0: none).
+        window: the sliding window every layer of the target shares where its full cache keeps only that
+            (full_slots; None: every position).
 
     Returns:
         The capacities; a ConfigError (EngineConfig.budget_for) where the budget fits no prompt the full cache
         takes.
     """
     spare = headroom(config, compiled)
-    full = max(max(prompt_tokens + config.max_new_tokens, config.cache_positions or 0) + spare, held)
+    positions = max(max(prompt_tokens + config.max_new_tokens, config.cache_positions or 0) + spare, held)
+    full = max(full_slots(config, positions, window, spare, device_type), held)
     budget = recent = 0
     if config.uses_retrieval:
-        budget = config.budget_for(full - spare - config.max_new_tokens)  # the longest prompt the full cache takes
+        budget = config.budget_for(positions - spare - config.max_new_tokens)  # the longest prompt the cache takes
         recent = config.chunk_size + config.refresh_interval * (config.gamma2 + 1) + spare
     draft_step = max(config.prefill_chunk_on(device_type), spare) if model_drafter else 0
     streaming = config.sink_tokens + config.draft_window + draft_step if model_drafter else 0

@@ -57,7 +57,9 @@ class ModelShape:
     """The sizes of a Llama-family decoder that decide its bytes and FLOPs.
 
     output_vocab: tokens the output layer computes logits for, where a drafter's is restricted to the most frequent
-    ones (Transformer.restrict_output); None for the whole vocabulary.
+    ones (Transformer.restrict_output); None for the whole vocabulary. shared_window: the sliding window every layer
+    has (ModelConfig.shared_window), whose full cache on the device keeps only that many positions and a slack
+    (decoding.sizing.full_slots); None where a layer reads every key or another window.
     """
 
     name: str
@@ -71,6 +73,7 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     output_vocab: int | None = None
+    shared_window: int | None = None
 
     @classmethod
     def from_config(cls, *, name: str, config: ModelConfig) -> "ModelShape":
@@ -422,6 +425,7 @@ def memory_items(
         compiled=hardware.cuda_graphs,
         device_type="cuda" if hardware.gpu else "cpu",
         model_drafter=tiers.drafter,
+        window=target.shared_window if offload == OffloadMode.NONE else None,
     )
     copies = hardware.gpus
     caches = cache_items(

@@ -87,6 +87,13 @@ class ModelConfig:
         """The window of layer (sliding_windows), None where it reads every earlier key."""
         return self.sliding_windows[layer] if self.sliding_windows else None
 
+    @property
+    def shared_window(self) -> int | None:
+        """The sliding window W where every layer has the same one (Mistral's, Phi-3's), else None: a full cache
+        then needs to hold only the positions a query can read (cache.FullCache's window)."""
+        windows = set(self.sliding_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
         if getattr(hf, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -268,7 +275,8 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[: self.num_heads]), self.k_norm(qk[self.num_heads :])])
         qk = rotate(qk, cos, sin)
         q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[rotated_heads:]
-        # the window applies by position, where slots are positions (the full cache); the draft caches approximate
+        # the window applies by slot where a view holds consecutive positions (the full cache); draft caches
+        # approximate it
         window = self.window if cache.slots_are_positions else None
         if cache.static_step:
             keys, values = cache.step_update(self.layer, q, k, v)  # (Hkv, S, D), all slots
