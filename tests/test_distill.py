@@ -7,6 +7,7 @@ import pathlib
 import pickle
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from triforce_cli.distill.trainer import (
     topk_distillation_loss,
 )
 from triforce_cli.errors import ConfigError, ModelLoadError
+from triforce_cli.runtime.embedded import EMBEDDED_NAME
 from triforce_cli.runtime.loading import DRAFTER_METADATA, load_model
 
 VOCAB = 32  # w0..w29, <unk>, <eos>
@@ -411,10 +413,12 @@ def test_default_drafter_choice(tmp_path, monkeypatch):
     shipped.mkdir()
     (shipped / "config.json").write_text("{}")
     monkeypatch.setattr(triforce_cli.decoding.pipeline, "EMBEDDED_DRAFTER", shipped)
-    assert drafter_spec(None, None) == str(shipped)  # with or without the n-gram before it
-    assert drafter_spec(None, "self") is None
-    assert drafter_spec("some/model", None) is None
-    assert drafter_spec(None, "mine") == "mine"
+    embedded = SimpleNamespace(name=EMBEDDED_NAME, hf_config=SimpleNamespace(), weight_files=())
+    other = SimpleNamespace(name="some/model", hf_config=SimpleNamespace(vocab_size=32, hidden_size=8), weight_files=())
+    assert drafter_spec(embedded, None) == str(shipped)  # with or without the n-gram before it
+    assert drafter_spec(embedded, "self") is None
+    assert drafter_spec(other, None) is None
+    assert drafter_spec(embedded, "mine") == "mine"
 
 
 # --- the command line ---------------------------------------------------------------------------------------------
