@@ -243,15 +243,19 @@ def test_retrieval_cache_selects_no_chunk_before_the_window():
     assert keys.shape[1] == budget - small_window.first_slots[1] + 1
 
 
+def saved_half_mistral(folder):
+    """A windowed Mistral saved to folder and loaded with half weights, and a prompt several windows long."""
+    cfg, ref = mistral(seed=3)
+    ref.save_pretrained(folder / "windowed")
+    save_tokenizer(folder / "windowed", cfg.vocab_size)
+    return load_model(str(folder / "windowed"), weights="half"), random_prompt(64, cfg.vocab_size, seed=8)
+
+
 @pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
 def test_half_weights_read_the_float16_prompt_inside_the_window_in_every_mode(tmp_path):
     """With half weights attention reads the prompt's float16 copy, cut to the window for one query and widened
     for several: every mode still gives autoregressive's greedy tokens."""
-    cfg, ref = mistral(seed=3)
-    ref.save_pretrained(tmp_path / "windowed")
-    save_tokenizer(tmp_path / "windowed", cfg.vocab_size)
-    loaded = load_model(str(tmp_path / "windowed"), weights="half")
-    ids = random_prompt(64, cfg.vocab_size, seed=8)
+    loaded, ids = saved_half_mistral(tmp_path)
     greedy = SamplingConfig(temperature=0)
     reference = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **SETTINGS))
     expected = reference.generate(ids)
@@ -467,11 +471,7 @@ def test_every_mode_is_greedy_equal_on_a_cache_keeping_the_window(tmp_path, fixe
 @pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
 def test_half_weights_are_greedy_equal_on_a_cache_keeping_the_window(tmp_path):
     """With half weights every mode reads the float16 prompt copy, which moves with the cache."""
-    cfg, ref = mistral(seed=3)
-    ref.save_pretrained(tmp_path / "windowed")
-    save_tokenizer(tmp_path / "windowed", cfg.vocab_size)
-    loaded = load_model(str(tmp_path / "windowed"), weights="half")
-    ids = random_prompt(64, cfg.vocab_size, seed=8)
+    loaded, ids = saved_half_mistral(tmp_path)
     greedy = SamplingConfig(temperature=0)
     expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **WINDOW_KEPT)).generate(ids)
     for mode in ("retrieval", "streaming", "triforce"):
