@@ -712,9 +712,10 @@ class Engine:
         chain: list[ModelTier] = []  # the tiers, top first, once built
         try:
             held = self._caches.prefilled
-            rope_factors = self.target.model.rope_factors_for(len(prompt_ids) + cfg.max_new_tokens)
-            reusable = 0 if held is None else held.reusable(prompt_ids, self.prefill_chunk, rope_factors)
-            keep = 0 if prompt_state is not None else reusable
+            keep = 0
+            if prompt_state is None and held is not None:
+                rope_factors = self.target.model.rope_factors_for(len(prompt_ids) + cfg.max_new_tokens)
+                keep = held.reusable(prompt_ids, self.prefill_chunk, rope_factors)
             # 1. allocate
             caches = self._allocate(len(prompt_ids), keep)
             stats.compile_seconds = self._warm_up(caches)
