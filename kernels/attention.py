@@ -175,14 +175,18 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out[0]
 
 
+# whether torch.bmm takes out_dtype (its 'dtype' overload, torch 2.8 on): float32 products of 16-bit factors
+BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()
+
+
 def float32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Batched product a @ b, a (B, M, K) and b (B, K, N) of one dtype, accumulated and returned in float32 (B, M, N).
 
-    16-bit inputs on CUDA go through bmm's out_dtype (CUDA-only in torch 2.13, float16/bfloat16 to float32): the
-    tensor cores' product without a rounding of the result to 16 bits. Elsewhere both factors are upcast (a no-op
-    for float32).
+    16-bit inputs on CUDA go through bmm's out_dtype (CUDA-only, float16/bfloat16 to float32, where torch has it:
+    BMM_OUT_DTYPE): the tensor cores' product without a rounding of the result to 16 bits. Elsewhere both factors
+    are upcast (a no-op for float32), which gives the same float32 product.
     """
-    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+    if BMM_OUT_DTYPE and a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a.float(), b.float())
 
@@ -240,25 +244,94 @@ def blocked_attention(
     return out.div_(total).to(q.dtype).reshape(num_q_heads, num_queries, head_dim)
 
 
+FUSED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the CPU's fused SDPA kernel takes
+
+
+def fused_kernel(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
+    """Which of SDPA's fused kernels that return their log-sum-exp takes q (1, H, T, D) against k and v (1, Hk, L, D):
+    'cpu' (the CPU's flash kernel), 'flash' (CUDA's, 16-bit), 'efficient' (CUDA's memory-efficient kernel, float32
+    included) or None (none does). Only 'flash' reads grouped heads (Hk < H) natively; grouped inputs are asked
+    of the others as torch_attention then calls them, with the keys expanded to q's heads, which only the square
+    part has (L == T), so q stands in for those keys."""
+    if q.device.type == "cpu":
+        return "cpu" if q.dtype in FUSED_CPU_DTYPES else None
+    if q.device.type != "cuda":
+        return None
+    grouped = q.shape[1] != k.shape[1]
+    if torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, causal, grouped)):
+        return "flash"
+    keys = q if grouped else k
+    if torch.backends.cuda.can_use_efficient_attention(
+        torch.backends.cuda.SDPAParams(q, keys, keys, None, 0.0, causal, False)
+    ):
+        return "efficient"
+    return None
+
+
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, kernel: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused SDPA kernel (fused_kernel's choice) on q (1, H, T, D) and k, v (1, Hk, L, D): every key visible,
+    or SDPA's top-left causal mask (query t reads keys 0..t). Returns the output (1, H, T, D) in q's dtype and the
+    float32 natural log-sum-exp of each row's scaled scores (1, H, T)."""
+    if kernel == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if kernel == "flash":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., : q.shape[2]]  # the kernel pads its rows of log-sum-exp to a multiple of 32
+
+
+def merge_by_log_sum_exp(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """Attention over the union of disjoint key sets from each set's own: outputs (H, T, D) and their rows'
+    log-sum-exps (H, T), weighted by each set's share of the softmax mass, in float32. Returns (H, T, D) in dtype."""
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # (H, T)
+    out = None
+    for part, lse in parts:
+        weighted = part.float().mul_((lse - total).exp_()[..., None])  # (H, T, D) float32, a new tensor
+        out = weighted if out is None else out.add_(weighted)
+    return out.to(dtype)
+
+
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """The 'sdpa' backend: torch ops only, any device, memory bounded by the chunk rather than the context.
     q (Hq, T, D), k and v (Hkv, L, D) as attention() takes them; output (Hq, T, D).
 
-    Where the bottom-right mask is one SDPA knows without a mask tensor (none for one query, its top-left causal
-    mask for a square T == L) and torch.backends.cuda.can_use_flash_attention accepts the call, SDPA runs with its
-    flash kernel alone enabled: the one fused kernel that takes grouped heads without expanding K/V. Any other call
-    runs blocked_attention: SDPA with a mask tensor and grouped heads falls back, on CUDA, to its math kernel.
+    The bottom-right causal mask splits into two masks SDPA's fused kernels know without a mask tensor: the context
+    keys [0, L - T), which every query reads (no mask), and the T new keys, a square whose bottom-right mask is
+    SDPA's top-left is_causal. Each part runs one fused kernel (fused_kernel) that also returns the log-sum-exp of
+    each row, and the two are merged by it (merge_by_log_sum_exp); one query, or T == L, is one part alone.
+    Grouped heads are never expanded over the context: for the context part, which masks nothing, the G query heads
+    of a KV head are stacked into (Hkv, G*T, D) rows (every kernel takes that); the square part reads grouped heads
+    natively in CUDA's flash kernel and expands only the T new keys and values for the others. Memory beyond the
+    kernels' tiles is a few (Hq, T, D) tensors. Inputs no fused kernel takes (a head dim or dtype) run
+    blocked_attention.
     """
-    num_queries, num_keys = q.shape[1], k.shape[1]
-    if q.is_cuda and num_queries in (1, num_keys):
-        causal = num_queries > 1
-        q4, k4, v4 = q[None], k[None], v[None]  # (1, H, T or L, D)
-        params = torch.backends.cuda.SDPAParams(q4, k4, v4, None, 0.0, causal, True)
-        if torch.backends.cuda.can_use_flash_attention(params):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, scale=scale, enable_gqa=True)
-            return out[0]
-    return blocked_attention(q, k, v, scale)
+    num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads, num_keys, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    square = num_queries > 1  # the new keys as a part of their own; one query reads every key unmasked
+    context = num_keys - num_queries if square else num_keys  # keys every query reads
+    stacked = q.reshape(num_kv_heads, group * num_queries, head_dim)[None]  # (1, Hkv, G*T, D)
+    context_keys, context_values = k[None, :, :context], v[None, :, :context]  # (1, Hkv, context, D)
+    new_keys, new_values = k[None, :, context:], v[None, :, context:]  # (1, Hkv, T, D)
+    context_kernel = fused_kernel(stacked, context_keys, causal=False) if context else None
+    square_kernel = fused_kernel(q[None], new_keys, causal=True) if square else None
+    if (context and context_kernel is None) or (square and square_kernel is None):
+        return blocked_attention(q, k, v, scale)
+    parts = []  # (output (Hq, T, D), log-sum-exp (Hq, T)) of each part
+    if context:
+        out, lse = fused_attention(stacked, context_keys, context_values, scale, False, context_kernel)
+        parts.append((out.reshape(num_q_heads, num_queries, head_dim), lse.reshape(num_q_heads, num_queries)))
+    if square:
+        if square_kernel != "flash" and group > 1:
+            new_keys, new_values = (x.repeat_interleave(group, dim=1) for x in (new_keys, new_values))  # (1, Hq, T, D)
+        out, lse = fused_attention(q[None], new_keys, new_values, scale, True, square_kernel)
+        parts.append((out[0], lse[0]))
+    if len(parts) == 1:
+        return parts[0][0]
+    return merge_by_log_sum_exp(parts, q.dtype)
 
 
 def flash_window(window: int | None) -> tuple[int, int]:

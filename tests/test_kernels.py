@@ -224,24 +224,87 @@ def test_blocked_attention_matches_reference(dtype, num_queries, group, num_keys
     assert (out.double() - exact).abs().max().item() <= 2 * reference_error + 1e-6
 
 
-def test_torch_attention_runs_sdpa_where_its_flash_kernel_takes_the_call(monkeypatch):
-    """One query (no mask) or a square call (SDPA's top-left causal mask is then the bottom-right one) go to SDPA
-    when its flash kernel accepts them; here its CPU kernel stands in for the CUDA one."""
-    module = sys.modules["triforce_cli.kernels.attention"]
-    calls = []
-    original_blocked = module.blocked_attention
-    monkeypatch.setattr(module, "blocked_attention", lambda *a: calls.append("blocked") or original_blocked(*a))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", lambda params: True)
-    for num_queries, num_keys in [(1, 30), (6, 6), (5, 30)]:
-        q, k, v = qkv(4, 2, num_queries, num_keys, seed=num_keys)
-        out = torch_attention(q, k, v, SCALE)
+@pytest.mark.parametrize(
+    ("num_queries", "num_keys"), [(1, 1), (1, 50), (7, 50), (50, 50), (1, 1000), (64, 1000), (300, 1000)]
+)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_attention_matches_reference(dtype, group, num_queries, num_keys):
+    """The 'sdpa' backend's split into the context part and the causal square of the new keys, merged by their
+    log-sum-exps: one query, a chunk after others, a first chunk (T == L). float32 within the kernels' tolerance;
+    bfloat16 within four times the reference's own error, the bound CUDA's test of this backend keeps (the two
+    parts' outputs are rounded before the merge, and the merged one again)."""
+    q, k, v = (x.to(dtype) for x in qkv(4, 4 // group, num_queries, num_keys, seed=num_keys + num_queries))
+    out = torch_attention(q, k, v, SCALE)
+    assert out.shape == q.shape and out.dtype == dtype
+    if dtype == torch.float32:
         torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
-    assert calls == ["blocked"]  # only the 5 queries against 30 keys, which need a mask
+        return
+    exact = attention_reference(q.double(), k.double(), v.double(), SCALE)
+    reference_error = (attention_reference(q, k, v, SCALE).double() - exact).abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= 4 * reference_error + 1e-5
+
+
+def count_calls(monkeypatch, module, *names: str) -> list[str]:
+    """Record the names of module's functions among names as they are called (and still run them)."""
+    calls = []
+    for name in names:
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("num_queries", "num_keys", "fused_calls"),
+    [(1, 30, 1), (6, 6, 1), (5, 30, 2), (64, 16384, 2)],
+    ids=["one-query", "first-chunk", "later-chunk", "long-context"],
+)
+def test_the_sdpa_backend_runs_fused_kernels_without_a_loop_over_key_blocks(num_queries, num_keys, fused_calls):
+    """A prefill chunk after the first (T < L) runs two fused kernel calls, whatever L: no blocked_attention, whose
+    Python loop took one iteration (two float32_bmm calls) per 1,024 keys, half a million of them for a 128K-token
+    prefill. The CPU's fused kernel stands in for CUDA's."""
+    module = sys.modules["triforce_cli.kernels.attention"]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = count_calls(monkeypatch, module, "blocked_attention", "float32_bmm", "fused_attention")
+        q, k, v = qkv(8, 2, num_queries, num_keys, seed=num_keys)
+        out = attention(q, k, v, SCALE, backend="sdpa")
+    assert calls == ["fused_attention"] * fused_calls
+    torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_attention_runs_blocked_attention_where_no_fused_kernel_takes_the_inputs(monkeypatch):
+    """float64, which the CPU's fused kernel is not asked to take, runs the blocked loop (float32 scores)."""
+    module = sys.modules["triforce_cli.kernels.attention"]
+    calls = count_calls(monkeypatch, module, "blocked_attention", "fused_attention")
+    q, k, v = (x.double() for x in qkv(4, 2, 5, 30))
+    out = torch_attention(q, k, v, SCALE)
+    assert calls == ["blocked_attention"]
+    torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_float32_bmm_upcasts_where_bmm_has_no_out_dtype(monkeypatch):
+    """torch 2.7's bmm has no out_dtype (BMM_OUT_DTYPE false): 16-bit factors on CUDA are upcast instead, the same
+    float32 product. Here a bmm without the keyword, as 2.7's, and CPU tensors that call themselves CUDA's."""
+    module = sys.modules["triforce_cli.kernels.attention"]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 5, 16, generator=g).bfloat16(), torch.randn(3, 16, 7, generator=g).bfloat16()
+    expected = torch.bmm(a.float(), b.float())
+    plain_bmm = torch.bmm
+    monkeypatch.setattr(module, "BMM_OUT_DTYPE", False)
+    monkeypatch.setattr(torch, "bmm", lambda x, y: plain_bmm(x, y))  # no out_dtype keyword
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    out = module.float32_bmm(a, b)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+
+
+def test_bmm_out_dtype_detection_is_torchs_own_overload():
+    module = sys.modules["triforce_cli.kernels.attention"]
+    assert module.BMM_OUT_DTYPE == ("dtype" in torch.ops.aten.bmm.overloads())
 
 
 class LargestTensor(TorchDispatchMode):
-    """Records the size in bytes of the largest tensor any op produces while the mode is on."""
+    """Records the size in bytes of the largest tensor any op allocates while the mode is on (views of an op's
+    inputs, such as a slice of the keys, allocate nothing)."""
 
     def __init__(self):
         super().__init__()
@@ -249,8 +312,9 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
                 self.largest = max(self.largest, tensor.numel() * tensor.element_size())
         return out
 
