@@ -23,8 +23,9 @@ from triforce_cli.kernels import optional
 from triforce_cli.kernels.native import native_loaded
 
 FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured up to here (docs/performance.md)
-# keys per block of blocked_attention: a block's scores are Hkv * G*T * KEY_BLOCK float32 values, 64 MiB for a
-# 512-query chunk of Llama-3.1-8B (32 query heads), whatever the context length
+# keys per block of blocked_attention (the sdpa backend's fallback where no fused kernel takes the inputs): a block's
+# scores are Hkv * G*T * KEY_BLOCK float32 values, 128 MiB per 1,024 queries of a model with 32 query heads,
+# whatever the context length
 KEY_BLOCK = 1024
 
 
