@@ -1,6 +1,7 @@
 """What loading Llama-3.1-8B (and offloading its 128K-token KV cache) puts on a GPU and pins in host memory, counted
 without a GPU and without the memory: the real load path on fake tensors (tests/memory_accounting.py)."""
 
+import dataclasses
 import gc
 import json
 from pathlib import Path
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 from triforce_cli.cli.app import app
 from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.sizing import prefill_activation_bytes
 from triforce_cli.plan import MODELS
 from triforce_cli.plan.presets import LLAMA_3_1_ROPE
 from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
@@ -175,8 +177,9 @@ def fake_loaded(ledger: MemoryLedger, name: str, hf_config: LlamaConfig) -> Load
 def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(mode, host_queues, monkeypatch):
     """`triforce plan --model Llama-3.1-8B --hardware rtx-4090 --context 128k`: for each offload setting, the device
     and host bytes it predicts (less the CUDA reserve it keeps free) are within 5% of what the loader and the engine
-    allocate for that generation, counted on fake tensors: the weights of both models, then every cache. Prefill
-    activations are not counted on either side: the layer-by-layer prefill sizes its segments to what is free."""
+    allocate for that generation, counted on fake tensors: the weights of both models, then every cache. The plan's
+    prefill activations are left out with the reserve: allocating the caches runs no forward (the layer-by-layer
+    prefill sizes its segments to what is free beyond them; test_a_prefill_chunk_peaks_within_its_planned_activations)."""
     monkeypatch.setattr("triforce_cli.decoding.engine.available_memory", lambda device: None)  # no real GPU to ask
     rows = {
         (r["mode"], r["offload"]): r
@@ -184,7 +187,7 @@ def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(m
     }
     for offload in ("none", "kv"):
         row = rows[mode, offload]
-        reserve = row["memory"]["CUDA reserve"]["device"]
+        reserve = row["memory"]["CUDA reserve"]["device"] + row["memory"]["prefill activations"]["device"]
         with fake_memory() as ledger:
             target = fake_loaded(ledger, "Llama-3.1-8B", LLAMA_31_8B)
             drafter = fake_loaded(ledger, PLANNED_DRAFTER.name, PLANNED_DRAFTER.llama_config())
@@ -204,3 +207,35 @@ def ledger_weights(loaded: LoadedModel) -> int:
     """Bytes of a model's parameters and buffers, each storage once."""
     tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "chunk"),
+    [
+        ("Llama-3.1-8B", torch.bfloat16, 4096),
+        ("Llama-3.1-8B", torch.bfloat16, 512),
+        ("SmolLM2-135M", torch.bfloat16, 4096),
+        ("SmolLM2-135M", torch.float32, 256),
+    ],
+)
+def test_a_prefill_chunk_peaks_within_its_planned_activations(name, dtype, chunk):
+    """A prefill chunk after the first (chunk new keys after as many held) of a two-layer model of the shape, on fake
+    host tensors with the 'sdpa' attention backend (CUDA's without flash-attn): what it allocates beyond the model
+    and the cache peaks within prefill_activation_bytes, the plan's item, and at more than nine tenths of it (the
+    MLP's peak, for these shapes)."""
+    shape = MODELS[name].target
+    hf_config = dataclasses.replace(shape, num_layers=2).llama_config()
+    with fake_memory() as ledger:
+        state = fake_state(checkpoint_shapes(hf_config), dtype)
+        model = build_model(state, hf_config, BuildOptions(torch.device("cpu"), dtype), Checkpoint(name, Path(), []))
+        for layer in model.model.layers:
+            layer.self_attn.backend = "sdpa"
+        cache = FullCache(2, shape.num_kv_heads, shape.head_dim, 2 * chunk, dtype)
+        tokens = torch.zeros(chunk, dtype=torch.long)
+        model(tokens, 0, cache, num_logits=1, decoding=False)
+        held = ledger.live("cpu")
+        ledger.reset_peaks()
+        model(tokens, chunk, cache, num_logits=1, decoding=False)
+        peak = ledger.peak("cpu") - held
+    planned = prefill_activation_bytes(shape, chunk, dtype.itemsize)
+    assert 0.9 * planned < peak <= planned

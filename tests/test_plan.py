@@ -193,7 +193,7 @@ class TestMemory:
 
     @pytest.mark.parametrize(("hardware", "device"), [("rtx-4090", "cuda"), ("this-cpu", "cpu")])
     def test_the_drafter_cache_holds_a_prefill_chunk_of_the_planned_device(self, hardware, device):
-        """A CPU prefills in chunks of 256 tokens, a GPU in chunks of 512, and the drafter's StreamingLLM cache
+        """A CPU prefills in chunks of 256 tokens, a GPU in chunks of 4,096, and the drafter's StreamingLLM cache
         holds its sinks, its window and one chunk (EngineConfig.prefill_chunk_on)."""
         payload = plan_json("--model", "SmolLM2-135M", "--hardware", hardware, "--context", "8k")
         positions = DEFAULTS.sink_tokens + DEFAULTS.draft_window + PREFILL_CHUNK[device]

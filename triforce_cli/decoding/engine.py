@@ -23,12 +23,14 @@ from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import probabilities, sample
 from triforce_cli.decoding.sizing import (
+    ACTIVATIONS_ITEM,
     HOST_ADVICE,
     WEIGHT_ITEMS,
     CacheKind,
     Capacities,
     MemoryItem,
     MemoryPlan,
+    activation_item,
     cache_items,
     capacities,
     memory_advice,
@@ -255,7 +257,7 @@ class Engine:
         """What a generation after prompt_tokens holds, and where, before anything is allocated: the models'
         weights, and the caches as sizing.cache_items sizes them (the full, retrieval and StreamingLLM caches, the
         compiled steps' queries and, offloaded, the device's on-chip layers and ring), a full cache held that is
-        large enough at its own size."""
+        large enough at its own size, and one prefill forward's activations (sizing.prefill_activation_bytes)."""
         caps = self._capacities(prompt_tokens)
         target, itemsize = self.target.model.config, self.target.dtype.itemsize
         items = [*self._weight_items()]
@@ -271,6 +273,7 @@ class Engine:
         )
         if self.offloaded:
             items.append(staged_item(target, caps, itemsize, self.config.on_chip_layers))
+        items.append(activation_item(target, self.prefill_chunk, itemsize))
         held = tuple(item for item in items if item.device_bytes or item.host_bytes)
         return MemoryPlan(str(self.target.device), held)
 
@@ -291,9 +294,11 @@ class Engine:
         ]
 
     def cache_bytes(self, prompt_tokens: int) -> int:
-        """Bytes of the caches (everything but the weights) a generation after prompt_tokens holds."""
+        """Bytes of the caches (everything but the weights and a prefill's activations) a generation after
+        prompt_tokens holds."""
         plan = self.memory_plan(prompt_tokens)
-        return plan.device_bytes + plan.host_bytes - sum(plan.bytes_of(name) for name in WEIGHT_ITEMS)
+        other = sum(plan.bytes_of(name) for name in (*WEIGHT_ITEMS, ACTIVATIONS_ITEM))
+        return plan.device_bytes + plan.host_bytes - other
 
     def check_memory(self, prompt_tokens: int) -> None:
         """A ConfigError with the figures, before any allocation, where what a generation after prompt_tokens

@@ -33,6 +33,13 @@ class KVShape(Protocol):
     head_dim: int
 
 
+class LayerShape(KVShape, Protocol):
+    """The sizes of a decoder layer that decide one forward's activations (ModelConfig and ModelShape have them)."""
+
+    hidden_size: int
+    intermediate_size: int
+
+
 class MemoryItem(NamedTuple):
     """One thing a generation holds: its name, its bytes on the device and in host memory."""
 
@@ -59,6 +66,7 @@ KIND_OF_ITEM = {  # the memory plan's items of each cache kind
     "drafter cache": CacheKind.STREAMING,
 }
 WEIGHT_ITEMS = ("weights", "streamed weights", "weight ring")
+ACTIVATIONS_ITEM = "prefill activations"  # one prefill forward's (prefill_activation_bytes), no cache's
 
 
 @dataclass(frozen=True)
@@ -219,6 +227,34 @@ def cache_items(
         MemoryItem("float16 prompt copy", kv_bytes(target, caps.full, 2) if half_copy else 0, 0),
         MemoryItem("retrieval staging", 0, kv_bytes(target, caps.budget, dtype_bytes) if offloaded else 0),
     ]
+
+
+def prefill_activation_bytes(shape: LayerShape, tokens: int, dtype_bytes: int) -> int:
+    """Bytes one eager forward of a prefill chunk of tokens holds at its peak besides weights and caches: that of a
+    decoder layer (the previous layer's are freed by then; the output layer computes the last row's logits only).
+
+    T tokens, C = hidden_size, I = intermediate_size, Hq, Hkv and D the heads and head dim, b = dtype_bytes; the
+    positions (T int64) and their rotary cos and sin (2 T*D) throughout, and
+    - in the MLP, the layer's input, the residual stream after attention and its norm (3 T*C), the gate and up
+      projection (2 T*I), its activation and their product (2 T*I): T * b * (3C + 4I);
+    - in attention, the layer's input and its norm (2 T*C), the q/k/v projection (T * (Hq + 2Hkv) * D), the
+      rotated queries and keys with a temporary each (2 T * (Hq + Hkv) * D), the stacked queries, the two parts'
+      outputs and the output's transposed copy (4 T*Hq*D), and the float32 merge of the parts
+      (kernels.attention.merge_by_log_sum_exp: 2 T*Hq*D float32 values).
+    The larger of the two is the peak. The fused attention kernels keep their tiles on chip; blocked_attention,
+    where they refuse the inputs, adds a block of scores (kernels.attention.KEY_BLOCK), which this leaves out.
+    """
+    mlp = dtype_bytes * (3 * shape.hidden_size + 4 * shape.intermediate_size)
+    heads = shape.num_heads * shape.head_dim
+    projections = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    rotated = 2 * (shape.num_heads + shape.num_kv_heads) * shape.head_dim
+    attention = dtype_bytes * (2 * shape.hidden_size + projections + rotated + 4 * heads) + 2 * 4 * heads
+    return tokens * (8 + 2 * shape.head_dim * dtype_bytes + max(mlp, attention))
+
+
+def activation_item(shape: LayerShape, chunk: int, dtype_bytes: int) -> MemoryItem:
+    """The memory plan's item for one prefill forward of chunk tokens on the device (prefill_activation_bytes)."""
+    return MemoryItem(ACTIVATIONS_ITEM, prefill_activation_bytes(shape, chunk, dtype_bytes), 0)
 
 
 def kv_layer_bytes(shape: KVShape, positions: int, dtype_bytes: int) -> int:

@@ -28,6 +28,7 @@ from triforce_cli.decoding.config import MODE_TIERS, MODES, EngineConfig
 from triforce_cli.decoding.sizing import (
     Capacities,
     MemoryItem,
+    activation_item,
     cache_items,
     capacities,
     kv_layer_bytes,
@@ -413,17 +414,19 @@ def memory_items(
 ) -> tuple[list[MemoryItem], Capacities]:
     """What a mode holds, and where, before the on-chip layers: the weights, the caches as the engine sizes them
     (decoding.sizing: the full KV cache on the device or, offloaded, in host memory, the retrieval and drafter
-    caches, the compiled steps' query buffers), and on a GPU the reserve the CUDA runtime and the allocator need
+    caches, the compiled steps' query buffers), one prefill forward's activations in the device's prefill chunk
+    (decoding.sizing.prefill_activation_bytes), and on a GPU the reserve the CUDA runtime and the allocator need
     (runtime.environment.device_reserve, which the engine's memory check leaves too). Also the caches' capacities.
-    The drafter and its cache are held whole on every device."""
+    The drafter and its cache are held whole on every device; the activations are counted whole on each."""
     size = workload.dtype_bytes
     engine = replace(workload.engine, mode=mode)
     tiers = MODE_TIERS[mode]
+    device_type = "cuda" if hardware.gpu else "cpu"
     caps = capacities(
         engine,
         workload.context,
         compiled=hardware.cuda_graphs,
-        device_type="cuda" if hardware.gpu else "cpu",
+        device_type=device_type,
         model_drafter=tiers.drafter,
         window=target.shared_window if offload == OffloadMode.NONE else None,
     )
@@ -442,6 +445,7 @@ def memory_items(
         MemoryItem("target weights", round(target.weight_bytes(workload.target_weights)), 0),
         MemoryItem("drafter weights", drafter.parameters * size * copies if tiers.drafter else 0, 0),
         *caches,
+        activation_item(target, engine.prefill_chunk_on(device_type), size),
         MemoryItem("CUDA reserve", device_reserve(hardware.memory_bytes) * copies if hardware.gpu else 0, 0),
     ]
     return [item for item in items if item.device_bytes or item.host_bytes], caps
