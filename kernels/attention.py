@@ -281,7 +281,7 @@ def fused_attention(
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse[..., : q.shape[2]]  # the kernel pads its rows of log-sum-exp to a multiple of 32
+    return out, lse.narrow(-1, 0, q.shape[2])  # the kernel pads its rows of log-sum-exp to a multiple of 32
 
 
 def merge_by_log_sum_exp(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
@@ -290,7 +290,7 @@ def merge_by_log_sum_exp(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: 
     total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # (H, T)
     out = None
     for part, lse in parts:
-        weighted = part.float().mul_((lse - total).exp_()[..., None])  # (H, T, D) float32, a new tensor
+        weighted = part.float().mul_((lse - total).exp_().unsqueeze(-1))  # (H, T, D) float32, a new tensor
         out = weighted if out is None else out.add_(weighted)
     return out.to(dtype)
 
@@ -314,11 +314,12 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     group = num_q_heads // num_kv_heads
     square = num_queries > 1  # the new keys as a part of their own; one query reads every key unmasked
     context = num_keys - num_queries if square else num_keys  # keys every query reads
-    stacked = q.reshape(num_kv_heads, group * num_queries, head_dim)[None]  # (1, Hkv, G*T, D)
-    context_keys, context_values = k[None, :, :context], v[None, :, :context]  # (1, Hkv, context, D)
-    new_keys, new_values = k[None, :, context:], v[None, :, context:]  # (1, Hkv, T, D)
+    # views by narrow and unsqueeze, not indexing, so that fake CUDA tensors run this too (tests/memory_accounting.py)
+    stacked = q.reshape(num_kv_heads, group * num_queries, head_dim).unsqueeze(0)  # (1, Hkv, G*T, D)
+    context_keys, context_values = (x.narrow(1, 0, context).unsqueeze(0) for x in (k, v))  # (1, Hkv, context, D)
+    new_keys, new_values = (x.narrow(1, context, num_keys - context).unsqueeze(0) for x in (k, v))  # (1, Hkv, T, D)
     context_kernel = fused_kernel(stacked, context_keys, causal=False) if context else None
-    square_kernel = fused_kernel(q[None], new_keys, causal=True) if square else None
+    square_kernel = fused_kernel(q.unsqueeze(0), new_keys, causal=True) if square else None
     if (context and context_kernel is None) or (square and square_kernel is None):
         return blocked_attention(q, k, v, scale)
     parts = []  # (output (Hq, T, D), log-sum-exp (Hq, T)) of each part
@@ -328,8 +329,8 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if square:
         if square_kernel != "flash" and group > 1:
             new_keys, new_values = (x.repeat_interleave(group, dim=1) for x in (new_keys, new_values))  # (1, Hq, T, D)
-        out, lse = fused_attention(q[None], new_keys, new_values, scale, True, square_kernel)
-        parts.append((out[0], lse[0]))
+        out, lse = fused_attention(q.unsqueeze(0), new_keys, new_values, scale, True, square_kernel)
+        parts.append((out.squeeze(0), lse.squeeze(0)))
     if len(parts) == 1:
         return parts[0][0]
     return merge_by_log_sum_exp(parts, q.dtype)

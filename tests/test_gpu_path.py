@@ -404,19 +404,37 @@ class TestOnAGpu:
             flash_attention(q, k, v, 0.125), torch_attention(q, k, v, 0.125), rtol=2e-2, atol=2e-2
         )
 
-    @pytest.mark.parametrize(("num_queries", "num_keys"), [(1, 3000), (300, 300), (5, 3000)])
+    @pytest.mark.parametrize(("num_queries", "num_keys"), [(1, 3000), (300, 300), (5, 3000), (300, 3000)])
+    @pytest.mark.parametrize("head_dim", [64, 128])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    def test_the_sdpa_backend_matches_the_reference(self, dtype, num_queries, num_keys):
-        """SDPA's flash kernel (one query, or a square call, in bfloat16) and blocked_attention with float32
-        scores from bmm's out_dtype (bfloat16) or float32 factors."""
+    def test_the_sdpa_backend_matches_the_reference(self, dtype, head_dim, num_queries, num_keys, monkeypatch):
+        """CUDA's fused kernels (flash for bfloat16, memory-efficient for float32) on the context part and the
+        causal square, merged by log-sum-exp, with no call of blocked_attention."""
+        import sys
+
         from triforce_cli.kernels.attention import torch_attention
 
+        module = sys.modules["triforce_cli.kernels.attention"]
+        monkeypatch.setattr(module, "blocked_attention", lambda *a: pytest.fail("blocked_attention ran"))
         generator = torch.Generator().manual_seed(num_keys)
-        q = torch.randn(8, num_queries, 64, generator=generator).to("cuda", dtype)
-        k, v = (torch.randn(2, num_keys, 64, generator=generator).to("cuda", dtype) for _ in range(2))
+        scale = head_dim**-0.5
+        q = torch.randn(8, num_queries, head_dim, generator=generator).to("cuda", dtype)
+        k, v = (torch.randn(2, num_keys, head_dim, generator=generator).to("cuda", dtype) for _ in range(2))
+        exact = attention_reference(q.double(), k.double(), v.double(), scale)
+        reference_error = (attention_reference(q, k, v, scale).double() - exact).abs().max().item()
+        error = (torch_attention(q, k, v, scale).double() - exact).abs().max().item()
+        assert error <= 4 * reference_error + 1e-5
+
+    def test_blocked_attention_scores_bfloat16_in_float32(self):
+        """The fallback's float32_bmm: bmm's out_dtype where torch has it, upcast factors otherwise."""
+        from triforce_cli.kernels.attention import blocked_attention
+
+        generator = torch.Generator().manual_seed(0)
+        q = torch.randn(8, 300, 64, generator=generator).to("cuda", torch.bfloat16)
+        k, v = (torch.randn(2, 3000, 64, generator=generator).to("cuda", torch.bfloat16) for _ in range(2))
         exact = attention_reference(q.double(), k.double(), v.double(), 0.125)
         reference_error = (attention_reference(q, k, v, 0.125).double() - exact).abs().max().item()
-        error = (torch_attention(q, k, v, 0.125).double() - exact).abs().max().item()
+        error = (blocked_attention(q, k, v, 0.125).double() - exact).abs().max().item()
         assert error <= 4 * reference_error + 1e-5
 
     def test_a_compiled_step_scores_bfloat16_inputs_in_float32(self):

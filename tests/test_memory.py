@@ -4,6 +4,7 @@ without a GPU and without the memory: the real load path on fake tensors (tests/
 import dataclasses
 import gc
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,7 +180,8 @@ def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(m
     and host bytes it predicts (less the CUDA reserve it keeps free) are within 5% of what the loader and the engine
     allocate for that generation, counted on fake tensors: the weights of both models, then every cache. The plan's
     prefill activations are left out with the reserve: allocating the caches runs no forward (the layer-by-layer
-    prefill sizes its segments to what is free beyond them; test_a_prefill_chunk_peaks_within_its_planned_activations)."""
+    prefill sizes its segments to what is free beyond them; test_a_prefill_chunk_peaks_within_its_planned_activations
+    checks the activations)."""
     monkeypatch.setattr("triforce_cli.decoding.engine.available_memory", lambda device: None)  # no real GPU to ask
     rows = {
         (r["mode"], r["offload"]): r
@@ -239,3 +241,34 @@ def test_a_prefill_chunk_peaks_within_its_planned_activations(name, dtype, chunk
         peak = ledger.peak("cpu") - held
     planned = prefill_activation_bytes(shape, chunk, dtype.itemsize)
     assert 0.9 * planned < peak <= planned
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
+def test_the_sdpa_backends_cuda_kernels_allocate_by_the_chunk_not_the_context(dtype, kernel, monkeypatch):
+    """A 4,096-token chunk of a Llama-3.1-8B layer (32 query heads, 8 KV heads, head dim 128) after 4,096 and after
+    16,384 positions, on fake CUDA tensors, CUDA's answers to which kernel takes them given as its rules are (flash:
+    16-bit, grouped heads; memory-efficient: float32, equal heads): two fused calls of that kernel, no
+    blocked_attention, and the same allocations at both lengths, a few (Hq, T, D) tensors (no expanded context)."""
+    module = sys.modules["triforce_cli.kernels.attention"]
+    flash_takes = lambda params: params.query.dtype != torch.float32
+    efficient_takes = lambda params: params.query.shape[1] == params.key.shape[1]  # equal heads
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", flash_takes)
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", efficient_takes)
+    kernels = []
+    fused = module.fused_attention
+    monkeypatch.setattr(module, "fused_attention", lambda *a: kernels.append(a[-1]) or fused(*a))
+    monkeypatch.setattr(module, "blocked_attention", lambda *a: pytest.fail("blocked_attention ran"))
+    chunk, heads, head_dim = 4096, 32, 128
+    peaks = []
+    for context in (4096, 16384):
+        with fake_memory() as ledger:
+            q = torch.empty(heads, chunk, head_dim, dtype=dtype, device=DEVICE)
+            k, v = (torch.empty(8, context + chunk, head_dim, dtype=dtype, device=DEVICE) for _ in range(2))
+            held = ledger.live(DEVICE)
+            out = module.torch_attention(q, k, v, head_dim**-0.5)
+            assert out.shape == q.shape and out.dtype == dtype and out.device == DEVICE
+            peaks.append(ledger.peak(DEVICE) - held)
+    assert kernels == [kernel] * 4
+    # a few float32 (Hq, T, D) tensors (outputs, the merge, float32's expanded new keys), 64 MiB each; the math
+    # kernel's (Hq, T, L) scores would be 10 GiB at 20K keys
+    assert peaks[0] == peaks[1] <= 6 * heads * chunk * head_dim * 4
