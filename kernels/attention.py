@@ -27,6 +27,10 @@ FEW_QUERIES = 8  # grouped_attention beat or tied SDPA at every count measured u
 # scores are Hkv * G*T * KEY_BLOCK float32 values, 128 MiB per 1,024 queries of a model with 32 query heads,
 # whatever the context length
 KEY_BLOCK = 1024
+# queries per SDPA call of windowed_attention on the 'sdpa' backend: a banded mask with grouped heads runs SDPA's math
+# kernel on CUDA, (Hq, B, W + B) scores and K/V expanded to Hq heads over W + B keys, 0.3 GiB for 32 query heads and a
+# 4,096-key window at 512, whatever the prefill chunk
+WINDOW_QUERY_BLOCK = 512
 
 
 def new_token_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
@@ -480,7 +484,8 @@ def windowed_attention(
     then reads the rest as attention() would, fast paths and float16 prefix included; several queries, each with
     its own lower bound, read at most window + T - 1 keys with the band mask (window_mask): on the CPU up to
     FEW_QUERIES of them through grouped_attention, else SDPA, the float16 prefix's keys read widened (exactly) where
-    it holds them.
+    it holds them. The 'sdpa' backend reads WINDOW_QUERY_BLOCK queries at a time, each block against the view up to
+    its last query's own key, so that the math kernel's scores are bounded by the block rather than the chunk.
 
     Args:
         q: (Hq, T, D) queries.
@@ -496,6 +501,13 @@ def windowed_attention(
     num_queries, num_keys = q.shape[1], k.shape[1]
     if backend == "flash":
         return flash_attention(q, k, v, scale, window)
+    if backend == "sdpa" and num_queries > WINDOW_QUERY_BLOCK:
+        blocks = []
+        for start in range(0, num_queries, WINDOW_QUERY_BLOCK):
+            stop = min(start + WINDOW_QUERY_BLOCK, num_queries)
+            seen = num_keys - num_queries + stop  # the view up to the block's last query's own key
+            blocks.append(attention(q[:, start:stop], k[:, :seen], v[:, :seen], scale, prefix, backend, window))
+        return torch.cat(blocks, dim=1)  # (Hq, T, D)
     first = max(0, num_keys - num_queries - window + 1)  # the first key the first query reads
     if prefix is not None and first < prefix.length:
         prefix = HalfPrefix(prefix.keys[:, first:], prefix.values[:, first:])

@@ -6,6 +6,7 @@ window. A model whose every layer has the window keeps only it in its full cache
 through many moves and rollbacks, the same chunk selection, every mode's greedy tokens, prefix reuse and saved
 prefills."""
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -171,6 +172,29 @@ def test_attention_reads_only_the_window(num_queries, half, backend):
         prefix = HalfPrefix(k[:, :50].half(), v[:, :50].half())
     out = attention(q, k, v, 0.25, prefix, backend, window=WINDOW)
     torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_keys", [30, 70])
+def test_the_sdpa_backend_reads_a_long_chunk_in_query_blocks(num_keys, monkeypatch):
+    """A chunk of 20 queries in blocks of at most 8 (WINDOW_QUERY_BLOCK): every SDPA call masks at most 8 queries
+    against at most window + 7 keys, the math kernel's scores on CUDA bounded by the block, and the chunk's output
+    is the window's attention; 30 keys: the first block's window starts at key 0."""
+    module = sys.modules["triforce_cli.kernels.attention"]
+    monkeypatch.setattr(module, "WINDOW_QUERY_BLOCK", 8)
+    shapes = []  # (queries, keys) of each SDPA call
+    sdpa = module.F.scaled_dot_product_attention
+
+    def recorded(q, k, *args, **kwargs):
+        shapes.append((q.shape[-2], k.shape[-2]))
+        return sdpa(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", recorded)
+    torch.manual_seed(2)
+    q, k, v = torch.randn(4, 20, 16), torch.randn(2, num_keys, 16), torch.randn(2, num_keys, 16)
+    out = attention(q, k, v, 0.25, None, "sdpa", window=WINDOW)
+    torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
+    assert [queries for queries, _ in shapes] == [8, 8, 4]
+    assert all(keys <= WINDOW + 7 for _, keys in shapes)
 
 
 @pytest.mark.parametrize("num_queries", [1, 4])

@@ -241,8 +241,10 @@ def prefill_activation_bytes(shape: LayerShape, tokens: int, dtype_bytes: int) -
       rotated queries and keys with a temporary each (2 T * (Hq + Hkv) * D), the stacked queries, the two parts'
       outputs and the output's transposed copy (4 T*Hq*D), and the float32 merge of the parts
       (kernels.attention.merge_by_log_sum_exp: 2 T*Hq*D float32 values).
-    The larger of the two is the peak. The fused attention kernels keep their tiles on chip; blocked_attention,
-    where they refuse the inputs, adds a block of scores (kernels.attention.KEY_BLOCK), which this leaves out.
+    The larger of the two is the peak. The fused attention kernels keep their tiles on chip; left out are what
+    blocked_attention adds where they refuse the inputs (a block of scores, kernels.attention.KEY_BLOCK) and, for a
+    sliding-window layer on the 'sdpa' backend, SDPA's math kernel on one block of queries
+    (kernels.attention.WINDOW_QUERY_BLOCK).
     """
     mlp = dtype_bytes * (3 * shape.hidden_size + 4 * shape.intermediate_size)
     heads = shape.num_heads * shape.head_dim
