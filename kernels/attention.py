@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from triforce_cli.kernels import optional
 from triforce_cli.kernels.native import native_loaded
 
@@ -257,10 +256,11 @@ def fused_kernel(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
     'cpu' (the CPU's flash kernel), 'flash' (CUDA's, 16-bit), 'efficient' (CUDA's memory-efficient kernel, float32
     included) or None (none does). Only 'flash' reads grouped heads (Hk < H) natively; grouped inputs are asked
     of the others as torch_attention then calls them, with the keys expanded to q's heads, which only the square
-    part has (L == T), so q stands in for those keys."""
+    part has (L == T), so q stands in for those keys. On CUDA the head dim must be a multiple of 8: SDPA pads
+    others before it calls these kernels, which torch_attention does not."""
     if q.device.type == "cpu":
         return "cpu" if q.dtype in FUSED_CPU_DTYPES else None
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or q.shape[-1] % 8:
         return None
     grouped = q.shape[1] != k.shape[1]
     if torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, causal, grouped)):
