@@ -31,7 +31,8 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import resolve_attention
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.loading import resolve_compile, resolve_weights
+from triforce_cli.runtime.forms import StepMode
+from triforce_cli.runtime.loading import resolve_steps, resolve_weights
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -285,21 +286,23 @@ class TestFlashDecoding:
 
 
 class TestChoosingCompile:
-    def test_auto_is_on_for_cuda_and_off_on_the_cpu(self):
-        assert resolve_compile(None, torch.device("cuda"), "auto")
-        assert not resolve_compile(None, torch.device("cpu"), "auto")
+    def test_auto_is_graphs_on_cuda_and_eager_on_the_cpu(self):
+        assert resolve_steps(None, torch.device("cuda"), "auto") == StepMode.GRAPHS
+        assert resolve_steps(None, torch.device("cpu"), "auto") == StepMode.EAGER
+        assert resolve_steps("compiled", torch.device("cpu"), "dense") == StepMode.COMPILED
         assert resolve_weights("auto", torch.float32, torch.device("cpu"), "cpu", compiled=True) == "dense"
 
-    def test_half_weights_cannot_compile(self):
-        with pytest.raises(ConfigError, match="`compile_steps` runs dense weights only, not half"):
-            resolve_compile(True, torch.device("cpu"), "half")
+    @pytest.mark.parametrize("steps", ["graphs", "compiled"])
+    def test_half_weights_cannot_take_fixed_shape_steps(self, steps):
+        with pytest.raises(ConfigError, match=f"`steps` {steps} runs dense weights only, not half"):
+            resolve_steps(steps, torch.device("cpu"), "half")
 
     def test_cli_compile_with_half_weights_is_one_line(self, tmp_path):
         prompt = tmp_path / "p.txt"
         prompt.write_text("hello")
         result = CliRunner().invoke(app, ["generate", "-p", str(prompt), "--compile", "--weights", "half"])
         assert result.exit_code == 1 and "Traceback" not in result.output
-        assert result.stderr.strip().startswith("error: --compile runs dense") and result.stderr.count("\n") == 1
+        assert result.stderr.strip().startswith("error: --steps compiled runs dense") and result.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("kind", ["full", "retrieval", "streaming"])
@@ -367,7 +370,8 @@ def test_info_says_what_a_run_picks():
     expected_device = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert facts["device"] == expected_device
     assert facts["attention"] == attention_backend(torch.device(expected_device), getattr(torch, facts["dtype"]))
-    assert facts["compile"] is False and facts["dtype"] in ("float32", "bfloat16")
+    assert facts["steps"] == ("graphs" if torch.cuda.is_available() else "eager")
+    assert facts["dtype"] in ("float32", "bfloat16")
     assert {"torch", "transformers", "flash-attn"} <= set(facts["versions"])
     plain = CliRunner().invoke(app, ["info"], env={"COLUMNS": "80"})
     assert plain.exit_code == 0 and "what a run picks" in plain.stdout and "…" not in plain.stdout
@@ -432,7 +436,7 @@ class TestOnAGpu:
         ).loaded
         loaded.model.to("cuda", dtype)
         if compiled:
-            loaded.model.compile_steps("reduce-overhead")
+            loaded.model.compile_steps()
         return loaded
 
     def test_cuda_graphs_generate_the_eager_tokens_in_every_mode(self):
