@@ -304,6 +304,13 @@ class TestChoosingCompile:
         assert result.exit_code == 1 and "Traceback" not in result.output
         assert result.stderr.strip().startswith("error: --steps compiled runs dense") and result.stderr.count("\n") == 1
 
+    def test_cli_steps_and_a_shorthand_that_disagree_are_one_line(self, tmp_path):
+        prompt = tmp_path / "p.txt"
+        prompt.write_text("hello")
+        result = CliRunner().invoke(app, ["generate", "-p", str(prompt), "--no-compile", "--steps", "graphs"])
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert result.stderr.strip() == "error: --no-compile means --steps eager, not --steps graphs: give one of them"
+
 
 @pytest.mark.parametrize("kind", ["full", "retrieval", "streaming"])
 def test_cpu_and_sdpa_kernels_agree(small, kind):
@@ -430,27 +437,29 @@ class TestOnAGpu:
         assert (out.double() - exact).abs().max().item() <= 2 * 2**-8 * exact.abs().max().item()
 
     @staticmethod
-    def gpu_model(dtype: torch.dtype = torch.float32, compiled: bool = False):
+    def gpu_model(dtype: torch.dtype = torch.float32, steps: StepMode = StepMode.EAGER):
         loaded = make_model(
             seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False
         ).loaded
         loaded.model.to("cuda", dtype)
-        if compiled:
-            loaded.model.compile_steps()
+        loaded.model.use_steps(steps)
         return loaded
 
-    def test_cuda_graphs_generate_the_eager_tokens_in_every_mode(self):
+    @pytest.mark.parametrize("steps", [StepMode.GRAPHS, StepMode.COMPILED])
+    def test_cuda_graphs_generate_the_eager_tokens_in_every_mode(self, steps):
         greedy = SamplingConfig(temperature=0)
-        eager, graphed = self.gpu_model(), self.gpu_model(compiled=True)
+        eager, graphed = self.gpu_model(), self.gpu_model(steps=steps)
         prompt = random_prompt(PROMPT, 64, seed=3)
         for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
             config = small_config(mode=mode, sampling=greedy)
             expected = Engine(eager, config).generate(prompt).token_ids
             assert Engine(graphed, config).generate(prompt).token_ids == expected, mode
+        assert graphed.model.step_graphs.captured > 0
 
-    def test_a_graphed_step_never_waits_for_the_host(self):
+    @pytest.mark.parametrize("steps", [StepMode.GRAPHS, StepMode.COMPILED])
+    def test_a_graphed_step_never_waits_for_the_host(self, steps):
         """After the first replays (warm-up and capture), a decode step queues its work and returns."""
-        model = self.gpu_model(torch.bfloat16, compiled=True).model
+        model = self.gpu_model(torch.bfloat16, steps=steps).model
         cfg = model.config
         cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.bfloat16, "cuda")
         model(torch.arange(PROMPT, device="cuda") % cfg.vocab_size, 0, cache, decoding=False)
