@@ -19,8 +19,8 @@ from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.plan import MODELS
 from triforce_cli.plan.presets import LLAMA_3_1_ROPE
-from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
 from triforce_cli.runtime.forms import StepMode
+from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
 
 LLAMA_31_8B = MODELS["Llama-3.1-8B"].target.llama_config(
     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA_3_1_ROPE

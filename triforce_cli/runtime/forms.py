@@ -1,4 +1,5 @@
-"""The weight forms a model can take, the ways its decode steps run and the offload modes of its caches, named once for every layer that uses them.
+"""The weight forms a model can take, the ways its decode steps run and the offload modes of its caches, named once
+for every layer that uses them.
 
 Each is a StrEnum: a member equals its string ('half' == WeightForm.HALF), so settings given as strings, saved
 records and JSON keep their plain values.

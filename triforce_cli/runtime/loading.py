@@ -330,7 +330,8 @@ def resolve_steps(requested: StepMode | None, device: torch.device, weights: str
     on CUDA, and eager on the CPU, where the eager steps on half weights measured faster (STEP_REASONS). Half and
     GGUF weights run only in eager steps: their CPU kernels take a packed float16 prompt cache and variable-length
     views."""
-    steps = StepMode(requested) if requested is not None else StepMode.GRAPHS if device.type == "cuda" else StepMode.EAGER
+    default = StepMode.GRAPHS if device.type == "cuda" else StepMode.EAGER
+    steps = default if requested is None else StepMode(requested)
     if steps != StepMode.EAGER and weights in HALF_PROMPT_FORMS:
         raise ConfigError(
             f"`steps` {steps} runs dense weights only, not {weights}: use `weights` dense or `steps` eager"
