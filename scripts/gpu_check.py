@@ -29,7 +29,8 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.plan import MODELS
 from triforce_cli.plan.model import ModelShape
 from triforce_cli.plan.presets import LLAMA_3_1_ROPE
-from triforce_cli.runtime.loading import LoadedModel, resolve_compile
+from triforce_cli.runtime.forms import STEP_CHOICES
+from triforce_cli.runtime.loading import LoadedModel, resolve_steps
 from triforce_cli.runtime.model import ModelConfig, RMSNorm, Transformer, rope_frequencies
 
 GIB = 2**30
@@ -171,7 +172,7 @@ def main() -> int:
     parser.add_argument("--hardware", default="rtx-4090", help="the planner's machine to compare with")
     parser.add_argument("--attention", default="auto", help="as triforce generate's --attention")
     parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None, help="as triforce generate's (CUDA: on)"
+        "--steps", choices=STEP_CHOICES, default=None, help="as triforce generate's (CUDA: graphs, CPU: eager)"
     )
     parser.add_argument("--out", help="also write the runs here as JSON")
     args = parser.parse_args()
@@ -183,14 +184,13 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     target, drafter = (random_model(shape, device, dtype) for shape in SHAPES[args.shape])
     backend = resolve_attention(args.attention, device, dtype, "dense")
-    compiled = resolve_compile(args.compile, device, "dense")
+    steps = resolve_steps(args.steps, device, "dense")
     for loaded in (target, drafter):  # as Pipeline.load sets up the models it loads
         loaded.model.use_attention(backend)
-        if compiled:
-            loaded.model.compile_steps("reduce-overhead" if device.type == "cuda" else None)
+        loaded.model.use_steps(steps)
     print(
         f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: attention {backend}, "
-        f"compiled steps {'on' if compiled else 'off'}, {dtype}",
+        f"{steps} steps, {dtype}",
         flush=True,
     )
     runs = []

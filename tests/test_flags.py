@@ -71,16 +71,15 @@ def test_every_setting_is_a_library_keyword():
     [
         ("use `context_window` 8k or more", "use --context-window 8k or more"),
         (
-            "`offload` kv+weights runs eager steps: use `compile_steps` False",
-            "--offload kv+weights runs eager steps: use --no-compile",
+            "`offload` kv+weights runs eager steps: use `steps` eager",
+            "--offload kv+weights runs eager steps: use --steps eager",
         ),
-        ("`compile_steps` True needs dense `weights`", "--compile needs dense --weights"),
-        ("`compile_steps` runs dense weights only", "--compile runs dense weights only"),
+        ("`steps` compiled runs dense weights only", "--steps compiled runs dense weights only"),
         ("`ngram` needs a `mode` with a drafter tier", "--ngram needs a --mode with a drafter tier"),
         ("`ngram` False: the drafter alone", "--no-ngram: the drafter alone"),
         ("`gamma1` must lie in 1..64; `max_new_tokens` 4", "--gamma1 must lie in 1..64; --max-new-tokens 4"),
         ("`prompt_cache` /tmp/x is not a folder", "--prompt-cache /tmp/x is not a folder"),
-        ("`compile_steps` Falsey", "--compile Falsey"),  # a phrase ends at a word's end
+        ("`ngram` Falsey", "--ngram Falsey"),  # a phrase ends at a word's end
         # unknown names, and backticks that hold no setting, stay as they are
         ("`tune` and `cache_positions`", "`tune` and `cache_positions`"),
         (

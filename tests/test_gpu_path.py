@@ -31,7 +31,8 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import resolve_attention
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.loading import resolve_compile, resolve_weights
+from triforce_cli.runtime.forms import StepMode
+from triforce_cli.runtime.loading import resolve_steps, resolve_weights
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -285,21 +286,30 @@ class TestFlashDecoding:
 
 
 class TestChoosingCompile:
-    def test_auto_is_on_for_cuda_and_off_on_the_cpu(self):
-        assert resolve_compile(None, torch.device("cuda"), "auto")
-        assert not resolve_compile(None, torch.device("cpu"), "auto")
+    def test_auto_is_graphs_on_cuda_and_eager_on_the_cpu(self):
+        assert resolve_steps(None, torch.device("cuda"), "auto") == StepMode.GRAPHS
+        assert resolve_steps(None, torch.device("cpu"), "auto") == StepMode.EAGER
+        assert resolve_steps("compiled", torch.device("cpu"), "dense") == StepMode.COMPILED
         assert resolve_weights("auto", torch.float32, torch.device("cpu"), "cpu", compiled=True) == "dense"
 
-    def test_half_weights_cannot_compile(self):
-        with pytest.raises(ConfigError, match="`compile_steps` runs dense weights only, not half"):
-            resolve_compile(True, torch.device("cpu"), "half")
+    @pytest.mark.parametrize("steps", ["graphs", "compiled"])
+    def test_half_weights_cannot_take_fixed_shape_steps(self, steps):
+        with pytest.raises(ConfigError, match=f"`steps` {steps} runs dense weights only, not half"):
+            resolve_steps(steps, torch.device("cpu"), "half")
 
     def test_cli_compile_with_half_weights_is_one_line(self, tmp_path):
         prompt = tmp_path / "p.txt"
         prompt.write_text("hello")
         result = CliRunner().invoke(app, ["generate", "-p", str(prompt), "--compile", "--weights", "half"])
         assert result.exit_code == 1 and "Traceback" not in result.output
-        assert result.stderr.strip().startswith("error: --compile runs dense") and result.stderr.count("\n") == 1
+        assert result.stderr.strip().startswith("error: --steps compiled runs dense") and result.stderr.count("\n") == 1
+
+    def test_cli_steps_and_a_shorthand_that_disagree_are_one_line(self, tmp_path):
+        prompt = tmp_path / "p.txt"
+        prompt.write_text("hello")
+        result = CliRunner().invoke(app, ["generate", "-p", str(prompt), "--no-compile", "--steps", "graphs"])
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert result.stderr.strip() == "error: --no-compile means --steps eager, not --steps graphs: give one of them"
 
 
 @pytest.mark.parametrize("kind", ["full", "retrieval", "streaming"])
@@ -367,7 +377,8 @@ def test_info_says_what_a_run_picks():
     expected_device = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert facts["device"] == expected_device
     assert facts["attention"] == attention_backend(torch.device(expected_device), getattr(torch, facts["dtype"]))
-    assert facts["compile"] is False and facts["dtype"] in ("float32", "bfloat16")
+    assert facts["steps"] == ("graphs" if torch.cuda.is_available() else "eager")
+    assert facts["dtype"] in ("float32", "bfloat16")
     assert {"torch", "transformers", "flash-attn"} <= set(facts["versions"])
     plain = CliRunner().invoke(app, ["info"], env={"COLUMNS": "80"})
     assert plain.exit_code == 0 and "what a run picks" in plain.stdout and "…" not in plain.stdout
@@ -444,27 +455,29 @@ class TestOnAGpu:
         assert (out.double() - exact).abs().max().item() <= 2 * 2**-8 * exact.abs().max().item()
 
     @staticmethod
-    def gpu_model(dtype: torch.dtype = torch.float32, compiled: bool = False):
+    def gpu_model(dtype: torch.dtype = torch.float32, steps: StepMode = StepMode.EAGER):
         loaded = make_model(
             seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False
         ).loaded
         loaded.model.to("cuda", dtype)
-        if compiled:
-            loaded.model.compile_steps("reduce-overhead")
+        loaded.model.use_steps(steps)
         return loaded
 
-    def test_cuda_graphs_generate_the_eager_tokens_in_every_mode(self):
+    @pytest.mark.parametrize("steps", [StepMode.GRAPHS, StepMode.COMPILED])
+    def test_cuda_graphs_generate_the_eager_tokens_in_every_mode(self, steps):
         greedy = SamplingConfig(temperature=0)
-        eager, graphed = self.gpu_model(), self.gpu_model(compiled=True)
+        eager, graphed = self.gpu_model(), self.gpu_model(steps=steps)
         prompt = random_prompt(PROMPT, 64, seed=3)
         for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
             config = small_config(mode=mode, sampling=greedy)
             expected = Engine(eager, config).generate(prompt).token_ids
             assert Engine(graphed, config).generate(prompt).token_ids == expected, mode
+        assert graphed.model.step_graphs.captured > 0
 
-    def test_a_graphed_step_never_waits_for_the_host(self):
+    @pytest.mark.parametrize("steps", [StepMode.GRAPHS, StepMode.COMPILED])
+    def test_a_graphed_step_never_waits_for_the_host(self, steps):
         """After the first replays (warm-up and capture), a decode step queues its work and returns."""
-        model = self.gpu_model(torch.bfloat16, compiled=True).model
+        model = self.gpu_model(torch.bfloat16, steps=steps).model
         cfg = model.config
         cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.bfloat16, "cuda")
         model(torch.arange(PROMPT, device="cuda") % cfg.vocab_size, 0, cache, decoding=False)

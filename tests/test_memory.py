@@ -22,6 +22,7 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sizing import prefill_activation_bytes
 from triforce_cli.plan import MODELS
 from triforce_cli.plan.presets import LLAMA_3_1_ROPE
+from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
 
 LLAMA_31_8B = MODELS["Llama-3.1-8B"].target.llama_config(
@@ -170,7 +171,7 @@ def fake_loaded(ledger: MemoryLedger, name: str, hf_config: LlamaConfig) -> Load
     """A checkpoint of hf_config's shape built by the loader on the fake GPU in bfloat16, compiled as on CUDA."""
     state = fake_state(checkpoint_shapes(hf_config), DTYPE)
     model = build_model(state, hf_config, BuildOptions(DEVICE, DTYPE), Checkpoint(name, Path(), []))
-    model.compile_steps("reduce-overhead")  # what Pipeline.load does on CUDA: the caches' headroom doubles
+    model.use_steps(StepMode.GRAPHS)  # what Pipeline.load does on CUDA: the caches' headroom doubles
     return LoadedModel(name, model, StubTokenizer(hf_config.vocab_size), hf_config)
 
 

@@ -280,9 +280,9 @@ def test_streamed_weights_must_be_dense():
 
 
 def test_streamed_weights_run_eager_steps(tmp_path):
-    with pytest.raises(ConfigError, match="`offload` kv\\+weights runs eager steps: use `compile_steps` False"):
+    with pytest.raises(ConfigError, match="`offload` kv\\+weights runs eager steps: use `steps` eager"):
         Pipeline.load(
-            LoadOptions(target=str(save_word_checkpoint(tmp_path / "words")), device="cpu", compile_steps=True),
+            LoadOptions(target=str(save_word_checkpoint(tmp_path / "words")), device="cpu", steps="compiled"),
             config=EngineConfig(offload="kv+weights"),
         )
 

@@ -10,7 +10,7 @@ import torch
 from triforce_cli.decoding.setup import LoadOptions, Machine, Setup, resolve_setup
 from triforce_cli.decoding.tuning import Choice
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, WeightForm
+from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, StepMode, WeightForm
 from triforce_cli.runtime.loading import Checkpoint
 
 CPU = Machine(physical_cores=8)  # an x86 CPU: half weights, the GGUF kernels, tuning allowed
@@ -110,15 +110,15 @@ ROWS = {
     "cpu cpu kernels": ({"attention": "cpu"}, CPU, None, NONE, None, {"attention": "cpu", "weights": "half"}),
     # compiled steps
     "cpu compiled": (
-        {"compile_steps": True},
+        {"steps": "compiled"},
         CPU,
         GGUF,
         NONE,
         None,
         {"compiled": True, "weights": "dense", "reads_checkpoint": False, "drafter_weights": "dense"},
     ),
-    "cpu compile off": ({"compile_steps": False}, CPU, GGUF, NONE, None, {"compiled": False, "weights": "gguf"}),
-    "cpu compiled, dense": ({"compile_steps": True, "weights": "dense"}, CPU, None, NONE, None, {"compiled": True}),
+    "cpu compile off": ({"steps": "eager"}, CPU, GGUF, NONE, None, {"compiled": False, "weights": "gguf"}),
+    "cpu compiled, dense": ({"steps": "compiled", "weights": "dense"}, CPU, None, NONE, None, {"compiled": True}),
     # weight offload
     "cpu kv+weights": (
         {},
@@ -129,7 +129,7 @@ ROWS = {
         {"offload_weights": True, "weights": "dense", "drafter_weights": "dense", "reads_checkpoint": False},
     ),
     "cpu kv+weights, half named": ({"weights": "half"}, CPU, None, KV_WEIGHTS, None, {"weights": "half"}),
-    "cpu kv+weights, compile off": ({"compile_steps": False}, CPU, None, KV_WEIGHTS, None, {"compiled": False}),
+    "cpu kv+weights, compile off": ({"steps": "eager"}, CPU, None, KV_WEIGHTS, None, {"compiled": False}),
     # tuning: the measurement chooses where nothing was set
     "tune, measured": (
         {"tune": True},
@@ -152,7 +152,7 @@ ROWS = {
     "tune, checkpoint unknown": ({"tune": True}, CPU, None, NONE, MEASURED, {"tune": False, "weights": "half"}),
     "tune, turned off": ({"tune": True}, NO_TUNING, PLAIN, NONE, MEASURED, {"tune": False, "weights": "half"}),
     "tune, compile set": (
-        {"tune": True, "compile_steps": False},
+        {"tune": True, "steps": "eager"},
         CPU,
         PLAIN,
         NONE,
@@ -180,16 +180,17 @@ ROWS = {
             "tune": False,
         },
     ),
-    "cuda flash": ({}, FLASH_GPU, None, NONE, None, {"attention": "flash", "compiled": True}),
+    "cuda flash": ({}, FLASH_GPU, None, NONE, None, {"attention": "flash", "compiled": True, "steps": "graphs"}),
+    "cuda compiled": ({"steps": "compiled"}, GPU, None, NONE, None, {"steps": "compiled", "weights": "dense"}),
     "cuda flash, float32": ({"dtype": "float32"}, FLASH_GPU, None, NONE, None, {"attention": "sdpa"}),
     "cuda flash named": ({"attention": "flash"}, FLASH_GPU, None, NONE, None, {"attention": "flash"}),
     "cuda float16": ({"dtype": "float16"}, GPU, None, NONE, None, {"dtype": torch.float16}),
-    "cuda compile off": ({"compile_steps": False}, GPU, None, NONE, None, {"compiled": False, "weights": "dense"}),
+    "cuda compile off": ({"steps": "eager"}, GPU, None, NONE, None, {"compiled": False, "weights": "dense"}),
     "cuda:1": ({"device": "cuda:1"}, GPU, None, NONE, None, {"device": torch.device("cuda", 1)}),
     "cuda, cpu asked": ({"device": "cpu"}, GPU, None, NONE, None, {**CPU_F32, "weights": "half", "compiled": False}),
     "cuda offload kv": ({}, GPU, None, KV, None, {"compiled": True, "offload_weights": False}),
     "cuda kv+weights": (
-        {"compile_steps": False},
+        {"steps": "eager"},
         GPU,
         None,
         KV_WEIGHTS,
@@ -213,7 +214,7 @@ ROWS = {
         None,
         {"device": torch.device("cuda", 1), "tensor_parallel": True, "compiled": False, "weights": "dense"},
     ),
-    "torchrun rank 1, compile off": ({"compile_steps": False}, RANK_1, None, NONE, None, {"tensor_parallel": True}),
+    "torchrun rank 1, compile off": ({"steps": "eager"}, RANK_1, None, NONE, None, {"tensor_parallel": True}),
     "torchrun cpu": (
         {},
         JOINED_CPU,
@@ -246,18 +247,19 @@ ERRORS = {
         "`attention` flash cannot read gguf weights' float16 prompt cache: use `weights` dense",
     ),
     "cpu compiled, half": (
-        {"compile_steps": True, "weights": "half"}, CPU, NONE,
-        "`compile_steps` runs dense weights only, not half: use `weights` dense or `compile_steps` False",
+        {"steps": "compiled", "weights": "half"}, CPU, NONE,
+        "`steps` compiled runs dense weights only, not half: use `weights` dense or `steps` eager",
     ),
     "cpu compiled, gguf": (
-        {"compile_steps": True, "weights": "gguf"}, CPU, NONE, "`compile_steps` runs dense weights only, not gguf"
+        {"steps": "compiled", "weights": "gguf"}, CPU, NONE, "`steps` compiled runs dense weights only, not gguf"
     ),
+    "cpu graphs, half": ({"steps": "graphs", "weights": "half"}, CPU, NONE, "`steps` graphs runs dense weights only"),
     "kv+weights compiled": (
-        {"compile_steps": True}, CPU, KV_WEIGHTS, "`offload` kv+weights runs eager steps: use `compile_steps` False"
+        {"steps": "compiled"}, CPU, KV_WEIGHTS, "`offload` kv+weights runs eager steps: use `steps` eager"
     ),
-    "kv+weights on cuda": ({}, GPU, KV_WEIGHTS, "`offload` kv+weights runs eager steps: use `compile_steps` False"),
+    "kv+weights on cuda": ({}, GPU, KV_WEIGHTS, "`offload` kv+weights runs eager steps: use `steps` eager"),
     "tensor parallel compiled": (
-        {"compile_steps": True}, RANK_1, NONE,
+        {"steps": "compiled"}, RANK_1, NONE,
         "tensor-parallel steps run eager (an all-reduce per block): use `compile_steps` False",
     ),
 }  # fmt: skip
@@ -288,16 +290,16 @@ def test_the_defaults_resolve_on_a_bare_cpu():
         attention="cpu",
         weights=WeightForm.HALF,
         drafter_weights=WeightForm.HALF,
-        compiled=False,
+        steps=StepMode.EAGER,
         reads_checkpoint=True,
         prefill_threads=1,
     )
     assert isinstance(setup.weights, WeightForm) and setup.weights in HALF_PROMPT_FORMS
-    assert setup.compile_mode is None
+    assert not setup.compiled
 
 
-def test_compiled_steps_on_cuda_are_cuda_graphs():
-    assert resolve_setup(LoadOptions(), GPU).compile_mode == "reduce-overhead"
+def test_steps_on_cuda_are_cuda_graphs_of_the_eager_step():
+    assert resolve_setup(LoadOptions(), GPU).steps == StepMode.GRAPHS
 
 
 def test_forms_compare_as_their_strings():

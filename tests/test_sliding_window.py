@@ -470,7 +470,7 @@ def test_full_cache_bytes_are_the_window_and_a_slack(tmp_path):
     assert planned == {"windowed": slots * per_position, "plain": every * per_position}
 
 
-# the drafter's fixed-shape steps are warmed up at every power of two up to its longest write (the prefill chunk)
+# the drafter records its decode steps (up to 4 tokens); its catch-up writes, up to the prefill chunk, run eager
 @pytest.mark.parametrize("fixed_shape, prefill_chunk", [(False, 8), (True, 32)], ids=["eager", "fixed-shape"])
 def test_every_mode_is_greedy_equal_on_a_cache_keeping_the_window(tmp_path, fixed_shape, prefill_chunk):
     """Every mode gives transformers' greedy tokens for a prompt several windows long, with a full cache that holds

@@ -2,9 +2,9 @@
 
 The library is used from Python too, so its errors and notes name a setting by its Python keyword in backticks
 (LoadOptions', EngineConfig's and SamplingConfig's fields, generate's keyword arguments, DistillConfig's and
-BenchConfig's fields): "use `weights` dense", "`offload` kv+weights runs eager steps: use `compile_steps` False".
+BenchConfig's fields): "use `weights` dense", "`offload` kv+weights runs eager steps: use `steps` eager".
 Only the command line knows its flags; console.py passes every error and note through flag_text, which reads those
-as "use --weights dense" and "--offload kv+weights runs eager steps: use --no-compile". A backticked name that is no
+as "use --weights dense" and "--offload kv+weights runs eager steps: use --steps eager". A backticked name that is no
 setting here (`triforce info`, a setting without a flag) is left as it is.
 """
 
@@ -20,7 +20,7 @@ FLAGS = {
     "weights": "--weights",
     "context_window": "--context-window",
     "attention": "--attention",
-    "compile_steps": "--compile",
+    "steps": "--steps",
     "threads": "--threads",
     # EngineConfig
     "mode": "--mode",
@@ -79,10 +79,8 @@ FLAGS = {
     "gpus": "--gpus",
 }
 
-# A switch given a value: "`compile_steps` False" is --no-compile, not "--compile False". Read before FLAGS.
+# A switch given a value: "`ngram` False" is --no-ngram, not "--ngram False". Read before FLAGS.
 PHRASES = {
-    "`compile_steps` True": "--compile",
-    "`compile_steps` False": "--no-compile",
     "`ngram` True": "--ngram",
     "`ngram` False": "--no-ngram",
     "`chat` True": "--chat",

@@ -43,17 +43,15 @@ def info(json_output: o.JsonOutput = False) -> None:
             machine.add_row(name, Text(value))
         out.print(machine)
         runs = Table(title="what a run picks with every setting at auto", title_justify="left")
-        for column in ("device", "dtype", "weights", "attention", "compile"):
+        for column in ("device", "dtype", "weights", "attention", "steps"):
             runs.add_column(column)
         for run in facts["runs"]:
-            runs.add_row(
-                run["device"], run["dtype"], run["weights"], run["attention"], "on" if run["compile"] else "off"
-            )
+            runs.add_row(run["device"], run["dtype"], run["weights"], run["attention"], run["steps"])
         out.print(runs)
         for run in facts["runs"]:
             out.print(Text(f"{run['device']}: attention {run['attention']}: {run['attention_reason']}", style="dim"))
         for run in facts["runs"]:
-            out.print(Text(f"{run['device']}: compile {run['compile_reason']}", style="dim"))
+            out.print(Text(f"{run['device']}: steps {run['steps_reason']}", style="dim"))
         if facts["tuned"]:
             out.print(
                 Text("measured fastest on this CPU (what --weights auto and an unset --threads use):", style="bold")

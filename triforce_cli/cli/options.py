@@ -20,7 +20,7 @@ from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import DTYPES, LoadOptions
 from triforce_cli.distill.trainer import SAVE_DTYPES
 from triforce_cli.kernels import ATTENTION_BACKENDS, CHUNK_SCORES
-from triforce_cli.runtime.forms import OFFLOAD_CHOICES, WEIGHT_CHOICES
+from triforce_cli.runtime.forms import OFFLOAD_CHOICES, STEP_CHOICES, WEIGHT_CHOICES, StepMode
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_TOKENS = 2**30  # far beyond any context a model or a cache here can hold
@@ -143,11 +143,20 @@ Attention = one_of(
     ("auto", *ATTENTION_BACKENDS),
     "Attention kernels: auto picks flash on CUDA where installed, else sdpa; cpu on a CPU.",
 )
+Steps = Annotated[
+    StepMode | None,
+    typer.Option(
+        metavar="|".join(STEP_CHOICES),
+        help="How decode steps run: eager, graphs (each step length recorded once as a CUDA graph) or compiled"
+        " (compiled by inductor first, then recorded) [default: graphs on CUDA, eager on a CPU].",
+        show_default=False,
+    ),
+]
 Compile = Annotated[
     bool | None,
     typer.Option(
         "--compile/--no-compile",
-        help="Run decode steps as compiled graphs (CUDA graphs on a GPU) [default: on for CUDA, off on a CPU].",
+        help="Shorthands for --steps compiled and --steps eager.",
         show_default=False,
     ),
 ]
@@ -419,7 +428,8 @@ SHARED: dict[str, tuple[object, object]] = {
     "threads": (Threads, LOAD_DEFAULTS.threads),
     "weights": (Weights, LOAD_DEFAULTS.weights),
     "attention": (Attention, LOAD_DEFAULTS.attention),
-    "compile_steps": (Compile, LOAD_DEFAULTS.compile_steps),
+    "steps": (Steps, LOAD_DEFAULTS.steps),
+    "compile_steps": (Compile, None),
     "offload": (Offload, ENGINE_DEFAULTS.offload),
     "on_chip_layers": (OnChipLayers, ENGINE_DEFAULTS.on_chip_layers),
     "context_window": (ContextWindow, LOAD_DEFAULTS.context_window),
@@ -435,6 +445,7 @@ MACHINE = (
     "threads",
     "weights",
     "attention",
+    "steps",
     "compile_steps",
     "offload",
     "on_chip_layers",

@@ -8,6 +8,8 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
+from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.loading import StatusCallback
 
 
@@ -16,9 +18,20 @@ def _named(cls, values: dict, skip: tuple[str, ...] = ()) -> dict:
     return {f.name: values[f.name] for f in fields(cls) if f.name in values and f.name not in skip}
 
 
+def step_mode(values: dict) -> StepMode | None:
+    """The step mode a command's options ask for: --steps, or its shorthands --compile (compiled) and --no-compile
+    (eager); a ConfigError where the two disagree."""
+    steps, shorthand = values.get("steps"), values.get("compile_steps")
+    implied = None if shorthand is None else StepMode.COMPILED if shorthand else StepMode.EAGER
+    if steps is not None and implied is not None and steps != implied:
+        flag = "--compile" if shorthand else "--no-compile"
+        raise ConfigError(f"{flag} means --steps {implied}, not --steps {steps}: give one of them")
+    return steps if steps is not None else implied
+
+
 def load_options(values: dict) -> LoadOptions:
     """What to load, as a command's options ask; a command measures the fastest configuration where it may."""
-    return LoadOptions(**_named(LoadOptions, values), tune=True)
+    return LoadOptions(**{**_named(LoadOptions, values), "steps": step_mode(values)}, tune=True)
 
 
 def sampling_config(values: dict) -> SamplingConfig:

@@ -6,8 +6,9 @@ length and refreshing the retrieval cache on its policy.
 
 The caches are allocated once and kept across generations, sized as decoding/sizing.py says (EngineConfig.
 cache_positions for an engine serving many prompts, else the first prompt; grown, the old buffers released first,
-for a longer one). They keep their addresses, so compiled steps, whose graphs are guarded on them, compile once per
-padded length and cache kind: on the first generation, before its prefill, timed apart as compile_seconds.
+for a longer one). They keep their addresses, so fixed-shape decode steps, whose recordings hold them
+(runtime/graphs.py), are recorded once per padded length and cache: those decoding takes (_recorded_steps) on the
+first generation, before its prefill, timed apart as compile_seconds; any other length on first use.
 """
 
 import time
@@ -62,15 +63,13 @@ DRAFTER_READS = 2
 class _Caches:
     """The caches an engine keeps across generations, shared with the engines made from it (Engine.reconfigured),
     which generate one at a time: at most one cache of each kind (CacheKind). layouts: per kind, the settings
-    its cache was built with, which an engine must share to reuse it; held: per kind, its (device, host) bytes;
-    warmed: the compiled steps already run on it, as (kind, padded length, id of the model)."""
+    its cache was built with, which an engine must share to reuse it; held: per kind, its (device, host) bytes."""
 
     full: FullCache | None = None
     retrieval: RetrievalCache | None = None
     streaming: StreamingCache | None = None
     layouts: dict[str, tuple] = field(default_factory=dict)
     held: dict[str, tuple[int, int]] = field(default_factory=dict)
-    warmed: set[tuple[str, int, int]] = field(default_factory=set)
     prefilled: "_Prefilled | None" = None  # what the full cache's first positions hold, for the next prompt to reuse
 
     def release(self, kind: str) -> None:
@@ -80,7 +79,6 @@ class _Caches:
         setattr(self, kind, None)
         self.layouts.pop(kind, None)
         self.held.pop(kind, None)
-        self.warmed = {warm for warm in self.warmed if warm[0] != kind}
 
 
 @dataclass(frozen=True)
@@ -169,7 +167,8 @@ class Engine:
 
     @property
     def compiled(self) -> bool:
-        """Whether the target runs its decode steps as compiled fixed-shape graphs (Transformer.compile_steps)."""
+        """Whether the target runs its decode steps as fixed-shape steps, recorded or compiled (Transformer.use_steps),
+        on caches made static."""
         return self.target.model.fixed_step is not None
 
     def reconfigured(self, config: EngineConfig, drafter: LoadedModel | None) -> "Engine":
@@ -414,43 +413,41 @@ class Engine:
             streaming.make_static()
         return streaming
 
-    def _compiled_steps(self, caches: _InUse) -> Iterator[tuple[str, Transformer, KVCache, int]]:
-        """The compiled decode steps a generation takes: (cache kind, model, cache, most tokens of one step). The
-        full tier verifies its proposer's drafts and one token more; the retrieval tier gamma1 drafts and one more
-        (one without a drafter); the drafter catches up on committed tokens it has not seen in writes of up to its
-        cache's max_write (ModelTier._forward)."""
+    def _recorded_steps(self, caches: _InUse) -> Iterator[tuple[Transformer, KVCache, int]]:
+        """The fixed-shape decode steps a generation takes: (model, cache, most tokens of one step). The full tier
+        verifies its proposer's drafts and one token more; the retrieval tier gamma1 drafts and one more (one
+        without a drafter); the drafter writes its last token and the bonus token of each tier above it, which it
+        has not seen (ModelTier._forward). Its longer writes, of committed tokens it catches up on, run eager."""
         cfg = self.config
         top = cfg.gamma2 if cfg.uses_retrieval else cfg.gamma1 if cfg.uses_drafter else 0
-        steps = [(CacheKind.FULL, self.target.model, caches.full, top + 1)]
+        steps = [(self.target.model, caches.full, top + 1)]
         if caches.retrieval is not None:
-            steps.append(
-                (CacheKind.RETRIEVAL, self.target.model, caches.retrieval, cfg.gamma1 + 1 if cfg.uses_drafter else 1)
-            )
+            steps.append((self.target.model, caches.retrieval, cfg.gamma1 + 1 if cfg.uses_drafter else 1))
         if caches.streaming is not None:
-            longest = min(MAX_STEP_TOKENS, caches.streaming.max_write)
-            steps.append((CacheKind.STREAMING, self._drafter_model, caches.streaming, longest))
-        for kind, model, cache, longest in steps:
+            above = 2 if caches.retrieval is not None else 1
+            steps.append((self._drafter_model, caches.streaming, min(1 + above, caches.streaming.max_write)))
+        for model, cache, longest in steps:
             if model.fixed_step is not None and cache.write_start is not None:
-                yield kind, model, cache, longest
+                yield model, cache, longest
 
     def _warm_up(self, caches: _InUse) -> float:
-        """Compile every padded length of every compiled step (_compiled_steps) not yet run on these caches, and
-        return the seconds it took. Each runs twice at position 0 of the emptied cache, emptied again after: the
-        first call compiles (and, on CUDA, warms up), the second records the CUDA graph (CUDAGraph Trees record on
-        a function's second call), so that neither happens in the timed decode loop."""
+        """Record every padded length of every fixed-shape step (_recorded_steps) not yet recorded on these caches,
+        and return the seconds it took. Each step runs at the cache's current length, written past what the cache
+        holds and rolled back after, so a prefix kept from the last prefill (and the retrieval cache's summaries of
+        its chunks) stays. The drafter's cache records no step longer than its longest (StepGraphs.limit)."""
         pending = []
-        for kind, model, cache, longest in self._compiled_steps(caches):
+        for model, cache, longest in self._recorded_steps(caches):
+            if cache is caches.streaming:
+                model.step_graphs.limit(cache, padded_length(longest))
             lengths = [1 << power for power in range(padded_length(longest).bit_length())]
-            pending += [(kind, model, cache, n) for n in lengths if (kind, n, id(model)) not in self._caches.warmed]
+            pending += [(model, cache, n) for n in lengths if not model.step_graphs.holds(cache, n)]
         if not pending:
             return 0.0
         started = time.perf_counter()
-        for kind, model, cache, length in pending:
-            tokens = torch.zeros(length, dtype=torch.long, device=self.target.device)
-            for _ in range(2):
-                model(tokens, 0, cache, num_logits=1)
-                cache.reset()
-            self._caches.warmed.add((kind, length, id(model)))
+        for model, cache, length in pending:
+            held = cache.length
+            model(torch.zeros(length, dtype=torch.long, device=self.target.device), held, cache, num_logits=1)
+            cache.rollback(held)
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)  # the warm-up's work stays out of the prefill's time
         return time.perf_counter() - started

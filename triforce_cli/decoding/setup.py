@@ -1,7 +1,7 @@
 """What a load is asked for (LoadOptions), what the machine offers (Machine), and what is then run (Setup).
 
 resolve_setup turns the first two, and where it matters the target's checkpoint, into a Setup without reading
-anything itself: every choice of device, dtype, attention kernels, weight form, compiled steps and threads, and
+anything itself: every choice of device, dtype, attention kernels, weight form, step mode and threads, and
 every combination that cannot run, is decided there. current_machine reads the machine once; Pipeline.load loads
 the models as the Setup says and apply_setup finishes each.
 """
@@ -15,8 +15,8 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.kernels import optional as optional_kernels
 from triforce_cli.runtime.environment import physical_cores
-from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, WeightForm
-from triforce_cli.runtime.loading import Checkpoint, resolve_compile, resolve_weights
+from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, StepMode, WeightForm
+from triforce_cli.runtime.loading import Checkpoint, resolve_steps, resolve_weights
 from triforce_cli.runtime.model import Transformer
 from triforce_cli.runtime.parallel import pending_group
 
@@ -38,12 +38,13 @@ class LoadOptions:
             blocks); see loading.load_model. Output is exact with respect to the target in the form chosen.
         attention: 'auto' (the fastest kernel for the device and dtype), 'flash', 'sdpa' or 'cpu'; see
             resolve_attention.
-        compile_steps: run decode steps as compiled fixed-shape graphs, CUDA graphs on a GPU; None: on CUDA only
-            (loading.resolve_compile).
+        steps: a StepMode, how decode steps run: 'eager', 'graphs' (fixed-shape steps recorded as CUDA graphs)
+            or 'compiled' (those compiled by inductor first); None: graphs on CUDA, eager on the CPU
+            (loading.resolve_steps).
         context_window: positions both models accept, YaRN-scaled beyond their trained context.
         threads: the torch threads the caller set, or None: then a CPU's prefill runs on every physical core, and
             decoding on the threads measured fastest (with tune) or torch's.
-        tune: on the CPU in float32, let 'auto' weights, an unset compile_steps and unset threads take the
+        tune: on the CPU in float32, let 'auto' weights, unset steps and unset threads take the
             configuration measured fastest for this target and machine (decoding.tuning; measured the first time).
     """
 
@@ -53,7 +54,7 @@ class LoadOptions:
     device: str = "auto"
     weights: str = WeightForm.AUTO
     attention: str = "auto"
-    compile_steps: bool | None = None
+    steps: StepMode | None = None
     context_window: int | None = None
     threads: int | None = None
     tune: bool = False
@@ -111,12 +112,12 @@ class Setup:
         weights: the target's weight form, never 'auto'.
         drafter_weights: the drafter's ('half' beside a half or gguf target where fbgemm is there: a drafter has
             no GGUF file of its own).
-        compiled: decode steps run as compiled graphs.
+        steps: how decode steps run (StepMode, never None).
         tensor_parallel: the target's decoder layers are sharded over the processes (the drafter stays whole).
         offload_weights: the target's layers beyond EngineConfig.on_chip_layers stream from host memory.
         reads_checkpoint: the target's checkpoint decides something (a GGUF file may become gguf weights, and
             the tuning is kept per checkpoint): resolve_setup again with it.
-        tune: the configuration measured fastest (decoding.tuning) chooses the weights, compiled steps and decode
+        tune: the configuration measured fastest (decoding.tuning) chooses the weights, step mode and decode
             threads: resolve_setup again with its choice.
         decode_threads: the torch threads to set for decoding (the measured choice's), None: leave them.
         prefill_threads: the threads a CPU's prefill runs on (every physical core), None: torch's.
@@ -127,7 +128,7 @@ class Setup:
     attention: str
     weights: str
     drafter_weights: str
-    compiled: bool
+    steps: StepMode
     tensor_parallel: bool = False
     offload_weights: bool = False
     reads_checkpoint: bool = False
@@ -136,9 +137,9 @@ class Setup:
     prefill_threads: int | None = None
 
     @property
-    def compile_mode(self) -> str | None:
-        """torch.compile's mode for the steps: CUDA graphs on a GPU."""
-        return "reduce-overhead" if self.device.type == "cuda" else None
+    def compiled(self) -> bool:
+        """Whether decode steps are fixed-shape steps (recorded or compiled), on caches made static."""
+        return self.steps != StepMode.EAGER
 
 
 def resolve_device(device: str, cuda: bool | None = None) -> torch.device:
@@ -208,7 +209,7 @@ def resolve_setup(
             lets 'auto' weights become gguf, and a known checkpoint lets tune apply.
         offload: EngineConfig.offload: kv+weights streams dense weights and runs eager steps.
         choice: the measured fastest configuration (decoding.tuning.Choice), where the Setup tunes (otherwise
-            ignored): its weights and compiled steps, and its threads unless options.threads are set.
+            ignored): its weights and step mode, and its threads unless options.threads are set.
     """
     device = resolve_device(options.device, machine.cuda)
     if machine.local_rank is not None and device.type == "cuda":
@@ -217,23 +218,25 @@ def resolve_setup(
     dtype = resolve_dtype(options.dtype, device)
     weights = options.weights
     attention = resolve_attention(options.attention, device, dtype, weights, machine.flash_attention)
-    if parallel and options.compile_steps:
+    if parallel and options.steps not in (None, StepMode.EAGER):
         raise ConfigError("tensor-parallel steps run eager (an all-reduce per block): use `compile_steps` False")
-    compiled = resolve_compile(False if parallel else options.compile_steps, device, weights)
+    steps = resolve_steps(StepMode.EAGER if parallel else options.steps, device, weights)
+    compiled = steps != StepMode.EAGER
     streamed = offload == OffloadMode.KV_WEIGHTS
     if streamed and compiled:
-        raise ConfigError(f"`offload` {OffloadMode.KV_WEIGHTS} runs eager steps: use `compile_steps` False")
+        raise ConfigError(f"`offload` {OffloadMode.KV_WEIGHTS} runs eager steps: use `steps` eager")
     if weights == WeightForm.AUTO and (streamed or parallel):
         weights = WeightForm.DENSE  # streamed and sharded weights are parameters, which packed half weights are not
     tunable = device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not parallel
     # only there can 'auto' become gguf, so only there does it matter whether the target is a GGUF file
     reads_checkpoint = weights == WeightForm.AUTO and tunable and not compiled
     checkpoint = checkpoint if reads_checkpoint else None
-    unset = checkpoint is not None and options.compile_steps is None and offload == OffloadMode.NONE
+    unset = checkpoint is not None and options.steps is None and offload == OffloadMode.NONE
     tune = options.tune and tunable and unset and machine.tuning
     decode_threads = None
     if tune and choice is not None:
-        weights, compiled = choice.weights, choice.compiled
+        weights, steps = choice.weights, choice.steps
+        compiled = steps != StepMode.EAGER
         if options.threads is None:
             decode_threads = choice.threads
     weights = resolve_weights(
@@ -252,7 +255,7 @@ def resolve_setup(
         attention=attention,
         weights=weights,
         drafter_weights=drafter_weights(weights, machine.half_weights),
-        compiled=compiled,
+        steps=steps,
         tensor_parallel=parallel,
         offload_weights=streamed,
         reads_checkpoint=reads_checkpoint,
@@ -264,8 +267,7 @@ def resolve_setup(
 
 def apply_setup(model: Transformer, setup: Setup) -> None:
     """The transforms a loaded model takes once its weights are on the device, in this order: the attention
-    kernels, then compiled steps. (The weight form, sharding and weight offload apply while the weights are still
+    kernels, then the step mode. (The weight form, sharding and weight offload apply while the weights are still
     in host memory: loading.build_model, from the same Setup.)"""
     model.use_attention(setup.attention)
-    if setup.compiled:
-        model.compile_steps(setup.compile_mode)
+    model.use_steps(setup.steps)

@@ -32,7 +32,7 @@ from triforce_cli.runtime.environment import (
     package_version,
     physical_cores,
 )
-from triforce_cli.runtime.forms import WeightForm
+from triforce_cli.runtime.forms import StepMode, WeightForm
 from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model, resolve_weights
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.store import cache_root, content_identity, mark_used, remove, write_atomically
@@ -52,7 +52,12 @@ SLOW_FACTOR = 1.5  # a run's prefill this much slower than the measurement's: a 
 class Choice:
     weights: str
     threads: int  # decode threads; prefill runs on every physical core
-    compiled: bool = False
+    compiled: bool = False  # decode steps compiled by inductor (StepMode 'compiled'), else eager
+
+    @property
+    def steps(self) -> StepMode:
+        """The step mode this choice runs with."""
+        return StepMode.COMPILED if self.compiled else StepMode.EAGER
 
     @property
     def label(self) -> str:

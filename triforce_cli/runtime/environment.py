@@ -16,7 +16,8 @@ import torch
 from triforce_cli.errors import TriforceError
 from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, embedded_gguf_path
-from triforce_cli.runtime.loading import COMPILE_REASONS, resolve_compile, resolve_weights
+from triforce_cli.runtime.forms import StepMode
+from triforce_cli.runtime.loading import STEP_REASONS, resolve_steps, resolve_weights
 from triforce_cli.runtime.store import cache_limit, cache_root, entries, models_folder, prompts_folder
 
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -161,7 +162,8 @@ def run_choices(device: torch.device) -> dict:
     """What a run on device picks with every setting left at auto, and why."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     attention = attention_backend(device, dtype)
-    compiled = resolve_compile(None, device, "auto")
+    steps = resolve_steps(None, device, "auto")
+    compiled = steps != StepMode.EAGER
     weights = resolve_weights("auto", dtype, device, attention, compiled)
     gguf_weights = resolve_weights("auto", dtype, device, attention, compiled, gguf_source=True)
     reasons = {
@@ -175,8 +177,8 @@ def run_choices(device: torch.device) -> dict:
         "attention": attention,
         "attention_reason": reasons[attention],
         "weights": weights if gguf_weights == weights else f"{gguf_weights} (GGUF files), else {weights}",
-        "compile": compiled,
-        "compile_reason": COMPILE_REASONS[device.type],
+        "steps": steps,
+        "steps_reason": STEP_REASONS[device.type],
     }
 
 

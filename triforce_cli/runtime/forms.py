@@ -1,4 +1,5 @@
-"""The weight forms a model can take and the offload modes of its caches, named once for every layer that uses them.
+"""The weight forms a model can take, the ways its decode steps run and the offload modes of its caches, named once
+for every layer that uses them.
 
 Each is a StrEnum: a member equals its string ('half' == WeightForm.HALF), so settings given as strings, saved
 records and JSON keep their plain values.
@@ -22,6 +23,18 @@ class WeightForm(StrEnum):
 HALF_PROMPT_FORMS = (WeightForm.HALF, WeightForm.GGUF)
 WEIGHT_FORMATS = (WeightForm.DENSE, WeightForm.HALF, WeightForm.GGUF)  # what a loaded model holds
 WEIGHT_CHOICES = tuple(form.value for form in WeightForm)  # what a setting may name
+
+
+class StepMode(StrEnum):
+    """How decode steps on caches made static run (Transformer.use_steps); None where a setting leaves it unset:
+    'graphs' on CUDA, 'eager' on the CPU (loading.resolve_steps)."""
+
+    EAGER = "eager"  # every forward as it comes
+    GRAPHS = "graphs"  # fixed-shape steps, each recorded once per cache and padded length as a CUDA graph
+    COMPILED = "compiled"  # those steps compiled by inductor first (fewer kernels, a compilation per length)
+
+
+STEP_CHOICES = tuple(mode.value for mode in StepMode)
 
 
 class OffloadMode(StrEnum):

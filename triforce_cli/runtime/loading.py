@@ -31,7 +31,7 @@ from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.kernels import half_weights_available
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
-from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, WEIGHT_FORMATS, OffloadMode, WeightForm
+from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, WEIGHT_FORMATS, OffloadMode, StepMode, WeightForm
 from triforce_cli.runtime.gguf_weights import (
     GGUFEmbedding,
     describe_types,
@@ -325,22 +325,25 @@ def resolve_weights(
     return WeightForm.HALF if half else WeightForm.DENSE
 
 
-def resolve_compile(requested: bool | None, device: torch.device, weights: str) -> bool:
-    """Whether decode steps run as compiled fixed-shape graphs (Transformer.compile_steps): as requested, else on
-    CUDA, where each becomes a CUDA graph, and not on the CPU, where the eager steps on half weights measured
-    faster (COMPILE_REASONS). Half and GGUF weights run only in eager steps: their CPU kernels take a packed
-    float16 prompt cache and variable-length views."""
-    compiled = device.type == "cuda" if requested is None else requested
-    if compiled and weights in HALF_PROMPT_FORMS:
+def resolve_steps(requested: StepMode | None, device: torch.device, weights: str) -> StepMode:
+    """How decode steps run (Transformer.use_steps): as requested, else as fixed-shape steps recorded as CUDA graphs
+    on CUDA, and eager on the CPU, where the eager steps on half weights measured faster (STEP_REASONS). Half and
+    GGUF weights run only in eager steps: their CPU kernels take a packed float16 prompt cache and variable-length
+    views."""
+    default = StepMode.GRAPHS if device.type == "cuda" else StepMode.EAGER
+    steps = default if requested is None else StepMode(requested)
+    if steps != StepMode.EAGER and weights in HALF_PROMPT_FORMS:
         raise ConfigError(
-            f"`compile_steps` runs dense weights only, not {weights}: use `weights` dense or `compile_steps` False"
+            f"`steps` {steps} runs dense weights only, not {weights}: use `weights` dense or `steps` eager"
         )
-    return compiled
+    return steps
 
 
-COMPILE_REASONS = {
-    "cuda": "on: every decode step is one CUDA graph (torch.compile, mode reduce-overhead)",
-    "cpu": "off: on the CPU the eager steps on GGUF or half weights beat compiled ones (--compile to try)",
+STEP_REASONS = {
+    "cuda": "graphs: every decode step is one CUDA graph, recorded once per step length (--steps compiled to compile"
+    " them first)",
+    "cpu": "eager: on the CPU the eager steps on GGUF or half weights beat fixed-shape ones (--steps graphs or"
+    " --compile to try)",
 }
 
 

@@ -14,11 +14,11 @@ LongRoPE has a short and a long set of frequencies; transformers picks one per f
 which would make a forward verifying several tokens differ from single steps. Here the set is chosen once per
 generation, from the positions it may reach (Transformer.fit_rope), and every forward of it uses that one.
 
-compile_steps() makes every decode step of up to MAX_STEP_TOKENS tokens a fixed-shape step compiled with
-torch.compile(fullgraph=True): the tokens are padded to a power of two, positions and the cache's write slot are
-device tensors, and attention runs over the cache's whole buffers with a mask (kernels.attention_in_cache), so
-one graph per padded length serves every position; on CUDA each is captured as a CUDA graph. Prefill chunks and
-steps on caches not made static stay eager.
+use_steps() makes every decode step of up to MAX_STEP_TOKENS tokens on a cache made static a fixed-shape step:
+the tokens are padded to a power of two, positions and the cache's write slot are device tensors, and attention
+runs over the cache's whole buffers with a mask (kernels.attention_in_cache), so one recording per padded length
+serves every position: on CUDA a CUDA graph (runtime/graphs.py), of the eager step (StepMode 'graphs') or of its
+inductor compilation ('compiled'). Prefill chunks and steps on caches not made static stay eager.
 
 prefill_layerwise() runs a prompt layer by layer instead of chunk by chunk (for a full cache in host memory, whose
 every forward streams every layer's prefix to the device): the same forwards of the same chunks, in another order.
@@ -36,15 +36,17 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear
 from triforce_cli.offload.weights import WeightStream
+from triforce_cli.runtime.forms import StepMode
+from triforce_cli.runtime.graphs import StepGraphs
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
-MAX_STEP_TOKENS = 128  # longest decode step compiled with a fixed shape (MAX_GAMMA + 1 rounded up); longer: eager
+MAX_STEP_TOKENS = 128  # longest decode step run with a fixed shape (MAX_GAMMA + 1 rounded up); longer: eager
 
 
 def padded_length(num_tokens: int) -> int:
     """The fixed length a decode step of num_tokens runs at: the next power of two, so that a tier verifying up
-    to g tokens needs about log2(g) compiled graphs, and a step computes less than twice its tokens."""
+    to g tokens needs about log2(g) graphs, and a step computes less than twice its tokens."""
     return 1 << (num_tokens - 1).bit_length()
 
 
@@ -363,7 +365,9 @@ class Transformer(nn.Module):
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
             self.rope_factors = "short"
         self.output_ids: torch.Tensor | None = None  # see restrict_output
-        self.fixed_step: Callable[..., torch.Tensor] | None = None  # compute_logits compiled, see compile_steps
+        # the fixed-shape step (use_steps): compute_logits, or its compilation; None: every step eager
+        self.fixed_step: Callable[..., torch.Tensor] | None = None
+        self.step_graphs = StepGraphs()  # its recordings, per cache and padded length
         # the layers' weights streamed from host memory (offload.offload_weights), or None: all on the device
         self.weight_stream: WeightStream | None = None
 
@@ -447,36 +451,58 @@ class Transformer(nn.Module):
         dtype = self.model.norm.weight.dtype  # a parameter in every weight form
         return self.model.layers[0].self_attn.backend or attention_backend(self.device, dtype)
 
-    def compile_steps(self, mode: str | None = None, backend: str = "inductor") -> None:
-        """Run decode steps on caches made static (KVCache.make_static) as fixed-shape compiled graphs.
+    @property
+    def step_mode(self) -> StepMode:
+        """How decode steps on caches made static run (use_steps)."""
+        if self.fixed_step is None:
+            return StepMode.EAGER
+        return StepMode.GRAPHS if self.fixed_step == self.compute_logits else StepMode.COMPILED
 
-        mode: torch.compile's mode; "reduce-overhead" captures each graph as a CUDA graph.
+    def use_steps(self, mode: StepMode, backend: str = "inductor") -> None:
+        """Run decode steps on caches made static (KVCache.make_static) as mode says: 'eager' as any forward,
+        'graphs' as fixed-shape steps recorded once per cache and padded length (CUDA graphs, runtime/graphs.py),
+        'compiled' as those steps compiled by torch.compile first (compile_steps).
+
+        backend: torch.compile's backend for 'compiled'.
+        """
+        if mode == StepMode.COMPILED:
+            self.compile_steps(backend)
+            return
+        self.step_graphs = StepGraphs()
+        self.fixed_step = self.compute_logits if mode == StepMode.GRAPHS else None
+
+    def compile_steps(self, backend: str = "inductor") -> None:
+        """Run decode steps on caches made static as fixed-shape steps compiled by torch.compile (fullgraph, static
+        shapes), each recorded once per cache and padded length (use_steps' 'compiled'). Inductor keeps what it
+        compiles on disk (runtime.store.keep_compiled_steps), for later processes.
+
         backend: torch.compile's backend ("aot_eager" traces the same graphs without generating code).
         """
         # one graph per padded length (log2 of MAX_STEP_TOKENS + 1 at most) per cache kind, for every compiled
         # model, all of them recompilations of compute_logits, whose default limit is 8
         graphs = (MAX_STEP_TOKENS.bit_length() + 1) * 3 * 2
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
-        self.fixed_step = torch.compile(self.compute_logits, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+        self.step_graphs = StepGraphs()
+        self.fixed_step = torch.compile(self.compute_logits, fullgraph=True, dynamic=False, backend=backend)
 
     def forward(
         self, tokens: torch.Tensor, start: int, cache: KVCache, num_logits: int | None = None, decoding: bool = True
     ) -> torch.Tensor:
         """Logits (num_logits or T, V) for tokens (T,) at positions [start, start + T), writing them to cache.
 
-        decoding: False for a prefill chunk, which always runs eager (one compiled graph serves no two prompts).
+        decoding: False for a prefill chunk, which always runs eager (one recorded step serves no two prompts).
+        A fixed-shape step longer than the cache's longest recorded one (StepGraphs.limit) runs eager too.
         """
         num_tokens = tokens.shape[0]
         keep = num_logits or num_tokens
         padded = padded_length(num_tokens)
-        fits = num_tokens <= MAX_STEP_TOKENS and padded <= (cache.max_write or padded)
-        if decoding and self.fixed_step is not None and cache.write_start is not None and fits:
+        longest = min(MAX_STEP_TOKENS, self.step_graphs.longest(cache, MAX_STEP_TOKENS), cache.max_write or padded)
+        if decoding and self.fixed_step is not None and cache.write_start is not None and padded <= longest:
             cache.prepare(start, num_tokens, padding=padded - num_tokens)
             tokens = F.pad(tokens, (0, padded - num_tokens))  # padding rows: token 0, written past cache.length
             positions = torch.arange(start, start + padded, device=tokens.device)
-            with torch.no_grad():  # inductor compiles no code that runs in inference mode
-                logits = self.fixed_step(tokens, positions, cache)
-            # a copy: a CUDA graph's outputs are overwritten by its next replay
+            logits = self.step_graphs.run(self.fixed_step, tokens, positions, cache)
+            # a copy: a recorded step's outputs are overwritten by its next replay
             return logits[num_tokens - keep : num_tokens].clone()
         with torch.inference_mode():
             cache.prepare(start, num_tokens)
@@ -488,8 +514,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits (num_logits or T, V) for tokens (T,) at positions (T,), on a cache prepared for them.
 
-        The step forward() runs, eager or compiled; a fixed-shape step (the cache prepared with padding) compiles
-        with fullgraph=True, without a graph break, once for every position.
+        The step forward() runs, eager or recorded; a fixed-shape step (the cache prepared with padding) compiles
+        with fullgraph=True, without a graph break, once for every position, and records as one CUDA graph.
         """
         x = self.model.embed_tokens(tokens)  # (T, C)
         cos, sin = self.rotary(positions, x.dtype)

@@ -1,0 +1,112 @@
+"""CUDA graphs of a model's fixed-shape decode steps, captured without a compiler.
+
+A decode step on a cache made static (KVCache.make_static) runs at a padded length P with nothing in it that
+depends on a host-side value: the tokens and positions are (P,) device tensors, the cache's write slot is on the
+device, and attention reads the cache's whole buffers with a mask. One recording of it per (cache, P) therefore
+serves every position, and StepGraphs keeps that recording: on CUDA a ``torch.cuda.CUDAGraph`` captured from the
+step (Transformer.fixed_step: the eager compute_logits, or its inductor compilation), its inputs copied into
+static buffers before each replay, all of a model's graphs in one memory pool. On the CPU the same object runs the
+step eagerly on the same buffers, and counts the graphs it would have captured.
+
+Capture records the addresses of everything the step reads and writes: the cache's buffers (which make_static
+keeps in place), the model's weights and rotary frequencies (Transformer.fit_rope writes in place), and the static
+buffers here. A cache released takes its graphs with it (they are kept per cache, weakly).
+"""
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from triforce_cli.cache import KVCache
+
+StepFunction = Callable[[torch.Tensor, torch.Tensor, KVCache], torch.Tensor]  # (tokens, positions, cache) -> logits
+
+
+@dataclass
+class StepGraph:
+    """One recorded step of padded length P on one cache.
+
+    Attributes:
+        tokens: (P,) int64 token ids the step reads, copied in before each replay.
+        positions: (P,) int64 positions the step reads.
+        logits: (P, V) float32 logits the step writes; overwritten by the next replay.
+        graph: the captured CUDA graph; None on the CPU, where replay runs the step.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class StepGraphs:
+    """A model's recorded decode steps, per cache and padded length (module docstring).
+
+    Attributes:
+        captured: graphs recorded so far, over every cache (on the CPU: those that would have been captured).
+    """
+
+    def __init__(self) -> None:
+        self.captured = 0
+        self._pool = None  # one memory pool for every graph of the model (torch.cuda.graph_pool_handle)
+        self._graphs: weakref.WeakKeyDictionary[KVCache, dict[int, StepGraph]] = weakref.WeakKeyDictionary()
+        self._longest: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
+
+    def holds(self, cache: KVCache, length: int) -> bool:
+        """Whether the step of padded length on cache is recorded."""
+        return length in self._graphs.get(cache, {})
+
+    def lengths(self, cache: KVCache) -> list[int]:
+        """The padded lengths recorded on cache, shortest first."""
+        return sorted(self._graphs.get(cache, {}))
+
+    def limit(self, cache: KVCache, longest: int) -> None:
+        """Record steps on cache of up to longest padded tokens only; a longer one runs eager (a drafter catching up
+        on committed tokens, which a recording per length would serve once)."""
+        self._longest[cache] = longest
+
+    def longest(self, cache: KVCache, default: int) -> int:
+        """The longest padded step recorded on cache (limit), default where none was set."""
+        return self._longest.get(cache, default)
+
+    def run(self, step: StepFunction, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (P, V) of step over tokens (P,) at positions (P,) on cache, prepared for them with padding: the
+        recorded step replayed, recorded first where it is not yet. The result is the step's static output, which
+        the next replay of the same step overwrites: the caller copies the rows it keeps.
+
+        Replaying copies the inputs on the device and launches the graph: no host synchronization.
+        """
+        recorded = self._graphs.setdefault(cache, {}).get(tokens.shape[0])
+        if recorded is None:
+            recorded = self._record(step, tokens, positions, cache)
+        recorded.tokens.copy_(tokens, non_blocking=True)
+        recorded.positions.copy_(positions, non_blocking=True)
+        if recorded.graph is None:
+            with torch.no_grad():  # inductor compiles no code that runs in inference mode
+                recorded.logits = step(recorded.tokens, recorded.positions, cache)
+        else:
+            recorded.graph.replay()
+        return recorded.logits
+
+    def _record(self, step: StepFunction, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> StepGraph:
+        """A StepGraph of tokens' length on cache: on CUDA, the step run once on a side stream (which compiles it
+        and lets the libraries it calls allocate their workspaces), then captured into the model's pool; on the CPU,
+        its static buffers alone. The capture writes nothing: run() replays it next."""
+        recorded = StepGraph(tokens.clone(), positions.clone())
+        device = tokens.device
+        if device.type == "cuda":
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.no_grad(), torch.cuda.stream(side):
+                step(recorded.tokens, recorded.positions, cache)
+            torch.cuda.current_stream(device).wait_stream(side)
+            recorded.graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(recorded.graph, pool=self._pool):
+                recorded.logits = step(recorded.tokens, recorded.positions, cache)
+        self._graphs[cache][tokens.shape[0]] = recorded
+        self.captured += 1
+        return recorded
