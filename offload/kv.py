@@ -273,7 +273,11 @@ class LayerStream:
 
 
 def offload_kv(
-    full: FullCache, device: torch.device, on_chip_layers: int = 0, queue: HostQueue | None = None
+    full: FullCache,
+    device: torch.device,
+    on_chip_layers: int = 0,
+    queue: HostQueue | None = None,
+    tail_positions: int = TAIL_POSITIONS,
 ) -> LayerStream:
     """Serve full's forwards on device from its host storage, streaming layer by layer (module docstring).
 
@@ -283,6 +287,7 @@ def offload_kv(
         device: where the model computes.
         on_chip_layers: the first layers kept on the device, never streamed.
         queue: streams and events for the copies; by default CUDA's on a GPU, the host's (no-ops) on the CPU.
+        tail_positions: positions written on the device before they go back to the host, at most (the tail).
     Returns:
         The stream now installed as full.stream.
     """
@@ -294,6 +299,6 @@ def offload_kv(
     if pins_for(device):  # asynchronous copies need page-locked host memory
         pin_exactly(full.keys)
         pin_exactly(full.values)
-    stream = LayerStream(full, device, on_chip_layers, queue or queue_for(device))
+    stream = LayerStream(full, device, on_chip_layers, queue or queue_for(device), tail_positions)
     full.stream = stream
     return stream

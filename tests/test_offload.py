@@ -193,6 +193,32 @@ def test_a_step_copies_nothing_back_to_the_host_until_a_reader_settles(on_chip_l
     assert torch.equal(full.values[:, :, held], reference.values[:, :, held])
 
 
+def test_a_write_longer_than_the_tail_goes_back_at_once_and_a_full_tail_is_flushed_first():
+    """A tail of 4 positions: the 64-token prompt's forward writes each layer back as it ends (one copy per KV head
+    and tensor), a 3-token step waits in the tail, and the next one, which would overflow it, first flushes it (one
+    copy per tensor into the pinned buffer). The numbers are the device cache's throughout."""
+    model = loaded_model().model
+    cfg = model.config
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 128, torch.float32)
+    queue = CountingQueue()
+    stream = offload_kv(full, torch.device("cpu"), on_chip_layers=1, queue=queue, tail_positions=4)
+    reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 128, torch.float32)
+    host, flushed = storages(full.keys, full.values), storages(stream.flushed)
+    written = []  # per forward: (copies into the storage, copies into the flush buffer)
+    for start, tokens in ((0, random_prompt(PROMPT, 64, seed=4)), (PROMPT, [1, 2, 3]), (PROMPT + 3, [4, 5, 6])):
+        queue.copies.clear()
+        tokens = torch.tensor(tokens)
+        torch.testing.assert_close(model(tokens, start, full), model(tokens, start, reference))
+        written.append(
+            (sum(dst in host for dst, _, _ in queue.copies), sum(dst in flushed for dst, _, _ in queue.copies))
+        )
+    assert written == [(2 * cfg.num_layers * cfg.num_kv_heads, 0), (0, 0), (0, 2)]
+    full.settle()
+    held = slice(0, PROMPT + 6)
+    assert torch.equal(full.keys[:, :, held], reference.keys[:, :, held])
+    assert torch.equal(full.values[:, :, held], reference.values[:, :, held])
+
+
 def kv_bytes(full: FullCache, positions: int) -> int:
     """Bytes of the keys and values of every layer at that many positions."""
     num_layers, num_kv_heads, _, head_dim = full.keys.shape
@@ -478,4 +504,6 @@ def test_offloaded_generation_on_a_gpu_gives_the_tokens_of_the_device_cache(samp
         expected = Engine(model, config(mode, sampling)).generate(prompt).token_ids
         engine = Engine(model, config(mode, sampling, offload="kv", on_chip_layers=1))
         assert engine.generate(prompt).token_ids == expected, mode
-        assert engine._caches.full.keys.is_pinned()
+        assert engine._caches.full.keys.is_pinned() and engine._caches.full.stream.flushed.is_pinned()
+        if engine._caches.retrieval is not None:
+            assert engine._caches.retrieval.staging.is_pinned()
