@@ -177,7 +177,7 @@ def test_a_step_copies_nothing_back_to_the_host_until_a_reader_settles(on_chip_l
     host = storages(full.keys, full.values)
     with monkeypatch.context() as step:
         for name in ("item", "tolist"):
-            step.setattr(torch.Tensor, name, lambda *args: pytest.fail(f"a step called .{name}()"))
+            step.setattr(torch.Tensor, name, lambda *args, name=name: pytest.fail(f"a step called .{name}()"))
         step.setattr(torch.cuda, "synchronize", lambda *args: pytest.fail("a step synchronised the device"))
         for start in (PROMPT, PROMPT + 3, PROMPT + 6):
             tokens = torch.tensor([1, 2, 3])
