@@ -7,7 +7,9 @@ A cache of W + slack slots then moves about W positions once every slack positio
 within the positions written since stays exact: every position the next write's queries read is still held.
 
 Offloaded (offload/kv.py), its storage lives in host memory and a stream object installed as ``stream`` serves
-the forwards on the device; the cache keeps its bookkeeping, and calls the stream where storage is touched.
+the forwards on the device; the cache keeps its bookkeeping, and calls the stream where storage is touched. The
+stream writes the storage back lazily: whatever reads ``keys`` or ``values`` calls ``settle`` first, and a cache on
+the device reads positions through ``copy_positions``, which takes those not written back yet from the device.
 
 A prompt may be written layer by layer instead of forward by forward (LayerwiseWrite, for
 Transformer.prefill_layerwise): offloaded, each layer's keys and values then cross between host and device once
@@ -36,11 +38,19 @@ class StorageStream(Protocol):
 
     def write_back(self, full: "FullCache", layer: int, positions: slice) -> None: ...
 
+    def layer_keys(self, layer: int) -> torch.Tensor: ...
+
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def read(self, full: "FullCache", keys: torch.Tensor, values: torch.Tensor, positions: slice) -> None: ...
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def stored(self, length: int) -> None: ...
 
     def forget_beyond(self, length: int) -> None: ...
 
-    def settle(self) -> None: ...
+    def settle(self, full: "FullCache") -> None: ...
 
 
 class FullCache(KVCache):
@@ -98,6 +108,7 @@ class FullCache(KVCache):
         stops attention reading it and shortens it to the positions still the same, so a prompt that keeps the
         last prompt's first positions converts only the rest, and the copy is the one a fresh prompt makes.
         """
+        self.settle()
         if self.half_keys is None:
             self.half_keys = torch.empty_like(self.keys, dtype=torch.float16)
             self.half_values = torch.empty_like(self.values, dtype=torch.float16)
@@ -162,9 +173,33 @@ class FullCache(KVCache):
         self._half_length = max(self._half_length, offset)
 
     def settle(self) -> None:
-        """Return once reads of keys and values see every write (an offloaded cache writes back asynchronously)."""
+        """Return once reads of keys and values see every write (an offloaded cache writes back lazily and
+        asynchronously: LayerStream.settle)."""
         if self.stream is not None:
-            self.stream.settle()
+            self.stream.settle(self)
+
+    def host_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An empty buffer of the storage's dtype beside the storage, for a cache elsewhere to stage what it copies
+        from it: offloaded, in host memory that copies run asynchronously with (LayerStream.host_buffer)."""
+        if self.stream is None:
+            return torch.empty(shape, dtype=self.keys.dtype, device=self.keys.device)
+        return self.stream.host_buffer(shape, self.keys.dtype)
+
+    def copy_positions(self, keys: torch.Tensor, values: torch.Tensor, positions: slice) -> None:
+        """keys[...], values[...] = every layer's keys and values at positions, for a cache on the compute device:
+        offloaded, those not written back yet copied on the device (LayerStream.read), the others uploaded; else
+        from the storage (upload).
+
+        Args:
+            keys, values: (layers, Hkv, n, D) on the device the model computes on, each (n, D) matrix contiguous.
+            positions: n positions the cache holds.
+        """
+        if self.stream is not None:
+            self.stream.read(self, keys, values, positions)
+            return
+        held = slice(positions.start - self.offset, positions.stop - self.offset)
+        self.upload(keys, self.keys[:, :, held])
+        self.upload(values, self.values[:, :, held])
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst[...] = src, for a cache on the compute device that reads this cache's storage: offloaded, queued on
@@ -218,6 +253,7 @@ class FullCache(KVCache):
         """
         stop = first + keys.shape[2]
         self.reset()
+        self.settle()  # no copy in flight reads or writes the storage written below
         if self.window is None:
             if first:
                 raise ValueError(f"a cache keeping every position cannot start at position {first}")
@@ -231,6 +267,8 @@ class FullCache(KVCache):
         count = stop - first
         self.keys[:, :, :count] = keys[:, :, keys.shape[2] - count :]
         self.values[:, :, :count] = values[:, :, values.shape[2] - count :]
+        if self.stream is not None:
+            self.stream.stored(self.length)
 
     def held(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The positions held: the first, and the keys and values (layers, Hkv, length - first, D), views."""

@@ -21,12 +21,15 @@ A full cache that keeps only the window (FullCache.window: every layer windowed 
 and the chunks filling the budget before the window, which no layer reads, may be any chunk held.
 
 The full cache's storage may live elsewhere (in host memory, offload/kv.py): selection then gathers the chosen
-chunks there and copies only them, and the mean keys, to this cache's device. Selection serves every layer at once:
-one scoring op on the device, and where the storage is elsewhere one read of the chosen ids, one gather of every
-layer's chunks into a staging buffer beside the storage (pinned where the storage is, allocated once) and one
+chunks there and copies only them to this cache's device. Selection serves every layer at once: one scoring op on
+the device, and where the storage is elsewhere one read of the chosen ids, one gather of every layer's chunks into
+a staging buffer beside the storage (FullCache.host_buffer: pinned where the storage is, allocated once) and one
 upload of it through the full cache (FullCache.upload: offloaded, asynchronous on the copy stream, one contiguous
-copy per layer and KV head, as the stream copies every range); ``sync_recent`` uploads its positions the same way,
-straight from the storage.
+copy per layer and KV head, as the stream copies every range); ``sync_recent`` copies its positions through the full
+cache (FullCache.copy_positions: offloaded, from the device where they were not written back yet). The summaries
+are computed on this cache's device: those of a prompt prefilled layer by layer as each layer's keys pass through
+the device (``summarise_layer``), so the first selection averages no keys; those of later chunks from their keys
+uploaded one layer at a time.
 """
 
 import torch
@@ -77,11 +80,7 @@ class RetrievalCache(SlotCache):
         # the chosen chunks' keys and values of every layer, gathered where the storage is when that is elsewhere
         self.staging: torch.Tensor | None = None  # (2, layers, Hkv, budget, D)
         if full.stream is not None or full.keys.device != self.keys.device:
-            self.staging = torch.empty(
-                (2, num_layers, num_kv_heads, budget, head_dim),
-                dtype=full.keys.dtype,
-                device=full.keys.device,
-            )  # page-locked by whoever placed the storage there (offload.pin_exactly), exactly its bytes
+            self.staging = full.host_buffer((2, num_layers, num_kv_heads, budget, head_dim))
         # a windowed layer's view starts past the chunks selected only to fill the budget
         self._hold_first_slots(windows)
         self.selected_until = 0
@@ -131,13 +130,40 @@ class RetrievalCache(SlotCache):
             return
         first, stop = self.num_mean_keys * self.chunk_size, complete_chunks * self.chunk_size
         held = slice(first - self.full.offset, stop - self.full.offset)
-        kept = slice(self.num_mean_keys - self.first_chunk, complete_chunks - self.first_chunk)
         self.full.settle()
+        uploaded = None  # one layer's keys on this cache's device, where the storage is elsewhere
+        if self.staging is not None:
+            _, num_kv_heads, _, head_dim = self.keys.shape
+            uploaded = self.keys.new_empty((num_kv_heads, stop - first, head_dim))
         for layer in range(self.keys.shape[0]):
-            summaries = chunk_summaries(self.full.keys[layer, :, held], self.chunk_size, self.score)
-            for summary_keys, summary in zip(self.chunk_keys, summaries, strict=True):
-                summary_keys[layer, :, kept] = summary.to(summary_keys.device)
+            keys = self.full.keys[layer, :, held]
+            if uploaded is not None:
+                self.full.upload(uploaded, keys)
+                keys = uploaded
+            self._summarise(layer, keys, self.num_mean_keys, complete_chunks)
         self.num_mean_keys = complete_chunks
+
+    def _summarise(self, layer: int, keys: torch.Tensor, first: int, stop: int) -> None:
+        """Summarise layer's chunks [first, stop) from keys (Hkv, (stop - first) * chunk_size, D) on this cache's
+        device."""
+        summaries = chunk_summaries(keys, self.chunk_size, self.score)
+        for summary_keys, summary in zip(self.chunk_keys, summaries, strict=True):
+            summary_keys[layer, :, first - self.first_chunk : stop - self.first_chunk] = summary
+
+    def summarise_layer(self, layer: int, keys: torch.Tensor, length: int) -> None:
+        """Summarise layer's complete chunks before length not summarised yet from keys (Hkv, >= length, D), the
+        layer's keys on this cache's device with positions [0, length) at their slots, as a layer-wise prefill of
+        the full cache leaves them (Engine._prefill_layerwise); after the last layer, count them summarised.
+
+        A ValueError where the full cache dropped its first positions (FullCache.window): no offloaded cache does.
+        """
+        if self.full.offset:
+            raise ValueError("a full cache keeping only its window is summarised when chunks are selected")
+        first, stop = self.num_mean_keys, length // self.chunk_size
+        if stop > first:
+            self._summarise(layer, keys[:, first * self.chunk_size : stop * self.chunk_size], first, stop)
+        if layer == self.keys.shape[0] - 1:
+            self.num_mean_keys = max(first, stop)
 
     def select_chunks(self) -> None:
         """Choose the best chunks for the query at the full cache's last position and rebuild the view.
@@ -185,8 +211,9 @@ class RetrievalCache(SlotCache):
         self.sync_recent()
 
     def sync_recent(self) -> None:
-        """Copy the full cache's positions [synced_until, full.length) into the recent region (FullCache.upload:
-        offloaded, queued after the copies that write them to the host storage).
+        """Copy the full cache's positions [synced_until, full.length) into the recent region
+        (FullCache.copy_positions: offloaded, from the device where it holds them alone, else uploaded from the
+        storage, queued after the copies that write them there).
 
         Where the full cache, keeping only its window, dropped some of them (the middle tier skipped for some
         rounds), choose the chunks again instead (select_chunks), which copies only the positions from its chunks'
@@ -203,8 +230,7 @@ class RetrievalCache(SlotCache):
             held = slice(start - self.full.offset, stop - self.full.offset)
             if held.start < 0:
                 raise ValueError(f"the full cache no longer holds position {start}; select chunks again first")
-            self.full.upload(self.keys[:, :, slots], self.full.keys[:, :, held])
-            self.full.upload(self.values[:, :, slots], self.full.values[:, :, held])
+            self.full.copy_positions(self.keys[:, :, slots], self.values[:, :, slots], slice(start, stop))
         self.synced_until = stop
         self.length = stop
 

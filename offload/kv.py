@@ -5,19 +5,32 @@ pinned memory on a CUDA machine) stay the cache's storage, and a forward over it
 ring on the device. While layer i computes from one slot, layer i + 1 is copied into the other on a side stream;
 each copy waits for an event saying the compute that last read its slot is done, and each layer's compute waits
 for the event of its own copy, so the transfer of one layer overlaps the compute of the previous one and nothing
-synchronises the whole device. The new tokens' keys and values are written into the slot and copied back to the
-host asynchronously. ``on_chip_layers`` keeps the first layers' keys and values on the device for good: they need
-no transfer.
+synchronises the whole device. ``on_chip_layers`` keeps the first layers' keys and values on the device for good:
+they need no transfer.
+
+A forward's new keys and values do not go back to the host at once. Each offloaded layer's are also written into
+the tail, a device buffer (2, tail positions, layers, Hkv, D) of the positions written since the host storage last
+took them (``host_valid``), and the next forward's fetch of a layer copies them from there into its slot; an
+on-chip layer's stay in its own buffers. So a step copies nothing from the device to the host. ``settle``, which a
+reader of the host storage calls first (FullCache.settle: the retrieval cache's selection, a prompt's capture),
+flushes them: the on-chip layers' positions are gathered into the tail on the device, the tail goes to a pinned
+host buffer of its shape in one copy per tensor, and the host scatters it into the storage. A forward that would
+overflow the tail flushes it first (the copy stream waited for, once per that many positions); one writing more
+positions than the tail holds writes each layer back at once instead.
 
 A prompt is prefilled layer by layer instead (cache.full.LayerwiseWrite, Transformer.prefill_layerwise): each layer
 takes its device buffer once (``buffers``), runs every chunk of the prompt in it and copies its new positions back
-once (``write_back``), so no chunk streams the prefix written by the chunks before it again.
+once (``write_back``), so no chunk streams the prefix written by the chunks before it again, and the host holds
+the prompt when the prefill ends, as the first chunk selection needs.
 
 The head-major (layers, Hkv, positions, D) layout every cache uses keeps each KV head's prefix one contiguous range,
 so a layer streams as Hkv contiguous asynchronous copies (a copy of a strided range would be staged through
 pageable memory on the host, synchronously); a few copies more per layer cost microseconds against the
-milliseconds a layer's transfer takes. The retrieval cache reads the host storage (RetrievalCache takes its own
-device), so only its budget crosses PCIe; the drafter and its cache never touch the full cache.
+milliseconds a layer's transfer takes. Every host buffer a copy reads or writes is page-locked on a CUDA machine
+(``host_buffer``: the storage, the flush's buffer, the retrieval cache's staging), so every copy is asynchronous.
+The retrieval cache reads the host storage (RetrievalCache takes its own device) for its selection, and the
+positions not flushed yet on the device (``read``), so only its budget crosses PCIe; the drafter and its cache
+never touch the full cache.
 """
 
 import torch
@@ -25,15 +38,37 @@ from triforce_cli.cache import FullCache
 from triforce_cli.offload.pinning import pin_exactly
 from triforce_cli.offload.queues import HostQueue, Ring, queue_for
 
+TAIL_POSITIONS = 256  # positions written on the device before the host storage takes them, at most (a flush)
+
+
+def pins_for(device: torch.device) -> bool:
+    """Whether host memory that copies to and from device read or write is page-locked: on a CUDA device."""
+    return device.type == "cuda"
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty host tensor that copies to and from device run asynchronously with: pinned, exactly its bytes
+    (pin_exactly), where device needs it (pins_for)."""
+    buffer = torch.empty(shape, dtype=dtype)
+    return pin_exactly(buffer) if pins_for(device) else buffer
+
 
 class LayerStream:
-    """The device side of an offloaded FullCache: the on-chip layers, the ring, and the copies between them and
-    the host storage (see the module docstring). FullCache calls begin() from prepare, update() per layer of a
-    forward (a layerwise write: buffers() and write_back() per layer), forget_beyond() on rollback and settle()
-    before the host storage is read; upload() serves the retrieval cache, which reads the host storage."""
+    """The device side of an offloaded FullCache: the on-chip layers, the ring, the tail, and the copies between
+    them and the host storage (see the module docstring). FullCache calls begin() from prepare, update() per layer
+    of a forward (a layerwise write: buffers() and write_back() per layer), forget_beyond() on rollback, settle()
+    before the host storage is read and stored() after writing it; upload() and read() serve the retrieval cache."""
 
-    def __init__(self, full: FullCache, device: torch.device, on_chip_layers: int, queue: HostQueue):
+    def __init__(
+        self,
+        full: FullCache,
+        device: torch.device,
+        on_chip_layers: int,
+        queue: HostQueue,
+        tail_positions: int = TAIL_POSITIONS,
+    ):
         num_layers, num_kv_heads, capacity, head_dim = full.keys.shape
+        self.device = device
         self.queue = queue
         self.on_chip = max(0, min(on_chip_layers, num_layers))
         self.num_layers = num_layers
@@ -44,19 +79,34 @@ class LayerStream:
         ring_shape = (slots, num_kv_heads, capacity, head_dim)
         self.ring_keys = torch.zeros(ring_shape, dtype=full.keys.dtype, device=device)
         self.ring_values = torch.zeros_like(self.ring_keys)
-        self.chip_valid = 0  # positions the on-chip layers hold as the host does
+        tail_shape = (2, min(tail_positions, capacity), num_layers, num_kv_heads, head_dim)  # keys, values
+        self.tail = torch.zeros(tail_shape, dtype=full.keys.dtype, device=device)
+        self.flushed = host_buffer(tail_shape, full.keys.dtype, device)  # where a flush copies the tail to
+        self.host_valid = 0  # positions [0, host_valid) the host storage holds as written
+        self.device_until = 0  # positions [host_valid, device_until) are on the device alone: chip and tail
+        self.chip_valid = 0  # positions the on-chip layers hold as written
         self._prefix = 0  # positions before the prepared write: what a forward streams
+        self._write_through = False  # the prepared write outgrows the tail: each layer goes back at once
         self.ring = Ring(queue, self.on_chip)
 
     @property
     def device_bytes(self) -> int:
-        return sum(t.nbytes for t in (self.chip_keys, self.chip_values, self.ring_keys, self.ring_values))
+        return sum(t.nbytes for t in (self.chip_keys, self.chip_values, self.ring_keys, self.ring_values, self.tail))
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An empty host tensor beside the storage that this stream's copies read or write (module host_buffer)."""
+        return host_buffer(shape, dtype, self.device)
 
     def begin(self, full: FullCache, start: int) -> None:
-        """A forward writes from start: bring the on-chip layers up to start, and start copying the first
-        offloaded layer's prefix [0, start)."""
+        """A forward writes full's prepared positions from start: make room in the tail (or write through), bring
+        the on-chip layers up to start, and start copying the first offloaded layer's prefix [0, start)."""
+        self.forget_beyond(start)  # positions from start on are written anew
+        stop = full._write.stop
+        if self.device_until - self.host_valid + stop - start > self.tail.shape[1]:
+            self.flush(full)
+        self._write_through = stop - start > self.tail.shape[1]
         self._prefix = start
-        if self.chip_valid < start:  # after a restore from a saved prompt, or a reset
+        if self.chip_valid < start:  # after a restore from a saved prompt, or a reset: the host holds [0, start)
             stale = slice(self.chip_valid, start)
             for layer in range(self.on_chip):
                 self._copy_heads(self.chip_keys[layer], full.keys[layer], stale)
@@ -66,10 +116,16 @@ class LayerStream:
         self.ring.clear()
         if self.on_chip < self.num_layers:
             self._fetch(full, self.on_chip)
+        self.device_until = stop
+        if self._write_through:  # nothing left in the tail (flushed above): every position goes back as written
+            self.host_valid = stop
 
     @staticmethod
     def _head_copies(dst: torch.Tensor, src: torch.Tensor, positions: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(Hkv, S, D) dst[:, positions] = src[:, positions] as one contiguous (dst, src) copy per KV head."""
+        """(Hkv, S, D) dst[:, positions] = src[:, positions] as one contiguous (dst, src) copy per KV head; none
+        for no positions."""
+        if positions.stop <= positions.start:
+            return []
         return [(dst[head, positions], src[head, positions]) for head in range(src.shape[0])]
 
     def _copy_heads(self, dst: torch.Tensor, src: torch.Tensor, positions: slice) -> None:
@@ -77,10 +133,17 @@ class LayerStream:
             self.queue.copy(*pair)
 
     def _fetch(self, full: FullCache, layer: int) -> None:
-        """Copy layer's prefix into its slot (Ring.fetch: after the slot's last reader)."""
-        slot, prefix = self.ring.slot(layer), slice(0, self._prefix)
-        copies = self._head_copies(self.ring_keys[slot], full.keys[layer], prefix)
-        self.ring.fetch(layer, copies + self._head_copies(self.ring_values[slot], full.values[layer], prefix))
+        """Copy layer's prefix into its slot (Ring.fetch: after the slot's last reader): the positions the host
+        holds from there, one copy per KV head and tensor, and those after them from the tail, one per tensor."""
+        slot = self.ring.slot(layer)
+        on_host = min(self.host_valid, self._prefix)
+        copies = []
+        for part, (ring, storage) in enumerate(((self.ring_keys, full.keys), (self.ring_values, full.values))):
+            copies += self._head_copies(ring[slot], storage[layer], slice(0, on_host))
+            if self._prefix > on_host:  # (T, Hkv, D) rows of the tail -> (Hkv, T, D) positions of the slot
+                rows = self.tail[part, : self._prefix - on_host, layer].transpose(0, 1)
+                copies.append((ring[slot, :, on_host : self._prefix], rows))
+        self.ring.fetch(layer, copies)
 
     def _device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's (Hkv, capacity, D) keys and values on the device: its on-chip buffers, or its ring slot."""
@@ -99,26 +162,45 @@ class LayerStream:
                 self._fetch(full, layer + 1)
         return self._device(layer)
 
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        """Layer's (Hkv, capacity, D) keys on the device, as its last write left them: for a ring layer, valid
+        until the next layer's buffers() (which fetches into the other slot, and the layer after into this one)."""
+        return self._device(layer)[0]
+
     def write_back(self, full: FullCache, layer: int, positions: slice) -> None:
         """Copy layer's positions, written into its buffers() by the compute queued so far, back to the host
-        storage, asynchronously: one contiguous copy per KV head of the keys and of the values."""
+        storage, asynchronously, with the positions before them that the host lacks (the slot was fetched with
+        them): one contiguous copy per KV head of the keys and of the values. After the last layer, the host holds
+        every position up to positions.stop."""
         keys, values = self._device(layer)
         if layer == self.on_chip - 1:
             self.chip_valid = positions.stop
+        back = slice(min(self.host_valid, positions.start), positions.stop)
         self.queue.wait("copy", self.queue.record("compute"))  # the new rows are written
-        self._copy_heads(full.keys[layer], keys, positions)
-        self._copy_heads(full.values[layer], values, positions)
+        self._copy_heads(full.keys[layer], keys, back)
+        self._copy_heads(full.values[layer], values, back)
+        if layer == self.num_layers - 1:
+            self.host_valid = self.device_until = positions.stop
 
     def update(
         self, full: FullCache, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FullCache.update for layer: store k, v (Hkv, T, D) on the device and back on the host; return the
-        (Hkv, L, D) device views attention reads."""
+        """FullCache.update for layer: store k, v (Hkv, T, D) on the device (an offloaded layer's in the tail too,
+        or written through to the host where the write outgrows the tail); return the (Hkv, L, D) device views
+        attention reads."""
         keys, values = self.buffers(full, layer)
         write = full._write
         keys[:, write] = k
         values[:, write] = v
-        self.write_back(full, layer, write)
+        if self._write_through:
+            self.write_back(full, layer, write)
+        else:
+            if layer == self.on_chip - 1:
+                self.chip_valid = write.stop
+            if layer >= self.on_chip:
+                rows = slice(write.start - self.host_valid, write.stop - self.host_valid)
+                self.tail[0, rows, layer] = k.transpose(0, 1)  # (T, Hkv, D)
+                self.tail[1, rows, layer] = v.transpose(0, 1)
         return keys[:, : write.stop], values[:, : write.stop]
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -136,16 +218,66 @@ class LayerStream:
             self.queue.copy(to, source)
         self.queue.wait("compute", self.queue.record("copy"))
 
+    def read(self, full: FullCache, keys: torch.Tensor, values: torch.Tensor, positions: slice) -> None:
+        """keys, values (layers, Hkv, n, D) on the device = every layer's at positions: those the host holds
+        uploaded from there (upload), those on the device alone copied on the device, from the on-chip buffers and
+        the tail (one copy per tensor each), after the compute queued so far that wrote them."""
+        on_host = min(max(self.host_valid, positions.start), positions.stop)
+        if positions.stop > self.device_until:
+            raise ValueError(f"positions up to {positions.stop} requested, {self.device_until} written")
+        near = slice(0, on_host - positions.start)
+        if near.stop:
+            self.upload(keys[:, :, near], full.keys[:, :, positions.start : on_host])
+            self.upload(values[:, :, near], full.values[:, :, positions.start : on_host])
+        far = slice(near.stop, positions.stop - positions.start)
+        if far.stop > far.start:
+            held = slice(on_host, positions.stop)
+            rows = slice(on_host - self.host_valid, positions.stop - self.host_valid)
+            for part, (dst, chip) in enumerate(((keys, self.chip_keys), (values, self.chip_values))):
+                dst[: self.on_chip, :, far] = chip[:, :, held]
+                dst[self.on_chip :, :, far] = self.tail[part, rows, self.on_chip :].permute(1, 2, 0, 3)
+
+    def flush(self, full: FullCache) -> None:
+        """Have the host storage hold every position written (the module docstring): the on-chip layers' positions
+        the host lacks gathered into the tail, the tail copied to the pinned buffer, one copy per tensor, the copy
+        stream waited for, and the buffer scattered into the storage."""
+        first, stop = self.host_valid, self.device_until
+        count = stop - first
+        if count <= 0:
+            return
+        if self.on_chip:  # (on_chip, Hkv, n, D) -> (n, on_chip, Hkv, D)
+            self.tail[0, :count, : self.on_chip] = self.chip_keys[:, :, first:stop].permute(2, 0, 1, 3)
+            self.tail[1, :count, : self.on_chip] = self.chip_values[:, :, first:stop].permute(2, 0, 1, 3)
+        self.queue.wait("copy", self.queue.record("compute"))
+        for part in range(2):
+            self.queue.copy(self.flushed[part, :count], self.tail[part, :count])
+        self.queue.settle()
+        full.keys[:, :, first:stop] = self.flushed[0, :count].permute(1, 2, 0, 3)  # (layers, Hkv, n, D)
+        full.values[:, :, first:stop] = self.flushed[1, :count].permute(1, 2, 0, 3)
+        self.host_valid = stop
+
+    def stored(self, length: int) -> None:
+        """The host storage was written directly with positions [0, length) (FullCache.assign, after a reset): it
+        holds them all, and the on-chip layers refresh from it at the next begin()."""
+        self.host_valid = self.device_until = length
+
     def forget_beyond(self, length: int) -> None:
         self.chip_valid = min(self.chip_valid, length)
+        self.device_until = min(self.device_until, length)
+        self.host_valid = min(self.host_valid, length)
 
-    def settle(self) -> None:
-        """Return once the host storage holds every write (the copies back are asynchronous)."""
+    def settle(self, full: FullCache) -> None:
+        """Return once the host storage holds every write (flush, and the copies back are asynchronous)."""
+        self.flush(full)
         self.queue.settle()
 
 
 def offload_kv(
-    full: FullCache, device: torch.device, on_chip_layers: int = 0, queue: HostQueue | None = None
+    full: FullCache,
+    device: torch.device,
+    on_chip_layers: int = 0,
+    queue: HostQueue | None = None,
+    tail_positions: int = TAIL_POSITIONS,
 ) -> LayerStream:
     """Serve full's forwards on device from its host storage, streaming layer by layer (module docstring).
 
@@ -155,6 +287,7 @@ def offload_kv(
         device: where the model computes.
         on_chip_layers: the first layers kept on the device, never streamed.
         queue: streams and events for the copies; by default CUDA's on a GPU, the host's (no-ops) on the CPU.
+        tail_positions: positions written on the device before they go back to the host, at most (the tail).
     Returns:
         The stream now installed as full.stream.
     """
@@ -162,9 +295,10 @@ def offload_kv(
         raise ValueError(f"an offloaded full cache lives in host memory, not on {full.keys.device}")
     if full.window is not None:
         raise ValueError("a full cache keeping only a sliding window cannot be offloaded: its forwards stream from 0")
-    if torch.device(device).type == "cuda":  # asynchronous copies need page-locked host memory
+    device = torch.device(device)
+    if pins_for(device):  # asynchronous copies need page-locked host memory
         pin_exactly(full.keys)
         pin_exactly(full.values)
-    stream = LayerStream(full, torch.device(device), on_chip_layers, queue or queue_for(torch.device(device)))
+    stream = LayerStream(full, device, on_chip_layers, queue or queue_for(device), tail_positions)
     full.stream = stream
     return stream

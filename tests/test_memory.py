@@ -144,16 +144,21 @@ def test_sharded_layers_cross_to_the_device_already_sharded(monkeypatch):
 
 def test_an_offloaded_128k_kv_cache_pins_exactly_its_bytes(host_queues):
     """The full cache of a 128K-token prompt and 256 positions more in bfloat16 is just over 16 GiB: pinned through
-    the caching host allocator, it locked a 32 GiB block. The device holds the on-chip layer and the ring."""
-    shape = (NUM_LAYERS, LLAMA_31_8B.num_key_value_heads, 131072 + 256, LLAMA_31_8B.head_dim)
+    the caching host allocator, it locked a 32 GiB block. The device holds the on-chip layer, the ring and the tail
+    of positions not written back yet (every layer's keys and values at 256 positions, 32 MiB), the host the
+    tail's pinned twin besides the cache."""
+    num_kv_heads, head_dim = LLAMA_31_8B.num_key_value_heads, LLAMA_31_8B.head_dim
+    shape = (NUM_LAYERS, num_kv_heads, 131072 + 256, head_dim)
     cache_bytes = 2 * torch.Size(shape).numel() * DTYPE.itemsize
+    tail_bytes = 2 * 256 * NUM_LAYERS * num_kv_heads * head_dim * DTYPE.itemsize
     pinned_before = pinned_bytes()
     with fake_memory() as ledger:
-        full = FullCache(*shape, DTYPE)
-        assert ledger.live("cpu") == cache_bytes
+        full = FullCache(NUM_LAYERS, num_kv_heads, head_dim, 131072 + 256, DTYPE)
+        assert full.keys.shape == shape and ledger.live("cpu") == cache_bytes
         stream = offload_kv(full, DEVICE, on_chip_layers=1)
-        assert pinned_bytes() - pinned_before == cache_bytes == (16 << 30) + (32 << 20)  # not 32 GiB
-        assert ledger.live(DEVICE) == stream.device_bytes == (1 + 2) * cache_bytes // NUM_LAYERS
+        assert cache_bytes == (16 << 30) + (32 << 20) and tail_bytes == 32 << 20
+        assert pinned_bytes() - pinned_before == cache_bytes + tail_bytes  # not 32 GiB
+        assert ledger.live(DEVICE) == stream.device_bytes == (1 + 2) * cache_bytes // NUM_LAYERS + tail_bytes
         del full, stream
     assert pinned_bytes() == pinned_before
 

@@ -2,11 +2,13 @@
 order a GPU can overlap, checked with a queue that defers every copy until something waits for it, and counted
 (CountingQueue): the prefill, layer by layer, moves each layer's keys and values across once."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import load_tiny, make_model, random_prompt, save_word_checkpoint, small_config
 from triforce_cli.cache import FullCache, RetrievalCache
-from triforce_cli.kernels import gather_chunks, half_weights_available, summary_scores, top_chunks
+from triforce_cli.kernels import chunk_summaries, gather_chunks, half_weights_available, summary_scores, top_chunks
 from triforce_cli.offload import HostQueue, offload_kv
 
 from triforce_cli.decoding.config import EngineConfig
@@ -31,6 +33,7 @@ class DeferredQueue(HostQueue):
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.issued = 0
         self.done = 0
+        self.settles = 0  # waits of the host for the copy stream
         self.log: list[tuple] = []
 
     def record(self, stream: str):
@@ -47,6 +50,7 @@ class DeferredQueue(HostQueue):
         self.issued += 1
 
     def settle(self) -> None:
+        self.settles += 1
         self._run(self.issued)
 
     def _run(self, until: int) -> None:
@@ -127,6 +131,7 @@ def test_each_offloaded_layer_is_fetched_once_per_forward_and_waited_for_before_
     reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 128, torch.float32)
     prompt = torch.tensor(random_prompt(PROMPT, 64, seed=4))
     torch.testing.assert_close(model(prompt, 0, full), model(prompt, 0, reference))
+    full.settle()  # the prompt in the host storage: each later forward fetches it from there
     layer_of = {full.keys[layer, head].data_ptr(): layer for layer in range(cfg.num_layers) for head in range(2)}
     slot_of = {stream.ring_keys[slot, head].data_ptr(): slot for slot in range(2) for head in range(2)}
     for start in (PROMPT, PROMPT + 3):
@@ -144,7 +149,74 @@ def test_each_offloaded_layer_is_fetched_once_per_forward_and_waited_for_before_
     full.settle()
     held = slice(0, PROMPT + 6)
     torch.testing.assert_close(full.keys[:, :, held], reference.keys[:, :, held])
-    assert stream.device_bytes == (1 + 2) * 2 * full.keys[0].nbytes
+    tail = 2 * 128 * full.keys[:, :, 0].nbytes  # keys and values of every layer at min(TAIL_POSITIONS, 128) positions
+    assert stream.device_bytes == (1 + 2) * 2 * full.keys[0].nbytes + tail
+
+
+def storages(*tensors: torch.Tensor) -> set[int]:
+    return {tensor.untyped_storage().data_ptr() for tensor in tensors}
+
+
+@pytest.mark.parametrize("on_chip_layers", [0, 1, 4])
+def test_a_step_copies_nothing_back_to_the_host_until_a_reader_settles(on_chip_layers, monkeypatch):
+    """Steps of 3 tokens after a 64-token prompt: no copy writes the host storage and the host waits for nothing
+    (no .item(), .tolist() or synchronisation), with every layer on the chip or some streamed; settle() then writes
+    the steps' positions back in one copy per tensor, into the stream's pinned buffer, which the host scatters into
+    the storage. The numbers are the device cache's."""
+    model = loaded_model().model
+    cfg = model.config
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 128, torch.float32)
+    queue = CountingQueue()
+    stream = offload_kv(full, torch.device("cpu"), on_chip_layers=on_chip_layers, queue=queue)
+    reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 128, torch.float32)
+    prompt = torch.tensor(random_prompt(PROMPT, 64, seed=4))
+    torch.testing.assert_close(model(prompt, 0, full), model(prompt, 0, reference))
+    full.settle()
+    queue.copies.clear()
+    settles = queue.settles
+    host = storages(full.keys, full.values)
+    with monkeypatch.context() as step:
+        for name in ("item", "tolist"):
+            step.setattr(torch.Tensor, name, lambda *args, name=name: pytest.fail(f"a step called .{name}()"))
+        step.setattr(torch.cuda, "synchronize", lambda *args: pytest.fail("a step synchronised the device"))
+        for start in (PROMPT, PROMPT + 3, PROMPT + 6):
+            tokens = torch.tensor([1, 2, 3])
+            torch.testing.assert_close(model(tokens, start, full), model(tokens, start, reference))
+    assert [copy for copy in queue.copies if copy[0] in host] == [] and queue.settles == settles
+    queue.copies.clear()
+    full.settle()
+    back = [(dst, size) for dst, src, size in queue.copies]
+    positions = 3 * 3 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # bytes of 9 positions, every layer
+    assert back == [(storages(stream.flushed).pop(), positions)] * 2  # the keys, the values
+    held = slice(0, PROMPT + 9)
+    assert torch.equal(full.keys[:, :, held], reference.keys[:, :, held])
+    assert torch.equal(full.values[:, :, held], reference.values[:, :, held])
+
+
+def test_a_write_longer_than_the_tail_goes_back_at_once_and_a_full_tail_is_flushed_first():
+    """A tail of 4 positions: the 64-token prompt's forward writes each layer back as it ends (one copy per KV head
+    and tensor), a 3-token step waits in the tail, and the next one, which would overflow it, first flushes it (one
+    copy per tensor into the pinned buffer). The numbers are the device cache's throughout."""
+    model = loaded_model().model
+    cfg = model.config
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 128, torch.float32)
+    queue = CountingQueue()
+    stream = offload_kv(full, torch.device("cpu"), on_chip_layers=1, queue=queue, tail_positions=4)
+    reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 128, torch.float32)
+    host, flushed = storages(full.keys, full.values), storages(stream.flushed)
+    written = []  # per forward: (copies into the storage, copies into the flush buffer)
+    for start, tokens in ((0, random_prompt(PROMPT, 64, seed=4)), (PROMPT, [1, 2, 3]), (PROMPT + 3, [4, 5, 6])):
+        queue.copies.clear()
+        tokens = torch.tensor(tokens)
+        torch.testing.assert_close(model(tokens, start, full), model(tokens, start, reference))
+        written.append(
+            (sum(dst in host for dst, _, _ in queue.copies), sum(dst in flushed for dst, _, _ in queue.copies))
+        )
+    assert written == [(2 * cfg.num_layers * cfg.num_kv_heads, 0), (0, 0), (0, 2)]
+    full.settle()
+    held = slice(0, PROMPT + 6)
+    assert torch.equal(full.keys[:, :, held], reference.keys[:, :, held])
+    assert torch.equal(full.values[:, :, held], reference.values[:, :, held])
 
 
 def kv_bytes(full: FullCache, positions: int) -> int:
@@ -203,6 +275,64 @@ def test_a_prefill_short_of_device_memory_runs_in_segments_each_fetching_the_one
     assert progress == sorted(progress) and progress[-1] == 128 and len(progress) == 4 * full.keys.shape[0]
 
 
+@pytest.mark.parametrize("score", ["mean", "bound"])
+@pytest.mark.parametrize("on_chip_layers", [0, 1])
+def test_an_offloaded_prefill_summarises_its_chunks_on_the_device(score, on_chip_layers, monkeypatch):
+    """Each layer's chunk summaries are computed from its keys on the device (its ring slot or on-chip buffers) as
+    the layer-wise prefill ends the layer, so the first selection averages no keys; the summaries are those of the
+    host keys and of the device cache, bit for bit here, where the same arithmetic runs on the same numbers (on a
+    GPU the device's own reductions round them)."""
+    model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
+    greedy = SamplingConfig(temperature=0)
+    expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk, chunk_score=score))
+    expected.prefill(prompt)
+    expected._caches.retrieval.select_chunks()  # summarising the prompt's chunks from the device cache's keys
+    summarised = []  # the storage of the keys of every summary computed
+    real = chunk_summaries
+    monkeypatch.setattr(
+        "triforce_cli.cache.retrieval.chunk_summaries",
+        lambda keys, size, how: summarised.append(keys.untyped_storage().data_ptr()) or real(keys, size, how),
+    )
+    offloaded = config("triforce", greedy, prefill_chunk=chunk, chunk_score=score, offload="kv")
+    engine = Engine(model, replace(offloaded, on_chip_layers=on_chip_layers))
+    engine.prefill(prompt)
+    full, retrieval = engine._caches.full, engine._caches.retrieval
+    retrieval.select_chunks()
+    stream = full.stream
+    assert summarised == [*storages(stream.chip_keys)] * on_chip_layers + [*storages(stream.ring_keys)] * (
+        full.keys.shape[0] - on_chip_layers
+    )
+    complete = 128 // retrieval.chunk_size
+    full.settle()
+    for layer in range(full.keys.shape[0]):
+        from_host = real(full.keys[layer, :, : complete * retrieval.chunk_size], retrieval.chunk_size, score)
+        for summary_keys, summary in zip(retrieval.chunk_keys, from_host, strict=True):
+            assert torch.equal(summary_keys[layer, :, :complete], summary.to(summary_keys.dtype))
+    assert retrieval.num_mean_keys == complete
+    on_device = expected._caches.retrieval
+    assert torch.equal(retrieval.chunk_keys[:, :, :, :complete], on_device.chunk_keys[:, :, :, :complete])
+    assert torch.equal(retrieval.chunk_ids, on_device.chunk_ids)
+
+
+def test_every_copy_between_host_and_device_reads_or_writes_pinned_host_memory(monkeypatch):
+    """A generation offloaded as on a CUDA device, its pinning counted (pin_exactly counts what it would lock where
+    CUDA is absent): the storage, the stream's buffer for the tail and the retrieval cache's staging are pinned,
+    and every copy of the queue has a pinned host side, or runs from one device buffer to another."""
+    monkeypatch.setattr("triforce_cli.offload.kv.pins_for", lambda device: True)
+    pinned = set()
+    monkeypatch.setattr("triforce_cli.offload.kv.pin_exactly", lambda tensor: pinned.update(storages(tensor)) or tensor)
+    queues = counting_queues(monkeypatch)
+    engine = Engine(loaded_model(), config("triforce", SamplingConfig(temperature=0), offload="kv", on_chip_layers=1))
+    engine.generate(random_prompt(PROMPT, 64, seed=3))
+    full, retrieval = engine._caches.full, engine._caches.retrieval
+    stream = full.stream
+    assert storages(full.keys, full.values, stream.flushed, retrieval.staging) <= pinned
+    device = storages(stream.chip_keys, stream.chip_values, stream.ring_keys, stream.ring_values, stream.tail)
+    device |= storages(retrieval.keys, retrieval.values)
+    copies = queues[0].copies
+    assert copies and all(dst in pinned or src in pinned or {dst, src} <= device for dst, src, _ in copies)
+
+
 def per_layer_selection(retrieval: RetrievalCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference: the selection layer by layer, as the retrieval cache made it before it served every layer at
     once. Returns the chunk ids (layers, Hkv, keep) and the chosen keys and values (layers, Hkv, budget, D)."""
@@ -225,7 +355,8 @@ def per_layer_selection(retrieval: RetrievalCache) -> tuple[torch.Tensor, torch.
 def test_selecting_every_layer_at_once_gives_the_per_layer_selection(score, offloaded, score_block_bytes, monkeypatch):
     """The same chunk ids and cache contents as layer by layer (score_block_bytes 1: the scores one layer per op),
     on the device and offloaded, where every layer's chosen chunks and recent positions go up through the queue:
-    one contiguous copy per layer, KV head and tensor, each after the copies back it reads."""
+    one contiguous copy per layer, KV head and tensor, each after the copies back it reads. The positions a step
+    wrote since are still on the device: sync_recent copies them there, uploading nothing."""
     if score_block_bytes is not None:
         monkeypatch.setattr("triforce_cli.kernels.retrieval.SCORE_BLOCK_BYTES", score_block_bytes)
     model = loaded_model().model
@@ -243,6 +374,7 @@ def test_selecting_every_layer_at_once_gives_the_per_layer_selection(score, offl
     assert torch.equal(retrieval.keys[:, :, :32], keys) and torch.equal(retrieval.values[:, :, :32], values)
     model(torch.tensor([1, 2, 3]), 100, full)
     retrieval.sync_recent()
+    full.settle()
     recent = slice(32, 32 + 7)  # positions 96-102: 4 of the prompt's last, incomplete chunk and the 3 new
     assert torch.equal(retrieval.keys[:, :, recent], full.keys[:, :, 96:103])
     assert torch.equal(retrieval.values[:, :, recent], full.values[:, :, 96:103])
@@ -251,7 +383,6 @@ def test_selecting_every_layer_at_once_gives_the_per_layer_selection(score, offl
     per_copy = cfg.head_dim * 4  # bytes of one position of one KV head
     expected = [32 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # the selection, one copy per layer and head
     expected += [4 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # its recent positions
-    expected += [3 * per_copy] * 2 * cfg.num_layers * cfg.num_kv_heads  # sync_recent's
     assert uploads == (expected if offloaded else [])
 
 
@@ -373,4 +504,6 @@ def test_offloaded_generation_on_a_gpu_gives_the_tokens_of_the_device_cache(samp
         expected = Engine(model, config(mode, sampling)).generate(prompt).token_ids
         engine = Engine(model, config(mode, sampling, offload="kv", on_chip_layers=1))
         assert engine.generate(prompt).token_ids == expected, mode
-        assert engine._caches.full.keys.is_pinned()
+        assert engine._caches.full.keys.is_pinned() and engine._caches.full.stream.flushed.is_pinned()
+        if engine._caches.retrieval is not None:
+            assert engine._caches.retrieval.staging.is_pinned()

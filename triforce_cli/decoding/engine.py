@@ -40,7 +40,7 @@ from triforce_cli.decoding.sizing import (
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
-from triforce_cli.offload import offload_kv, pin_exactly
+from triforce_cli.offload import offload_kv
 from triforce_cli.runtime.environment import available_memory, torch_threads
 from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.loading import LoadedModel
@@ -390,8 +390,6 @@ class Engine:
             cfg.chunk_score,
             self.target.model.config.sliding_windows,
         )
-        if retrieval.staging is not None and self.target.device.type == "cuda":
-            pin_exactly(retrieval.staging)  # its uploads are asynchronous, as the offloaded storage's are
         if self.compiled:
             retrieval.make_static()
         return retrieval
@@ -542,7 +540,9 @@ class Engine:
         The hidden states of the tokens in flight stay on the device: the whole prompt where they take at most half
         of the device's free memory (the rest left to one forward's activations), else segments of as many chunks as
         fit there, each fetching the segments before it once per offloaded layer. on_prefill counts a segment's
-        tokens in proportion to the layers done; each chunk of a segment gets the segment's mean seconds.
+        tokens in proportion to the layers done; each chunk of a segment gets the segment's mean seconds. The
+        retrieval cache in use summarises each layer's chunks from its keys on the device as the layer ends
+        (RetrievalCache.summarise_layer), where its first selection would average them in host memory.
         """
         chunk, total = self.prefill_chunk, len(tokens)
         free = available_memory(self.target.device)
@@ -550,14 +550,18 @@ class Engine:
         if free is not None and model.prefill_layerwise_bytes(segment) > free // 2:
             segment = max(1, free // 2 // model.prefill_layerwise_bytes(chunk)) * chunk
         num_layers = model.config.num_layers
+        retrieval = self._caches.retrieval if self.config.uses_retrieval else None
+        summarise = retrieval is not None and retrieval.full is full
         logits = None
         for start in range(first, total, segment):
             size = min(segment, total - start)
-            on_layer = None
-            if on_prefill is not None:
-                on_layer = lambda layers, start=start, size=size: on_prefill(
-                    name, start + size * layers // num_layers, total
-                )
+
+            def on_layer(layers: int, start: int = start, size: int = size) -> None:
+                if summarise:
+                    retrieval.summarise_layer(layers - 1, full.stream.layer_keys(layers - 1), start + size)
+                if on_prefill is not None:
+                    on_prefill(name, start + size * layers // num_layers, total)
+
             began = time.perf_counter()
             logits = model.prefill_layerwise(tokens[start : start + size], start, full, chunk, on_layer)
             seconds, chunks = time.perf_counter() - began, -(-size // chunk)
