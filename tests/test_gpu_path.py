@@ -277,7 +277,7 @@ class StepOps(TorchDispatchMode):
         return counted
 
 
-def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatch) -> StepOps:
+def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatch, device: str = "cpu") -> StepOps:
     """The ops of one fixed-shape step of 3 tokens padded to 4, uncompiled on the 'sdpa' backend (CUDA's without
     flash-attn), of a model of num_layers on a cache of kind ('full' of 1024 slots: a split value product)."""
     import importlib
@@ -287,14 +287,14 @@ def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatc
 
     attention_module = importlib.import_module("triforce_cli.kernels.attention")  # the package's name is a function
 
-    model = make_model(seed=5, vocab_size=64, num_layers=num_layers).loaded.model.to(dtype)
+    model = make_model(seed=5, vocab_size=64, num_layers=num_layers).loaded.model.to(device, dtype)
     model.use_attention("sdpa")
     cfg = model.config
     if kind == "full":
-        cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1024, dtype)
-        model(torch.arange(PROMPT) % cfg.vocab_size, 0, cache, decoding=False)
+        cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1024, dtype, device)
+        model(torch.arange(PROMPT, device=device) % cfg.vocab_size, 0, cache, decoding=False)
     else:
-        cache = prefilled(model, kind)
+        cache = prefilled(model, kind, device)
     make_static(cache)
     start = cache.length
     cache.prepare(start, 3, padding=1)
@@ -303,7 +303,7 @@ def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatc
     monkeypatch.setattr(model_module, "linear", counter.one_op(model_module.linear))
     monkeypatch.setattr(attention_module, "float32_bmm", counter.one_op(attention_module.float32_bmm))
     with torch.no_grad(), counter:
-        model.compute_logits(torch.arange(4), torch.arange(start, start + 4), cache)
+        model.compute_logits(torch.arange(4, device=device), torch.arange(start, start + 4, device=device), cache)
     monkeypatch.undo()
     return counter
 
@@ -502,6 +502,11 @@ def test_retrieval_side_structures_stay_in_the_cache_dtype(small):
 @pytest.mark.cuda
 @CUDA
 class TestOnAGpu:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_a_static_step_costs_at_most_20_ops_per_layer(self, dtype, monkeypatch):
+        one, three = (count_static_step(layers, dtype, "full", monkeypatch, "cuda") for layers in (1, 3))
+        assert (three.ops - one.ops) / 2 <= 20 and three.from_host == 0
+
     def test_flash_and_sdpa_agree(self):
         from triforce_cli.kernels.attention import flash_attention, torch_attention
         from triforce_cli.kernels.optional import flash_attn_func
