@@ -53,7 +53,7 @@ class KVCache(ABC):
         num_layers, num_kv_heads = self.keys.shape[:2]
         self.write_start = torch.zeros(1, dtype=torch.int32, device=self.keys.device)
         self.layer_ids = torch.arange(num_layers, device=self.keys.device)
-        self.head_ids = torch.arange(num_kv_heads, device=self.keys.device)[:, None]
+        self.head_ids = torch.arange(num_kv_heads, device=self.keys.device).unsqueeze(1)  # (Hkv, 1)
         for buffer in (self.keys, self.values, self.write_start, self.layer_ids, self.head_ids):
             torch._dynamo.mark_static_address(buffer)
 
