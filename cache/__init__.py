@@ -1,8 +1,8 @@
 """KV caches: full (position-indexed), StreamingLLM (sinks + recent window) and retrieval (top chunks)."""
 
-from triforce_cli.cache.base import CacheCapacityError, KVCache
+from triforce_cli.cache.base import CacheCapacityError, KVCache, StaticStep
 from triforce_cli.cache.full import FullCache, LayerwiseWrite
 from triforce_cli.cache.retrieval import RetrievalCache
 from triforce_cli.cache.streaming import StreamingCache
 
-__all__ = ["CacheCapacityError", "FullCache", "KVCache", "LayerwiseWrite", "RetrievalCache", "StreamingCache"]
+__all__ = ["CacheCapacityError", "FullCache", "KVCache", "LayerwiseWrite", "RetrievalCache", "StaticStep", "StreamingCache"]

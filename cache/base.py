@@ -8,31 +8,21 @@ float16 copy of the view's first positions for attention to read instead.
 
 A decode step with fixed shapes (what torch.compile captures as one CUDA graph for every position) prepares with
 ``padding``: the step computes T + padding tokens, the padding after the real ones. ``make_static`` has the cache
-keep the prepared write's first slot on the device (``write_start``); the step then takes each layer's whole
-buffers (``step_update``), writes its keys at that slot and masks what lies past it (kernels.attention_in_cache),
-so nothing in it depends on a host-side length. Padding rows land past ``length``: never read, overwritten later.
+keep the prepared write's first slot on the device (``write_start``); the step begins with ``begin_step``, whose
+StaticStep builds on the device, once for every layer, the slots the step writes and the attention bias that
+masks what lies past them (kernels.step_attention_bias), then takes each layer's whole buffers
+(StaticStep.step_update), so nothing in it depends on a host-side length. Padding rows land past ``length``:
+never read, overwritten later.
 """
 
 from abc import ABC, abstractmethod
 
 import torch
-from triforce_cli.kernels.attention import HalfPrefix
+from triforce_cli.kernels.attention import HalfPrefix, step_attention_bias
 
 
 class CacheCapacityError(RuntimeError):
     """A write would not fit the preallocated buffers."""
-
-
-def put_rows(buffer: torch.Tensor, layer: int, rows: torch.Tensor, value: torch.Tensor) -> None:
-    """buffer[layer, :, rows] = value (H, T, D) as one index_put_ into the whole (layers, H, slots, D) buffer, which
-    the compiler does in place; a write into the layer's view is compiled as a copy of the view's base, every
-    layer's buffer, once per layer."""
-    where = (
-        torch.tensor(layer, device=buffer.device),
-        torch.arange(value.shape[0], device=buffer.device)[:, None],
-        rows[None, :],
-    )  # broadcast to (H, T)
-    buffer.index_put_(where, value)
 
 
 class KVCache(ABC):
@@ -40,6 +30,10 @@ class KVCache(ABC):
     keys: torch.Tensor  # (layers, Hkv, slots, D)
     values: torch.Tensor
     write_start: torch.Tensor | None = None  # (1,) int32 on the device once make_static(): the next write's slot
+    # once make_static(): every layer's index (layers,) and every KV head's (Hkv, 1), int64 on the device, with
+    # which a fixed-shape step's writes index the whole buffers
+    layer_ids: torch.Tensor | None = None
+    head_ids: torch.Tensor | None = None
     static_step: bool = False  # whether the prepared forward is a fixed-shape step (prepared with padding)
     # whether a view holds consecutive positions, its last ones the new tokens' (the full cache's), so that a sliding
     # window applies by slot
@@ -56,8 +50,11 @@ class KVCache(ABC):
     def make_static(self) -> None:
         """Keep the next write's first slot on the device and the buffers at fixed addresses, for fixed-shape
         steps (CUDA graphs replay reads and writes at the addresses they were captured with)."""
+        num_layers, num_kv_heads = self.keys.shape[:2]
         self.write_start = torch.zeros(1, dtype=torch.int32, device=self.keys.device)
-        for buffer in (self.keys, self.values, self.write_start):
+        self.layer_ids = torch.arange(num_layers, device=self.keys.device)
+        self.head_ids = torch.arange(num_kv_heads, device=self.keys.device).unsqueeze(1)  # (Hkv, 1)
+        for buffer in (self.keys, self.values, self.write_start, self.layer_ids, self.head_ids):
             torch._dynamo.mark_static_address(buffer)
 
     def _begin_write(self, first_slot: int, num_tokens: int, padding: int | None) -> slice:
@@ -75,15 +72,14 @@ class KVCache(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (Hkv, T, D) of the prepared positions; return the (Hkv, L, D) views attention reads."""
 
-    def step_update(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """update() for a fixed-shape step: store k, v (Hkv, T, D) at slots [write_start, write_start + T) and return
-        layer's whole (Hkv, slots, D) buffers, for attention to mask past the last new slot."""
-        slots = self.write_start.long() + torch.arange(k.shape[1], device=k.device)
-        put_rows(self.keys, layer, slots, k)
-        put_rows(self.values, layer, slots, v)
-        return self.keys[layer], self.values[layer]
+    def begin_step(self, num_tokens: int, group: int) -> "StaticStep":
+        """The prepared fixed-shape step of num_tokens (padding included) as its layers read and write this cache;
+        group: query heads per KV head."""
+        return StaticStep(self, num_tokens, group)
+
+    def store_step_queries(self, rows: torch.Tensor, queries: list[torch.Tensor]) -> None:
+        """Keep a fixed-shape step's queries, every layer's (Hq, T, D), T = len(rows); a no-op but for a cache
+        that selects with them (FullCache)."""
 
     def first_slot(self, layer: int) -> torch.Tensor | None:
         """For a fixed-shape step of a sliding-window layer: the first slot of layer's buffers it reads, (1,) int32
@@ -109,6 +105,71 @@ class KVCache(ABC):
     def _check_start(self, start: int) -> None:
         if start > self.length:
             raise ValueError(f"cannot write position {start}: the cache holds only {self.length} positions")
+
+
+class StaticStep:
+    """A fixed-shape step over a cache made static, as every layer of it reads and writes the cache.
+
+    What the layers share is built once, at the top of the step, on the device from the cache's write_start: the
+    slots the step writes (T,); each attention bias (kernels.step_attention_bias) on the first layer that reads
+    it, kept for the others. Each layer then costs one in-place index_put_ into the whole (layers, Hkv, S, D)
+    keys and one into the values (a write into a layer's view would compile to a copy of every layer's buffer),
+    and the queries of every layer are stored once, at the end (finish).
+    """
+
+    static_step = True
+
+    def __init__(self, cache: KVCache, num_tokens: int, group: int):
+        if cache.write_start is None:
+            raise ValueError("a fixed-shape step needs make_static() first")
+        self.cache = cache
+        self.write_start = cache.write_start
+        self.slots_are_positions = cache.slots_are_positions
+        self.group = group
+        self.rows = torch.arange(num_tokens, device=cache.keys.device)  # (T,)
+        self.slots = cache.write_start.long() + self.rows  # (T,)
+        self.biases: dict[object, torch.Tensor] = {}
+        self.queries: list[torch.Tensor] = []
+
+    def first_slot(self, layer: int) -> torch.Tensor | None:
+        return self.cache.first_slot(layer)
+
+    def step_update(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (Hkv, T, D) at the step's slots and keep q (Hq, T, D); return layer's whole (Hkv, S, D)
+        buffers, for attention to mask past the last new slot."""
+        where = (self.cache.layer_ids[layer], self.cache.head_ids, self.slots)  # broadcast to (Hkv, T)
+        self.cache.keys.index_put_(where, k)
+        self.cache.values.index_put_(where, v)
+        self.queries.append(q)
+        return self.cache.keys[layer], self.cache.values[layer]
+
+    def step_bias(self, layer: int, window: int | None) -> torch.Tensor:
+        """The float32 attention bias (G*T, S) of layer, whose sliding window is window (None: none): the full
+        cache's layers mask by the window, a draft cache's windowed layers read from their first slot on."""
+        if window is None:
+            key = None
+        elif self.slots_are_positions:
+            key = window
+        else:
+            key = "first slots"
+        if key not in self.biases:
+            num_slots = self.cache.keys.shape[2]
+            self.biases[key] = step_attention_bias(
+                self.write_start,
+                self.rows.shape[0],
+                num_slots,
+                self.group,
+                window if self.slots_are_positions else None,
+                self.cache.first_slots_at if key == "first slots" else None,
+            )  # (G*T, S), or (layers, G*T, S) by first slot
+        bias = self.biases[key]
+        return bias[layer] if key == "first slots" else bias
+
+    def finish(self) -> None:
+        """Store every layer's queries, once the last layer ran."""
+        self.cache.store_step_queries(self.rows, self.queries)
 
 
 class SlotCache(KVCache):

@@ -19,7 +19,7 @@ for the whole prompt, where each forward over it would stream every layer's pref
 from typing import Protocol
 
 import torch
-from triforce_cli.cache.base import CacheCapacityError, KVCache, put_rows
+from triforce_cli.cache.base import CacheCapacityError, KVCache
 from triforce_cli.kernels.attention import HalfPrefix
 
 
@@ -90,7 +90,7 @@ class FullCache(KVCache):
         # cache selects chunks with them, so re-selection costs no extra forward.
         self.queries: list[torch.Tensor | None] = [None] * num_layers
         self.query_start = 0
-        # with make_static: (layers, Hq, max_step, D), where fixed-shape steps write their queries instead
+        # with make_static: (max_step, layers, Hq, D), where fixed-shape steps write their queries instead
         self.step_queries: torch.Tensor | None = None
         self._write = slice(0, 0)
         # float16 copy of the first positions (make_half_copy): buffers of the storage's shape and slots, made on
@@ -220,7 +220,7 @@ class FullCache(KVCache):
         which a fixed-shape step writes into a buffer instead of handing them over."""
         super().make_static()
         num_layers, _, _, head_dim = self.keys.shape
-        shape = (num_layers, num_query_heads, max_step, head_dim)
+        shape = (max_step, num_layers, num_query_heads, head_dim)  # a step's rows first: one write for every layer
         self.step_queries = torch.zeros(shape, dtype=self.keys.dtype, device=self.keys.device)
         torch._dynamo.mark_static_address(self.step_queries)
 
@@ -275,9 +275,9 @@ class FullCache(KVCache):
         held = slice(0, self.length - self.offset)
         return self.offset, self.keys[:, :, held], self.values[:, :, held]
 
-    def step_update(self, layer, q, k, v):
-        put_rows(self.step_queries, layer, torch.arange(q.shape[1], device=q.device), q)
-        return super().step_update(layer, q, k, v)
+    def store_step_queries(self, rows: torch.Tensor, queries: list[torch.Tensor]) -> None:
+        stacked = torch.stack([q.transpose(0, 1) for q in queries], dim=1)  # (T, layers, Hq, D)
+        self.step_queries.index_copy_(0, rows, stacked)
 
     def update(self, layer, q, k, v):
         self.queries[layer] = q
@@ -289,7 +289,7 @@ class FullCache(KVCache):
 
     def query_at(self, layer: int, position: int) -> torch.Tensor:
         """The (Hq, D) query the last forward computed at ``position``."""
-        queries = self.step_queries[layer] if self.static_step else self.queries[layer]
+        queries = self.step_queries[:, layer].transpose(0, 1) if self.static_step else self.queries[layer]
         row = position - self.query_start
         if queries is None or not 0 <= row < queries.shape[1]:
             raise ValueError(f"no query for position {position} in the last forward")

@@ -30,6 +30,8 @@ KEY_BLOCK = 1024
 # kernel on CUDA, (Hq, B, W + B) scores and K/V expanded to Hq heads over W + B keys, 0.3 GiB for 32 query heads and a
 # 4,096-key window at 512, whatever the prefill chunk
 WINDOW_QUERY_BLOCK = 512
+# fewest slots per part of a fixed-shape step's split value product (attention_in_cache, slot_splits)
+SPLIT_SLOTS = 256
 
 
 def new_token_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
@@ -393,6 +395,49 @@ def _(q, keys, values, seen, scale, window=-1):
     return q.new_empty(q.shape)  # contiguous, as flash_decode returns it whatever q's strides
 
 
+def step_attention_bias(
+    start: torch.Tensor,
+    num_queries: int,
+    num_slots: int,
+    group: int,
+    window: int | None = None,
+    first_slot: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The additive float32 mask of a fixed-shape step (attention_in_cache): 0 where query row g*T + t may read slot
+    s, -inf where not; query t reads slots [0, start + t], above start + t - window with a window, from first_slot on
+    with one.
+
+    Args:
+        start: (1,) int32 on the device, the slot of the first new key.
+        num_queries: T.
+        num_slots: S, the buffers' slots.
+        group: G, the query heads per KV head.
+        window: a sliding window over slots of consecutive positions, or None.
+        first_slot: (..., 1) int32 on the device, the first slot read (per layer: SlotCache.first_slots_at), or None.
+
+    Returns:
+        (..., G*T, S) float32, the leading dims first_slot's.
+    """
+    last_visible = start.long() + torch.arange(num_queries, device=start.device)[:, None]  # (T, 1)
+    slots = torch.arange(num_slots, device=start.device)  # (S,)
+    hidden = slots > last_visible  # (T, S)
+    if window is not None:
+        hidden |= slots <= last_visible - window
+    if first_slot is not None:
+        hidden = hidden | (slots < first_slot.long()[..., None])  # (..., T, S)
+    bias = torch.where(hidden, float("-inf"), 0.0)
+    return bias.unsqueeze(-3).expand(*bias.shape[:-2], group, num_queries, num_slots).flatten(-3, -2)
+
+
+def slot_splits(num_slots: int) -> int:
+    """P, the parts attention_in_cache splits S slots into for the value product: the most that divide S evenly
+    with at least SPLIT_SLOTS slots each (1 for fewer than 2 * SPLIT_SLOTS, or for an S with no such divisor)."""
+    for parts in range(num_slots // SPLIT_SLOTS, 1, -1):
+        if num_slots % parts == 0:
+            return parts
+    return 1
+
+
 def attention_in_cache(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -402,20 +447,25 @@ def attention_in_cache(
     backend: str,
     window: int | None = None,
     first_slot: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for a fixed-shape step over a cache layer's whole buffers keys, values (Hkv, S, D), holding the T
     new keys and values at slots [start, start + T), start (1,) int32 on the device: query t (q: (Hq, T, D)) reads
     slots [0, start + t]. Nothing depends on a host-side length, so the step compiles once for every position.
-    Output (Hq, T, D).
+    Output (Hq, T, D), laid out as (T, Hq, D) (the output projection's input, no copy).
 
     window: a sliding window over slots of consecutive positions (the full cache's): query t reads only slots above
     start + t - window. first_slot: (1,) int32 on the device, the first slot any query reads (a draft cache's
-    windowed layer, SlotCache.first_slots); 'flash' cannot take it, and runs the masked path instead.
+    windowed layer, SlotCache.first_slots); 'flash' cannot take it, and runs the masked path instead. bias: the
+    step's step_attention_bias for these (G*T, S), built once for every layer (cache.StaticStep); None: built here.
 
     'flash' reads through flash_decode, which stops at slot start + T. Any other backend computes grouped-query
-    attention over the whole buffers with a mask (the CPU's own kernels take variable-length views and run in eager
-    steps only): float32 scores (float32_bmm, the scale applied to them, not to 16-bit queries), softmax in float32,
-    the weights rounded to the values' dtype for their product, as FlashAttention does.
+    attention over the whole buffers: float32 scores (float32_bmm for 16-bit inputs, the scale applied to them,
+    not to 16-bit queries) with the bias added in the same op for float32 ones (baddbmm), softmax in float32, the
+    weights rounded to the values' dtype for their product, as FlashAttention does. That product is split over
+    the slots (split-K): P = slot_splits(S) parts of S/P slots, (Hkv*P, G*T, S/P) @ (Hkv*P, S/P, D), then a sum
+    over the parts, so that a GPU runs Hkv*P products in parallel where Hkv (8 for Llama-3-8B) leave most of it
+    idle; the weights take their split layout in the copy that rounds them.
 
     Those backends read all S slots, whatever the position: the graph's shapes are fixed and the position lives on
     the device, so reading only a length bucket would put a host-side bucket into the graph, one more compiled
@@ -427,20 +477,29 @@ def attention_in_cache(
     num_q_heads, num_queries, head_dim = q.shape
     if backend == "flash" and first_slot is None:
         return flash_decode(q, keys, values, start + num_queries, scale, -1 if window is None else window)
-    num_kv_heads = keys.shape[0]
+    num_kv_heads, num_slots = keys.shape[:2]
     group = num_q_heads // num_kv_heads
-    last_visible = start.long() + torch.arange(num_queries, device=q.device)[:, None]  # (T, 1)
-    slots = torch.arange(keys.shape[1], device=q.device)[None, :]  # (1, S)
-    hidden = slots > last_visible  # (T, S)
-    if window is not None:
-        hidden |= slots <= last_visible - window
-    if first_slot is not None:
-        hidden |= slots < first_slot.long()
-    qg = q.reshape(num_kv_heads, group * num_queries, head_dim)  # (Hkv, G*T, D)
-    scores = float32_bmm(qg, keys.transpose(1, 2)).mul_(scale)  # (Hkv, G*T, S) float32
-    scores.masked_fill_(hidden.repeat(group, 1), float("-inf"))
-    out = torch.bmm(scores.softmax(dim=-1).to(values.dtype), values)  # (Hkv, G*T, D)
-    return out.reshape(num_q_heads, num_queries, head_dim)
+    rows = group * num_queries
+    if bias is None:
+        bias = step_attention_bias(start, num_queries, num_slots, group, window, first_slot)
+    qg = q.reshape(num_kv_heads, rows, head_dim)  # (Hkv, G*T, D)
+    if q.dtype == torch.float32:
+        scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=scale)  # (Hkv, G*T, S)
+    else:
+        scores = torch.add(bias, float32_bmm(qg, keys.transpose(1, 2)), alpha=scale)
+    parts = slot_splits(num_slots)
+    split = num_slots // parts
+    weights = scores.softmax(dim=-1).view(num_kv_heads, rows, parts, split).transpose(1, 2)  # (Hkv, P, G*T, S/P)
+    if weights.dtype == values.dtype:
+        weights = weights.contiguous()  # a copy where P > 1
+    else:
+        weights = weights.to(values.dtype, memory_format=torch.contiguous_format)  # rounded and split in one copy
+    partial = torch.bmm(
+        weights.view(num_kv_heads * parts, rows, split), values.reshape(num_kv_heads * parts, split, head_dim)
+    )  # (Hkv*P, G*T, D)
+    partial = partial.view(num_kv_heads, parts, group, num_queries, head_dim).permute(3, 0, 2, 4, 1)
+    out = partial.sum(dim=-1)  # (T, Hkv, G, D), contiguous
+    return out.view(num_queries, num_q_heads, head_dim).transpose(0, 1)
 
 
 ATTENTION_BACKENDS = ("flash", "sdpa", "cpu")

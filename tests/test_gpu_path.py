@@ -220,6 +220,116 @@ def test_a_step_scores_bfloat16_inputs_in_float32(compiled):
     assert (out.double() - exact).abs().max().item() <= bound
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "first_slot"), [(None, None), (100, None), (None, 300)])
+def test_a_split_step_equals_the_reference(dtype, window, first_slot):
+    """The value product split over the slots (4 parts of 256 here) gives the reference attention of the slots each
+    query reads: float32 as exactly as an unsplit product, bfloat16 within twice its relative precision of the
+    float64 result (the weights' and the outputs' roundings)."""
+    from triforce_cli.kernels.attention import slot_splits
+
+    generator = torch.Generator().manual_seed(7)
+    start, num_queries, num_slots = 700, 3, 1024
+    assert slot_splits(num_slots) == 4
+    q = torch.randn(8, num_queries, 64, generator=generator)
+    keys, values = (torch.randn(2, num_slots, 64, generator=generator) for _ in range(2))
+    q, keys, values = q.to(dtype), keys.to(dtype), values.to(dtype)
+    read = slice(first_slot or 0, start + num_queries)
+    exact = attention_reference(q.double(), keys[:, read].double(), values[:, read].double(), 0.125, window)
+    at = None if first_slot is None else torch.tensor([first_slot], dtype=torch.int32)
+    out = attention_in_cache(q, keys, values, torch.tensor([start], dtype=torch.int32), 0.125, "sdpa", window, at)
+    assert out.dtype == dtype and out.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6)
+    else:
+        assert (out.double() - exact).abs().max().item() <= 2 * 2**-8 * exact.abs().max().item()
+
+
+class StepOps(TorchDispatchMode):
+    """Counts the non-view ops a step dispatches, and the tensors it makes from host data (aten.lift_fresh: what
+    torch.tensor(...) of Python values dispatches, a host-to-device copy on a GPU that a CUDA graph cannot replay).
+
+    one_op(fn) makes each call of fn count as one op, whatever it dispatches: what is one kernel on CUDA and
+    several on the CPU (rms_norm's decomposition, the CPU's few-row product of a linear, float32_bmm's upcasts of
+    16-bit factors where CUDA runs bmm with out_dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.from_host = 0
+        self.inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.from_host += 1
+        elif not func.is_view and not self.inside:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def one_op(self, fn):
+        def counted(*args, **kwargs):
+            self.ops += 1
+            self.inside += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside -= 1
+
+        return counted
+
+
+def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatch, device: str = "cpu") -> StepOps:
+    """The ops of one fixed-shape step of 3 tokens padded to 4, uncompiled on the 'sdpa' backend (CUDA's without
+    flash-attn), of a model of num_layers on a cache of kind ('full' of 1024 slots: a split value product)."""
+    import importlib
+
+    import torch.nn.functional as F
+    import triforce_cli.runtime.model as model_module
+
+    attention_module = importlib.import_module("triforce_cli.kernels.attention")  # the package's name is a function
+
+    model = make_model(seed=5, vocab_size=64, num_layers=num_layers).loaded.model.to(device, dtype)
+    model.use_attention("sdpa")
+    cfg = model.config
+    if kind == "full":
+        cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1024, dtype, device)
+        model(torch.arange(PROMPT, device=device) % cfg.vocab_size, 0, cache, decoding=False)
+    else:
+        cache = prefilled(model, kind, device)
+    make_static(cache)
+    start = cache.length
+    cache.prepare(start, 3, padding=1)
+    counter = StepOps()
+    monkeypatch.setattr(F, "rms_norm", counter.one_op(F.rms_norm))
+    monkeypatch.setattr(model_module, "linear", counter.one_op(model_module.linear))
+    monkeypatch.setattr(attention_module, "float32_bmm", counter.one_op(attention_module.float32_bmm))
+    with torch.no_grad(), counter:
+        model.compute_logits(torch.arange(4, device=device), torch.arange(start, start + 4, device=device), cache)
+    monkeypatch.undo()
+    return counter
+
+
+@pytest.mark.parametrize("kind", ["full", "retrieval", "streaming"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_static_step_costs_at_most_20_ops_per_layer(dtype, kind, monkeypatch):
+    """What a CUDA graph replays per layer: a norm, the fused QKV product, RoPE (2), two cache writes, attention
+    (scores with scale and mask, softmax, the split weights, their product with the values, the sum of the parts),
+    the output product, a residual, a norm, gate/up, SiLU, a product, down, a residual; the mask and slots are
+    built once per step, not per layer. Embedding and head ops cancel in the difference of a 3- and a 1-layer
+    step. (On the full cache the step once dispatched 40 ops per layer in float32, 45 in bfloat16, counted so.)"""
+    one, three = (count_static_step(layers, dtype, kind, monkeypatch) for layers in (1, 3))
+    per_layer = (three.ops - one.ops) / 2
+    assert per_layer <= 20, per_layer
+
+
+@pytest.mark.parametrize("kind", ["full", "retrieval", "streaming"])
+def test_a_static_step_makes_no_tensor_from_host_data(kind, monkeypatch):
+    """Nothing inside the step makes a tensor of Python values (torch.tensor(layer) once did, in every layer): on a
+    GPU that is a host-to-device copy, which a CUDA graph cannot capture."""
+    counter = count_static_step(2, torch.float32, kind, monkeypatch)
+    assert counter.ops > 0 and counter.from_host == 0
+
+
 class TestFlashDecoding:
     """flash_attn_with_kvcache's contract, checked on the CPU by a stand-in that enforces it and computes the
     reference: the same call runs the real kernel on a GPU."""
@@ -403,6 +513,11 @@ def test_retrieval_side_structures_stay_in_the_cache_dtype(small):
 @pytest.mark.cuda
 @CUDA
 class TestOnAGpu:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_a_static_step_costs_at_most_20_ops_per_layer(self, dtype, monkeypatch):
+        one, three = (count_static_step(layers, dtype, "full", monkeypatch, "cuda") for layers in (1, 3))
+        assert (three.ops - one.ops) / 2 <= 20 and three.from_host == 0
+
     def test_flash_and_sdpa_agree(self):
         from triforce_cli.kernels.attention import flash_attention, torch_attention
         from triforce_cli.kernels.optional import flash_attn_func

@@ -33,7 +33,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite
+from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite, StaticStep
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear
 from triforce_cli.offload.weights import WeightStream
 from triforce_cli.runtime.forms import StepMode
@@ -164,10 +164,17 @@ def long_rope_frequencies(hf: PretrainedConfig) -> torch.Tensor | None:
     return inv_freq
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x (H, T, D) in Llama's half-split layout: x * cos + [-x2, x1] * sin, written as
-    x * cos + [x2, x1] * [-sin1, sin2] so that the swap is a single roll (see Transformer.rotary)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (H, T, D) in Llama's half-split layout, [x1 * cos - x2 * sin, x2 * cos + x1 * sin], by
+    rotation (T, 2, 2, D/2) = [[cos, -sin], [sin, cos]] (Transformer.rotary): half i is the sum over halves j of
+    x_j * rotation[:, i, j], two ops (a product and a sum over a dim of 2), each half the sum of two rounded
+    products as x * cos + roll(x) * sin gives it.
+
+    Returns:
+        (H, T, D), contiguous whatever x's strides (a decode step's grouped query rows are then a view).
+    """
+    halves = x.unflatten(-1, (1, 2, x.shape[-1] // 2))  # (H, T, 1, 2, D/2)
+    return (halves * rotation).sum(dim=-2).flatten(-2)
 
 
 def fused_projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -222,8 +229,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)  # in float32 whatever x's dtype
-        return self.weight * normed.to(x.dtype)
+        """x (..., dim) normalised and scaled in one op, in x's dtype (accumulated in float32 inside: on CUDA a
+        single fused kernel), the same in eager and fixed-shape steps."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def spread_over_vocabulary(logits: torch.Tensor, output_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -267,15 +275,17 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window(layer)  # sliding window, None: every earlier key
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | LayerwiseWrite
+        self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache | LayerwiseWrite | StaticStep
     ) -> torch.Tensor:
+        """The attention output (T, C) of x (T, C) at the positions rotation (T, 2, 2, D/2) rotates by, written to
+        cache (a fixed-shape step's: StaticStep, which holds what every layer of the step shares)."""
         num_tokens = x.shape[0]
         rotated_heads = self.num_heads + self.num_kv_heads  # queries, then keys
         qkv = self.qkv_proj(x).view(num_tokens, rotated_heads + self.num_kv_heads, self.head_dim).transpose(0, 1)
         qk = qkv[:rotated_heads]  # (Hq + Hkv, T, D)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[: self.num_heads]), self.k_norm(qk[self.num_heads :])])
-        qk = rotate(qk, cos, sin)
+        qk = rotate(qk, rotation)  # contiguous
         q, k, v = qk[: self.num_heads], qk[self.num_heads :], qkv[rotated_heads:]
         # the window applies by slot where a view holds consecutive positions (the full cache); draft caches
         # approximate it
@@ -284,7 +294,11 @@ class Attention(nn.Module):
             keys, values = cache.step_update(self.layer, q, k, v)  # (Hkv, S, D), all slots
             backend = self.backend or attention_backend(x.device, x.dtype)
             first_slot = cache.first_slot(self.layer) if self.window else None
-            out = attention_in_cache(q, keys, values, cache.write_start, self.scale, backend, window, first_slot)
+            masked = backend != "flash" or first_slot is not None
+            bias = cache.step_bias(self.layer, self.window) if masked else None
+            out = attention_in_cache(
+                q, keys, values, cache.write_start, self.scale, backend, window, first_slot, bias
+            )  # (Hq, T, D) laid out as (T, Hq, D)
         else:
             keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
             prefix = cache.half_prefix(self.layer)
@@ -315,12 +329,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache | LayerwiseWrite,
+        rotation: torch.Tensor,
+        cache: KVCache | LayerwiseWrite | StaticStep,
         chunk: int | None = None,
     ) -> torch.Tensor:
-        """The hidden states (T, C) after this layer of x (T, C), whose positions rotate by cos and sin (T, D).
+        """The hidden states (T, C) after this layer of x (T, C), whose positions rotate by rotation (T, 2, 2, D/2).
 
         chunk: None for one forward of the T tokens over a cache prepared for them; else a layerwise write's
         forwards (Transformer.prefill_layerwise) of chunk tokens each, in turn, each one's output written over its
@@ -328,11 +341,11 @@ class DecoderLayer(nn.Module):
         pass over it (offload/weights.py streams the layer's weights in one).
         """
         if chunk is None:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+            x = x + self.self_attn(self.input_layernorm(x), rotation, cache)
             return x + self.mlp(self.post_attention_layernorm(x))
         for first in range(0, x.shape[0], chunk):
             rows = slice(first, first + chunk)
-            x[rows] = self.forward(x[rows], cos[rows], sin[rows], cache)
+            x[rows] = self.forward(x[rows], rotation[rows], cache)
         return x
 
 
@@ -433,12 +446,12 @@ class Transformer(nn.Module):
                 self.inv_freq.copy_(self.long_inv_freq if chosen == "long" else self.short_inv_freq)
             self.rope_factors = chosen
 
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (T, D) of positions (T,), as rotate() takes them."""
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rotation (T, 2, 2, D/2) = [[cos, -sin], [sin, cos]] of positions (T,), as rotate() takes it."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
-        cos = torch.cat((freqs, freqs), dim=-1).cos()  # (T, D)
-        signed_sin = torch.cat((-freqs, freqs), dim=-1).sin()  # sin is odd: the first half is -sin
-        return (cos * self.rope_scale).to(dtype), (signed_sin * self.rope_scale).to(dtype)
+        cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
+        rotation = torch.stack((cos, -sin, sin, cos), dim=1).unflatten(1, (2, 2))  # (T, 2, 2, D/2)
+        return rotation.to(dtype)
 
     def use_attention(self, backend: str) -> None:
         """Compute attention with one kernel family ('flash', 'sdpa' or 'cpu', see kernels.attention_backend)."""
@@ -518,9 +531,15 @@ class Transformer(nn.Module):
         with fullgraph=True, without a graph break, once for every position, and records as one CUDA graph.
         """
         x = self.model.embed_tokens(tokens)  # (T, C)
-        cos, sin = self.rotary(positions, x.dtype)
+        rotation = self.rotary(positions, x.dtype)
+        if cache.static_step:  # what every layer of a fixed-shape step shares, built once on the device
+            step = cache.begin_step(tokens.shape[0], self.config.num_heads // self.config.num_kv_heads)
+        else:
+            step = cache
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache)
+            x = layer(x, rotation, step)
+        if step is not cache:
+            step.finish()
         if num_logits is not None:
             x = x[-num_logits:]
         return self.output(x)
@@ -544,13 +563,13 @@ class Transformer(nn.Module):
         layer runs every chunk of the tokens before the next layer runs any (cache.full.LayerwiseWrite).
 
         Each (layer, chunk) is the forward that forward() runs for that chunk, with the same shapes and inputs: the
-        chunk's rows of the embedding, rotary cos and sin of its own positions, and keys and values (Hkv, L, D)
+        chunk's rows of the embedding, the rotary rotation of its own positions, and keys and values (Hkv, L, D)
         with the cache's strides. So the keys, values and logits are those of forward() chunk by chunk, bit for
         bit wherever the same kernels run on the same shapes (the CPU's, and CUDA's fixed-algorithm ones).
 
         What this holds on the device besides one forward's activations (prefill_layerwise_bytes): the hidden
-        states of all T tokens between layers, (T, hidden_size) in the model's dtype, and their rotary cos and sin,
-        (T, head_dim) each: for 128K tokens of Llama-3.1-8B in bfloat16, 128K x 4096 x 2 bytes = 1 GiB and
+        states of all T tokens between layers, (T, hidden_size) in the model's dtype, and their rotation, cos and sin
+        of (T, head_dim) each: for 128K tokens of Llama-3.1-8B in bfloat16, 128K x 4096 x 2 bytes = 1 GiB and
         2 x 128K x 128 x 2 bytes = 64 MiB. A prompt whose share does not fit is run in segments, one call each
         (Engine._prefill): each call fetches the positions before its start once per offloaded layer.
 
@@ -570,12 +589,12 @@ class Transformer(nn.Module):
             positions = [
                 torch.arange(first, min(first + chunk, end), device=x.device) for first in range(start, end, chunk)
             ]
-            rotary = [self.rotary(chunk_positions, x.dtype) for chunk_positions in positions]  # as forward() does
-            cos, sin = (torch.cat(parts) for parts in zip(*rotary, strict=True))  # (T, D) each
+            # as forward() does, (T, 2, 2, D/2)
+            rotation = torch.cat([self.rotary(chunk_positions, x.dtype) for chunk_positions in positions])
             write = LayerwiseWrite(cache, start, num_tokens)
             for index, layer in enumerate(self.model.layers):
                 write.begin_layer(index)
-                x = layer(x, cos, sin, write, chunk)
+                x = layer(x, rotation, write, chunk)
                 write.end_layer()
                 if on_layer is not None:
                     on_layer(index + 1)
@@ -583,7 +602,7 @@ class Transformer(nn.Module):
 
     def prefill_layerwise_bytes(self, num_tokens: int) -> int:
         """Device bytes prefill_layerwise holds for num_tokens besides one forward's: their hidden states (T, C) and
-        rotary cos and sin (T, D) each, in the model's dtype."""
+        rotation (T, 2, 2, D/2: cos and sin, (T, D) each), in the model's dtype."""
         cfg = self.config
         return num_tokens * (cfg.hidden_size + 2 * cfg.head_dim) * self.model.norm.weight.element_size()
 
