@@ -37,9 +37,9 @@ from triforce_cli.runtime.model import ConcatLinear
 from triforce_cli.runtime.native import kernel_error
 
 pytest.importorskip("gguf", reason="gguf-py reads and writes the files (a `pip install --no-deps` may lack it)")
-from gguf import GGMLQuantizationType  # noqa: E402
-from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
-from gguf.quants import quantize as gguf_quantize  # noqa: E402
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 KERNEL_ERROR = kernel_error()
 

@@ -26,12 +26,12 @@ from triforce_cli.decoding.setup import LoadOptions
 
 for extra in ("openai", "httpx", "fastapi", "uvicorn"):  # the web stack and the test extra's clients
     pytest.importorskip(extra, reason=f"`{extra}` is not installed (`pip install -e .[test]`)")
-import httpx  # noqa: E402
-import openai  # noqa: E402
-import uvicorn  # noqa: E402
+import httpx
+import openai
+import uvicorn
 
-from triforce_cli.serve.app import create_app  # noqa: E402
-from triforce_cli.serve.worker import TextSoFar  # noqa: E402
+from triforce_cli.serve.app import create_app
+from triforce_cli.serve.worker import TextSoFar
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "chat"  # the tiny target's name, which the server serves it as
