@@ -6,6 +6,7 @@ The this-cpu measurement is replaced by fixed figures in every test (no timing h
 import json
 from dataclasses import replace
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -503,3 +504,44 @@ class TestGGUFWeights:
         result = invoke("--hardware", "rtx-4090", "--context", "8k", "--weights", "q4_k_m")
         assert result.exit_code == 1 and "GGUF blocks are computed on the CPU" in result.stderr
         assert "Traceback" not in result.output
+
+
+class TestThisGpu:
+    """`--hardware this-gpu`: the CUDA device measured now as this-cpu measures the CPU; one error line without it."""
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="the answer of a machine without CUDA")
+    def test_without_cuda_it_is_one_error_line(self):
+        result = CliRunner().invoke(app, ["plan", "--hardware", "this-gpu", "--context", "8k"])
+        assert result.exit_code == 1
+        assert result.output.strip().splitlines() == [
+            "error: `hardware` this-gpu measures a CUDA GPU and this machine has none: use this-cpu or a preset"
+        ]
+
+    def test_its_figures_are_the_devices_measured(self, monkeypatch):
+        """Memory within the share this process may use; the device's copy, bfloat16 matrix products and pinned
+        uploads timed on the current device; decode steps replayed as CUDA graphs."""
+        measure = triforce_cli.plan.measure
+        asked = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.3)
+        monkeypatch.setattr(measure, "copy_bandwidth", lambda device, size: asked.append(("copy", device)) or 3e12)
+        monkeypatch.setattr(measure, "host_to_device_bandwidth", lambda device: asked.append(("pcie", device)) or 5e10)
+        monkeypatch.setattr(measure, "matmul_flops", lambda device, dtype, size: asked.append((dtype, device)) or 7e14)
+        hardware = plan_json("--model", "Llama-3.1-8B", "--hardware", "this gpu", "--context", "32k")["hardware"]
+        assert hardware["name"] == "this-gpu" and hardware["measured"] and hardware["gpu"] and hardware["cuda_graphs"]
+        assert hardware["memory_bytes_per_device"] == int(0.3 * 80 * GIB)
+        assert (hardware["bandwidth_gbs"], hardware["pcie_gbs"], hardware["tflops"]) == (3000, 50, 700)
+        gpu = torch.device("cuda", 0)
+        assert sorted(asked, key=str) == sorted([("copy", gpu), ("pcie", gpu), (torch.bfloat16, gpu)], key=str)
+
+    def test_the_timed_work_runs_on_the_cpu_too(self):
+        measure, cpu = triforce_cli.plan.measure, torch.device("cpu")
+        assert measure.copy_bandwidth(cpu, 2**20) > 0 and measure.matmul_flops(cpu, torch.bfloat16, 64) > 0
+
+    @pytest.mark.cuda
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    def test_a_gpu_is_measured(self):
+        hardware = triforce_cli.plan.measure.measure_this_gpu()
+        assert hardware.bandwidth > 1e11 and hardware.flops > 1e13 and hardware.pcie > 1e9 and hardware.gpu
