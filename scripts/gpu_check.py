@@ -46,7 +46,7 @@ from triforce_cli.decoding.setup import resolve_attention
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan import measure
 from triforce_cli.plan.model import ModelShape
-from triforce_cli.plan.presets import LLAMA_3_1_ROPE, SMOLLM2_135M, SMOLLM2_135M_DRAFTER
+from triforce_cli.plan.presets import EAGER_LAYER_OVERHEAD_S, LLAMA_3_1_ROPE, SMOLLM2_135M, SMOLLM2_135M_DRAFTER
 from triforce_cli.runtime.forms import STEP_CHOICES, StepMode
 from triforce_cli.runtime.loading import LoadedModel, resolve_steps
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig, RMSNorm, Transformer, rope_frequencies
@@ -356,6 +356,8 @@ def runs_command(args) -> int:
     for loaded in (target, drafter):  # as Pipeline.load sets up the models it loads
         loaded.model.use_attention(backend)
     steps = use_steps([target, drafter], args.steps, device)
+    if device.type == "cuda" and steps == StepMode.EAGER:  # planned as the steps run: one kernel launch at a time
+        hardware = replace(hardware, cuda_graphs=False, layer_overhead_s=EAGER_LAYER_OVERHEAD_S)
     results.note(f"attention {backend}, steps {steps}, {dtype}")
     outcomes = []
     for context, offload, mode in parse_runs(args.runs):

@@ -141,7 +141,7 @@ def test_the_profile_writes_its_tables_and_step_costs(tmp_path):
 def test_the_check_imports_no_package_it_does_not_use():
     """The GPU machine may lack the web stack, gguf and the test extra: the check's script and the CLI it runs
     import without them."""
-    blocked = ("openai", "fastapi", "uvicorn", "starlette", "gguf", "llama_cpp", "flash_attn", "scipy")
+    blocked = ("openai", "fastapi", "uvicorn", "starlette", "gguf", "llama_cpp", "flash_attn", "scipy", "matplotlib")
     code = (
         f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); import runpy; "
         f"runpy.run_path({str(ROOT / 'scripts' / 'gpu_check.py')!r}, run_name='check'); "
