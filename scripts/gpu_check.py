@@ -260,9 +260,14 @@ class Run:
                 ("planned_gib", self.planned_device_gib),
             )
         }
+        offload = f"kv {self.on_chip_layers}" if self.offload == "kv" else self.offload
+        off = ""
+        if self.ms_per_token and self.planned_ms_per_token:
+            ratio = self.ms_per_token / self.planned_ms_per_token
+            off = f", {ratio:.2f}x planned{'' if 0.75 <= ratio <= 1.25 else ' (off by more than 25%)'}"
         return (
-            f"{self.context:>7} {self.offload:>4} {self.mode:>14} {self.steps:>8} {self.outcome:>13}: "
-            f"{shown['ms']} ms/token (planned {shown['planned']}), prefill {shown['prefill']} s (FLOP floor "
+            f"{self.context:>7} {offload:>5} {self.mode:>14} {self.steps:>8} {self.outcome:>13}: "
+            f"{shown['ms']} ms/token (planned {shown['planned']}{off}), prefill {shown['prefill']} s (FLOP floor "
             f"{shown['floor']}), peak {shown['peak']} GiB (planned {shown['planned_gib']}, fits "
             f"{self.planned_fits}) {self.detail}"
         )
