@@ -185,7 +185,7 @@ class TestMemory:
             acceptance=Acceptance(draft=0.5, retrieval=0.9),
             dtype_bytes=4,
         )
-        # the tensors alone: no CUDA reserve (test_a_gpu_plan_leaves_the_cuda_reserve_free)
+        # the tensors alone: no GPU items (test_a_gpu_plan_itemises_what_is_not_a_tensor_of_its_caches)
         small = replace(HARDWARE["rtx-4090"], memory_bytes=850 * 2**20, cuda_graphs=False, gpu=False)
         prediction = plan(target=SMOLLM2_135M, drafter=SMOLLM2_135M_DRAFTER, hardware=small, workload=workload)
         for offload in ("none", "kv"):
