@@ -51,8 +51,8 @@ BUDGET_TOLERANCE = 0.05  # a larger budget is recommended while it predicts at m
 GAMMA1_SEARCH = 8  # drafter tokens per retrieval verification tried by the recommendation: 1..this
 GAMMA2_SEARCH = 64  # tokens per full verification tried: 1..this (EngineConfig's ceiling)
 SWEEP_START = 1024  # shortest context of the latency curve (--plot)
-# the share of a GPU a plan leaves to what it does not itemise: the caching allocator's rounding and fragmentation,
-# float32 logits and one prefill chunk's activations (an assumption; the engine's own check keeps
+# the share of a GPU a plan leaves to what it does not itemise: the caching allocator's rounding and fragmentation
+# and a prefill chunk's float32 logits (an assumption; the engine's own check keeps
 # runtime.environment.CUDA_SLACK_SHARE, which also covers what the plan itemises)
 PLANNED_SLACK_SHARE = 0.03
 
