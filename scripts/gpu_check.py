@@ -575,8 +575,8 @@ def cold_generate(command: list[str], timeout: int) -> dict:
     }
 
 
-# how each step mode is asked of `triforce generate`: eager with --no-compile; the default with nothing (a --steps
-# value where the CLI has the option, as scripts/gpu-check.sh's STEPS passes)
+# how each step mode is asked of `triforce generate`: eager with --no-compile (its shorthand for --steps eager),
+# the default with no flag, another mode with --steps (scripts/gpu-check.sh's STEPS)
 STEP_FLAGS = {"eager": ["--no-compile"]}
 
 
