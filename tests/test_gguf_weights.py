@@ -14,9 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
-from gguf.quants import quantize as gguf_quantize
 from helpers import (
     close_gguf,
     full_cache_for,
@@ -38,6 +35,11 @@ from triforce_cli.runtime.gguf_weights import GGUFEmbedding, GGUFLinear, apply_g
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import ConcatLinear
 from triforce_cli.runtime.native import kernel_error
+
+pytest.importorskip("gguf", reason="gguf-py reads and writes the files (a `pip install --no-deps` may lack it)")
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 KERNEL_ERROR = kernel_error()
 

@@ -21,9 +21,11 @@ from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sizing import prefill_activation_bytes
 from triforce_cli.plan import MODELS
+from triforce_cli.plan.model import GPU_ITEMS, ModelShape
 from triforce_cli.plan.presets import LLAMA_3_1_ROPE
 from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
+from triforce_cli.runtime.model import Transformer
 
 LLAMA_31_8B = MODELS["Llama-3.1-8B"].target.llama_config(
     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA_3_1_ROPE
@@ -183,11 +185,11 @@ def fake_loaded(ledger: MemoryLedger, name: str, hf_config: LlamaConfig) -> Load
 @pytest.mark.parametrize("mode", MODES)
 def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(mode, host_queues, monkeypatch):
     """`triforce plan --model Llama-3.1-8B --hardware rtx-4090 --context 128k`: for each offload setting, the device
-    and host bytes it predicts (less the CUDA reserve it keeps free) are within 5% of what the loader and the engine
-    allocate for that generation, counted on fake tensors: the weights of both models, then every cache. The plan's
-    prefill activations are left out with the reserve: allocating the caches runs no forward (the layer-by-layer
-    prefill sizes its segments to what is free beyond them; test_a_prefill_chunk_peaks_within_its_planned_activations
-    checks the activations)."""
+    and host bytes it predicts (less what is not a tensor of the weights and caches: plan.model.GPU_ITEMS and the
+    prefill activations) are within 5% of what the loader and the engine allocate for that generation, counted on
+    fake tensors: the weights of both models, then every cache. Allocating the caches runs no forward: the prefill's
+    activations and hidden states are planned apart (test_a_prefill_chunk_peaks_within_its_planned_activations,
+    test_the_planned_prefill_hidden_states_are_what_the_layerwise_prefill_holds)."""
     monkeypatch.setattr("triforce_cli.decoding.engine.available_memory", lambda device: None)  # no real GPU to ask
     rows = {
         (r["mode"], r["offload"]): r
@@ -195,7 +197,8 @@ def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(m
     }
     for offload in ("none", "kv"):
         row = rows[mode, offload]
-        reserve = row["memory"]["CUDA reserve"]["device"] + row["memory"]["prefill activations"]["device"]
+        planned_apart = (*GPU_ITEMS, "prefill activations")
+        reserve = sum(row["memory"][what]["device"] for what in planned_apart if what in row["memory"])
         with fake_memory() as ledger:
             target = fake_loaded(ledger, "Llama-3.1-8B", LLAMA_31_8B)
             drafter = fake_loaded(ledger, PLANNED_DRAFTER.name, PLANNED_DRAFTER.llama_config())
@@ -278,3 +281,34 @@ def test_the_sdpa_backends_cuda_kernels_allocate_by_the_chunk_not_the_context(dt
     # a few float32 (Hq, T, D) tensors (outputs, the merge, float32's expanded new keys), 64 MiB each; the math
     # kernel's (Hq, T, L) scores would be 10 GiB at 20K keys
     assert peaks[0] == peaks[1] <= 6 * heads * chunk * head_dim * 4
+
+
+def test_the_planned_prefill_hidden_states_are_what_the_layerwise_prefill_holds():
+    """The planner's 'prefill hidden states' (ModelShape.prefill_hidden_bytes) are the bytes the layer-wise prefill
+    holds for a whole prompt beside the cache it writes: counted on fake tensors on the CPU, its peak lies between
+    them and them plus one chunk's forward (ModelShape.step_activation_bytes, a bound on a forward's activations).
+    A layer's input and output hidden states are both live while it runs: twice the (T, C) that
+    Transformer.prefill_layerwise_bytes counts."""
+    shape = ModelShape(
+        name="small",
+        num_layers=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    )
+    tokens, chunk = 8192, 256
+    model = Transformer.from_hf_config(shape.llama_config(max_position_embeddings=tokens)).to(DTYPE).eval()
+    with fake_memory() as ledger:  # the small model's weights are real, the prompt and cache fake
+        cache = FullCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tokens, DTYPE)
+        prompt = torch.zeros(tokens, dtype=torch.long)
+        before = ledger.live("cpu")
+        ledger.reset_peaks()
+        model.prefill_layerwise(prompt, 0, cache, chunk)
+        held = ledger.peak("cpu") - before
+    planned = shape.prefill_hidden_bytes(tokens, DTYPE.itemsize)
+    assert planned == model.prefill_layerwise_bytes(tokens) + tokens * shape.hidden_size * DTYPE.itemsize
+    assert planned <= held <= planned + shape.step_activation_bytes(chunk, DTYPE.itemsize)

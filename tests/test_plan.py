@@ -6,6 +6,7 @@ The this-cpu measurement is replaced by fixed figures in every test (no timing h
 import json
 from dataclasses import replace
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sizing import RING_LAYERS
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.plan import DEFAULT_ACCEPTANCE, EMBEDDED_PRESET, MODELS, Acceptance, Hardware, Workload, plan
-from triforce_cli.plan.model import ModelShape
+from triforce_cli.plan.model import GPU_ITEMS, ModelShape
 from triforce_cli.plan.presets import GIB, HARDWARE, HARDWARE_CHOICES, SMOLLM2_135M, SMOLLM2_135M_DRAFTER, hardware_name
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER
 from triforce_cli.runtime.loading import LoadedModel
@@ -81,9 +82,9 @@ class TestJson:
         assert {"mode", "offload", "budget", "gamma1", "gamma2", "on_chip_layers"} <= set(payload["recommendation"])
 
     def test_offload_kv_moves_the_full_kv_cache_to_the_host_less_the_on_chip_layers(self):
-        """Device bytes drop by the full KV cache, less the layers kept on chip and the two-layer ring an
-        offloaded forward stages the others in (and the compiled steps' query buffers, which run eager
-        offloaded); the host holds the whole cache, and where the retrieval tier runs, the staging buffer its
+        """The device's tensors (GPU_ITEMS aside) drop by the full KV cache, less the layers kept on chip and the
+        two-layer ring an offloaded forward stages the others in (and the compiled steps' query buffers, which run
+        eager offloaded); the host holds the whole cache, and where the retrieval tier runs, the staging buffer its
         selection gathers every layer's chosen chunks into before one upload (budget 1,024 at 128K)."""
         target = MODELS["Llama-3.1-8B"].target
         payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
@@ -95,7 +96,11 @@ class TestJson:
             staging = kv_bytes(target, 1024) if MODE_TIERS[mode].retrieval else 0
             assert none["host_bytes"] == 0 and kv["host_bytes"] == full + staging
             staged = kv["on_chip_layers"] + min(RING_LAYERS, target.num_layers - kv["on_chip_layers"])
-            assert none["device_bytes"] - kv["device_bytes"] == full + step_queries - staged * full // 32
+            tensors = [
+                r["device_bytes"] - sum(r["memory"].get(w, {"device": 0})["device"] for w in GPU_ITEMS)
+                for r in (none, kv)
+            ]
+            assert tensors[0] - tensors[1] == full + step_queries - staged * full // 32
 
     def test_records_name_each_figure_in_its_unit_in_a_fixed_order(self):
         """The machine, a row and the recommendation as --json writes them: these keys in this order, rates in GB/s
@@ -180,7 +185,7 @@ class TestMemory:
             acceptance=Acceptance(draft=0.5, retrieval=0.9),
             dtype_bytes=4,
         )
-        # the tensors alone: no CUDA reserve (test_a_gpu_plan_leaves_the_cuda_reserve_free)
+        # the tensors alone: no GPU items (test_a_gpu_plan_itemises_what_is_not_a_tensor_of_its_caches)
         small = replace(HARDWARE["rtx-4090"], memory_bytes=850 * 2**20, cuda_graphs=False, gpu=False)
         prediction = plan(target=SMOLLM2_135M, drafter=SMOLLM2_135M_DRAFTER, hardware=small, workload=workload)
         for offload in ("none", "kv"):
@@ -209,20 +214,41 @@ class TestMemory:
         assert kv["device_bytes"] <= 24 * GIB < none["device_bytes"]
         assert payload["recommendation"]["offload"] == "kv" and payload["recommendation"]["fits"]
 
-    def test_a_gpu_plan_leaves_the_cuda_reserve_free(self):
-        """Beside the tensors, a row on a GPU holds the CUDA context and the allocator's slack (1 GiB and 5% of the
-        card), so a row that fits leaves them free; on a CPU there is none."""
+    def test_a_gpu_plan_itemises_what_is_not_a_tensor_of_its_caches(self):
+        """Beside the tensors, a row on a GPU holds the CUDA context (0.5 GiB), the graph pools of the longest
+        fixed-shape step of each graphed model, the layer-wise prefill's hidden states where the cache is offloaded
+        (2.06 GiB for 128K tokens of Llama-3.1-8B: a layer's input and output, and its rotary tables) and 3% of the
+        card for the allocator, so a row that fits leaves them free; on a CPU there is none."""
         payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
-        kv = row(payload, "triforce", "kv")
-        reserve = kv["memory"]["CUDA reserve"]["device"]
-        assert reserve == 2**30 + int(0.05 * 24 * GIB)
+        none, kv = row(payload, "triforce", "none"), row(payload, "triforce", "kv")
+        target, drafter = MODELS["Llama-3.1-8B"].target, MODELS["Llama-3.1-8B"].drafter
+        hidden = 131072 * (2 * 4096 + 2 * 128) * 2
+        pools = target.step_activation_bytes(MAX_STEP_TOKENS, 2) + drafter.step_activation_bytes(MAX_STEP_TOKENS, 2)
+        expected = {"CUDA context": 2**29, "CUDA graph pools": pools, "CUDA allocator slack": int(0.03 * 24 * GIB)}
+        assert {what: kv["memory"][what]["device"] for what in GPU_ITEMS} == {
+            **expected,
+            "prefill hidden states": hidden,
+        }
+        assert {what: none["memory"][what]["device"] for what in GPU_ITEMS if what in none["memory"]} == expected
+        assert 2.0 * GIB < hidden < 2.1 * GIB and 200 * 2**20 < pools < 300 * 2**20
+        with torch.device("meta"):
+            loaded = Transformer.from_hf_config(target.llama_config()).to(torch.bfloat16)
+        assert loaded.prefill_layerwise_bytes(131072) == hidden - 131072 * 4096 * 2  # a layer's output as well
         assert kv["fits"] and kv["device_bytes"] <= 24 * GIB
-        tensors = kv["device_bytes"] - reserve
-        assert tensors <= 24 * GIB - reserve  # on-chip layers only as many as leave the reserve
-        one_more_layer = kv_bytes(MODELS["Llama-3.1-8B"].target, 131072) // 32
-        assert kv["device_bytes"] + one_more_layer > 24 * GIB  # and not fewer than fit
+        one_more_layer = kv_bytes(target, 131072) // 32
+        assert kv["device_bytes"] + one_more_layer > 24 * GIB  # on-chip layers as many as leave them free
         cpu = plan_json("--model", "SmolLM2-135M", "--hardware", "this-cpu", "--context", "8k")
-        assert all("CUDA reserve" not in r["memory"] for r in cpu["rows"])
+        assert all(what not in r["memory"] for r in cpu["rows"] for what in GPU_ITEMS)
+
+    def test_an_eager_gpu_holds_no_graph_pools_and_offloaded_autoregressive_steps_none_of_the_target(self):
+        """Without CUDA graphs there are no pools; offloaded, the full tier runs eager, so autoregressive decoding
+        records no graph of the target, while triforce's retrieval tier still does."""
+        eager = predict("Llama-3.1-8B", replace(HARDWARE["rtx-4090"], cuda_graphs=False), 131072)
+        assert all("CUDA graph pools" not in {i.what for i in r.memory} for r in eager.rows)
+        graphed = predict("Llama-3.1-8B", HARDWARE["rtx-4090"], 131072)
+        assert "CUDA graph pools" not in {i.what for i in graphed.row("autoregressive", "kv").memory}
+        pools = {i.what: i.device_bytes for i in graphed.row("retrieval", "kv").memory}["CUDA graph pools"]
+        assert pools == MODELS["Llama-3.1-8B"].target.step_activation_bytes(MAX_STEP_TOKENS, 2)
 
     def test_offload_none_is_recommended_where_it_fits(self):
         advice = plan_json("--model", "SmolLM2-135M", "--hardware", "a100-80gb", "--context", "32k")["recommendation"]
@@ -478,3 +504,44 @@ class TestGGUFWeights:
         result = invoke("--hardware", "rtx-4090", "--context", "8k", "--weights", "q4_k_m")
         assert result.exit_code == 1 and "GGUF blocks are computed on the CPU" in result.stderr
         assert "Traceback" not in result.output
+
+
+class TestThisGpu:
+    """`--hardware this-gpu`: the CUDA device measured now as this-cpu measures the CPU; one error line without it."""
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="the answer of a machine without CUDA")
+    def test_without_cuda_it_is_one_error_line(self):
+        result = CliRunner().invoke(app, ["plan", "--hardware", "this-gpu", "--context", "8k"])
+        assert result.exit_code == 1
+        assert result.output.strip().splitlines() == [
+            "error: `hardware` this-gpu measures a CUDA GPU and this machine has none: use this-cpu or a preset"
+        ]
+
+    def test_its_figures_are_the_devices_measured(self, monkeypatch):
+        """Memory within the share this process may use; the device's copy, bfloat16 matrix products and pinned
+        uploads timed on the current device; decode steps replayed as CUDA graphs."""
+        measure = triforce_cli.plan.measure
+        asked = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.3)
+        monkeypatch.setattr(measure, "copy_bandwidth", lambda device, size: asked.append(("copy", device)) or 3e12)
+        monkeypatch.setattr(measure, "host_to_device_bandwidth", lambda device: asked.append(("pcie", device)) or 5e10)
+        monkeypatch.setattr(measure, "matmul_flops", lambda device, dtype, size: asked.append((dtype, device)) or 7e14)
+        hardware = plan_json("--model", "Llama-3.1-8B", "--hardware", "this gpu", "--context", "32k")["hardware"]
+        assert hardware["name"] == "this-gpu" and hardware["measured"] and hardware["gpu"] and hardware["cuda_graphs"]
+        assert hardware["memory_bytes_per_device"] == int(0.3 * 80 * GIB)
+        assert (hardware["bandwidth_gbs"], hardware["pcie_gbs"], hardware["tflops"]) == (3000, 50, 700)
+        gpu = torch.device("cuda", 0)
+        assert sorted(asked, key=str) == sorted([("copy", gpu), ("pcie", gpu), (torch.bfloat16, gpu)], key=str)
+
+    def test_the_timed_work_runs_on_the_cpu_too(self):
+        measure, cpu = triforce_cli.plan.measure, torch.device("cpu")
+        assert measure.copy_bandwidth(cpu, 2**20) > 0 and measure.matmul_flops(cpu, torch.bfloat16, 64) > 0
+
+    @pytest.mark.cuda
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    def test_a_gpu_is_measured(self):
+        hardware = triforce_cli.plan.measure.measure_this_gpu()
+        assert hardware.bandwidth > 1e11 and hardware.flops > 1e13 and hardware.pcie > 1e9 and hardware.gpu

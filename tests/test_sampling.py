@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 from helpers import wrong_verify_draft
-from scipy.stats import chisquare
 
 from triforce_cli.decoding.sampling import SamplingConfig, Verdict, nucleus, probabilities, sample, verify_draft
 
@@ -101,6 +100,7 @@ def test_sample_frequencies_follow_the_distribution():
     counts = torch.bincount(draws, minlength=len(probs))
     assert counts[probs == 0].sum() == 0  # zero-probability tokens are never drawn
     support = probs > 0
+    chisquare = pytest.importorskip("scipy.stats").chisquare  # the test extra
     assert chisquare(counts[support].numpy(), 20_000 * probs[support].numpy()).pvalue > P_THRESHOLD
 
 
@@ -198,6 +198,7 @@ def chi_square_p(tokens: list[int], probs: torch.Tensor) -> float:
     observed = np.bincount(tokens, minlength=probs.shape[0]).astype(float)
     expected = probs.double().numpy() * len(tokens)
     expected *= observed.sum() / expected.sum()
+    chisquare = pytest.importorskip("scipy.stats").chisquare  # the test extra
     return chisquare(observed, expected).pvalue
 
 

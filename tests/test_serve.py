@@ -12,10 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
-import uvicorn
 from helpers import ALPHABET, PROMPT, chat_model, tiny_loaded
 from typer.testing import CliRunner
 
@@ -26,6 +23,13 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
+
+for extra in ("openai", "httpx", "fastapi", "uvicorn"):  # the web stack and the test extra's clients
+    pytest.importorskip(extra, reason=f"`{extra}` is not installed (`pip install -e .[test]`)")
+import httpx
+import openai
+import uvicorn
+
 from triforce_cli.serve.app import create_app
 from triforce_cli.serve.worker import TextSoFar
 

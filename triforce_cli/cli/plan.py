@@ -77,7 +77,7 @@ def plan(
             parser=hardware_name,
             metavar="|".join(planner.HARDWARE_CHOICES),
             autocompletion=o.completions(planner.HARDWARE_CHOICES),
-            help="Machine figures; this-cpu measures this machine now (seconds).",
+            help="Machine figures; this-cpu and this-gpu measure this machine's CPU or CUDA GPU now (seconds).",
         ),
     ] = planner.THIS_CPU,
     budget: o.Budget = None,

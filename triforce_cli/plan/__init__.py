@@ -26,6 +26,7 @@ from triforce_cli.plan.presets import (
     HARDWARE_CHOICES,
     MODELS,
     THIS_CPU,
+    THIS_GPU,
     ModelPreset,
     hardware_name,
     model_preset,
@@ -35,9 +36,11 @@ from triforce_cli.plan.weights import weight_bytes
 
 
 def machine(spelling: str) -> Hardware:
-    """A machine preset by name (spelled as presets.hardware_name reads), or this machine measured now for this-cpu."""
+    """A machine preset by name (spelled as presets.hardware_name reads), or this machine's CPU or CUDA device
+    measured now for this-cpu or this-gpu."""
     name = hardware_name(spelling)
-    return measure.measure_this_cpu() if name == THIS_CPU else HARDWARE[name]
+    measured = {THIS_CPU: measure.measure_this_cpu, THIS_GPU: measure.measure_this_gpu}
+    return measured[name]() if name in measured else HARDWARE[name]
 
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "HARDWARE_CHOICES",
     "MODELS",
     "THIS_CPU",
+    "THIS_GPU",
     "Acceptance",
     "Hardware",
     "ModelPreset",

@@ -5,6 +5,14 @@
 - the fixed cost per decoder layer: a decode step of this tool's own model, tiny enough that its arithmetic and
   bytes are negligible, over its layers (Python, dispatch and the small kernels every layer runs);
 - memory: the machine's RAM. Host and device are one, so the 'PCIe' of an offloaded cache is the memory itself.
+
+The `this-gpu` machine: the current CUDA device measured the same way, its work timed between synchronisations:
+
+- bandwidth: the best of a few device-to-device copies of GPU_COPY_BYTES;
+- FLOP/s: the best of a few bfloat16 matrix products of GPU_MATMUL_SIZE (tensor cores);
+- PCIe: the best of a few copies of PINNED_BYTES from page-locked host memory to the device;
+- the fixed cost per decoder layer: presets.CUDA_GRAPH_LAYER_OVERHEAD_S, as the decode steps replay as CUDA graphs;
+- memory: the device's memory within the share this process may use (torch.cuda.set_per_process_memory_fraction).
 """
 
 import os
@@ -15,7 +23,9 @@ import torch
 from transformers import LlamaConfig
 
 from triforce_cli.cache import FullCache
+from triforce_cli.errors import ConfigError
 from triforce_cli.plan.model import Hardware
+from triforce_cli.plan.presets import CUDA_GRAPH_LAYER_OVERHEAD_S, THIS_GPU
 from triforce_cli.runtime.model import Transformer
 
 COPY_BYTES = 256 * 2**20
@@ -23,30 +33,50 @@ MATMUL_SIZE = 2048
 REPEATS = 3
 PROBE_LAYERS = 8  # the tiny model timed for the per-layer cost
 PROBE_STEPS = 40  # decode steps of it; the first half warms up
+GPU_COPY_BYTES = 2**30
+GPU_MATMUL_SIZE = 8192
+PINNED_BYTES = 256 * 2**20
+CPU = torch.device("cpu")
 
 
-def best_seconds(work, repeats: int = REPEATS) -> float:
-    """The shortest of `repeats` timings of work(), after one untimed run."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on device (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_seconds(work, repeats: int = REPEATS, device: torch.device = CPU) -> float:
+    """The shortest of `repeats` timings of work() on device, after one untimed run, each from an idle device to
+    the end of the work it queued."""
     work()
     timings = []
     for _ in range(repeats):
+        synchronize(device)
         started = time.perf_counter()
         work()
+        synchronize(device)
         timings.append(time.perf_counter() - started)
     return min(timings)
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of memory: a large copy reads and writes every byte once."""
-    source = torch.ones(COPY_BYTES // 4)
+def copy_bandwidth(device: torch.device = CPU, num_bytes: int = COPY_BYTES) -> float:
+    """Bytes/s of device's memory: a large copy reads and writes every byte once."""
+    source = torch.ones(num_bytes // 4, device=device)
     target = torch.empty_like(source)
-    return 2 * COPY_BYTES / best_seconds(lambda: target.copy_(source))
+    return 2 * num_bytes / best_seconds(lambda: target.copy_(source), device=device)
 
 
-def matmul_flops() -> float:
-    """float32 FLOP/s of a square matrix product."""
-    a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
-    return 2 * MATMUL_SIZE**3 / best_seconds(lambda: a @ b)
+def matmul_flops(device: torch.device = CPU, dtype: torch.dtype = torch.float32, size: int = MATMUL_SIZE) -> float:
+    """FLOP/s of a square matrix product of size in dtype on device."""
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    return 2 * size**3 / best_seconds(lambda: a @ b, device=device)
+
+
+def host_to_device_bandwidth(device: torch.device, num_bytes: int = PINNED_BYTES) -> float:
+    """Bytes/s of a copy from page-locked host memory to device (where pinning is possible: a CUDA build)."""
+    source = torch.ones(num_bytes // 4, pin_memory=True)
+    target = torch.empty_like(source, device=device)
+    return num_bytes / best_seconds(lambda: target.copy_(source, non_blocking=True), device=device)
 
 
 def layer_overhead_seconds() -> float:
@@ -83,4 +113,24 @@ def measure_this_cpu() -> Hardware:
         layer_overhead_s=layer_overhead_seconds(),
         measured=True,
         gpu=False,
+    )
+
+
+def measure_this_gpu() -> Hardware:
+    """The current CUDA device's figures, measured now (see the module docstring); a ConfigError without one."""
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"`hardware` {THIS_GPU} measures a CUDA GPU and this machine has none: use this-cpu or a preset"
+        )
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    return Hardware(
+        name=THIS_GPU,
+        memory_bytes=int(total * torch.cuda.get_per_process_memory_fraction(device)),
+        bandwidth=copy_bandwidth(device, GPU_COPY_BYTES),
+        pcie=host_to_device_bandwidth(device),
+        flops=matmul_flops(device, torch.bfloat16, GPU_MATMUL_SIZE),
+        layer_overhead_s=CUDA_GRAPH_LAYER_OVERHEAD_S,
+        cuda_graphs=True,
+        measured=True,
     )

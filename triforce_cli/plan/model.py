@@ -37,9 +37,9 @@ from triforce_cli.decoding.sizing import (
 )
 from triforce_cli.decoding.speculation_length import expected_tokens
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.environment import device_reserve
+from triforce_cli.runtime.environment import CUDA_CONTEXT_BYTES
 from triforce_cli.runtime.forms import OffloadMode
-from triforce_cli.runtime.model import HF_SHAPE_NAMES, ModelConfig
+from triforce_cli.runtime.model import HF_SHAPE_NAMES, MAX_STEP_TOKENS, ModelConfig
 
 # the offload settings planned: streamed weights (kv+weights, for models larger than the card) are not modelled
 PLANNED_OFFLOADS = (OffloadMode.NONE, OffloadMode.KV)
@@ -51,6 +51,10 @@ BUDGET_TOLERANCE = 0.05  # a larger budget is recommended while it predicts at m
 GAMMA1_SEARCH = 8  # drafter tokens per retrieval verification tried by the recommendation: 1..this
 GAMMA2_SEARCH = 64  # tokens per full verification tried: 1..this (EngineConfig's ceiling)
 SWEEP_START = 1024  # shortest context of the latency curve (--plot)
+# the share of a GPU a plan leaves to what it does not itemise: the caching allocator's rounding and fragmentation
+# and a prefill chunk's float32 logits (an assumption; the engine's own check keeps
+# runtime.environment.CUDA_SLACK_SHARE, which also covers what the plan itemises)
+PLANNED_SLACK_SHARE = 0.03
 
 
 @dataclass(frozen=True)
@@ -99,11 +103,28 @@ class ModelShape:
         return self.output_vocab or self.vocab_size
 
     @property
+    def qkv_rows(self) -> int:
+        """Output rows of the query, key and value projections together."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def step_activation_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """Bytes a forward of `tokens` tokens creates besides its caches: per token the hidden state, its norm,
+        attention's input and output, the queries, keys and values, the MLP's gate, up and product, in dtype_bytes,
+        and the float32 logits with their copy (Transformer.forward clones a graph's output)."""
+        widths = 4 * self.hidden_size + self.qkv_rows + 3 * self.intermediate_size
+        return tokens * (widths * dtype_bytes + 2 * self.logits_vocab * 4)
+
+    def prefill_hidden_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """Bytes the layer-wise prefill of an offloaded cache keeps on the device for `tokens` tokens: their hidden
+        states (T, hidden_size) twice, a layer's input and its output both held while it runs, and rotary cos and
+        sin (T, head_dim) each (Transformer.prefill_layerwise_bytes counts the hidden states once)."""
+        return tokens * (2 * self.hidden_size + 2 * self.head_dim) * dtype_bytes
+
+    @property
     def layer_parameters(self) -> int:
         """Parameters of one decoder layer: q, k, v and output projections, the gated MLP, two norms."""
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        attention = self.hidden_size * qkv_rows + self.num_heads * self.head_dim * self.hidden_size
-        bias = qkv_rows if self.attention_bias else 0
+        attention = self.hidden_size * self.qkv_rows + self.num_heads * self.head_dim * self.hidden_size
+        bias = self.qkv_rows if self.attention_bias else 0
         return attention + bias + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
 
     @property
@@ -140,7 +161,7 @@ class Hardware:
     Python). gpus: devices in tensor parallel, each holding 1/gpus of the weights and KV heads. link and
     all_reduce_s: bytes/s between them and the fixed seconds of one all-reduce. cuda_graphs: whether decode steps
     replay as CUDA graphs (the tool's default on CUDA), which doubles the caches' headroom (decoding.sizing).
-    gpu: whether a device is a GPU, which keeps runtime.environment.device_reserve free and prefills in the
+    gpu: whether a device is a GPU, which holds a CUDA context and an allocator's slack (gpu_items) and prefills in the
     GPU's chunks (EngineConfig.prefill_chunk_on), which the drafter's cache holds.
     """
 
@@ -415,9 +436,9 @@ def memory_items(
     """What a mode holds, and where, before the on-chip layers: the weights, the caches as the engine sizes them
     (decoding.sizing: the full KV cache on the device or, offloaded, in host memory, the retrieval and drafter
     caches, the compiled steps' query buffers), one prefill forward's activations in the device's prefill chunk
-    (decoding.sizing.prefill_activation_bytes), and on a GPU the reserve the CUDA runtime and the allocator need
-    (runtime.environment.device_reserve, which the engine's memory check leaves too). Also the caches' capacities.
-    The drafter and its cache are held whole on every device; the activations are counted whole on each."""
+    (decoding.sizing.prefill_activation_bytes), and on a GPU what is not a tensor of the plan (gpu_items). Also the
+    caches' capacities. The drafter and its cache are held whole on every device; the activations are counted whole
+    on each."""
     size = workload.dtype_bytes
     engine = replace(workload.engine, mode=mode)
     tiers = MODE_TIERS[mode]
@@ -446,9 +467,38 @@ def memory_items(
         MemoryItem("drafter weights", drafter.parameters * size * copies if tiers.drafter else 0, 0),
         *caches,
         activation_item(target, engine.prefill_chunk_on(device_type), size),
-        MemoryItem("CUDA reserve", device_reserve(hardware.memory_bytes) * copies if hardware.gpu else 0, 0),
     ]
+    if hardware.gpu:
+        setup = {"target": target, "drafter": drafter, "hardware": hardware, "workload": workload}
+        items += gpu_items(**setup, mode=mode, offload=offload)
     return [item for item in items if item.device_bytes or item.host_bytes], caps
+
+
+GPU_ITEMS = ("CUDA context", "CUDA graph pools", "prefill hidden states", "CUDA allocator slack")
+
+
+def gpu_items(
+    *, target: ModelShape, drafter: ModelShape, hardware: Hardware, workload: Workload, mode: str, offload: str
+) -> list[MemoryItem]:
+    """What a GPU holds besides the weights and caches (GPU_ITEMS), each on every device: the CUDA context
+    (runtime.environment.CUDA_CONTEXT_BYTES); with CUDA graphs, a pool per graphed model for the activations of its
+    longest fixed-shape step (MAX_STEP_TOKENS tokens; the full tier of an offloaded cache runs eager, its retrieval
+    tier does not); offloaded, the layer-wise prefill's hidden states of the whole prompt, held while the prefill
+    runs; and PLANNED_SLACK_SHARE of the card for the rest."""
+    size, copies, tiers = workload.dtype_bytes, hardware.gpus, MODE_TIERS[mode]
+    offloaded = offload != OffloadMode.NONE
+    pools = 0
+    if hardware.cuda_graphs:
+        target_graphed = not offloaded or tiers.retrieval
+        pools += target.step_activation_bytes(MAX_STEP_TOKENS, size) if target_graphed else 0
+        pools += drafter.step_activation_bytes(MAX_STEP_TOKENS, size) if tiers.drafter else 0
+    hidden = target.prefill_hidden_bytes(workload.context, size) if offloaded else 0
+    return [
+        MemoryItem("CUDA context", CUDA_CONTEXT_BYTES * copies, 0),
+        MemoryItem("CUDA graph pools", pools * copies, 0),
+        MemoryItem("prefill hidden states", hidden * copies, 0),
+        MemoryItem("CUDA allocator slack", int(PLANNED_SLACK_SHARE * hardware.memory_bytes) * copies, 0),
+    ]
 
 
 def on_chip_layers(*, device_bytes: int, layer_bytes: int, num_layers: int, memory_limit: int) -> int:

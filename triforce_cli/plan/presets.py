@@ -177,7 +177,9 @@ HARDWARE = {
     )
 }
 THIS_CPU = "this-cpu"  # measured on the spot (plan/measure.py)
-HARDWARE_CHOICES = (*HARDWARE, THIS_CPU)
+THIS_GPU = "this-gpu"  # the CUDA device, measured on the spot (plan/measure.py)
+MEASURED = (THIS_CPU, THIS_GPU)
+HARDWARE_CHOICES = (*HARDWARE, *MEASURED)
 BRAND_WORDS = re.compile("nvidia|geforce|rtx")  # words a card's name is written with or without
 
 
@@ -199,7 +201,7 @@ MODEL_SPELLINGS = {spelling_key(name): name for name in MODELS}
 def hardware_spellings() -> dict[str, str]:
     """Each key a machine preset is known by (hardware_key), with and without its memory, as cards are named both
     ways: 'a100' and 'a10080gb' for a100-80gb, 'h100' and 'h10080gb' for h100."""
-    spellings = {hardware_key(THIS_CPU): THIS_CPU}
+    spellings = {hardware_key(name): name for name in MEASURED}
     for name, hardware in HARDWARE.items():
         memory = f"{hardware.memory_bytes // GIB}gb"
         bare = hardware_key(name).removesuffix(memory)

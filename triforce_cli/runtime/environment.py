@@ -118,17 +118,19 @@ def machine_description() -> dict:
     }
 
 
-# What a GPU needs beyond the tensors a plan lists (assumptions, not measurements: no GPU has run this tool yet):
-# the CUDA context, cuBLAS's workspace and kernels, about 1 GiB with torch; and the caching allocator's rounding and
-# fragmentation, CUDA graph pools, float32 logits and prefill activations, held to 5% of the card.
-CUDA_CONTEXT_BYTES = 1 << 30
+# What a GPU needs beyond the tensors a plan lists (assumptions, not measurements): the CUDA context, cuBLAS's
+# workspace and the kernels loaded, about 0.5 GiB with torch and lazily loaded modules; and, held to 5% of the card,
+# the caching allocator's rounding and fragmentation, CUDA graph pools, float32 logits and prefill activations.
+# The planner itemises graph pools and the layer-wise prefill's hidden states (plan.model.memory_items) and keeps a
+# smaller share for the rest (plan.model.PLANNED_SLACK_SHARE); the engine's memory check, which does not, keeps this.
+CUDA_CONTEXT_BYTES = 1 << 29
 CUDA_SLACK_SHARE = 0.05
 
 
-def device_reserve(total_bytes: int, context_included: bool = False) -> int:
-    """Bytes of a GPU of total_bytes a plan must leave free: CUDA_CONTEXT_BYTES (unless the context exists already, as
-    it does once a process has touched the GPU) and CUDA_SLACK_SHARE of the card."""
-    return (0 if context_included else CUDA_CONTEXT_BYTES) + int(CUDA_SLACK_SHARE * total_bytes)
+def device_reserve(total_bytes: int) -> int:
+    """Bytes of a GPU of total_bytes that a process whose CUDA context exists already leaves free beside its
+    tensors: CUDA_SLACK_SHARE of the card."""
+    return int(CUDA_SLACK_SHARE * total_bytes)
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -141,7 +143,7 @@ def available_memory(device: torch.device) -> int | None:
         reserved = torch.cuda.memory_reserved(device)
         allowed = int(total * torch.cuda.get_per_process_memory_fraction(device))
         unused = min(free + reserved, allowed) - torch.cuda.memory_allocated(device)
-        return max(0, unused - device_reserve(allowed, context_included=True))
+        return max(0, unused - device_reserve(allowed))
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

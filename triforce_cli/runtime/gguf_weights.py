@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -91,6 +90,8 @@ def stack(parts: list[GGUFLinear]) -> nn.Module:
 def read_gguf_blocks(gguf: Path, hf_config: PretrainedConfig) -> dict[str, PackedBlocks]:
     """The weights the file stores in a type kept packed (BLOCK_KINDS), packed, by Hugging Face parameter name
     without '.weight' (such as model.layers.0.mlp.up_proj or model.embed_tokens)."""
+    from gguf import GGUFReader  # imported here: only a .gguf checkpoint needs the package
+
     reader = GGUFReader(str(gguf))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
@@ -174,6 +175,8 @@ def weight_types(gguf: Path, folder: Path) -> dict[str, int]:
             return kept["types"]
     except (OSError, ValueError, KeyError, AttributeError):
         pass  # absent or unreadable: counted anew below
+    from gguf import GGUFReader  # imported here: only a .gguf checkpoint needs the package
+
     counts = Counter(t.tensor_type.name for t in GGUFReader(str(gguf)).tensors if len(t.shape) > 1)
     types = dict(counts.most_common())
     try:
