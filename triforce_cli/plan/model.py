@@ -116,9 +116,9 @@ class ModelShape:
 
     def prefill_hidden_bytes(self, tokens: int, dtype_bytes: int) -> int:
         """Bytes the layer-wise prefill of an offloaded cache keeps on the device for `tokens` tokens: their hidden
-        states (T, hidden_size) twice, a layer's input and its output both held while it runs, and rotary cos and
-        sin (T, head_dim) each (Transformer.prefill_layerwise_bytes counts the hidden states once)."""
-        return tokens * (2 * self.hidden_size + 2 * self.head_dim) * dtype_bytes
+        states (T, hidden_size), each layer's output written over its input chunk by chunk, and rotary cos and sin
+        (T, head_dim) each, as Transformer.prefill_layerwise_bytes counts them."""
+        return tokens * (self.hidden_size + 2 * self.head_dim) * dtype_bytes
 
     @property
     def layer_parameters(self) -> int:

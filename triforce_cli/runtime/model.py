@@ -586,11 +586,11 @@ class Transformer(nn.Module):
         with torch.inference_mode():
             x = self.model.embed_tokens(tokens)  # (T, C)
             end = start + num_tokens
-            positions = [
-                torch.arange(first, min(first + chunk, end), device=x.device) for first in range(start, end, chunk)
-            ]
-            # as forward() does, (T, 2, 2, D/2)
-            rotation = torch.cat([self.rotary(chunk_positions, x.dtype) for chunk_positions in positions])
+            # each chunk's as forward() computes it, written in place: (T, 2, 2, D/2)
+            rotation = x.new_empty((num_tokens, 2, 2, self.config.head_dim // 2))
+            for first in range(start, end, chunk):
+                chunk_positions = torch.arange(first, min(first + chunk, end), device=x.device)
+                rotation[first - start : first - start + len(chunk_positions)] = self.rotary(chunk_positions, x.dtype)
             write = LayerwiseWrite(cache, start, num_tokens)
             for index, layer in enumerate(self.model.layers):
                 write.begin_layer(index)
