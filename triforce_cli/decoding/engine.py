@@ -34,7 +34,7 @@ from triforce_cli.decoding.sizing import (
     memory_advice,
     staged_item,
 )
-from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier, TokenSequence
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.offload import offload_kv, pin_exactly
@@ -750,19 +750,24 @@ class Engine:
     def _decode(
         self, top: ModelTier, prompt_ids: list[int], generated: list[int], stats, on_tokens, should_stop=None
     ) -> None:
-        """Rounds of the top tier (ModelTier.step) until max_new_tokens, an end-of-sequence token or should_stop."""
+        """Rounds of the top tier (ModelTier.step) until max_new_tokens, an end-of-sequence token or should_stop.
+
+        The committed ids live on the device (TokenSequence), copied there once: each round appends its tokens from
+        the device, and the host learns them from the round's one read (a verification's, or where the top tier
+        sampled its own token, the read that hands it out)."""
         cfg = self.config
-        committed = list(prompt_ids) + generated
         if generated[-1] in self.eos_ids:
             stats.stop_reason = "eos"
             return
+        capacity = len(prompt_ids) + cfg.max_new_tokens
+        committed = TokenSequence.of([*prompt_ids, *generated], self.target.device, capacity)
         while len(generated) < cfg.max_new_tokens:
             if should_stop is not None and should_stop():
                 stats.stop_reason = "cancelled"
                 return
             started = time.perf_counter()
             verified = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more than wanted
-            tokens = verified.tokens  # autoregressive decoding reads its token here: one read per token
+            tokens = verified.tokens  # an own step's token is read here (autoregressive decoding: one read per token)
             stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
@@ -770,7 +775,7 @@ class Engine:
             stats.decode_seconds += elapsed
             stats.round_seconds.append(elapsed)
             stats.round_tokens.append(len(tokens))
-            committed += tokens
+            committed.append(verified.ids[: len(tokens)], tokens)
             generated += tokens
             if on_tokens is not None:
                 on_tokens(tokens, verified.origins[: len(tokens)])
