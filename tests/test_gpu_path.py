@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ from triforce_cli.kernels import attention, attention_backend, attention_in_cach
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
+from triforce_cli.decoding import engine as engine_module
+from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
@@ -249,6 +252,43 @@ def test_a_round_copies_no_token_list_to_the_device_and_reads_once_per_verificat
         assert next(a for a in stats.acceptance if a.proposer.startswith("ngram")).drafted > 0
     assert copies == ["triforce_cli.decoding.speculative"], (len(copies), rounds)  # the prompt's, once
     assert len(reads) == verifications + own_rounds, (len(reads), verifications, own_rounds)
+
+
+def test_prefill_chunks_are_timed_on_the_device_clock(monkeypatch):
+    """Each prefill chunk's seconds are the device clock's between marks around its one forward: on a GPU, CUDA
+    events whose reading waits for the chunk's work (DeviceClock), not the host's time to launch it. The clock here
+    reads how many forwards ran, so a chunk measures 1."""
+    loaded = make_model(seed=5, vocab_size=64, num_layers=2).loaded
+    forwards = []
+    loaded.model.register_forward_hook(lambda *_: forwards.append(1))
+
+    class ForwardClock:
+        def __init__(self, device):
+            assert torch.device(device) == loaded.device
+
+        def mark(self) -> int:
+            return len(forwards)
+
+        def seconds(self, start: int, end: int) -> float:
+            return float(end - start)
+
+    monkeypatch.setattr(engine_module, "DeviceClock", ForwardClock)
+    config = small_config(mode="autoregressive", max_new_tokens=2, prefill_chunk=16)
+    result = Engine(loaded, config).generate(random_prompt(PROMPT, 64, seed=3))
+    assert result.stats.prefill_chunk_seconds == [1.0] * (PROMPT // 16)
+
+
+@CUDA
+def test_the_device_clock_times_the_work_not_its_launch():
+    clock = DeviceClock(torch.device("cuda"))
+    matrix = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    began, start = time.perf_counter(), clock.mark()
+    for _ in range(50):
+        matrix = matrix @ matrix / 64
+    seconds = clock.seconds(start, clock.mark())  # waits for the products
+    torch.cuda.synchronize()
+    assert seconds >= 0.5 * (time.perf_counter() - began)
 
 
 class ScalarReads(TorchDispatchMode):
