@@ -282,7 +282,8 @@ def wrong_verify_draft(draft_tokens, draft_probs, target_probs, generator, agree
     verdict = verify_draft(draft_tokens, draft_probs, target_probs, generator, agree)
     if verdict.accepted == draft_tokens.shape[0]:
         return verdict
-    return Verdict(verdict.accepted, int(sample(target_probs[verdict.accepted][None], generator)))
+    token = sample(target_probs[verdict.accepted][None], generator)  # (1,)
+    return Verdict(verdict.accepted, int(token), verdict.drafts, torch.cat([verdict.ids[:-1], token]))
 
 
 # Each GGUF type's float16 fields (byte offsets in its block) and the typical size of what multiplies them (scale

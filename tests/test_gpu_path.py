@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ from triforce_cli.kernels import attention, attention_backend, attention_in_cach
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
+from triforce_cli.decoding import engine as engine_module
+from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
@@ -178,6 +181,115 @@ def test_the_device_is_read_once_per_verification_and_never_while_drafting(sampl
     assert 1 + verifications <= len(reads) <= 2 + verifications, reads
     # a read the Python methods above do not see: indexing with a 0-d tensor reads it inside torch's C++
     assert scalar_reads.count == sum(name != "tolist" for name in reads), scalar_reads.count
+
+
+DRAFTING = {  # (ngram setting, a model drafter given, mode)
+    "drafter": (False, True, "triforce"),
+    "ngram": (True, False, "triforce"),
+    "ngram-then-drafter": (None, True, "triforce"),
+    "autoregressive": (False, False, "autoregressive"),
+}
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=1)])
+@pytest.mark.parametrize("drafting", list(DRAFTING))
+def test_a_round_copies_no_token_list_to_the_device_and_reads_once_per_verification(drafting, sampling, monkeypatch):
+    """While decoding (after the prefill) the device is read once per verification (its outcome: how many drafts
+    passed and the tokens committed) and once per round where the top tier sampled its own token (which the caller
+    prints), and no token list goes from the host to the device but the prompt's, once: drafts, samples and
+    verified tokens stay on the device, and the committed ids are a device buffer appended to in place. On a GPU
+    each such copy or read waits for the device."""
+    ngram, with_drafter, mode = DRAFTING[drafting]
+    loaded = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
+    config = small_config(mode=mode, max_new_tokens=40, sampling=sampling, ngram=ngram, gamma_policy="fixed")
+    engine = Engine(loaded, config, drafter=loaded if with_drafter else None)
+    prompt = random_prompt(PROMPT // 2, 64, seed=3) * 2  # text that repeats itself: the n-gram finds drafts
+    copies, reads, decoding = [], [], [False]
+
+    def counted_copy(original):
+        def copy(data, *args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if decoding[0] and caller.startswith("triforce_cli.decoding") and isinstance(data, (list, tuple, int)):
+                copies.append(caller)
+            return original(data, *args, **kwargs)
+
+        return copy
+
+    def counted_read(name: str):
+        method = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if decoding[0]:
+                reads.append(name)
+            return method(self, *args, **kwargs)
+
+        return read
+
+    decode = Engine._decode
+
+    def counted_decode(*args, **kwargs):
+        decoding[0] = True
+        try:
+            return decode(*args, **kwargs)
+        finally:
+            decoding[0] = False
+
+    for name in ("tensor", "as_tensor"):
+        monkeypatch.setattr(torch, name, counted_copy(getattr(torch, name)))
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counted_read(name))
+    monkeypatch.setattr(Engine, "_decode", counted_decode)
+    result = engine.generate(prompt)
+    monkeypatch.undo()
+    stats = result.stats
+    rounds = len(stats.round_tokens)
+    verifications = sum(acceptance.verifications for acceptance in stats.acceptance)
+    own_rounds = rounds - (stats.acceptance[0].verifications if stats.acceptance else 0)
+    if sampling.greedy:
+        plain = small_config(mode="autoregressive", max_new_tokens=40, sampling=sampling)
+        assert result.token_ids == Engine(loaded, plain).generate(prompt).token_ids
+    assert rounds > 5 and (verifications > rounds or mode == "autoregressive")
+    if ngram is not False:
+        assert next(a for a in stats.acceptance if a.proposer.startswith("ngram")).drafted > 0
+    assert copies == ["triforce_cli.decoding.speculative"], (len(copies), rounds)  # the prompt's, once
+    assert len(reads) == verifications + own_rounds, (len(reads), verifications, own_rounds)
+
+
+def test_prefill_chunks_are_timed_on_the_device_clock(monkeypatch):
+    """Each prefill chunk's seconds are the device clock's between marks around its one forward: on a GPU, CUDA
+    events whose reading waits for the chunk's work (DeviceClock), not the host's time to launch it. The clock here
+    reads how many forwards ran, so a chunk measures 1."""
+    loaded = make_model(seed=5, vocab_size=64, num_layers=2).loaded
+    forwards = []
+    loaded.model.register_forward_hook(lambda *_: forwards.append(1))
+
+    class ForwardClock:
+        def __init__(self, device):
+            assert torch.device(device) == loaded.device
+
+        def mark(self) -> int:
+            return len(forwards)
+
+        def seconds(self, start: int, end: int) -> float:
+            return float(end - start)
+
+    monkeypatch.setattr(engine_module, "DeviceClock", ForwardClock)
+    config = small_config(mode="autoregressive", max_new_tokens=2, prefill_chunk=16)
+    result = Engine(loaded, config).generate(random_prompt(PROMPT, 64, seed=3))
+    assert result.stats.prefill_chunk_seconds == [1.0] * (PROMPT // 16)
+
+
+@CUDA
+def test_the_device_clock_times_the_work_not_its_launch():
+    clock = DeviceClock(torch.device("cuda"))
+    matrix = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    began, start = time.perf_counter(), clock.mark()
+    for _ in range(50):
+        matrix = matrix @ matrix / 64
+    seconds = clock.seconds(start, clock.mark())  # waits for the products
+    torch.cuda.synchronize()
+    assert seconds >= 0.5 * (time.perf_counter() - began)
 
 
 class ScalarReads(TorchDispatchMode):

@@ -13,7 +13,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities
-from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposal, Tier
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposal, Tier, TokenSequence
 
 
 def test_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -43,14 +43,28 @@ def test_follows_a_sequence_whose_tail_was_rolled_back():
     assert proposer.continuation([1, 2, 3, 8, 9, 1, 8], 2) == [9, 1]
 
 
+def test_follows_the_sequence_it_drafts_for_as_it_is_truncated_and_appended_to():
+    """The proposer reads the sequence's host list itself, which changes in place between its calls."""
+    proposer = NGramProposer(vocab_size=100, max_ngram=2)
+    sequence = TokenSequence.of([1, 2, 3, 1, 2], "cpu")
+    assert proposer.propose(sequence, 1).tokens == [3]
+    sequence.truncate(3)
+    sequence.append(torch.tensor([8, 9, 1]), [8, 9, 1])
+    assert proposer.propose(sequence, 2).tokens == [2, 3]
+    sequence.append(torch.tensor([8]))  # known on the device alone: read once, for the lookup
+    proposal = proposer.propose(sequence, 2)
+    assert proposal.tokens == proposal.ids.tolist() == [9, 1]
+    assert sequence.host == [1, 2, 3, 8, 9, 1, 8]
+
+
 def test_proposal_is_one_hot_and_as_long_as_what_matched():
-    proposal = NGramProposer(vocab_size=12).propose([1, 2, 3, 1, 2], 5)
-    assert proposal.tokens == [3, 1, 2]
+    proposal = NGramProposer(vocab_size=12).propose(TokenSequence.of([1, 2, 3, 1, 2], "cpu"), 5)
+    assert proposal.tokens == proposal.ids.tolist() == [3, 1, 2]
     assert proposal.probs.shape == (3, 12)
     assert torch.equal(proposal.probs.argmax(dim=-1), torch.tensor([3, 1, 2]))
     assert torch.equal(proposal.probs.sum(dim=-1), torch.ones(3))
     assert proposal.origins == ["ngram"] * 3
-    empty = NGramProposer(vocab_size=12).propose([1, 2, 3], 5)
+    empty = NGramProposer(vocab_size=12).propose(TokenSequence.of([1, 2, 3], "cpu"), 5)
     assert empty.tokens == [] and empty.probs.shape == (0, 12)
 
 
@@ -82,10 +96,11 @@ class StubProposer:
         self.calls: list[tuple[int, int]] = []
         self.rolled_back_to: int | None = None
 
-    def propose(self, prefix: list[int], n: int) -> Proposal:
-        self.calls.append((len(prefix), n))
+    def propose(self, sequence: TokenSequence, n: int) -> Proposal:
+        self.calls.append((len(sequence), n))
         tokens = self.tokens[:n]
-        return Proposal.known(tokens, torch.full((len(tokens), self.vocab), 1 / self.vocab), [self.name] * len(tokens))
+        probs = torch.full((len(tokens), self.vocab), 1 / self.vocab)
+        return Proposal(torch.tensor(tokens, dtype=torch.long), probs, [self.name] * len(tokens), tokens)
 
     def rollback(self, length: int) -> None:
         self.rolled_back_to = length
@@ -95,10 +110,10 @@ def test_fallback_proposer_asks_the_model_only_where_the_first_finds_nothing():
     model = StubProposer("drafter", [7, 8, 9])
     found = FallbackProposer(StubProposer("ngram", [4, 5]), model)
     assert found.name == "ngram/drafter"
-    assert found.propose([1, 2, 3], 3).tokens == [4, 5]
+    assert found.propose(TokenSequence.of([1, 2, 3], "cpu"), 3).tokens == [4, 5]
     assert model.calls == []
     nothing = FallbackProposer(StubProposer("ngram", []), model)
-    proposal = nothing.propose([1, 2, 3], 2)
+    proposal = nothing.propose(TokenSequence.of([1, 2, 3], "cpu"), 2)
     assert (proposal.tokens, proposal.origins) == ([7, 8], ["drafter", "drafter"])
     assert model.calls == [(3, 2)]
     nothing.rollback(5)
@@ -151,26 +166,29 @@ def test_a_tier_catches_up_in_writes_its_cache_takes():
     model = rich_model(3).loaded.model
     ids = random_prompt(40, 32, seed=7)
     tier = tier_writing_at_most_4(model)
-    tier.step(ids[:10])  # 10 unseen tokens
-    assert_matches_one_forward(model, ids, tier.step(ids).probs)  # 30 more
+    tier.step(TokenSequence.of(ids[:10], "cpu"))  # 10 unseen tokens
+    assert_matches_one_forward(model, ids, tier.step(TokenSequence.of(ids, "cpu")).probs)  # 30 more
 
 
 def test_catching_up_leaves_room_for_the_drafts():
     model = rich_model(3).loaded.model
     ids = random_prompt(12, 32, seed=8)
     tier = tier_writing_at_most_4(model)
-    tier.step(ids[:7])
+    tier.step(TokenSequence.of(ids[:7], "cpu"))
     # 3 unseen tokens and 2 drafts: more than one write of 4 takes, but the last prefix token stays with the drafts
-    assert_matches_one_forward(model, ids, tier._forward(ids[:10], None, torch.tensor(ids[10:12])))
+    assert_matches_one_forward(model, ids, tier._forward(TokenSequence.of(ids[:10], "cpu"), torch.tensor(ids[10:12])))
 
 
 def test_tokens_left_on_the_device_continue_the_sequence():
-    """A drafter's own tokens stay on the device, unread: the sequence is the host prefix, then those."""
+    """A drafter's own tokens stay on the device, unread: the sequence goes on with them, its host copy not."""
     model = rich_model(3).loaded.model
     ids = random_prompt(12, 32, seed=8)
     tier = tier_writing_at_most_4(model)
-    tier.step(ids[:7])
-    probs = tier._forward(ids[:9], torch.tensor(ids[9:10]), torch.tensor(ids[10:12]))
+    sequence = TokenSequence.of(ids[:7], "cpu")
+    tier.step(sequence)
+    sequence.append(torch.tensor(ids[7:10]))  # known on the device alone
+    assert len(sequence) == 10 and sequence.host == ids[:7]
+    probs = tier._forward(sequence, torch.tensor(ids[10:12]))
     assert_matches_one_forward(model, ids, probs)
 
 
@@ -193,7 +211,7 @@ def test_a_tier_drafts_no_more_than_the_tokens_still_wanted():
     for wanted in (1, 2, 3, 5, 8):
         tier.rollback(len(ids))
         proposer.calls.clear()
-        assert len(tier.propose(ids, wanted).tokens) == wanted
+        assert len(tier.propose(TokenSequence.of(ids, "cpu"), wanted).tokens) == wanted
         for prefix_length, asked in proposer.calls:
             still_wanted = wanted - (prefix_length - len(ids))
             assert asked == min(6, still_wanted - 1) >= 1, (wanted, proposer.calls)
@@ -232,10 +250,11 @@ class ScriptedProposer:
     def __init__(self, script: list[int], right: bool, vocab: int = 32):
         self.script, self.right, self.vocab = script, right, vocab
 
-    def propose(self, prefix: list[int], n: int) -> Proposal:
-        ahead = self.script[len(prefix) : len(prefix) + n]
+    def propose(self, sequence: TokenSequence, n: int) -> Proposal:
+        ahead = self.script[len(sequence) : len(sequence) + n]
         tokens = ahead if self.right else [(t + 1) % self.vocab for t in ahead]
-        return Proposal.known(tokens, torch.eye(self.vocab)[tokens], [self.name] * len(tokens))
+        ids = torch.tensor(tokens, dtype=torch.long)
+        return Proposal(ids, torch.eye(self.vocab)[ids], [self.name] * len(tokens), tokens)
 
     def rollback(self, length: int) -> None:
         pass
@@ -254,10 +273,11 @@ def generate_with_top_tier(model, prompt: list[int], proposer, new_tokens: int) 
         gamma_policy="throughput",
         own_steps=True,
     )
-    tokens = list(prompt)
-    while len(tokens) < len(prompt) + new_tokens:
-        tokens += tier.step(tokens, limit=len(prompt) + new_tokens - len(tokens)).tokens
-    return tokens[len(prompt) :], tier
+    sequence = TokenSequence.of(prompt, "cpu")
+    while len(sequence) < len(prompt) + new_tokens:
+        verified = tier.step(sequence, limit=len(prompt) + new_tokens - len(sequence))
+        sequence.append(verified.ids, verified.tokens)
+    return sequence.host[len(prompt) :], tier
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from triforce_cli.decoding import speculative
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities
-from triforce_cli.decoding.speculative import ModelTier, Tier
+from triforce_cli.decoding.speculative import ModelTier, Tier, TokenSequence
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.loading import LoadedModel
@@ -498,11 +498,11 @@ class MiddleTier:
     def pairs(self, committed: int, trials: int) -> list[tuple[int, int]]:
         """The first two of three tokens proposed after PROMPT8 + [committed]: three, so that the first
         verification may take two drafts (a tier drafts no more than the tokens still wanted, less one)."""
-        prefix = PROMPT8 + [committed]
+        sequence = TokenSequence.of(PROMPT8 + [committed], "cpu")
         out = []
         for _ in range(trials):
             self.tier.rollback(len(PROMPT8))
-            proposal = self.tier.propose(prefix, 3)
+            proposal = self.tier.propose(sequence, 3)
             assert proposal.probs.shape == (3, VOCAB)
             out.append((proposal.tokens[0], proposal.tokens[1]))
         return out

@@ -14,14 +14,15 @@ Mark = float | torch.cuda.Event
 
 class DeviceClock:
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
 
     def mark(self) -> Mark:
-        """A moment in the device's queue of work: now, on the CPU."""
+        """A moment in the device's queue of work (its current stream): now, on the CPU."""
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def seconds(self, start: Mark, end: Mark) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache
+from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
@@ -37,7 +38,7 @@ from triforce_cli.decoding.sizing import (
     memory_advice,
     staged_item,
 )
-from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier, TokenSequence
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.offload import offload_kv
@@ -51,7 +52,7 @@ from triforce_cli.runtime.store import human_size
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
 StopCheck = Callable[[], bool]  # asked once before each verification round: True stops the generation there
-ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took
+ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took on the device
 
 
 # windows of the prompt's last positions the drafter's prefill computes (Engine._prefill_drafter): its cache keeps
@@ -507,18 +508,21 @@ class Engine:
         in the cache (kept from the last prefill).
 
         A full cache in host memory is prefilled layer by layer (_prefill_layerwise); any other cache chunk by chunk.
+        A chunk is timed by the device's clock (DeviceClock): on a GPU to the end of its work, which the host then
+        waits for, not to the end of its launch; without on_chunk nothing is timed and nothing waits.
         """
         chunk = self.prefill_chunk
         tokens = torch.tensor(ids, dtype=torch.long, device=self.target.device)
+        clock = DeviceClock(tokens.device)
         logits = None
         with torch_threads(self.prefill_threads):
             if isinstance(cache, FullCache) and cache.stream is not None:
                 return self._prefill_layerwise(name, model, cache, tokens, on_prefill, on_chunk, first)
             for start in range(first, len(ids), chunk):
-                began = time.perf_counter()
+                began = clock.mark() if on_chunk is not None else None
                 logits = model(tokens[start : start + chunk], start, cache, num_logits=1, decoding=False)
                 if on_chunk is not None:
-                    on_chunk(time.perf_counter() - began)
+                    on_chunk(clock.seconds(began, clock.mark()))
                 if on_prefill is not None:
                     on_prefill(name, min(start + chunk, len(ids)), len(ids))
         return logits
@@ -540,11 +544,13 @@ class Engine:
         The hidden states of the tokens in flight stay on the device: the whole prompt where they take at most half
         of the device's free memory (the rest left to one forward's activations), else segments of as many chunks as
         fit there, each fetching the segments before it once per offloaded layer. on_prefill counts a segment's
-        tokens in proportion to the layers done; each chunk of a segment gets the segment's mean seconds. The
-        retrieval cache in use summarises each layer's chunks from its keys on the device as the layer ends
-        (RetrievalCache.summarise_layer), where its first selection would average them in host memory.
+        tokens in proportion to the layers done; each chunk of a segment gets the segment's mean seconds on the
+        device's clock (as _prefill's chunks do). The retrieval cache in use summarises each layer's chunks from its
+        keys on the device as the layer ends (RetrievalCache.summarise_layer), where its first selection would
+        average them in host memory.
         """
         chunk, total = self.prefill_chunk, len(tokens)
+        clock = DeviceClock(tokens.device)
         free = available_memory(self.target.device)
         segment = total - first
         if free is not None and model.prefill_layerwise_bytes(segment) > free // 2:
@@ -562,10 +568,10 @@ class Engine:
                 if on_prefill is not None:
                     on_prefill(name, start + size * layers // num_layers, total)
 
-            began = time.perf_counter()
+            began = clock.mark() if on_chunk is not None else None
             logits = model.prefill_layerwise(tokens[start : start + size], start, full, chunk, on_layer)
-            seconds, chunks = time.perf_counter() - began, -(-size // chunk)
             if on_chunk is not None:
+                seconds, chunks = clock.seconds(began, clock.mark()), -(-size // chunk)
                 for _ in range(chunks):
                     on_chunk(seconds / chunks)
         return logits
@@ -756,19 +762,24 @@ class Engine:
     def _decode(
         self, top: ModelTier, prompt_ids: list[int], generated: list[int], stats, on_tokens, should_stop=None
     ) -> None:
-        """Rounds of the top tier (ModelTier.step) until max_new_tokens, an end-of-sequence token or should_stop."""
+        """Rounds of the top tier (ModelTier.step) until max_new_tokens, an end-of-sequence token or should_stop.
+
+        The committed ids live on the device (TokenSequence), copied there once: each round appends its tokens from
+        the device, and the host learns them from the round's one read (a verification's, or where the top tier
+        sampled its own token, the read that hands it out)."""
         cfg = self.config
-        committed = list(prompt_ids) + generated
         if generated[-1] in self.eos_ids:
             stats.stop_reason = "eos"
             return
+        capacity = len(prompt_ids) + cfg.max_new_tokens
+        committed = TokenSequence.of([*prompt_ids, *generated], self.target.device, capacity)
         while len(generated) < cfg.max_new_tokens:
             if should_stop is not None and should_stop():
                 stats.stop_reason = "cancelled"
                 return
             started = time.perf_counter()
             verified = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more than wanted
-            tokens = verified.tokens  # autoregressive decoding reads its token here: one read per token
+            tokens = verified.tokens  # an own step's token is read here (autoregressive decoding: one read per token)
             stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
@@ -776,7 +787,7 @@ class Engine:
             stats.decode_seconds += elapsed
             stats.round_seconds.append(elapsed)
             stats.round_tokens.append(len(tokens))
-            committed += tokens
+            committed.append(verified.ids[: len(tokens)], tokens)
             generated += tokens
             if on_tokens is not None:
                 on_tokens(tokens, verified.origins[: len(tokens)])

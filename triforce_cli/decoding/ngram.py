@@ -6,15 +6,17 @@ accepts a token x with probability p(x) and otherwise resamples from p without x
 fewer tokens than asked (none when nothing matches); the tier above then verifies what there is.
 
 Lookups are dictionary hits: every n-gram's latest start is indexed as the sequence grows. Only the tail of the
-sequence changes between calls (rejected drafts), so only the tail is re-indexed; an entry left stale by a
-rollback is caught by checking the match against the sequence, and then found again by a scan.
+sequence changes between calls (rejected drafts), so only the tail is re-indexed (and copied); an entry left stale
+by a rollback is caught by checking the match against the sequence, and then found again by a scan. The lookup
+reads the sequence's host copy; the drafts themselves are sliced from its ids on the device, so they never cross
+from the host.
 """
 
 from dataclasses import dataclass, field
 
 import torch
 
-from triforce_cli.decoding.speculative import Proposal, Tier
+from triforce_cli.decoding.speculative import Proposal, Tier, TokenSequence
 
 TAIL_RECHECK = 64  # positions compared to find where the sequence diverged from the indexed one
 
@@ -39,7 +41,7 @@ class NGramProposer:
         for i in range(first, len(prefix) - self.min_ngram):
             for size in range(self.min_ngram, min(self.max_ngram, len(prefix) - 1 - i) + 1):
                 self._starts[tuple(prefix[i : i + size])] = i
-        self._indexed = list(prefix)
+        self._indexed[same:] = prefix[same:]
 
     def _latest_start(self, prefix: list[int], suffix: tuple[int, ...]) -> int | None:
         """Latest start of suffix in prefix that a token follows; a stale index entry is replaced by a scan."""
@@ -56,20 +58,30 @@ class NGramProposer:
             self._starts[suffix] = found
         return found
 
-    def continuation(self, prefix: list[int], n: int) -> list[int]:
-        """Up to n tokens that followed the latest earlier occurrence of prefix's longest matching suffix."""
+    def continuation_start(self, prefix: list[int]) -> int:
+        """Where the tokens that followed the latest earlier occurrence of prefix's longest matching suffix start;
+        len(prefix) where no suffix matches."""
         self._reindex(prefix)
         for size in range(min(self.max_ngram, len(prefix) - 1), self.min_ngram - 1, -1):
             start = self._latest_start(prefix, tuple(prefix[-size:]))
             if start is not None:
-                return prefix[start + size : start + size + n]
-        return []
+                return start + size
+        return len(prefix)
 
-    def propose(self, prefix: list[int], n: int) -> Proposal:
-        tokens = self.continuation(prefix, n)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+    def continuation(self, prefix: list[int], n: int) -> list[int]:
+        """Up to n tokens that followed the latest earlier occurrence of prefix's longest matching suffix."""
+        start = self.continuation_start(prefix)
+        return prefix[start : start + n]
+
+    def propose(self, sequence: TokenSequence, n: int) -> Proposal:
+        """The continuation of sequence's host ids, as ids sliced from the sequence on the device (n,) with one-hot
+        draft probabilities (n, V) built there: no token crosses from the host."""
+        prefix = sequence.host_ids()
+        start = self.continuation_start(prefix)
+        tokens = prefix[start : start + n]
+        ids = sequence.ids[start : start + len(tokens)].to(self.device)
         probs = torch.zeros((len(tokens), self.vocab_size), device=self.device)  # (n, V), never crossing PCIe
-        probs[torch.arange(len(tokens), device=self.device), ids] = 1.0
+        probs.scatter_(1, ids[:, None], 1.0)
         return Proposal(ids, probs, [self.name] * len(tokens), host=tokens)
 
     def rollback(self, length: int) -> None:

@@ -81,11 +81,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 class Verdict:
     accepted: int  # leading draft tokens kept
     next_token: int  # the correction after a rejection, or the bonus token
-    drafts: tuple[int, ...] = field(default=(), compare=False)  # the draft tokens, read with the two above
+    drafts: tuple[int, ...] = field(default=(), compare=False)  # the accepted drafts, read with the two above
+    ids: torch.Tensor | None = field(default=None, compare=False, repr=False)  # (accepted + 1,) tokens on the device
 
     @property
     def tokens(self) -> list[int]:
-        """What the verification commits: the accepted drafts, then the next token."""
+        """What the verification commits: the accepted drafts, then the next token (ids, on the host)."""
         return [*self.drafts[: self.accepted], self.next_token]
 
 
@@ -98,13 +99,15 @@ def verify_draft(
 ) -> Verdict:
     """Speculative sampling of n draft tokens (n,) drawn from draft_probs (n, V) against target_probs (n+1, V).
 
-    Everything stays on the device until one read at the end (how many were accepted, the next token, and the
-    drafts themselves, which a drafter on the device has not read), so a verification on a GPU waits for the
-    device once. agree: applied to that outcome (n+2,) on the device before the read; under tensor parallelism,
-    parallel.from_rank_zero, so that every rank goes on with rank 0's.
+    Everything stays on the device until one read at the end: how many were accepted and the tokens committed
+    (the accepted drafts, which a drafter on the device has not read, and the next token), so a verification on a
+    GPU waits for the device once. The committed tokens stay on the device too (Verdict.ids), for the sequence to
+    go on with, never copied back from the host. agree: applied to that outcome (n+2,) on the device before the
+    read; under tensor parallelism, parallel.from_rank_zero, so that every rank goes on with rank 0's.
     """
     n = draft_tokens.shape[0]
-    rows = torch.arange(n, device=draft_tokens.device)
+    positions = torch.arange(n + 1, device=draft_tokens.device)
+    rows = positions[:n]
     # 1. Accept x with probability min(1, p(x)/q(x)), written as u*q(x) < p(x) with u ~ U[0, 1).
     p_x = target_probs[rows, draft_tokens]
     q_x = draft_probs[rows, draft_tokens]
@@ -120,9 +123,14 @@ def verify_draft(
     total = residual.sum()
     next_probs = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), after_accepted)
     next_token = sample(next_probs[None], generator)[0]
-    outcome = torch.cat([accepted.long()[None], next_token[None], draft_tokens])  # (n+2,)
-    accepted_count, token, *drafts = (outcome if agree is None else agree(outcome)).tolist()
-    return Verdict(accepted_count, token, tuple(drafts))  # that was the one read of the device
+    # 3. The committed tokens: the drafts before position `accepted`, the next token from there on (n+1,).
+    committed = torch.where(positions < accepted, torch.cat([draft_tokens, next_token[None]]), next_token)
+    outcome = torch.cat([accepted.long()[None], committed])  # (n+2,)
+    if agree is not None:
+        outcome = agree(outcome)
+    accepted_count, *tokens = outcome.tolist()  # the one read of the device
+    tokens = tokens[: accepted_count + 1]
+    return Verdict(accepted_count, tokens[-1], tuple(tokens[:-1]), outcome[1 : accepted_count + 2])
 
 
 def acceptance_probability(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
 """Hierarchical speculative decoding as a composition of tiers.
 
-A tier is a model reading one cache, optionally with a proposer below it. ``propose(prefix, n)`` returns n tokens
-that continue ``prefix`` distributed exactly as the tier's own model-with-cache, together with that model's
+A tier is a model reading one cache, optionally with a proposer below it. ``propose(sequence, n)`` returns n tokens
+that continue ``sequence`` distributed exactly as the tier's own model-with-cache, together with that model's
 probabilities for each of them, which the tier above uses as its draft distribution. With a proposer, a tier
 produces its tokens by speculative sampling of the proposer's drafts (see sampling.py); without one it samples
 autoregressively. Two tiers give classic speculative decoding, three give TriForce (Sun et al., 2024,
 arXiv 2404.11912): drafter@StreamingLLM -> target@retrieval -> target@full.
+
+The sequence lives on the device (TokenSequence), so a round copies no token from the host: drafts, samples and
+verified tokens stay device tensors, and the host waits for the device once per verification, for its outcome.
 """
 
 from dataclasses import dataclass, field
@@ -32,6 +35,57 @@ class Tier(StrEnum):
 
 
 @dataclass
+class TokenSequence:
+    """The ids of a generation's sequence: on the device, in a buffer written in place as the sequence grows, and on
+    the host as far as they are known there without a read.
+
+    Tiers read the sequence from the device, so no token list crosses from the host while decoding: only the prompt,
+    once. The host copy serves the n-gram proposer, which looks its drafts up there, and grows from what the
+    verifications read anyway. The buffer past length is scratch: a tier's steps append their tokens while it
+    proposes, and it truncates the sequence back before the tier above verifies them.
+    """
+
+    ids: torch.Tensor  # (capacity,) long on the device; the sequence is ids[:length]
+    length: int
+    host: list[int]  # ids[: len(host)] on the host, len(host) <= length: the ones known there without a read
+
+    @classmethod
+    def of(cls, tokens: list[int], device: torch.device | str, capacity: int = 0) -> "TokenSequence":
+        """tokens (a prompt) copied to the device once, in a buffer of max(capacity, len(tokens)) ids."""
+        ids = torch.empty(max(capacity, len(tokens)), dtype=torch.long, device=device)
+        ids[: len(tokens)] = torch.tensor(tokens, dtype=torch.long)  # the one host-to-device copy
+        return cls(ids, len(tokens), list(tokens))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def append(self, ids: torch.Tensor, host: list[int] | None = None) -> None:
+        """Write ids (n,) on the device after the sequence (the buffer grown where they do not fit); host: the same
+        ids on the host, where known there (a host copy lagging behind the device stays so)."""
+        end = self.length + ids.shape[0]
+        if end > self.ids.shape[0]:
+            grown = self.ids.new_empty(max(end, 2 * self.ids.shape[0]))
+            grown[: self.length] = self.ids[: self.length]
+            self.ids = grown
+        self.ids[self.length : end] = ids
+        if host is not None and len(self.host) == self.length:
+            self.host += host
+        self.length = end
+
+    def truncate(self, length: int) -> None:
+        """Forget the ids from position length on."""
+        self.length = length
+        del self.host[length:]
+
+    def host_ids(self) -> list[int]:
+        """The sequence on the host (the list itself, appended to in place): the ids not known there are read from
+        the device first (a wait for it)."""
+        if len(self.host) < self.length:
+            self.host += self.ids[len(self.host) : self.length].tolist()
+        return self.host
+
+
+@dataclass
 class Proposal:
     """Tokens proposed to (or committed by) the tier above.
 
@@ -44,11 +98,6 @@ class Proposal:
     probs: torch.Tensor  # (n, V): the proposing tier's distribution at each token's position
     origins: list[str]  # the tier that sampled each token (a Tier)
     host: list[int] | None = None  # the ids on the host, where they are known there without a read
-
-    @classmethod
-    def known(cls, tokens: list[int], probs: torch.Tensor, origins: list[str]) -> "Proposal":
-        """A proposal of tokens known on the host, copied to probs' device."""
-        return cls(torch.tensor(tokens, dtype=torch.long, device=probs.device), probs, origins, list(tokens))
 
     def __len__(self) -> int:
         return len(self.origins)
@@ -131,8 +180,9 @@ class Proposer(Protocol):
 
     name: str
 
-    def propose(self, prefix: list[int], n: int) -> Proposal:
-        """n tokens (fewer, or none, where it finds no more) to follow prefix, with their draft probabilities."""
+    def propose(self, sequence: TokenSequence, n: int) -> Proposal:
+        """n tokens (fewer, or none, where it finds no more) to follow sequence, with their draft probabilities;
+        the sequence is left as it was found."""
         ...
 
     def rollback(self, length: int) -> None:
@@ -145,7 +195,7 @@ class FallbackProposer:
     """Drafts from ``first`` where it offers any token, else from ``fallback``, for the same tier above.
 
     The n-gram proposer costs microseconds but finds a continuation only where the text repeats itself; a model
-    drafter costs a forward per token but always drafts. Which one drafts depends on the prefix alone, so the
+    drafter costs a forward per token but always drafts. Which one drafts depends on the sequence alone, so the
     tier above still verifies exactly against the distribution the tokens were drawn from.
     """
 
@@ -156,9 +206,9 @@ class FallbackProposer:
     def name(self) -> str:
         return f"{self.first.name}/{self.fallback.name}"
 
-    def propose(self, prefix: list[int], n: int) -> Proposal:
-        proposal = self.first.propose(prefix, n)
-        return proposal if len(proposal) else self.fallback.propose(prefix, n)
+    def propose(self, sequence: TokenSequence, n: int) -> Proposal:
+        proposal = self.first.propose(sequence, n)
+        return proposal if len(proposal) else self.fallback.propose(sequence, n)
 
     def rollback(self, length: int) -> None:
         self.first.rollback(length)
@@ -217,15 +267,16 @@ class ModelTier:
         step_ms = {n: round(1000 * seconds, 3) for n, seconds in sorted(length.verify_seconds.items())}
         return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped)
 
-    def step(self, prefix: list[int], limit: int | None = None, pending: torch.Tensor | None = None) -> Proposal:
-        """One round of this tier after prefix and pending (ids on the device, unread, after prefix): its next
-        tokens, exactly distributed as its own model on its own cache.
+    def step(self, sequence: TokenSequence, limit: int | None = None) -> Proposal:
+        """One round of this tier after sequence: its next tokens, exactly distributed as its own model on its own
+        cache. The sequence is left as it was found; the caller appends the tokens it keeps.
 
         With a proposer that drafts (speculative sampling, Leviathan et al., 2023):
           1. draft: the proposer proposes up to gamma tokens. For the top tier of TriForce the proposer is the
              retrieval tier, whose propose runs its own steps on the drafter's drafts;
           2. verify: one forward of this tier over the drafts, then speculative sampling (sampling.verify_draft)
-             with one read of the device: the accepted drafts and one token of this tier's own;
+             with one read of the device: the accepted drafts and one token of this tier's own, on the device and
+             on the host;
           3. learn: the acceptance and the timings steer the next speculation length;
           4. roll back this tier's cache and every cache below it to the accepted length.
         Without one (or where it would not pay, or where the caller wants one token) it samples one token from its
@@ -236,18 +287,17 @@ class ModelTier:
         is computed only to be thrown away.
         """
         if self.proposer is None or limit == 1 or not self.length.drafting:
-            return self._own_step(prefix, pending, chosen=self.proposer is not None and limit != 1)
-        if pending is not None:  # a verifying tier's own tokens are read; none is left pending before a draft
-            prefix, pending = prefix + pending.tolist(), None
+            return self._own_step(sequence, chosen=self.proposer is not None and limit != 1)
         started = self._round_start()
         proposer, stats = self.proposer, self.stats
         if self.uses_shortcut_next:
             proposer, stats = self.shortcut, self.shortcut_stats
         # 1. draft
-        draft = proposer.propose(prefix, self.length.current if limit is None else min(self.length.current, limit - 1))
+        wanted = self.length.current if limit is None else min(self.length.current, limit - 1)
+        draft = proposer.propose(sequence, wanted)
         drafted = self.clock.mark()
         # 2. verify
-        probs = self._forward(prefix, None, draft.ids)  # (len(draft) + 1, V)
+        probs = self._forward(sequence, draft.ids)  # (len(draft) + 1, V)
         verdict = verify_draft(draft.ids, draft.probs.to(self.model.device), probs, self.generator, from_rank_zero)
         verified = self.last_end = self.clock.mark()  # after the verification's read: its work is done
         # 3. learn
@@ -258,45 +308,43 @@ class ModelTier:
         seconds = self.clock.seconds(started, drafted), self.clock.seconds(drafted, verified)
         self.length.record(len(draft), verdict.accepted, *seconds)
         # 4. roll back
-        kept = len(prefix) + verdict.accepted
+        kept = len(sequence) + verdict.accepted
         self.cache.rollback(kept)
         self._roll_back_proposers(kept)
-        tokens = verdict.tokens
         origins = draft.origins[: verdict.accepted] + [self.name]
-        return Proposal.known(tokens, probs[: verdict.accepted + 1], origins)
+        return Proposal(verdict.ids, probs[: verdict.accepted + 1], origins, verdict.tokens)
 
-    def _own_step(self, prefix: list[int], pending: torch.Tensor | None, chosen: bool) -> Proposal:
+    def _own_step(self, sequence: TokenSequence, chosen: bool) -> Proposal:
         """One token sampled from this tier's own forward, left on the device, unread. chosen: the policy chose it
         over drafting (not the caller's limit, nor a tier without a proposer), so its cost is weighed."""
         started = self._round_start() if chosen else None
-        probs = self._forward(prefix, pending, torch.empty(0, dtype=torch.long, device=self.model.device))
+        probs = self._forward(sequence, torch.empty(0, dtype=torch.long, device=self.model.device))
         token = from_rank_zero(sample(probs, self.generator))
         if chosen:  # the caller reads the token next: timing it waits for nothing more
             self.last_end = self.clock.mark()
             self.length.record_own_step(self.clock.seconds(started, self.last_end))
-        self._roll_back_proposers(len(prefix) + (0 if pending is None else len(pending)) + 1)
+        self._roll_back_proposers(len(sequence) + 1)
         return Proposal(token, probs, [self.name])  # (1,) on the device, unread
 
-    def propose(self, prefix: list[int], n: int) -> Proposal:
-        """n tokens after prefix from this tier's steps, each step's tokens joining the sequence the next step
-        continues: on the host while they are known there, else on the device, unread. The retrieval tier first
-        brings its cache up to date (_refresh)."""
+    def propose(self, sequence: TokenSequence, n: int) -> Proposal:
+        """n tokens after sequence from this tier's steps, each step's tokens appended to the sequence the next
+        step continues, and truncated again at the end. The retrieval tier first brings its cache up to date
+        (_refresh)."""
         if self.refresh_interval is not None:
             self._refresh()
-        known = list(prefix)
-        pending: list[torch.Tensor] = []  # ids on the device, unread, after known
-        ids, probs, origins = [], [], []
-        while len(origins) < n:
-            tokens = self.step(known, limit=n - len(origins), pending=torch.cat(pending) if pending else None)
-            if tokens.host is None or pending:
-                pending.append(tokens.ids)
-            else:
-                known += tokens.host
-            ids.append(tokens.ids)
-            probs.append(tokens.probs)
-            origins += tokens.origins
-        host = None if pending else known[len(prefix) :]
-        return Proposal(torch.cat(ids), torch.cat(probs), origins, host)
+        start, taken = len(sequence), 0
+        steps: list[Proposal] = []
+        while taken < n:
+            tokens = self.step(sequence, limit=n - taken)
+            sequence.append(tokens.ids, tokens.host)
+            steps.append(tokens)
+            taken += len(tokens)
+        sequence.truncate(start)
+        origins = [origin for tokens in steps for origin in tokens.origins]
+        known = all(tokens.host is not None for tokens in steps)
+        host = [token for tokens in steps for token in tokens.host] if known else None
+        ids, probs = torch.cat([tokens.ids for tokens in steps]), torch.cat([tokens.probs for tokens in steps])
+        return Proposal(ids, probs, origins, host)
 
     def rollback(self, length: int) -> None:
         """The tier above finished a step (Proposer.rollback): forget what lies past length here and below, and
@@ -324,28 +372,22 @@ class ModelTier:
         did in between (handing tokens out) is a cost of the round; else now."""
         return self.last_end if self.own_steps and self.last_end is not None else self.clock.mark()
 
-    def _forward(self, prefix: list[int], pending: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor:
+    def _forward(self, sequence: TokenSequence, drafts: torch.Tensor) -> torch.Tensor:
         """Distributions (len(drafts) + 1, V) at the positions after the sequence's last token and after each draft;
-        the sequence is prefix (host) followed by pending (ids on the device), drafts are (n,) ids on the device.
+        drafts are (n,) ids on the device.
 
-        Committed tokens the cache has not seen yet (drafted by a proposer beside this tier) are fed first, in
+        Tokens of the sequence the cache has not seen yet (drafted by a proposer beside this tier) are fed first, in
         writes no larger than the cache takes; the last token of the sequence always stays with the drafts. Under
         the throughput policy that catching up counts as drafting time of the tier it serves.
         """
-        unread = 0 if pending is None else pending.shape[0]
-        length = len(prefix) + unread
+        length = len(sequence)
         start = min(self.cache.length, length - 1)
         self.cache.rollback(start)
-        device = self.model.device
         most = self.cache.max_write
-        while most is not None and length - start + len(drafts) > most and len(prefix) - 1 - start > 0:
-            unseen = prefix[start : start + min(most, len(prefix) - 1 - start)]
-            self.model(torch.tensor(unseen, dtype=torch.long, device=device), start, self.cache, num_logits=1)
+        while most is not None and length - start + len(drafts) > most and length - 1 - start > 0:
+            unseen = sequence.ids[start : start + min(most, length - 1 - start)]
+            self.model(unseen, start, self.cache, num_logits=1)
             start += len(unseen)
-        pieces = [drafts]
-        if unread:
-            pieces.insert(0, pending[max(0, start - len(prefix)) :])
-        if start < len(prefix):
-            pieces.insert(0, torch.tensor(prefix[start:], dtype=torch.long, device=device))  # host-to-device copy
-        logits = self.model(torch.cat(pieces), start, self.cache, num_logits=len(drafts) + 1)
+        tokens = torch.cat([sequence.ids[start:length], drafts])
+        logits = self.model(tokens, start, self.cache, num_logits=len(drafts) + 1)
         return probabilities(logits, self.sampling)
