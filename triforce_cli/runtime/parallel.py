@@ -8,6 +8,11 @@ the same tokens: no rank drifts. The model's config then counts the rank's own h
 (full, retrieval, offloaded) holds only those; retrieval scoring works per KV head and needs no communication.
 NCCL on CUDA, gloo on the CPU (``init_parallel``). The loader applies it while the weights are still in host memory
 (loading.build_model), so that each rank's device receives its shard only.
+
+The ranks must take every decision together: one that goes its own way runs other collectives, or collectives of
+other shapes, and the rest wait in theirs forever. Tokens and verification outcomes are rank 0's (from_rank_zero),
+the seed is rank 0's (shared_seed), and whatever a rank reads of its own state, such as its free memory, is
+replaced by the least any rank read (least) before anything is decided on it.
 """
 
 import atexit
@@ -76,6 +81,28 @@ def from_rank_zero(tokens: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:
         dist.broadcast(tokens, src=0)
     return tokens
+
+
+# least's stand-in for a rank that knows no bound (None): above any byte count a machine has
+_UNBOUNDED = 1 << 62
+
+
+def least(value: int | None, device: torch.device) -> int | None:
+    """The least of every rank's value, on every rank: what a decision on a quantity that each rank reads of its
+    own state (the free memory of its device or its host) must be taken on, so that every rank takes the same.
+
+    Args:
+        value: this rank's reading; None: no bound known here (a rank that knows one bounds them all).
+        device: the model's, where the all-reduce's tensor must live (NCCL carries only CUDA tensors).
+    Returns:
+        The minimum over the ranks; None where no rank knows a bound. value itself in a single process.
+    """
+    if world_size() == 1:
+        return value
+    reading = torch.tensor([_UNBOUNDED if value is None else value], dtype=torch.long, device=device)
+    dist.all_reduce(reading, op=dist.ReduceOp.MIN)
+    agreed = int(reading)
+    return None if agreed == _UNBOUNDED else agreed
 
 
 class AllReduce(nn.Module):
