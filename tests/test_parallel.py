@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import make_model, random_prompt, save_word_checkpoint, small_config
+from helpers import full_cache_for, make_model, random_prompt, save_word_checkpoint, small_config
 
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.model import MAX_STEP_TOKENS
 from triforce_cli.runtime.parallel import apply_tp
 
 PROMPT = 64
@@ -195,3 +196,51 @@ def test_a_rank_short_of_memory_makes_every_rank_prefill_in_its_segments(tmp_pat
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"tokens": expected}, rank
 
+
+def compiled_steps(rank: int, world: int, folder: str) -> None:
+    """Rank r's sharded model with decode steps compiled by aot_eager, fullgraph=True: one decode step's logits
+    against the eager sharded step's, and TriForce's greedy tokens (every cache kind's steps), to rank{r}.json."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        loaded = tiny()
+        apply_tp(loaded.model)
+        model = loaded.model
+        graphs = []
+
+        def backend(graph, inputs):
+            graphs.append(graph)
+            return torch._dynamo.lookup_backend("aot_eager")(graph, inputs)
+
+        model.compile_steps(backend=backend)  # fullgraph=True
+        prompt = torch.tensor(random_prompt(PROMPT, 64, seed=3))
+        eager, fixed = full_cache_for(model), full_cache_for(model)
+        for cache in (eager, fixed):
+            model(prompt, 0, cache, decoding=False)
+        fixed.make_static(model.config.num_heads, MAX_STEP_TOKENS)
+        generator = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            tokens = torch.randint(0, model.config.vocab_size, (7,), generator=generator)
+            start = eager.length
+            expected = model(tokens, start, eager, num_logits=7)
+            got = model(tokens, start, fixed, num_logits=7)
+            assert fixed.static_step and not eager.static_step
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert len(graphs) == 1  # one graph for the three positions, and no break
+        reduces = [node for node in graphs[0].graph.nodes if str(node.target) == "_c10d_functional.all_reduce"]
+        assert len(reduces) == 2 * model.config.num_layers  # the attention's and the MLP's, traced in the graph
+        engine = Engine(loaded, small_config(mode="triforce", sampling=SAMPLINGS["greedy"]), drafter=loaded)
+        assert engine.compiled
+        with open(f"{folder}/rank{rank}.json", "w") as file:
+            json.dump(engine.generate(random_prompt(PROMPT, 64, seed=3)).token_ids, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_decode_steps_compile_into_one_graph_and_give_the_eager_tokens(tmp_path):
+    """A sharded decode step traces its all-reduces (functional collectives) into one graph, fullgraph=True, as
+    CUDA-graph capture on NCCL needs: the eager sharded step's logits, and the single process's greedy tokens."""
+    config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"])
+    expected = Engine(tiny(), config, drafter=tiny()).generate(random_prompt(PROMPT, 64, seed=3)).token_ids
+    spawn_within(compiled_steps, (2, str(tmp_path)), 600)  # compiling is slow on a busy CPU
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank

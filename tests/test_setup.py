@@ -214,6 +214,9 @@ ROWS = {
         {"device": torch.device("cuda", 1), "tensor_parallel": True, "compiled": False, "weights": "dense"},
     ),
     "torchrun rank 1, compile off": ({"compile_steps": False}, RANK_1, None, NONE, None, {"tensor_parallel": True}),
+    "torchrun rank 1, compile on": (
+        {"compile_steps": True}, RANK_1, None, NONE, None, {"tensor_parallel": True, "compiled": True},
+    ),
     "torchrun cpu": (
         {},
         JOINED_CPU,
@@ -256,10 +259,6 @@ ERRORS = {
         {"compile_steps": True}, CPU, KV_WEIGHTS, "`offload` kv+weights runs eager steps: use `compile_steps` False"
     ),
     "kv+weights on cuda": ({}, GPU, KV_WEIGHTS, "`offload` kv+weights runs eager steps: use `compile_steps` False"),
-    "tensor parallel compiled": (
-        {"compile_steps": True}, RANK_1, NONE,
-        "tensor-parallel steps run eager (an all-reduce per block): use `compile_steps` False",
-    ),
 }  # fmt: skip
 
 

@@ -217,9 +217,9 @@ def resolve_setup(
     dtype = resolve_dtype(options.dtype, device)
     weights = options.weights
     attention = resolve_attention(options.attention, device, dtype, weights, machine.flash_attention)
-    if parallel and options.compile_steps:
-        raise ConfigError("tensor-parallel steps run eager (an all-reduce per block): use `compile_steps` False")
-    compiled = resolve_compile(False if parallel else options.compile_steps, device, weights)
+    # sharded steps compile where `compile_steps` asks for it (their graphs trace the all-reduces); unset: eager
+    requested = False if parallel and options.compile_steps is None else options.compile_steps
+    compiled = resolve_compile(requested, device, weights)
     streamed = offload == OffloadMode.KV_WEIGHTS
     if streamed and compiled:
         raise ConfigError(f"`offload` {OffloadMode.KV_WEIGHTS} runs eager steps: use `compile_steps` False")

@@ -9,6 +9,9 @@ the same tokens: no rank drifts. The model's config then counts the rank's own h
 NCCL on CUDA, gloo on the CPU (``init_parallel``). The loader applies it while the weights are still in host memory
 (loading.build_model), so that each rank's device receives its shard only.
 
+The all-reduces are functional collectives (torch.distributed._functional_collectives), which torch.compile traces
+into the step's graph: a sharded decode step compiles with fullgraph=True, and on NCCL is captured as a CUDA graph.
+
 The ranks must take every decision together: one that goes its own way runs other collectives, or collectives of
 other shapes, and the rest wait in theirs forever. Tokens and verification outcomes are rank 0's (from_rank_zero),
 the seed is rank 0's (shared_seed), and whatever a rank reads of its own state, such as its free memory, is
@@ -21,6 +24,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from triforce_cli.errors import ConfigError
@@ -106,16 +110,15 @@ def least(value: int | None, device: torch.device) -> int | None:
 
 
 class AllReduce(nn.Module):
-    """A row-parallel projection: each rank's partial product (its input columns), summed over the ranks."""
+    """A row-parallel projection: each rank's partial product (its input columns), summed over the ranks by a
+    functional all-reduce, which a compiled step traces into its graph (eager, it waits on first use)."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x)
-        dist.all_reduce(out)
-        return out
+        return funcol.all_reduce(self.inner(x), "sum", dist.group.WORLD)
 
 
 def _rows(weight: torch.Tensor, parts: list[int], shard: int, shards: int) -> torch.Tensor:
