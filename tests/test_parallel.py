@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import make_model, random_prompt, save_word_checkpoint, small_config
+from helpers import full_cache_for, make_model, random_prompt, save_word_checkpoint, small_config
 
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.model import MAX_STEP_TOKENS
 from triforce_cli.runtime.parallel import apply_tp
 
 PROMPT = 64
@@ -94,6 +95,18 @@ def test_torchrun_runs_generate_and_only_rank_0_prints(tmp_path):
     assert torch.distributed.is_available()
 
 
+def spawn_within(target, args: tuple, seconds: float) -> None:
+    """Run target(rank, *args) on two processes; fail where they have not all ended within seconds (a rank left
+    waiting in a collective that another never runs) or where one raised."""
+    context = mp.spawn(target, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):  # False until every rank has ended
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("a rank waited in a collective: the ranks decided apart")
+
+
 def disagreeing(rank: int, world: int, folder: str) -> None:
     """Rank 1 computes distributions that differ from rank 0's (far more than the rounding of another summation
     order does), so left to itself it would draw and accept other tokens."""
@@ -133,12 +146,101 @@ def test_every_rank_takes_rank_zeros_tokens_even_where_its_own_distributions_dif
         .token_ids
         for mode in MODES
     }
-    context = mp.spawn(disagreeing, args=(2, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=max(0.1, deadline - time.monotonic())):  # False until every rank has ended
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("a rank waited in a collective: the ranks disagreed")
+    spawn_within(disagreeing, (2, str(tmp_path)), 300)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank
+
+
+def short_of_memory(rank: int, world: int, folder: str, free: list, offload: str, allocate_first: bool) -> None:
+    """Rank r reads free[r] bytes free on every device (None: the system does not say); its outcome (tokens, or
+    the ConfigError's message) goes to rank{r}.json. allocate_first: build the caches before the readings change,
+    so that only the prefill reads them."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        from triforce_cli.decoding import engine as engine_module
+
+        loaded = tiny()
+        apply_tp(loaded.model)
+        config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload=offload, prefill_chunk=16)
+        engine = Engine(loaded, config, drafter=loaded)
+        prompt = random_prompt(PROMPT, 64, seed=3)
+        if allocate_first:
+            engine._allocate(len(prompt))
+        engine_module.available_memory = lambda device: free[rank]
+        try:
+            outcome = {"tokens": engine.generate(prompt).token_ids}
+        except ConfigError as error:
+            outcome = {"error": str(error)}
+        with open(f"{folder}/rank{rank}.json", "w") as file:
+            json.dump(outcome, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_short_of_memory_makes_every_rank_refuse_with_the_same_error(tmp_path):
+    """Rank 1's device has room for none of the caches, rank 0's for all: both refuse, with the least free memory
+    in the message, where rank 0 alone would go on and wait in the prefill's all-reduces forever."""
+    spawn_within(short_of_memory, (2, str(tmp_path), [None, 1000], "none", False), 300)
+    outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert outcomes[0] == outcomes[1]
+    assert "on cpu, which has 1000 B free" in outcomes[0]["error"]
+
+
+def test_a_rank_short_of_memory_makes_every_rank_prefill_in_its_segments(tmp_path):
+    """The full cache offloaded, rank 1 has room for the hidden states of 32 prompt tokens, rank 0 for all 64:
+    both prefill in two segments of 32 (the same all-reduces) and give the single process's tokens."""
+    config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload="kv", prefill_chunk=16)
+    expected = Engine(tiny(), config, drafter=tiny()).generate(random_prompt(PROMPT, 64, seed=3)).token_ids
+    room = 2 * tiny().model.prefill_layerwise_bytes(32)  # the prefill takes half the free memory
+    spawn_within(short_of_memory, (2, str(tmp_path), [None, room], "kv", True), 300)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"tokens": expected}, rank
+
+
+def compiled_steps(rank: int, world: int, folder: str) -> None:
+    """Rank r's sharded model with decode steps compiled by aot_eager, fullgraph=True: one decode step's logits
+    against the eager sharded step's, and TriForce's greedy tokens (every cache kind's steps), to rank{r}.json."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        loaded = tiny()
+        apply_tp(loaded.model)
+        model = loaded.model
+        graphs = []
+
+        def backend(graph, inputs):
+            graphs.append(graph)
+            return torch._dynamo.lookup_backend("aot_eager")(graph, inputs)
+
+        model.compile_steps(backend=backend)  # fullgraph=True
+        prompt = torch.tensor(random_prompt(PROMPT, 64, seed=3))
+        eager, fixed = full_cache_for(model), full_cache_for(model)
+        for cache in (eager, fixed):
+            model(prompt, 0, cache, decoding=False)
+        fixed.make_static(model.config.num_heads, MAX_STEP_TOKENS)
+        generator = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            tokens = torch.randint(0, model.config.vocab_size, (7,), generator=generator)
+            start = eager.length
+            expected = model(tokens, start, eager, num_logits=7)
+            got = model(tokens, start, fixed, num_logits=7)
+            assert fixed.static_step and not eager.static_step
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert len(graphs) == 1  # one graph for the three positions, and no break
+        reduces = [node for node in graphs[0].graph.nodes if str(node.target) == "_c10d_functional.all_reduce"]
+        assert len(reduces) == 2 * model.config.num_layers  # the attention's and the MLP's, traced in the graph
+        engine = Engine(loaded, small_config(mode="triforce", sampling=SAMPLINGS["greedy"]), drafter=loaded)
+        assert engine.compiled
+        with open(f"{folder}/rank{rank}.json", "w") as file:
+            json.dump(engine.generate(random_prompt(PROMPT, 64, seed=3)).token_ids, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_decode_steps_compile_into_one_graph_and_give_the_eager_tokens(tmp_path):
+    """A sharded decode step traces its all-reduces (functional collectives) into one graph, fullgraph=True, as
+    CUDA-graph capture on NCCL needs: the eager sharded step's logits, and the single process's greedy tokens."""
+    config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"])
+    expected = Engine(tiny(), config, drafter=tiny()).generate(random_prompt(PROMPT, 64, seed=3)).token_ids
+    spawn_within(compiled_steps, (2, str(tmp_path)), 600)  # compiling is slow on a busy CPU
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank

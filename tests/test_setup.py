@@ -215,6 +215,9 @@ ROWS = {
         {"device": torch.device("cuda", 1), "tensor_parallel": True, "compiled": False, "weights": "dense"},
     ),
     "torchrun rank 1, compile off": ({"steps": "eager"}, RANK_1, None, NONE, None, {"tensor_parallel": True}),
+    "torchrun rank 1, compile on": (
+        {"steps": "compiled"}, RANK_1, None, NONE, None, {"tensor_parallel": True, "compiled": True},
+    ),
     "torchrun cpu": (
         {},
         JOINED_CPU,
@@ -258,10 +261,6 @@ ERRORS = {
         {"steps": "compiled"}, CPU, KV_WEIGHTS, "`offload` kv+weights runs eager steps: use `steps` eager"
     ),
     "kv+weights on cuda": ({}, GPU, KV_WEIGHTS, "`offload` kv+weights runs eager steps: use `steps` eager"),
-    "tensor parallel compiled": (
-        {"steps": "compiled"}, RANK_1, NONE,
-        "tensor-parallel steps run eager (an all-reduce per block): use `compile_steps` False",
-    ),
 }  # fmt: skip
 
 

@@ -46,7 +46,7 @@ from triforce_cli.runtime.environment import available_memory, torch_threads
 from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, padded_length, weight_bytes
-from triforce_cli.runtime.parallel import from_rank_zero, shared_seed, world_size
+from triforce_cli.runtime.parallel import from_rank_zero, least, shared_seed, world_size
 from triforce_cli.runtime.store import human_size
 
 PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
@@ -303,7 +303,10 @@ class Engine:
     def check_memory(self, prompt_tokens: int) -> None:
         """A ConfigError with the figures, before any allocation, where what a generation after prompt_tokens
         allocates cannot fit the device (or, the full cache offloaded, the host): the caches it builds, less those
-        it releases first (_allocate). The weights and the caches it keeps are there already."""
+        it releases first (_allocate). The weights and the caches it keeps are there already.
+
+        Under tensor parallelism every rank checks against the least free memory of any rank (parallel.least): a
+        rank that refused alone would leave the others waiting in the prefill's all-reduces."""
         build, release = self._renewal(self._capacities(prompt_tokens))
         built = self.memory_plan(prompt_tokens).bytes_by_kind()
         held = self._caches.held
@@ -316,7 +319,7 @@ class Engine:
             ),
             (torch.device("cpu"), needed[1], HOST_ADVICE),
         ):
-            free = available_memory(where)
+            free = least(available_memory(where), self.target.device)
             if bytes_needed > 0 and free is not None and bytes_needed > free:
                 raise ConfigError(
                     f"the KV caches for {prompt_tokens} prompt tokens and {self.config.max_new_tokens} new ones need"
@@ -547,11 +550,12 @@ class Engine:
         tokens in proportion to the layers done; each chunk of a segment gets the segment's mean seconds on the
         device's clock (as _prefill's chunks do). The retrieval cache in use summarises each layer's chunks from its
         keys on the device as the layer ends (RetrievalCache.summarise_layer), where its first selection would
-        average them in host memory.
+        average them in host memory. Under tensor parallelism the segments fit the least free memory of any rank
+        (parallel.least), so that every rank all-reduces the same segments.
         """
         chunk, total = self.prefill_chunk, len(tokens)
         clock = DeviceClock(tokens.device)
-        free = available_memory(self.target.device)
+        free = least(available_memory(self.target.device), self.target.device)
         segment = total - first
         if free is not None and model.prefill_layerwise_bytes(segment) > free // 2:
             segment = max(1, free // 2 // model.prefill_layerwise_bytes(chunk)) * chunk

@@ -218,9 +218,9 @@ def resolve_setup(
     dtype = resolve_dtype(options.dtype, device)
     weights = options.weights
     attention = resolve_attention(options.attention, device, dtype, weights, machine.flash_attention)
-    if parallel and options.steps not in (None, StepMode.EAGER):
-        raise ConfigError("tensor-parallel steps run eager (an all-reduce per block): use `compile_steps` False")
-    steps = resolve_steps(StepMode.EAGER if parallel else options.steps, device, weights)
+    # sharded steps run as asked (their graphs trace the all-reduces, runtime/parallel.py); unset: eager
+    requested = StepMode.EAGER if parallel and options.steps is None else options.steps
+    steps = resolve_steps(requested, device, weights)
     compiled = steps != StepMode.EAGER
     streamed = offload == OffloadMode.KV_WEIGHTS
     if streamed and compiled:

@@ -8,6 +8,14 @@ the same tokens: no rank drifts. The model's config then counts the rank's own h
 (full, retrieval, offloaded) holds only those; retrieval scoring works per KV head and needs no communication.
 NCCL on CUDA, gloo on the CPU (``init_parallel``). The loader applies it while the weights are still in host memory
 (loading.build_model), so that each rank's device receives its shard only.
+
+The all-reduces are functional collectives (torch.distributed._functional_collectives), which torch.compile traces
+into the step's graph: a sharded decode step compiles with fullgraph=True, and on NCCL is captured as a CUDA graph.
+
+The ranks must take every decision together: one that goes its own way runs other collectives, or collectives of
+other shapes, and the rest wait in theirs forever. Tokens and verification outcomes are rank 0's (from_rank_zero),
+the seed is rank 0's (shared_seed), and whatever a rank reads of its own state, such as its free memory, is
+replaced by the least any rank read (least) before anything is decided on it.
 """
 
 import atexit
@@ -16,6 +24,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from triforce_cli.errors import ConfigError
@@ -78,17 +87,38 @@ def from_rank_zero(tokens: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
+# least's stand-in for a rank that knows no bound (None): above any byte count a machine has
+_UNBOUNDED = 1 << 62
+
+
+def least(value: int | None, device: torch.device) -> int | None:
+    """The least of every rank's value, on every rank: what a decision on a quantity that each rank reads of its
+    own state (the free memory of its device or its host) must be taken on, so that every rank takes the same.
+
+    Args:
+        value: this rank's reading; None: no bound known here (a rank that knows one bounds them all).
+        device: the model's, where the all-reduce's tensor must live (NCCL carries only CUDA tensors).
+    Returns:
+        The minimum over the ranks; None where no rank knows a bound. value itself in a single process.
+    """
+    if world_size() == 1:
+        return value
+    reading = torch.tensor([_UNBOUNDED if value is None else value], dtype=torch.long, device=device)
+    dist.all_reduce(reading, op=dist.ReduceOp.MIN)
+    agreed = int(reading)
+    return None if agreed == _UNBOUNDED else agreed
+
+
 class AllReduce(nn.Module):
-    """A row-parallel projection: each rank's partial product (its input columns), summed over the ranks."""
+    """A row-parallel projection: each rank's partial product (its input columns), summed over the ranks by a
+    functional all-reduce, which a compiled step traces into its graph (eager, it waits on first use)."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x)
-        dist.all_reduce(out)
-        return out
+        return funcol.all_reduce(self.inner(x), "sum", dist.group.WORLD)
 
 
 def _rows(weight: torch.Tensor, parts: list[int], shard: int, shards: int) -> torch.Tensor:
