@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.kernels import SUMMARIES
+from triforce_cli.offload.kv import TAIL_POSITIONS
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
 RING_LAYERS = 2  # layers of keys and values an offloaded forward stages on the device (offload/kv.py's ring)
@@ -271,6 +272,8 @@ def staged_layers(num_layers: int, on_chip: int) -> int:
 
 
 def staged_item(target: KVShape, caps: Capacities, dtype_bytes: int, on_chip: int) -> MemoryItem:
-    """The device's share of an offloaded full cache: on_chip whole layers and the ring."""
+    """The device's share of an offloaded full cache: on_chip whole layers, the ring, and the tail of positions not
+    yet written back (offload.LayerStream), whose pinned twin in host memory a flush copies it to."""
     layers = staged_layers(target.num_layers, on_chip)
-    return MemoryItem("on-chip layers and ring", layers * kv_layer_bytes(target, caps.full, dtype_bytes), 0)
+    tail = kv_bytes(target, min(TAIL_POSITIONS, caps.full), dtype_bytes)
+    return MemoryItem("on-chip layers and ring", layers * kv_layer_bytes(target, caps.full, dtype_bytes) + tail, tail)
