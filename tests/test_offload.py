@@ -20,6 +20,7 @@ from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import BuildOptions
+from triforce_cli.runtime.forms import StepMode
 
 PROMPT = 64
 MODES = ("autoregressive", "retrieval", "streaming", "triforce")
@@ -113,6 +114,7 @@ def config(mode: str, sampling: SamplingConfig, **changes) -> EngineConfig:
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
 @pytest.mark.parametrize("on_chip_layers", [0, 1, 4])
 def test_offloaded_generation_gives_the_tokens_of_the_device_cache(sampling, on_chip_layers, monkeypatch):
+    """Some layers streamed, or (all 4 on chip) none: then nothing is offloaded, the cache is the device's."""
     monkeypatch.setattr("triforce_cli.offload.kv.queue_for", lambda device: DeferredQueue())
     model = loaded_model()
     prompt = random_prompt(PROMPT, 64, seed=3)
@@ -120,7 +122,22 @@ def test_offloaded_generation_gives_the_tokens_of_the_device_cache(sampling, on_
         expected = Engine(model, config(mode, sampling)).generate(prompt).token_ids
         engine = Engine(model, config(mode, sampling, offload="kv", on_chip_layers=on_chip_layers))
         assert engine.generate(prompt).token_ids == expected, mode
-        assert engine._caches.full.stream is not None
+        assert (engine._caches.full.stream is None) == (on_chip_layers == model.model.config.num_layers)
+
+
+def test_offload_with_every_layer_on_chip_keeps_nothing_in_host_memory_and_runs_fixed_shape_steps():
+    """--offload kv whose on-chip layers are all of them offloads nothing: the plan holds no host bytes and the same
+    device bytes as no offload, and the full cache is made static, so its steps are recorded as graphs."""
+    model = tiny_model().loaded
+    model.model.use_steps(StepMode.GRAPHS)
+    plain = Engine(model, config("triforce", SamplingConfig(temperature=0)))
+    every = Engine(model, config("triforce", SamplingConfig(temperature=0), offload="kv", on_chip_layers=4))
+    assert every.memory_plan(PROMPT) == plain.memory_plan(PROMPT)
+    prompt = random_prompt(PROMPT, 64, seed=3)
+    assert every.generate(prompt).token_ids == plain.generate(prompt).token_ids
+    full = every._caches.full
+    assert full.stream is None and full.write_start is not None
+    assert model.model.step_graphs.holds(full, 1)
 
 
 def test_each_offloaded_layer_is_fetched_once_per_forward_and_waited_for_before_it_is_read():

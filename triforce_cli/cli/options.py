@@ -211,7 +211,10 @@ Offload = one_of(
 OnChipLayers = Annotated[
     int,
     typer.Option(
-        min=0, max=MAX_LAYERS, metavar="N", help="With --offload kv: the first layers whose KV cache stays on the GPU."
+        min=0,
+        max=MAX_LAYERS,
+        metavar="N",
+        help="With --offload kv: the first layers whose KV cache stays on the GPU (every layer: nothing offloaded).",
     ),
 ]
 IgnoreEos = Annotated[

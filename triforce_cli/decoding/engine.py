@@ -250,8 +250,13 @@ class Engine:
 
     @property
     def offloaded(self) -> bool:
-        """Whether the full KV cache lives in host memory (EngineConfig.offload kv or kv+weights)."""
-        return self.config.offload != OffloadMode.NONE
+        """Whether the full KV cache lives in host memory (EngineConfig.offload kv or kv+weights). `offload` kv with
+        every layer on chip offloads nothing: the cache is then the device's alone, as without offload (no host
+        storage to write back to, fixed-shape steps)."""
+        cfg = self.config
+        if cfg.offload == OffloadMode.KV and cfg.on_chip_layers >= self.target.model.config.num_layers:
+            return False
+        return cfg.offload != OffloadMode.NONE
 
     def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
         """What a generation after prompt_tokens holds, and where, before anything is allocated: the models'
