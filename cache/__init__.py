@@ -5,4 +5,12 @@ from triforce_cli.cache.full import FullCache, LayerwiseWrite
 from triforce_cli.cache.retrieval import RetrievalCache
 from triforce_cli.cache.streaming import StreamingCache
 
-__all__ = ["CacheCapacityError", "FullCache", "KVCache", "LayerwiseWrite", "RetrievalCache", "StaticStep", "StreamingCache"]
+__all__ = [
+    "CacheCapacityError",
+    "FullCache",
+    "KVCache",
+    "LayerwiseWrite",
+    "RetrievalCache",
+    "StaticStep",
+    "StreamingCache",
+]

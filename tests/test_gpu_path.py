@@ -396,6 +396,7 @@ def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatc
     import importlib
 
     import torch.nn.functional as F
+
     import triforce_cli.runtime.model as model_module
 
     attention_module = importlib.import_module("triforce_cli.kernels.attention")  # the package's name is a function

@@ -19,8 +19,8 @@ from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.loading import BuildOptions
 from triforce_cli.runtime.forms import StepMode
+from triforce_cli.runtime.loading import BuildOptions
 
 PROMPT = 64
 MODES = ("autoregressive", "retrieval", "streaming", "triforce")

@@ -216,7 +216,12 @@ ROWS = {
     ),
     "torchrun rank 1, compile off": ({"steps": "eager"}, RANK_1, None, NONE, None, {"tensor_parallel": True}),
     "torchrun rank 1, compile on": (
-        {"steps": "compiled"}, RANK_1, None, NONE, None, {"tensor_parallel": True, "compiled": True},
+        {"steps": "compiled"},
+        RANK_1,
+        None,
+        NONE,
+        None,
+        {"tensor_parallel": True, "compiled": True},
     ),
     "torchrun cpu": (
         {},
