@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import StubTokenizer
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from triforce_cli.kernels.attention import SPLIT_SLOTS
 from typer.testing import CliRunner
 
 import triforce_cli.plan.measure
@@ -90,7 +91,8 @@ class TestJson:
         target = MODELS["Llama-3.1-8B"].target
         payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")
         headroom = 2 * (DEFAULTS.gamma1 + DEFAULTS.gamma2 + 2)  # doubled by CUDA graphs
-        full = kv_bytes(target, 131072 + DEFAULTS.max_new_tokens + headroom)
+        positions = -(-(131072 + DEFAULTS.max_new_tokens + headroom) // SPLIT_SLOTS) * SPLIT_SLOTS  # graphs' split
+        full = kv_bytes(target, positions)
         tail = kv_bytes(target, 256)
         step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * 2
         for mode in MODES:
@@ -316,7 +318,8 @@ class TestCommandLine:
             payload = plan_json("--model", str(given), "--hardware", "h100", "--context", "4k")
             assert payload["model"]["name"] == "tiny-llama" and payload["model"]["parameters"] == parameters
             target = row(payload, "autoregressive", "none")["memory"]["full KV cache"]["device"]
-            assert target == 2 * 4 * 2 * 32 * (4096 + DEFAULTS.max_new_tokens + 2 * DEFAULTS.speculation_depth) * 2
+            positions = 4096 + DEFAULTS.max_new_tokens + 2 * DEFAULTS.speculation_depth
+            assert target == 2 * 4 * 2 * 32 * -(-positions // SPLIT_SLOTS) * SPLIT_SLOTS * 2  # CUDA graphs' split
 
     def test_this_cpu_is_the_measured_machine(self):
         payload = plan_json("--context", "2k")

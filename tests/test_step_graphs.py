@@ -9,6 +9,7 @@ the last prefill (a chat's document, a --prompt-cache hit) is still there for th
 import pytest
 import torch
 from helpers import full_cache_for, make_model, random_prompt, small_config
+from triforce_cli.kernels.attention import SPLIT_SLOTS, slot_splits
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -135,3 +136,19 @@ def test_a_step_longer_than_any_recorded_is_recorded_on_first_use():
         expected = model(tokens, start, eager, num_logits=count)
         torch.testing.assert_close(model(tokens, start, fixed, num_logits=count), expected, rtol=1e-5, atol=1e-5)
     assert model.step_graphs.lengths(fixed) == [4, 8] and model.step_graphs.captured == 2
+
+
+def test_a_fixed_shape_full_cache_splits_its_value_product_over_its_slots():
+    """With fixed-shape steps the full cache holds a multiple of SPLIT_SLOTS slots, so attention_in_cache splits the
+    value product into parts of SPLIT_SLOTS (on a GPU: that many times the thread blocks of one product over every
+    slot); the eager engine's cache holds exactly what the generation needs."""
+    loaded = make_model(seed=5, vocab_size=64, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
+    prompt = random_prompt(300, 64, seed=3)
+    eager = Engine(loaded, small_config(sampling=GREEDY))
+    eager.generate(prompt)
+    loaded.model.use_steps(StepMode.GRAPHS)
+    fixed = Engine(loaded, small_config(sampling=GREEDY))
+    fixed.generate(prompt)
+    needed, slots = eager._caches.full.capacity, fixed._caches.full.capacity
+    assert needed % SPLIT_SLOTS and slots % SPLIT_SLOTS == 0 and needed < slots < needed + 2 * SPLIT_SLOTS
+    assert slot_splits(slots) == slots // SPLIT_SLOTS > 1 == slot_splits(needed)

@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.kernels import SUMMARIES
+from triforce_cli.kernels.attention import SPLIT_SLOTS
 from triforce_cli.offload.kv import TAIL_POSITIONS
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
@@ -176,6 +177,8 @@ def capacities(
     """
     spare = headroom(config, compiled)
     positions = max(max(prompt_tokens + config.max_new_tokens, config.cache_positions or 0) + spare, held)
+    if compiled:  # a multiple of SPLIT_SLOTS, for attention_in_cache to split the value product (slot_splits)
+        positions = -(-positions // SPLIT_SLOTS) * SPLIT_SLOTS
     full = max(full_slots(config, positions, window, spare, device_type), held)
     budget = recent = 0
     if config.uses_retrieval:
