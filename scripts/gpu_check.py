@@ -176,11 +176,6 @@ class Results:
                 handle.write(f"[{self.name}] {text}\n")
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
 
@@ -397,7 +392,7 @@ def profile_generation(engine: Engine, prompt: list[int], device: torch.device, 
         try:
             with profile(activities=activities) as profiler:
                 result = engine.generate(prompt)
-                synchronize(device)
+                measure.synchronize(device)
         finally:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
@@ -427,10 +422,10 @@ def step_costs(loaded: LoadedModel, shape: ModelShape, tier: str, positions: int
         ids = torch.zeros(tokens, dtype=torch.long, device=device)
         timings = []
         for _ in range(6):
-            synchronize(device)
+            measure.synchronize(device)
             started = time.perf_counter()
             model(ids, positions, cache, num_logits=tokens)
-            synchronize(device)
+            measure.synchronize(device)
             timings.append(time.perf_counter() - started)
         seconds = statistics.median(timings[1:])
         bytes_floor, flops_floor = step_floors(shape, tokens, positions, dtype.itemsize, hardware)
