@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 import triforce_cli.bench.llama_cpp
 import triforce_cli.bench.runner
+import triforce_cli.plan.rates
 import triforce_cli.runtime.environment
 from triforce_cli.bench.llama_cpp import (
     LLAMA_CPP_PEER,
@@ -40,13 +41,14 @@ from triforce_cli.bench.runner import (
     over_prompts,
 )
 from triforce_cli.cli.app import app
-from triforce_cli.cli.render import bench_tables
+from triforce_cli.cli.render import bench_tables, forward_cost_table
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError, PromptError
+from triforce_cli.plan.rates import MachineRates
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.prompts import cut_prompt, encode_prompt
 
@@ -321,6 +323,23 @@ def test_forward_costs_time_each_token_count_on_both_caches(pipe):
         ("retrieval", 3, CONTEXT),
     ]
     assert all(len(c.ms) == 2 and min(c.ms) > 0 for c in runner.forward_costs)
+    assert all(c.floor is None for c in runner.forward_costs)  # no rates given: no floors
+
+
+def test_forward_costs_stand_beside_their_floors(pipe):
+    rates = MachineRates("Test CPU", "key", 1e10, 1e11, 2, "now", None, None)
+    config = BenchConfig(modes=("hf",), contexts=(CONTEXT,), forward_tokens=(1, 3), **FAST)
+    runner = Bench(pipe, config, rates)
+    runner.run_context("p", random_prompt(CONTEXT, 30, seed=3))
+    full, _, retrieval, _ = runner.forward_costs
+    assert full.floor.weight_bytes == retrieval.floor.weight_bytes > 0  # the same weights on either cache
+    assert full.floor.kv_bytes > retrieval.floor.kv_bytes > 0  # the whole context against the chosen chunks
+    assert all(c.over_floor == c.median_ms / c.floor.ms for c in runner.forward_costs)
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(forward_cost_table(runner.forward_costs))
+    table = " ".join(console.export_text().split())
+    assert all(column in table for column in ("MB read", "floor ms", "×floor"))
+    assert f"{full.over_floor:.2f}×" in table and f"{retrieval.floor.ms:.2g} read" in table
 
 
 @pytest.mark.parametrize(
@@ -493,13 +512,17 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     monkeypatch.setattr(sys, "argv", ["triforce", "bench", "--target", str(checkpoint)])  # what the JSON records
     cpu = ("Test CPU 9000", ["avx2", "avx512f"])
     monkeypatch.setattr(triforce_cli.runtime.environment, "cpu_description", lambda: cpu)
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(triforce_cli.plan.rates, "read_bandwidth", lambda: 12e9)  # measured once: no timing here
+    monkeypatch.setattr(triforce_cli.plan.rates, "matmul_flops", lambda: 90e9)
     result = invoke_bench(
         *common, "--forward-costs", "1,2", "--out", tmp_path / "rows.json", "--plot", tmp_path / "latency.png"
     )
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("CPU: Test CPU 9000, vector extensions avx2, avx512f;")
     assert "triforce" in result.stdout and "autoregressive" in result.stdout
-    assert "one target forward of T new tokens" in result.stdout
+    assert "one target forward of T new tokens" in result.stdout and "×floor" in result.stdout
+    assert "measuring this CPU's read bandwidth" in result.stderr
     assert "seconds a user waits" in result.stdout
     payload = json.loads((tmp_path / "rows.json").read_text())
     assert [(c["cache"], c["tokens"]) for c in payload["forward_costs"]] == [
@@ -508,6 +531,7 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
         ("retrieval", 1),
         ("retrieval", 2),
     ]
+    assert all(c["floor"]["read_bandwidth"] == 12e9 and c["over_floor"] > 0 for c in payload["forward_costs"])
     assert payload["command"] == f"triforce bench --target {checkpoint}"
     assert payload["machine"]["torch_threads"] >= 1
     assert (payload["machine"]["processor"], payload["machine"]["cpu_features"]) == cpu

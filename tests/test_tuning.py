@@ -264,3 +264,43 @@ def test_measurements_no_run_can_use_are_dropped(checkpoint_folder, monkeypatch,
     listed = CliRunner().invoke(app, ["cache", "list"])
     assert listed.exit_code == 0 and "measurements in" not in listed.output  # nothing left to list
     assert tuning.remembered_tunings() == [] and not list(tuning.tuning_folder().glob("*.json"))
+
+
+# ms per token of a candidate's repeats, in the order they are timed: a quiet but jittery virtual machine slows a
+# few runs by 25-35%; a program busy on one of the cores slows most of them
+JITTER = [10.0, 13.0, 10.2, 10.1, 13.5, 10.3, 10.1]
+LOAD = [10.0, 17.0, 19.0, 12.0, 18.0, 20.0, 16.0]
+
+
+def patterned_decode_ms(checkpoint, pattern: list[float]):
+    """A timer for tuning._decode_ms: each candidate's n-th run takes pattern[n], the most compact form and every
+    core fastest (half the time of the others), so the choice and its spread are known."""
+    cores, forms, runs = physical_cores(), tuning.weight_forms(checkpoint), {}
+
+    def decode_ms(engine, *args) -> float:
+        key = (engine.target.weights, torch.get_num_threads())
+        runs[key] = runs.get(key, -1) + 1
+        slower = 1.0 + (forms.index(key[0]) > 0) + (key[1] < cores)
+        return slower * pattern[runs[key] % len(pattern)]
+
+    return decode_ms
+
+
+@pytest.mark.parametrize(("pattern", "kept"), [(JITTER, True), (LOAD, False)], ids=["jitter", "load"])
+def test_a_jittery_quiet_machine_keeps_the_measurement_and_a_loaded_one_does_not(
+    checkpoint_folder, monkeypatch, threads_restored, pattern, kept
+):
+    monkeypatch.setattr(Transformer, "compile_steps", lambda model, *args: None)
+    monkeypatch.setattr(tuning, "others_share", lambda before, after: None)  # the timings alone tell
+    checkpoint = resolve_checkpoint(str(checkpoint_folder))
+    monkeypatch.setattr(tuning, "_decode_ms", patterned_decode_ms(checkpoint, pattern))
+    notes = []
+    measured = tuning.fastest_configuration(str(checkpoint_folder), checkpoint, notes.append)
+    best = tuning.Choice(tuning.weight_forms(checkpoint)[0], physical_cores())
+    assert (tuning.remembered(checkpoint) is not None) == kept == (measured.busy_reason is None)
+    if kept:
+        assert measured.choice == best and measured.spread == pytest.approx(0.02)
+        assert measured.ms_per_token[best.label] == 10.0  # the fastest run
+    else:
+        assert measured.spread == pytest.approx(0.7) and "busy while measuring" in notes[-1]
+        assert "the median of repeated timings lay 70% above the fastest" in notes[-1]

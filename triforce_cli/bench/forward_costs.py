@@ -3,6 +3,11 @@
 Speculation pays only when verifying T tokens costs little more than one decode step, so `triforce bench
 --forward-costs 1,2,4,8` times exactly that: T tokens appended to the prefilled prompt, rolled back after each
 repeat, with the logits of all T positions as a verification needs them.
+
+Beside each cost stands its floor on this machine (ForwardFloor): what the forward must read, the weights as they
+are stored and the keys and values of every position its layers attend to in the cache's dtype, over the measured
+read bandwidth; and what it must compute, the linears' and attention's float32 multiply-adds, over the measured
+arithmetic rate (plan.rates). The larger is the floor, and cost over floor shows how far a forward is from it.
 """
 
 import statistics
@@ -12,10 +17,43 @@ from typing import ClassVar
 
 import torch
 
-from triforce_cli.cache import FullCache, RetrievalCache
+from triforce_cli.cache import FullCache, KVCache, RetrievalCache
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.stats import summary_of
+from triforce_cli.plan.rates import MachineRates
 from triforce_cli.runtime.loading import LoadedModel
+from triforce_cli.runtime.model import Transformer, weight_bytes
+
+
+@dataclass(frozen=True)
+class ForwardFloor:
+    """The least one forward can cost on a machine: max(bytes read / read bandwidth, FLOPs / arithmetic rate)."""
+
+    weight_bytes: int  # the weights as stored that the forward reads (forward_weight_bytes)
+    kv_bytes: int  # the keys and values of the positions its layers attend to, in the cache's dtype
+    linear_flops: int  # 2 per weight of every linear and token
+    attention_flops: int  # 4 per query head, head dimension and (query, key) pair a causal (windowed) mask keeps
+    read_bandwidth: float  # bytes/s
+    flops_rate: float  # float32 FLOP/s
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("read_ms", "arithmetic_ms", "ms", "bound")
+
+    @property
+    def read_ms(self) -> float:
+        return 1e3 * (self.weight_bytes + self.kv_bytes) / self.read_bandwidth
+
+    @property
+    def arithmetic_ms(self) -> float:
+        return 1e3 * (self.linear_flops + self.attention_flops) / self.flops_rate
+
+    @property
+    def ms(self) -> float:
+        return max(self.read_ms, self.arithmetic_ms)
+
+    @property
+    def bound(self) -> str:
+        """Which floor is the higher: "read" or "arithmetic"."""
+        return "read" if self.read_ms >= self.arithmetic_ms else "arithmetic"
 
 
 @dataclass
@@ -28,12 +66,74 @@ class ForwardCost:
     cache: str  # "full" or "retrieval"
     tokens: int
     ms: list[float]  # one per repeat
+    floor: ForwardFloor | None = None  # None where no rates were measured (a GPU)
 
-    DERIVED: ClassVar[tuple[str, ...]] = ("median_ms", "min_ms", "max_ms")
+    DERIVED: ClassVar[tuple[str, ...]] = ("median_ms", "min_ms", "max_ms", "over_floor")
 
     median_ms = summary_of("ms", statistics.median)
     min_ms = summary_of("ms", min)
     max_ms = summary_of("ms", max)
+
+    @property
+    def over_floor(self) -> float | None:
+        """The median cost as a multiple of the floor."""
+        return None if self.floor is None else self.median_ms / self.floor.ms
+
+
+def forward_weight_bytes(model: Transformer, tokens: int) -> int:
+    """Bytes of weights, as stored, that a forward of `tokens` tokens reads: every layer's, the final norm's and the
+    output layer's, and the tokens' rows of the embedding table (none where the output layer is the table)."""
+    backbone = model.model
+    read = weight_bytes(backbone.layers, backbone.norm, model.lm_head)
+    if weight_bytes(backbone.layers, backbone.norm, model.lm_head, backbone.embed_tokens) == read:
+        return read  # the output layer reads the whole table
+    return read + tokens * weight_bytes(backbone.embed_tokens) // model.config.vocab_size
+
+
+def view_lengths(cache: KVCache, start: int, tokens: int) -> list[int]:
+    """Per layer, the slots of the view [context | the new tokens] a forward of `tokens` tokens from position `start`
+    attends to: the full cache's positions held, the retrieval cache's chosen chunks and recent positions."""
+    if isinstance(cache, RetrievalCache):
+        held = cache.budget + start - cache.selected_until + tokens
+        return [held - first for first in cache.first_slots]
+    if isinstance(cache, FullCache):
+        return [start + tokens - cache.offset] * cache.keys.shape[0]
+    raise TypeError(f"no view lengths for a {type(cache).__name__}")
+
+
+def attended(view: int, tokens: int, window: int | None) -> tuple[int, int]:
+    """The positions a layer must read for `tokens` queries at the end of a view of `view` consecutive positions,
+    and the (query, key) pairs its causal mask keeps, within a sliding window where it has one."""
+    keys = [view - tokens + row + 1 for row in range(tokens)]  # row i sees the context and the new rows up to i
+    if window is None:
+        return view, sum(keys)
+    return min(view, window + tokens - 1), sum(min(k, window) for k in keys)
+
+
+def forward_floor(model: Transformer, cache: KVCache, start: int, tokens: int, rates: MachineRates) -> ForwardFloor:
+    """The floor of a forward of `tokens` tokens from position `start` on cache as it is now (module docstring).
+
+    A sliding window limits what a layer reads where the view's slots are positions (the full cache); a retrieval
+    cache's view of a windowed layer starts within its window already. Keys and values count at the cache's
+    element size.
+    """
+    cfg = model.config
+    windows = [cfg.sliding_window(layer) if cache.slots_are_positions else None for layer in range(cfg.num_layers)]
+    reads = [attended(view, tokens, w) for view, w in zip(view_lengths(cache, start, tokens), windows, strict=True)]
+    positions, pairs = sum(p for p, _ in reads), sum(k for _, k in reads)
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    attention_weights = cfg.hidden_size * qkv_rows + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+    layer_weights = attention_weights + 3 * cfg.hidden_size * cfg.intermediate_size
+    output_rows = cfg.vocab_size if model.output_ids is None else len(model.output_ids)
+    linear_weights = cfg.num_layers * layer_weights + output_rows * cfg.hidden_size
+    return ForwardFloor(
+        weight_bytes=forward_weight_bytes(model, tokens),
+        kv_bytes=2 * cfg.num_kv_heads * cfg.head_dim * positions * cache.keys.element_size(),
+        linear_flops=2 * tokens * linear_weights,
+        attention_flops=4 * cfg.num_heads * cfg.head_dim * pairs,
+        read_bandwidth=rates.read_bandwidth,
+        flops_rate=rates.flops,
+    )
 
 
 def _time_forward(target: LoadedModel, cache, new_ids: torch.Tensor, start: int, repeats: int) -> list[float]:
@@ -58,8 +158,10 @@ def measure_forward_costs(
     repeats: int,
     budget: int,
     chunk_size: int,
+    rates: MachineRates | None = None,
 ) -> list[ForwardCost]:
-    """Median-ready timings of forwards of each token count, full cache first, then the retrieval cache."""
+    """Median-ready timings of forwards of each token count, full cache first, then the retrieval cache; each with
+    its floor where rates are given."""
     cfg = target.model.config
     context, held = state.prompt_ids.shape[0], state.keys.shape[2]
     most = max(token_counts)
@@ -73,6 +175,7 @@ def measure_forward_costs(
     costs = []
     for name, cache in (("full", full), ("retrieval", retrieval)):
         for count in token_counts:
+            floor = None if rates is None else forward_floor(target.model, cache, context, count, rates)
             ms = _time_forward(target, cache, new_ids[:count], context, repeats)
-            costs.append(ForwardCost(prompt, context, name, count, ms))
+            costs.append(ForwardCost(prompt, context, name, count, ms, floor))
     return costs

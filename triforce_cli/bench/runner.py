@@ -28,6 +28,7 @@ from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import GenerationResult, as_record, summary_of
 from triforce_cli.errors import ConfigError
+from triforce_cli.plan.rates import MachineRates
 from triforce_cli.runtime.forms import WeightForm
 from triforce_cli.runtime.loading import LoadedModel, load_hf_model
 
@@ -239,9 +240,11 @@ def _variants(config: BenchConfig) -> list[_Variant]:
 
 
 class Bench:
-    def __init__(self, pipe: Pipeline, config: BenchConfig):
+    def __init__(self, pipe: Pipeline, config: BenchConfig, rates: MachineRates | None = None):
+        """rates: this machine's, for the floors of the forward costs (none without them)."""
         self.pipe = pipe
         self.config = config
+        self.rates = rates
         self.base_config = replace(
             pipe.config, max_new_tokens=config.max_new_tokens, sampling=config.sampling, ignore_eos=config.ignore_eos
         )
@@ -320,6 +323,7 @@ class Bench:
                 self.config.repeats,
                 retrieval.budget_for(len(prompt_ids)),
                 retrieval.chunk_size,
+                self.rates,
             )
         for repeat in range(-self.config.warmup, self.config.repeats):
             for variant in variants:

@@ -21,6 +21,7 @@ from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError, PromptError
+from triforce_cli.plan.rates import machine_rates
 from triforce_cli.runtime.environment import machine_description
 from triforce_cli.runtime.prompts import cut_document, cut_prompt, read_prompt
 
@@ -119,7 +120,10 @@ def bench(
                     cut[name, length] = cut_prompt(pipe.target.tokenizer, text, request, length)
                 except PromptError as error:
                     raise PromptError(f"prompt {name}: {error}") from None
-        runner = Bench(pipe, config)
+        rates = None
+        if config.forward_tokens and pipe.target.device.type == "cpu":
+            rates = machine_rates(lambda message: print_note(err, message))
+        runner = Bench(pipe, config, rates)
         rows = []
         for (name, length), ids in cut.items():
             print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")

@@ -9,6 +9,7 @@ from rich.text import Text
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.decoding.tuning import Tuning, remembered_tunings
+from triforce_cli.plan.rates import MachineRates, remembered_rates
 from triforce_cli.runtime.environment import describe_environment
 from triforce_cli.runtime.store import human_size
 
@@ -20,6 +21,8 @@ def info(json_output: o.JsonOutput = False) -> None:
     with command_console(json_output=json_output):
         facts = describe_environment()
         facts["tuned"] = [asdict(kept) for kept in remembered_tunings()]
+        rates = remembered_rates()
+        facts["rates"] = None if rates is None else asdict(rates)
         if json_output:
             print(json.dumps(facts))
             return
@@ -65,3 +68,14 @@ def info(json_output: o.JsonOutput = False) -> None:
             out.print(
                 Text("nothing measured yet: a target's first run on the CPU measures its fastest set-up", style="dim")
             )
+        if facts["rates"] is None:
+            out.print(
+                Text(
+                    "rates for the floors not measured yet: `triforce bench --forward-costs` measures them", style="dim"
+                )
+            )
+        else:
+            rates = MachineRates(**facts["rates"])
+            out.print(Text("this CPU's rates for the floors of `triforce bench --forward-costs`:", style="bold"))
+            out.print(Text(rates.label))
+            print_note(out, f"  {rates.conditions}")

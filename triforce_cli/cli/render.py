@@ -233,6 +233,14 @@ def answer_line(stats: GenerationStats) -> str:
     return f"{stats.new_tokens} tokens: the first after {first:.2f} s{pace}; stopped by {stats.stop_reason}"
 
 
+FLOOR_BOUNDS = {"read": "read", "arithmetic": "arith"}  # what sets a floor, in its column
+
+
+def _figure(value: float) -> str:
+    """One decimal, or two significant digits below 1 (a tiny model's floor)."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.2g}"
+
+
 def _ratio(value: float | None) -> str:
     return f"{value:.2f}×" if value is not None else "-"
 
@@ -389,13 +397,17 @@ def _mode_cell(row: BenchRow | OverPrompts, swept: bool) -> Text:
 
 
 def forward_cost_table(costs: list[ForwardCost]) -> Table:
-    """One line per prompt, context and cache; the cost of T tokens also as a multiple of one token's."""
+    """One line per prompt, context and cache; the cost of T tokens also as a multiple of one token's, and beside
+    it the floor (bench.forward_costs.ForwardFloor): the megabytes the forward must read, the floor in ms with what
+    sets it (reading them, or the arithmetic), and the cost as a multiple of the floor."""
     table = Table(title=Text("one target forward of T new tokens, ms (median [min-max])"), title_justify="left")
-    for column in ("prompt", "context", "cache", "T", "ms", "[min-max]", "×T=1"):
+    columns = ("prompt", "context", "cache", "T", "ms", "[min-max]", "×T=1", "MB read", "floor ms", "×floor")
+    for column in columns:
         table.add_column(Text(column), justify="left" if column in ("prompt", "cache") else "right")
     single = {(c.prompt, c.context, c.cache): c.median_ms for c in costs if c.tokens == 1}
     for cost in costs:
         one = single.get((cost.prompt, cost.context, cost.cache))
+        floor = cost.floor
         table.add_row(
             Text(cost.prompt),
             str(cost.context),
@@ -404,5 +416,8 @@ def forward_cost_table(costs: list[ForwardCost]) -> Table:
             f"{cost.median_ms:.1f}",
             f"{cost.min_ms:.1f}-{cost.max_ms:.1f}",
             _ratio(cost.median_ms / one if one else None),
+            "-" if floor is None else _figure((floor.weight_bytes + floor.kv_bytes) / 1e6),
+            "-" if floor is None else f"{_figure(floor.ms)} {FLOOR_BOUNDS[floor.bound]}",
+            _ratio(cost.over_floor),
         )
     return table

@@ -2,8 +2,9 @@
 
 Every weight form the target can take here (GGUF blocks, half, dense) computes the same model up to rounding, and
 so does every thread count; which is fastest depends on the CPU, its caches and the model. A short measurement
-(the target loaded in each form, a prompt prefilled once, plain decoding timed at each thread count) picks the
-configuration that `--weights auto` and an unset `--threads` then use. Compiled steps run dense weights only and
+(the target loaded in each form, a prompt prefilled once, plain decoding timed RUNS times at each thread count,
+each candidate judged by its fastest run) picks the configuration that `--weights auto` and an unset `--threads`
+then use. Compiled steps run dense weights only and
 measured slower than eager ones on the CPU (docs/performance.md), so they are measured only where dense weights
 come within COMPILE_MARGIN of the best. The choice is kept per CPU, torch and tool version and checkpoint files,
 so a changed machine, version or checkpoint is measured anew; `triforce info` lists what is kept; TRIFORCE_TUNING=off uses the
@@ -37,14 +38,18 @@ from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model,
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.store import cache_root, content_identity, mark_used, remove, write_atomically
 
+MACHINE_RATES_FILE = "machine.json"  # plan.rates' record beside the measurements, not one of them
 TUNING_ENV = "TRIFORCE_TUNING"  # "off": no measurement, loading.resolve_weights' rule
 PROMPT_TOKENS = 512
-NEW_TOKENS = 16
-RUNS = 3  # timed generations per candidate, the thread counts taken in turn
+NEW_TOKENS = 8
+# Timed generations per candidate, the thread counts taken in turn. Many short runs judged by their fastest: a quiet
+# but jittery machine (a virtual one) slows some runs by a quarter or more, never speeds one up, and leaves most of
+# them near the fastest, where a busy program beside the measurement slows most of them.
+RUNS = 7
 CLEAR_MARGIN = 0.05  # fewer decode threads than cores only where faster by this much in every one of the RUNS
 COMPILE_MARGIN = 1.25  # compiled dense steps are measured only where eager dense ones come this close to the best
 BUSY_SHARE = 0.15  # other programs using more of the CPU than this while measuring: the measurement is not kept
-MAX_SPREAD = 0.25  # the chosen set-up's RUNS differing by more than this (slowest / fastest - 1): not kept
+MAX_SPREAD = 0.25  # the chosen set-up's median run more than this above its fastest (spread): not kept
 SLOW_FACTOR = 1.5  # a run's prefill this much slower than the measurement's: a note says so
 
 
@@ -71,13 +76,13 @@ class Tuning:
     target: str
     cpu: str
     choice: Choice
-    ms_per_token: dict[str, float]  # Choice.label -> ms per token of plain decoding, the median of RUNS
+    ms_per_token: dict[str, float]  # Choice.label -> ms per token of plain decoding, the fastest of RUNS
     measured: str  # UTC date and time
     machine: str  # machine_key() where it was measured
     files: list[str]  # the checkpoint's files it was measured on (gone: the measurement is dropped)
     load: float | None  # one-minute load average when the measurement began
     others_share: float | None  # share of the CPU other programs used while measuring
-    spread: float  # the chosen set-up's slowest of RUNS over its fastest, minus 1
+    spread: float  # the chosen set-up's median of RUNS over its fastest, minus 1 (steady_spread)
     prefill_chunk_ms: list[float]  # the PROMPT_TOKENS prefill in the chosen form, ms per prefill chunk
 
     @classmethod
@@ -90,7 +95,7 @@ class Tuning:
         if self.others_share is not None and self.others_share > BUSY_SHARE:
             return f"other programs used {self.others_share:.0%} of the CPU"
         if self.spread > MAX_SPREAD:
-            return f"repeated timings differed by {self.spread:.0%}"
+            return f"the median of repeated timings lay {self.spread:.0%} above the fastest"
         return None
 
     @property
@@ -98,7 +103,7 @@ class Tuning:
         """When and under what load it was measured, in words."""
         load = "" if self.load is None else f", load average {self.load:.2f}"
         others = "" if self.others_share is None else f", other programs {self.others_share:.0%} of the CPU"
-        return f"measured {self.measured}{load}{others}, repeats within {self.spread:.0%}"
+        return f"measured {self.measured}{load}{others}, median repeat within {self.spread:.0%} of the fastest"
 
 
 def tuning_enabled() -> bool:
@@ -174,6 +179,8 @@ def remembered_tunings() -> list[Tuning]:
     earlier layout)."""
     kept = []
     for path in sorted(tuning_folder().glob("*.json")):
+        if path.name == MACHINE_RATES_FILE:
+            continue
         tuning = _read(path)
         if tuning is None or not any(Path(f).exists() for f in tuning.files):
             remove(path)
@@ -204,21 +211,29 @@ def _decode_ms(engine: Engine, prompt: list[int], state) -> float:
     return engine.generate(prompt, prompt_state=state).stats.ms_per_token
 
 
+def steady_spread(times: list[float]) -> float:
+    """How far the median of repeated timings lies above the fastest (0.1: 10%); the lower median of an even count.
+    Occasional slow runs, which a quiet virtual machine has, leave it small; a program busy beside the measurement,
+    which slows most runs, does not."""
+    return statistics.median_low(times) / min(times) - 1
+
+
 def _decode_threads(runs: dict[int, list[float]]) -> int:
     """Decode threads for one weight form, from its RUNS per thread count (taken in turn): every physical core,
-    unless fewer were faster by CLEAR_MARGIN in every one of the runs (then the fastest such count by median)."""
+    unless fewer were faster by CLEAR_MARGIN in every one of the runs (then the fastest such count by its fastest
+    run)."""
     cores = max(runs)
     clear = [
         threads
         for threads, times in runs.items()
         if all(t * (1 + CLEAR_MARGIN) < base for t, base in zip(times, runs[cores], strict=True))
     ]
-    return min(clear, key=lambda threads: statistics.median(runs[threads]), default=cores)
+    return min(clear, key=lambda threads: min(runs[threads]), default=cores)
 
 
 def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
-    """Time plain decoding of the target in every weight form and thread count (and compiled, where dense weights
-    come close): the fastest form at its decode threads (_decode_threads) is the choice. Also notes how busy the
+    """Time plain decoding of the target RUNS times in every weight form and thread count (and compiled, where dense
+    weights come close): the form whose decode threads (_decode_threads) ran fastest is the choice. Also notes how busy the
     machine was meanwhile (Tuning.busy_reason) and how long the chosen form's prefill took."""
     config = EngineConfig(
         mode="autoregressive", max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=SamplingConfig(temperature=0)
@@ -244,10 +259,10 @@ def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
                     torch.set_num_threads(threads)
                     runs.setdefault(Choice(weights, threads), []).append(_decode_ms(engine, prompt, state))
             if weights == WeightForm.DENSE:
-                best = min(statistics.median(times) for times in runs.values())
+                best = min(min(times) for times in runs.values())
                 dense = {c.threads: times for c, times in runs.items() if c.weights == WeightForm.DENSE}
                 threads = _decode_threads(dense)
-                if statistics.median(dense[threads]) <= COMPILE_MARGIN * best:
+                if min(dense[threads]) <= COMPILE_MARGIN * best:
                     torch.set_num_threads(threads)
                     loaded.model.compile_steps()
                     engine = Engine(loaded, config)
@@ -261,22 +276,19 @@ def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
         Choice(form, _decode_threads({c.threads: t for c, t in runs.items() if c.weights == form and not c.compiled}))
         for form in prefill_ms
     ]
-    choice = min(candidates, key=lambda c: statistics.median(runs[c]))
+    choice = min(candidates, key=lambda c: min(runs[c]))
     cpu, _ = cpu_description()
     return Tuning(
         checkpoint.name,
         cpu,
         choice,
-        {
-            c.label: round(statistics.median(t), 2)
-            for c, t in sorted(runs.items(), key=lambda r: statistics.median(r[1]))
-        },
+        {c.label: round(min(t), 2) for c, t in sorted(runs.items(), key=lambda r: min(r[1]))},
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine_key(),
         checkpoint_paths(checkpoint),
         None if load is None else round(load, 2),
         None if (share := others_share(before, after)) is None else round(share, 3),
-        round(max(runs[choice]) / min(runs[choice]) - 1, 3),
+        round(steady_spread(runs[choice]), 3),
         prefill_ms[choice.weights],
     )
 

@@ -1,6 +1,8 @@
 """The `this-cpu` machine of `triforce plan`: its figures measured on the spot, in one to three seconds.
 
 - bandwidth: the best of a few copies of a COPY_BYTES tensor (each reads and writes it once);
+- read bandwidth (for the floors of `triforce bench --forward-costs`, plan.rates): the best of a few sums over a
+  COPY_BYTES tensor, which read it once and write nothing;
 - FLOP/s: the best of a few float32 matrix products of MATMUL_SIZE (what the CPU computes in, half weights too);
 - the fixed cost per decoder layer: a decode step of this tool's own model, tiny enough that its arithmetic and
   bytes are negligible, over its layers (Python, dispatch and the small kernels every layer runs);
@@ -64,6 +66,12 @@ def copy_bandwidth(device: torch.device = CPU, num_bytes: int = COPY_BYTES) -> f
     source = torch.ones(num_bytes // 4, device=device)
     target = torch.empty_like(source)
     return 2 * num_bytes / best_seconds(lambda: target.copy_(source), device=device)
+
+
+def read_bandwidth(num_bytes: int = COPY_BYTES) -> float:
+    """Bytes/s of reading the CPU's memory: a sum over a large float32 tensor reads every byte once and writes none."""
+    source = torch.ones(num_bytes // 4)
+    return num_bytes / best_seconds(source.sum)
 
 
 def matmul_flops(device: torch.device = CPU, dtype: torch.dtype = torch.float32, size: int = MATMUL_SIZE) -> float:

@@ -1,0 +1,120 @@
+"""This CPU's rates for the floors of `triforce bench --forward-costs`, measured once and kept beside the measured
+set-ups (decoding.tuning: the same folder and machine key; `triforce cache clear --measurements` forgets both).
+
+- read bandwidth: plan.measure.read_bandwidth, the best of a few sums over a 256 MiB float32 tensor;
+- arithmetic rate: plan.measure.matmul_flops, the best of a few float32 products of two 2048 x 2048 matrices (the
+  FMA rate torch's GEMM reaches; every kernel of a CPU forward, GGUF and half weights included, computes in float32);
+both on every physical core. Rates taken while other programs used more than tuning.BUSY_SHARE of the CPU serve the
+run that measured them and are not kept.
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from triforce_cli.decoding.tuning import BUSY_SHARE, MACHINE_RATES_FILE, machine_key, tuning_folder
+from triforce_cli.plan.measure import matmul_flops, read_bandwidth
+from triforce_cli.runtime.environment import (
+    cpu_description,
+    cpu_sample,
+    load_average,
+    others_share,
+    physical_cores,
+    torch_threads,
+)
+from triforce_cli.runtime.loading import StatusCallback
+from triforce_cli.runtime.store import mark_used, write_atomically
+
+
+@dataclass
+class MachineRates:
+    """What a forward's floor divides by: this CPU's read bandwidth and float32 arithmetic rate, and the conditions
+    they were measured in."""
+
+    cpu: str
+    machine: str  # tuning.machine_key() where they were measured
+    read_bandwidth: float  # bytes/s
+    flops: float  # float32 FLOP/s of a matrix product
+    threads: int  # torch threads while measuring: every physical core
+    measured: str  # UTC date and time
+    load: float | None  # one-minute load average when the measurement began
+    others_share: float | None  # share of the CPU other programs used while measuring
+
+    @property
+    def busy_reason(self) -> str | None:
+        """Why the machine was too busy for these rates to be kept, or None."""
+        if self.others_share is not None and self.others_share > BUSY_SHARE:
+            return f"other programs used {self.others_share:.0%} of the CPU"
+        return None
+
+    @property
+    def label(self) -> str:
+        """The rates in words."""
+        return (
+            f"read bandwidth {self.read_bandwidth / 1e9:.1f} GB/s, float32 matrix product"
+            f" {self.flops / 1e9:.1f} GFLOP/s, {self.threads} thread{'s' * (self.threads > 1)}"
+        )
+
+    @property
+    def conditions(self) -> str:
+        load = "" if self.load is None else f", load average {self.load:.2f}"
+        others = "" if self.others_share is None else f", other programs {self.others_share:.0%} of the CPU"
+        return f"measured {self.measured}{load}{others}"
+
+
+def rates_path() -> Path:
+    return tuning_folder() / MACHINE_RATES_FILE
+
+
+def remembered_rates() -> MachineRates | None:
+    """The kept rates of this machine, torch and tool, or None (none kept, unreadable, or another machine's)."""
+    try:
+        rates = MachineRates(**json.loads(rates_path().read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if rates.machine != machine_key():
+        return None
+    mark_used(rates_path())
+    return rates
+
+
+def measure_rates() -> MachineRates:
+    """This CPU's rates, measured now on every physical core (the module docstring), and how busy it was."""
+    load = load_average()
+    before = cpu_sample()
+    with torch_threads(physical_cores()):
+        bandwidth, flops = read_bandwidth(), matmul_flops()
+        threads = physical_cores()
+    share = others_share(before, cpu_sample())
+    return MachineRates(
+        cpu_description()[0],
+        machine_key(),
+        bandwidth,
+        flops,
+        threads,
+        time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        None if load is None else round(load, 2),
+        None if share is None else round(share, 3),
+    )
+
+
+def machine_rates(status: StatusCallback | None = None) -> MachineRates:
+    """The kept rates of this machine, measuring them the first time; rates measured on a busy machine
+    (MachineRates.busy_reason) serve this run and are measured again by the next."""
+    kept = remembered_rates()
+    if kept is not None:
+        return kept
+    if status is not None:
+        status("measuring this CPU's read bandwidth and arithmetic rate, once (triforce info shows them)")
+    rates = measure_rates()
+    busy = rates.busy_reason
+    if busy is None:
+        try:
+            rates_path().parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(rates_path(), lambda partial: partial.write_text(json.dumps(asdict(rates), indent=2)))
+        except OSError:
+            pass  # a read-only cache: measured again next time
+    elif status is not None:
+        status(f"the machine was busy while measuring ({busy}): the rates serve this run and are not kept")
+    return rates
