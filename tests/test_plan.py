@@ -244,15 +244,17 @@ class TestMemory:
         cpu = plan_json("--model", "SmolLM2-135M", "--hardware", "this-cpu", "--context", "8k")
         assert all(what not in r["memory"] for r in cpu["rows"] for what in GPU_ITEMS)
 
-    def test_an_eager_gpu_holds_no_graph_pools_and_offloaded_autoregressive_steps_none_of_the_target(self):
-        """Without CUDA graphs there are no pools; offloaded, the full tier runs eager, so autoregressive decoding
-        records no graph of the target, while triforce's retrieval tier still does."""
+    def test_an_eager_gpu_holds_no_graph_pools_and_offloaded_autoregressive_steps_the_targets(self):
+        """Without CUDA graphs there are no pools; offloaded, the full tier's steps are graphed too (one recording
+        per length bucket, in the target's pool), so autoregressive decoding holds the target's pool, as the
+        retrieval tier does."""
         eager = predict("Llama-3.1-8B", replace(HARDWARE["rtx-4090"], cuda_graphs=False), 131072)
         assert all("CUDA graph pools" not in {i.what for i in r.memory} for r in eager.rows)
         graphed = predict("Llama-3.1-8B", HARDWARE["rtx-4090"], 131072)
-        assert "CUDA graph pools" not in {i.what for i in graphed.row("autoregressive", "kv").memory}
-        pools = {i.what: i.device_bytes for i in graphed.row("retrieval", "kv").memory}["CUDA graph pools"]
-        assert pools == MODELS["Llama-3.1-8B"].target.step_activation_bytes(MAX_STEP_TOKENS, 2)
+        target_pool = MODELS["Llama-3.1-8B"].target.step_activation_bytes(MAX_STEP_TOKENS, 2)
+        for mode in ("autoregressive", "retrieval"):
+            pools = {i.what: i.device_bytes for i in graphed.row(mode, "kv").memory}["CUDA graph pools"]
+            assert pools == target_pool, mode
 
     def test_offload_none_is_recommended_where_it_fits(self):
         advice = plan_json("--model", "SmolLM2-135M", "--hardware", "a100-80gb", "--context", "32k")["recommendation"]
