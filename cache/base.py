@@ -138,7 +138,6 @@ class StaticStep:
         self.write_start = cache.write_start
         self.slots_are_positions = cache.slots_are_positions
         self.group = group
-        self.num_slots = cache.keys.shape[2]  # S, the slots attention reads
         self.rows = torch.arange(num_tokens, device=cache.keys.device)  # (T,)
         self.slots = cache.write_start.long() + self.rows  # (T,)
         self.biases: dict[object, torch.Tensor] = {}
@@ -167,17 +166,24 @@ class StaticStep:
             key = window
         else:
             key = "first slots"
+        num_slots = self.layer_slots(layer)
+        if num_slots != self.cache.keys.shape[2]:
+            key = (key, num_slots)
         if key not in self.biases:
             self.biases[key] = step_attention_bias(
                 self.write_start,
                 self.rows.shape[0],
-                self.num_slots,
+                num_slots,
                 self.group,
                 window if self.slots_are_positions else None,
                 self.cache.first_slots_at if key == "first slots" else None,
             )  # (G*T, S), or (layers, G*T, S) by first slot
         bias = self.biases[key]
         return bias[layer] if key == "first slots" else bias
+
+    def layer_slots(self, layer: int) -> int:
+        """S, the slots layer's attention reads: the cache's whole buffers."""
+        return self.cache.keys.shape[2]
 
     def finish(self) -> None:
         """Store every layer's queries, once the last layer ran."""

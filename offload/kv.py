@@ -35,8 +35,10 @@ never touch the full cache.
 A fixed-shape step (the cache made static, FullCache.make_static; begin_step: StreamStep) streams at a fixed
 shape, so that one CUDA graph of it serves every step until the length leaves its bucket: each offloaded layer's
 fetch copies the host storage's first B positions, B the length the step writes up to rounded up to a multiple of
-``bucket_positions`` (``bucket``, at most the capacity), whatever the host holds of them, and attention reads the
-slot's first B positions, the step's bias masking those past its tokens. The tail goes into the slot at fixed
+``bucket_positions`` (``bucket``, at most the capacity), whatever the host holds of them, into the slot viewed as
+(Hkv, B, D) (``slot_view``: contiguous, so attention's split value product needs no copy), and attention reads
+those, the step's bias masking the ones past its tokens; an on-chip layer is read whole, as the device's static
+cache is. The tail goes into the slot at fixed
 shape too: all its rows, at the positions from ``host_valid_at`` (the device's copy of host_valid) on, on the
 compute stream once the layer's copy arrived; rows past the positions written land where the step writes or where
 the bias masks. The copies run on the copy stream, forked from the compute stream by an event and joined back by
@@ -112,7 +114,6 @@ class LayerStream:
         self.host_valid_at = torch.zeros(1, dtype=torch.long, device=device)
         self._host_valid_on_device = 0
         self.tail_offsets = torch.arange(self.tail.shape[1], device=device)  # (tail positions,)
-        self.slot_ids = torch.arange(2, device=device)
         self._replays_read_host = False  # a fixed-shape step may read the host storage on the compute stream
 
     @property
@@ -192,13 +193,21 @@ class LayerStream:
                 copies.append((ring[slot, :, on_host : self._prefix], rows))
         self.ring.fetch(layer, copies)
 
-    def fetch_positions(self, full: FullCache, layer: int, positions: int) -> None:
-        """Copy layer's first positions from the host storage into its slot, whatever the host holds of them, one
-        copy per KV head and tensor (Ring.fetch: after the slot's last reader): a fixed-shape step's fetch."""
+    def slot_view(self, layer: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's ring slot as (Hkv, positions, D) keys and values, each contiguous (the slot's first elements):
+        what a fixed-shape step fetches and reads, with no copy for attention's split value product."""
         slot = self.ring.slot(layer)
+        num_kv_heads, _, head_dim = self.ring_keys.shape[1:]
+        shape = (num_kv_heads, positions, head_dim)
+        size = num_kv_heads * positions * head_dim
+        return tuple(ring[slot].view(-1)[:size].view(shape) for ring in (self.ring_keys, self.ring_values))
+
+    def fetch_positions(self, full: FullCache, layer: int, positions: int) -> None:
+        """Copy layer's first positions from the host storage into its slot_view, whatever the host holds of them,
+        one copy per KV head and tensor (Ring.fetch: after the slot's last reader): a fixed-shape step's fetch."""
         copies = []
-        for ring, storage in ((self.ring_keys, full.keys), (self.ring_values, full.values)):
-            copies += self._head_copies(ring[slot], storage[layer], slice(0, positions))
+        for view, storage in zip(self.slot_view(layer, positions), (full.keys, full.values), strict=True):
+            copies += self._head_copies(view, storage[layer], slice(0, positions))
         self.ring.fetch(layer, copies)
 
     def begin_step(self, full: FullCache, num_tokens: int, group: int) -> "StreamStep":
@@ -339,10 +348,11 @@ class LayerStream:
 
 class StreamStep(StaticStep):
     """A fixed-shape step over an offloaded full cache (module docstring), as every layer of it reads and writes
-    the device's copies: an on-chip layer's buffers, or an offloaded layer's ring slot with its first B positions
-    fetched from the host and the tail placed after host_valid, the tail also taking the step's keys and values.
-    What the layers share is built once, at the top of the step, on the device: the slots written (T,), their rows
-    in the tail (T,), the tail's positions in a slot (tail positions,), and each attention bias over B slots."""
+    the device's copies: an on-chip layer's whole buffers, as the device's static cache's, or an offloaded layer's
+    ring slot viewed as (Hkv, B, D), contiguous, with its first B positions fetched from the host and the tail
+    placed after host_valid, the tail also taking the step's keys and values. What the layers share is built once,
+    at the top of the step, on the device: the slots written (T,), their rows in the tail (T,), the tail's
+    positions in a slot (tail positions,), and each attention bias, over B slots or the capacity."""
 
     def __init__(self, full: FullCache, stream: LayerStream, num_tokens: int, group: int):
         if full.write_start is None:
@@ -356,8 +366,9 @@ class StreamStep(StaticStep):
         self.rows = torch.arange(num_tokens, device=stream.device)  # (T,)
         self.slots = full.write_start.long() + self.rows  # (T,)
         self.tail_rows = self.slots - stream.host_valid_at  # (T,)
-        # rows of the tail past the capacity (garbage: past the positions written) all land in the last slot
-        self.tail_slots = (stream.host_valid_at + stream.tail_offsets).clamp_(max=stream.capacity - 1)
+        # rows of the tail past B (past the positions written: the step writes over them or masks them) all land
+        # in the last slot read
+        self.tail_slots = (stream.host_valid_at + stream.tail_offsets).clamp_(max=self.num_slots - 1)
         self.biases: dict[object, torch.Tensor] = {}
         self.queries: list[torch.Tensor] = []
         if stream.on_chip < stream.num_layers:
@@ -367,29 +378,31 @@ class StreamStep(StaticStep):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (Hkv, T, D) at the step's slots of layer's device buffers (and, offloaded, at its rows of the
-        tail) and keep q (Hq, T, D); return the buffers' first B slots (Hkv, B, D), for attention to mask past the
-        last new slot. An offloaded layer first waits for its fetch, places the tail, and starts the next layer's
-        fetch into the other slot."""
+        tail) and keep q (Hq, T, D); return the (Hkv, S, D) buffers attention reads, masking past the last new
+        slot: an on-chip layer's whole buffers, an offloaded layer's slot of B positions, which first waits for its
+        fetch and takes the tail, and then the next layer's fetch starts into the other slot."""
         stream, full = self.stream, self.cache
         if layer < stream.on_chip:
-            keys, values, index = stream.chip_keys, stream.chip_values, full.layer_ids[layer]
+            keys, values = stream.chip_keys[layer], stream.chip_values[layer]
         else:
             stream.ring.arrive(layer)
-            slot = stream.ring.slot(layer)
-            keys, values, index = stream.ring_keys, stream.ring_values, stream.slot_ids[slot]
+            keys, values = stream.slot_view(layer, self.num_slots)
             for part, buffer in enumerate((keys, values)):  # (tail, Hkv, D) rows -> (Hkv, tail, D) positions
-                buffer[slot].index_copy_(1, self.tail_slots, stream.tail[part, :, layer].transpose(0, 1))
+                buffer.index_copy_(1, self.tail_slots, stream.tail[part, :, layer].transpose(0, 1))
             if layer + 1 < stream.num_layers:
                 stream.fetch_positions(full, layer + 1, self.num_slots)
             rows = (self.tail_rows[:, None], full.layer_ids[layer], full.head_ids[:, 0])  # broadcast to (T, Hkv)
             stream.tail[0].index_put_(rows, k.transpose(0, 1))
             stream.tail[1].index_put_(rows, v.transpose(0, 1))
-        where = (index, full.head_ids, self.slots)  # broadcast to (Hkv, T)
+        where = (full.head_ids, self.slots)  # broadcast to (Hkv, T)
         keys.index_put_(where, k)
         values.index_put_(where, v)
         self.queries.append(q)
-        buffer = int(layer if layer < stream.on_chip else stream.ring.slot(layer))
-        return keys[buffer, :, : self.num_slots], values[buffer, :, : self.num_slots]
+        return keys, values
+
+    def layer_slots(self, layer: int) -> int:
+        """The slots layer's attention reads: an on-chip layer's capacity, an offloaded layer's B."""
+        return self.stream.capacity if layer < self.stream.on_chip else self.num_slots
 
 
 def offload_kv(
