@@ -110,10 +110,10 @@ class LayerStream:
         self.capacity = capacity
         self.bucket_positions = bucket_positions
         self.step_positions = 0  # B of the prepared fixed-shape step: the positions it streams and reads
-        # fixed-shape steps: host_valid on the device, the tail's row offsets and the ring's slot indices
-        self.host_valid_at = torch.zeros(1, dtype=torch.long, device=device)
-        self._host_valid_on_device = 0
-        self.tail_offsets = torch.arange(self.tail.shape[1], device=device)  # (tail positions,)
+        # fixed-shape steps, from the first one on: host_valid on the device (1,) and the tail's rows (tail positions,)
+        self.host_valid_at: torch.Tensor | None = None
+        self.tail_offsets: torch.Tensor | None = None
+        self._host_valid_on_device = -1
         self._replays_read_host = False  # a fixed-shape step may read the host storage on the compute stream
 
     @property
@@ -157,6 +157,9 @@ class LayerStream:
         if padding is not None:
             self.chip_valid = stop  # what the step writes into the on-chip layers
             self.step_positions = self.bucket(written)
+            if self.host_valid_at is None:
+                self.host_valid_at = torch.zeros(1, dtype=torch.long, device=self.device)
+                self.tail_offsets = torch.arange(self.tail.shape[1], device=self.device)
             if self._host_valid_on_device != self.host_valid:
                 self.host_valid_at.fill_(self.host_valid)  # a device write, no read
                 self._host_valid_on_device = self.host_valid
