@@ -32,22 +32,21 @@ The retrieval cache reads the host storage (RetrievalCache takes its own device)
 positions not flushed yet on the device (``read``), so only its budget crosses PCIe; the drafter and its cache
 never touch the full cache.
 
-A fixed-shape step (the cache made static, FullCache.make_static; begin_step: StreamStep) streams at a fixed
-shape, so that one CUDA graph of it serves every step until the length leaves its bucket: each offloaded layer's
-fetch copies the host storage's first B positions, B the length the step writes up to rounded up to a multiple of
+A fixed-shape step (the cache made static, FullCache.make_static; begin_step: StreamStep) streams at a fixed shape,
+so that one CUDA graph of it serves every step until the length leaves its bucket: each offloaded layer's fetch
+copies the host storage's first B positions, B the length the step writes up to rounded up to a multiple of
 ``bucket_positions`` (``bucket``, at most the capacity), whatever the host holds of them, into the slot viewed as
 (Hkv, B, D) (``slot_view``: contiguous, so attention's split value product needs no copy), and attention reads
 those, the step's bias masking the ones past its tokens; an on-chip layer is read whole, as the device's static
-cache is. The tail goes into the slot at fixed
-shape too: all its rows, at the positions from ``host_valid_at`` (the device's copy of host_valid) on, on the
-compute stream once the layer's copy arrived; rows past the positions written land where the step writes or where
-the bias masks. The copies run on the copy stream, forked from the compute stream by an event and joined back by
-another (Ring), as a CUDA graph's capture takes them, so layer i + 1's copy overlaps layer i's compute in the
-graph too. Nothing in the step reads a host-side length; begin() does everything that depends on one before it
-(a flush, the on-chip layers' refresh, host_valid_at), and a reader's settle() also waits for the compute stream,
-whose replays read the host storage. Every bucket is one more graph per padded length
-(runtime/graphs.py keys them by KVCache.step_slots), recorded when first needed; the ring holds the whole
-capacity, so graphs add no ring memory.
+cache is. The tail goes into the slot at fixed shape too: all its rows, at the positions from ``host_valid_at`` (the
+device's copy of host_valid) on, on the compute stream once the layer's copy arrived; rows past the positions
+written land where the step writes or where the bias masks. The copies run on the copy stream, forked from the
+compute stream by an event and joined back by another (Ring), as a CUDA graph's capture takes them, so layer i + 1's
+copy overlaps layer i's compute in the graph too. Nothing in the step reads a host-side length; begin() does
+everything that depends on one before it (a flush, the on-chip layers' refresh, host_valid_at), and a reader's
+settle() also waits for the compute stream, whose replays read the host storage. Every bucket is one more graph per
+padded length (runtime/graphs.py keys them by KVCache.step_slots), recorded when first needed; the ring holds the
+whole capacity, so buckets add no ring memory.
 """
 
 import torch
@@ -74,8 +73,9 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 class LayerStream:
     """The device side of an offloaded FullCache: the on-chip layers, the ring, the tail, and the copies between
     them and the host storage (see the module docstring). FullCache calls begin() from prepare, update() per layer
-    of a forward (a layerwise write: buffers() and write_back() per layer), forget_beyond() on rollback, settle()
-    before the host storage is read and stored() after writing it; upload() and read() serve the retrieval cache."""
+    of a forward (a layerwise write: buffers() and write_back() per layer; a fixed-shape step: begin_step()),
+    forget_beyond() on rollback, settle() before the host storage is read and stored() after writing it; upload()
+    and read() serve the retrieval cache."""
 
     def __init__(
         self,
