@@ -590,7 +590,8 @@ def test_an_offloaded_step_reads_nothing_from_the_host_and_fetches_its_bucket_at
     """A fixed-shape step of 3 tokens padded to 4 on an offloaded cache (one layer on chip), twice, the second
     after the first's positions went to the tail: no read of a device value on the host (.item(), .tolist()), no
     tensor made from host data, no wait for the copy stream; each streamed layer fetches the same B = 80 positions
-    per KV head and tensor from the host storage whatever the length; and the logits are the device cache's."""
+    per KV head and tensor from the host storage whatever the length, while the layer before it computes; and the
+    logits are the device cache's."""
     from test_gpu_path import ScalarReads, StepOps
 
     model = loaded_model().model
@@ -608,6 +609,7 @@ def test_an_offloaded_step_reads_nothing_from_the_host_and_fetches_its_bucket_at
         tokens = torch.tensor([1, 2, 3, 0])
         full.prepare(start, 3, padding=1)
         queue.copies.clear()
+        queue.log.clear()
         settles = queue.settles
         ops, reads = StepOps(), ScalarReads()
         with torch.no_grad(), ops, reads:
@@ -616,6 +618,10 @@ def test_an_offloaded_step_reads_nothing_from_the_host_and_fetches_its_bucket_at
         fetched = [size for dst, src, size in queue.copies if src in host]
         per_head = 80 * cfg.head_dim * 4
         assert fetched == [per_head] * (2 * cfg.num_kv_heads * (cfg.num_layers - 1))
+        # the ring's order inside the step: each streamed layer's fetch (F: one copy per KV head and tensor) is
+        # queued once the layer before has its own (A: the compute waits for a copy), before that layer computes
+        order = "".join("F" if entry[0] == "copy" else "A" for entry in queue.log if entry[1] != "copy")
+        assert order == ("F" * 2 * cfg.num_kv_heads + "A") * (cfg.num_layers - 1)
         torch.testing.assert_close(logits[:3], model(tokens[:3], start, reference))
 
 
@@ -640,4 +646,29 @@ def test_an_offloaded_cache_captures_its_steps_as_cuda_graphs_with_the_device_ca
     assert full.keys.is_pinned() and full.write_start.is_cuda
     recordings = model.model.step_graphs._graphs[full]
     assert len({slots for _, slots in recordings}) >= 2
+    assert all(recorded.graph is not None for recorded in recordings.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_captured_offloaded_step_replays_its_copies_from_the_host():
+    """On a GPU: steps of 3 tokens on an offloaded cache (one layer on chip, a tail of 16 positions, buckets of 16)
+    replayed from CUDA graphs give the device cache's logits while the tail is flushed into the host storage
+    between replays and the length passes into later buckets: every replay copies the storage as it is then."""
+    model = loaded_model().model.to("cuda")
+    model.use_steps(StepMode.GRAPHS)
+    cfg = model.config
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
+    offload_kv(full, torch.device("cuda"), on_chip_layers=1, tail_positions=16, bucket_positions=BUCKET)
+    full.make_static(cfg.num_heads, 8)
+    reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32, "cuda")
+    prompt = torch.tensor(random_prompt(PROMPT, 64, seed=4), device="cuda")
+    model(prompt, 0, full, decoding=False)
+    model(prompt, 0, reference, decoding=False)
+    for start in range(PROMPT, PROMPT + 36, 3):
+        tokens = torch.tensor([1, 2, 3], device="cuda") + start % 7
+        expected = model(tokens, start, reference, decoding=False)
+        torch.testing.assert_close(model(tokens, start, full), expected, rtol=1e-4, atol=1e-4)
+    recordings = model.step_graphs._graphs[full]
+    assert sorted(recordings) == [(4, 80), (4, 96), (4, 112)]
     assert all(recorded.graph is not None for recorded in recordings.values())
