@@ -47,13 +47,25 @@ class KVCache(ABC):
         eager forward of exactly num_tokens).
         """
 
+    @property
+    def compute_device(self) -> torch.device:
+        """Where forwards over this cache compute: its buffers' device (an offloaded full cache's: its stream's)."""
+        return self.keys.device
+
+    def step_slots(self, stop: int) -> int:
+        """The slots a fixed-shape step writing up to position stop (padding included) reads, where that follows
+        the cache's length (an offloaded full cache's length bucket): each count is recorded apart. 0: every step
+        reads the whole buffers."""
+        return 0
+
     def make_static(self) -> None:
         """Keep the next write's first slot on the device and the buffers at fixed addresses, for fixed-shape
         steps (CUDA graphs replay reads and writes at the addresses they were captured with)."""
         num_layers, num_kv_heads = self.keys.shape[:2]
-        self.write_start = torch.zeros(1, dtype=torch.int32, device=self.keys.device)
-        self.layer_ids = torch.arange(num_layers, device=self.keys.device)
-        self.head_ids = torch.arange(num_kv_heads, device=self.keys.device).unsqueeze(1)  # (Hkv, 1)
+        device = self.compute_device
+        self.write_start = torch.zeros(1, dtype=torch.int32, device=device)
+        self.layer_ids = torch.arange(num_layers, device=device)
+        self.head_ids = torch.arange(num_kv_heads, device=device).unsqueeze(1)  # (Hkv, 1)
         for buffer in (self.keys, self.values, self.write_start, self.layer_ids, self.head_ids):
             torch._dynamo.mark_static_address(buffer)
 
@@ -154,8 +166,10 @@ class StaticStep:
             key = window
         else:
             key = "first slots"
+        num_slots = self.layer_slots(layer)
+        if num_slots != self.cache.keys.shape[2]:
+            key = (key, num_slots)
         if key not in self.biases:
-            num_slots = self.cache.keys.shape[2]
             self.biases[key] = step_attention_bias(
                 self.write_start,
                 self.rows.shape[0],
@@ -166,6 +180,10 @@ class StaticStep:
             )  # (G*T, S), or (layers, G*T, S) by first slot
         bias = self.biases[key]
         return bias[layer] if key == "first slots" else bias
+
+    def layer_slots(self, layer: int) -> int:
+        """S, the slots layer's attention reads: the cache's whole buffers."""
+        return self.cache.keys.shape[2]
 
     def finish(self) -> None:
         """Store every layer's queries, once the last layer ran."""

@@ -19,7 +19,7 @@ for the whole prompt, where each forward over it would stream every layer's pref
 from typing import Protocol
 
 import torch
-from triforce_cli.cache.base import CacheCapacityError, KVCache
+from triforce_cli.cache.base import CacheCapacityError, KVCache, StaticStep
 from triforce_cli.kernels.attention import HalfPrefix
 
 
@@ -28,7 +28,13 @@ class StorageStream(Protocol):
 
     device_bytes: int
 
-    def begin(self, full: "FullCache", start: int) -> None: ...
+    device: torch.device
+
+    def begin(self, full: "FullCache", start: int, padding: int | None) -> None: ...
+
+    def begin_step(self, full: "FullCache", num_tokens: int, group: int) -> StaticStep: ...
+
+    def bucket(self, stop: int) -> int: ...
 
     def update(
         self, full: "FullCache", layer: int, k: torch.Tensor, v: torch.Tensor
@@ -215,13 +221,27 @@ class FullCache(KVCache):
         else:
             self.stream.upload(dst, src)
 
+    @property
+    def compute_device(self) -> torch.device:
+        return self.keys.device if self.stream is None else self.stream.device
+
+    def step_slots(self, stop: int) -> int:
+        """Offloaded: the positions of the length bucket holding stop that a fixed-shape step streams and reads
+        (LayerStream.bucket); else 0, the whole buffers."""
+        return 0 if self.stream is None else self.stream.bucket(stop)
+
+    def begin_step(self, num_tokens: int, group: int) -> StaticStep:
+        if self.stream is not None:
+            return self.stream.begin_step(self, num_tokens, group)
+        return super().begin_step(num_tokens, group)
+
     def make_static(self, num_query_heads: int, max_step: int) -> None:
         """As KVCache.make_static, with room for the queries of steps of up to max_step tokens (padding included),
-        which a fixed-shape step writes into a buffer instead of handing them over."""
+        which a fixed-shape step writes into a buffer instead of handing them over (on the compute device)."""
         super().make_static()
         num_layers, _, _, head_dim = self.keys.shape
         shape = (max_step, num_layers, num_query_heads, head_dim)  # a step's rows first: one write for every layer
-        self.step_queries = torch.zeros(shape, dtype=self.keys.dtype, device=self.keys.device)
+        self.step_queries = torch.zeros(shape, dtype=self.keys.dtype, device=self.compute_device)
         torch._dynamo.mark_static_address(self.step_queries)
 
     def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
@@ -243,7 +263,7 @@ class FullCache(KVCache):
         self.query_start = start
         self.length = start + num_tokens
         if self.stream is not None:
-            self.stream.begin(self, start)
+            self.stream.begin(self, start, padding)
 
     def assign(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold keys and values (layers, Hkv, n, D) as positions [first, first + n) and nothing else, as a prefill

@@ -31,14 +31,31 @@ milliseconds a layer's transfer takes. Every host buffer a copy reads or writes 
 The retrieval cache reads the host storage (RetrievalCache takes its own device) for its selection, and the
 positions not flushed yet on the device (``read``), so only its budget crosses PCIe; the drafter and its cache
 never touch the full cache.
+
+A fixed-shape step (the cache made static, FullCache.make_static; begin_step: StreamStep) streams at a fixed shape,
+so that one CUDA graph of it serves every step until the length leaves its bucket: each offloaded layer's fetch
+copies the host storage's first B positions, B the length the step writes up to rounded up to a multiple of
+``bucket_positions`` (``bucket``, at most the capacity), whatever the host holds of them, into the slot viewed as
+(Hkv, B, D) (``slot_view``: contiguous, so attention's split value product needs no copy), and attention reads
+those, the step's bias masking the ones past its tokens; an on-chip layer is read whole, as the device's static
+cache is. The tail goes into the slot at fixed shape too: all its rows, at the positions from ``host_valid_at`` (the
+device's copy of host_valid) on, on the compute stream once the layer's copy arrived; rows past the positions
+written land where the step writes or where the bias masks. The copies run on the copy stream, forked from the
+compute stream by an event and joined back by another (Ring), as a CUDA graph's capture takes them, so layer i + 1's
+copy overlaps layer i's compute in the graph too. Nothing in the step reads a host-side length; begin() does
+everything that depends on one before it (a flush, the on-chip layers' refresh, host_valid_at), and a reader's
+settle() also waits for the compute stream, whose replays read the host storage. Every bucket is one more graph per
+padded length (runtime/graphs.py keys them by KVCache.step_slots), recorded when first needed; the ring holds the
+whole capacity, so buckets add no ring memory.
 """
 
 import torch
-from triforce_cli.cache import FullCache
+from triforce_cli.cache import FullCache, StaticStep
 from triforce_cli.offload.pinning import pin_exactly
 from triforce_cli.offload.queues import HostQueue, Ring, queue_for
 
 TAIL_POSITIONS = 256  # positions written on the device before the host storage takes them, at most (a flush)
+BUCKET_POSITIONS = 4096  # a fixed-shape step streams the length it reaches rounded up to a multiple of this
 
 
 def pins_for(device: torch.device) -> bool:
@@ -56,8 +73,9 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 class LayerStream:
     """The device side of an offloaded FullCache: the on-chip layers, the ring, the tail, and the copies between
     them and the host storage (see the module docstring). FullCache calls begin() from prepare, update() per layer
-    of a forward (a layerwise write: buffers() and write_back() per layer), forget_beyond() on rollback, settle()
-    before the host storage is read and stored() after writing it; upload() and read() serve the retrieval cache."""
+    of a forward (a layerwise write: buffers() and write_back() per layer; a fixed-shape step: begin_step()),
+    forget_beyond() on rollback, settle() before the host storage is read and stored() after writing it; upload()
+    and read() serve the retrieval cache."""
 
     def __init__(
         self,
@@ -66,6 +84,7 @@ class LayerStream:
         on_chip_layers: int,
         queue: HostQueue,
         tail_positions: int = TAIL_POSITIONS,
+        bucket_positions: int = BUCKET_POSITIONS,
     ):
         num_layers, num_kv_heads, capacity, head_dim = full.keys.shape
         self.device = device
@@ -88,6 +107,14 @@ class LayerStream:
         self._prefix = 0  # positions before the prepared write: what a forward streams
         self._write_through = False  # the prepared write outgrows the tail: each layer goes back at once
         self.ring = Ring(queue, self.on_chip)
+        self.capacity = capacity
+        self.bucket_positions = bucket_positions
+        self.step_positions = 0  # B of the prepared fixed-shape step: the positions it streams and reads
+        # fixed-shape steps, from the first one on: host_valid on the device (1,) and the tail's rows (tail positions,)
+        self.host_valid_at: torch.Tensor | None = None
+        self.tail_offsets: torch.Tensor | None = None
+        self._host_valid_on_device = -1
+        self._replays_read_host = False  # a fixed-shape step may read the host storage on the compute stream
 
     @property
     def device_bytes(self) -> int:
@@ -97,14 +124,27 @@ class LayerStream:
         """An empty host tensor beside the storage that this stream's copies read or write (module host_buffer)."""
         return host_buffer(shape, dtype, self.device)
 
-    def begin(self, full: FullCache, start: int) -> None:
-        """A forward writes full's prepared positions from start: make room in the tail (or write through), bring
-        the on-chip layers up to start, and start copying the first offloaded layer's prefix [0, start)."""
+    def bucket(self, stop: int) -> int:
+        """B for a fixed-shape step writing up to position stop: stop rounded up to a multiple of bucket_positions,
+        at most the capacity."""
+        return min(-(-stop // self.bucket_positions) * self.bucket_positions, self.capacity)
+
+    def begin(self, full: FullCache, start: int, padding: int | None = None) -> None:
+        """A forward writes full's prepared positions from start (a fixed-shape step: padding more after them):
+        make room in the tail (or write through), bring the on-chip layers up to start, and start copying the first
+        offloaded layer's prefix [0, start); for a fixed-shape step, have the device hold host_valid and the
+        compute stream wait for the copies queued so far instead, its step fetching every layer (StreamStep)."""
         self.forget_beyond(start)  # positions from start on are written anew
         stop = full._write.stop
-        if self.device_until - self.host_valid + stop - start > self.tail.shape[1]:
+        written = stop + (padding or 0)  # a fixed-shape step's padding rows go into the tail too
+        if self.device_until - self.host_valid + written - start > self.tail.shape[1]:
             self.flush(full)
-        self._write_through = stop - start > self.tail.shape[1]
+        self._write_through = written - start > self.tail.shape[1]
+        if self._write_through and padding is not None:
+            raise ValueError(
+                f"a fixed-shape step of {written - start} positions outgrows the tail of {self.tail.shape[1]}"
+                " (`tail_positions`)"
+            )
         self._prefix = start
         if self.chip_valid < start:  # after a restore from a saved prompt, or a reset: the host holds [0, start)
             stale = slice(self.chip_valid, start)
@@ -114,7 +154,18 @@ class LayerStream:
             self.queue.wait("compute", self.queue.record("copy"))
             self.chip_valid = start
         self.ring.clear()
-        if self.on_chip < self.num_layers:
+        if padding is not None:
+            self.chip_valid = stop  # what the step writes into the on-chip layers
+            self.step_positions = self.bucket(written)
+            if self.host_valid_at is None:
+                self.host_valid_at = torch.zeros(1, dtype=torch.long, device=self.device)
+                self.tail_offsets = torch.arange(self.tail.shape[1], device=self.device)
+            if self._host_valid_on_device != self.host_valid:
+                self.host_valid_at.fill_(self.host_valid)  # a device write, no read
+                self._host_valid_on_device = self.host_valid
+            self.queue.wait("compute", self.queue.record("copy"))  # the step's fetches read the storage after these
+            self._replays_read_host = True
+        elif self.on_chip < self.num_layers:
             self._fetch(full, self.on_chip)
         self.device_until = stop
         if self._write_through:  # nothing left in the tail (flushed above): every position goes back as written
@@ -144,6 +195,28 @@ class LayerStream:
                 rows = self.tail[part, : self._prefix - on_host, layer].transpose(0, 1)
                 copies.append((ring[slot, :, on_host : self._prefix], rows))
         self.ring.fetch(layer, copies)
+
+    def slot_view(self, layer: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's ring slot as (Hkv, positions, D) keys and values, each contiguous (the slot's first elements):
+        what a fixed-shape step fetches and reads, with no copy for attention's split value product."""
+        slot = self.ring.slot(layer)
+        num_kv_heads, _, head_dim = self.ring_keys.shape[1:]
+        shape = (num_kv_heads, positions, head_dim)
+        size = num_kv_heads * positions * head_dim
+        return tuple(ring[slot].view(-1)[:size].view(shape) for ring in (self.ring_keys, self.ring_values))
+
+    def fetch_positions(self, full: FullCache, layer: int, positions: int) -> None:
+        """Copy layer's first positions from the host storage into its slot_view, whatever the host holds of them,
+        one copy per KV head and tensor (Ring.fetch: after the slot's last reader): a fixed-shape step's fetch."""
+        copies = []
+        for view, storage in zip(self.slot_view(layer, positions), (full.keys, full.values), strict=True):
+            copies += self._head_copies(view, storage[layer], slice(0, positions))
+        self.ring.fetch(layer, copies)
+
+    def begin_step(self, full: FullCache, num_tokens: int, group: int) -> "StreamStep":
+        """The prepared fixed-shape step of num_tokens (padding included) over full, group query heads per KV
+        head."""
+        return StreamStep(full, self, num_tokens, group)
 
     def _device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's (Hkv, capacity, D) keys and values on the device: its on-chip buffers, or its ring slot."""
@@ -267,9 +340,72 @@ class LayerStream:
         self.host_valid = min(self.host_valid, length)
 
     def settle(self, full: FullCache) -> None:
-        """Return once the host storage holds every write (flush, and the copies back are asynchronous)."""
+        """Return once the host storage holds every write (flush, and the copies back are asynchronous) and no
+        fixed-shape step still reads it (their fetches run on the compute stream, inside the step's graph)."""
         self.flush(full)
+        if self._replays_read_host:
+            self.queue.wait("copy", self.queue.record("compute"))
+            self._replays_read_host = False
         self.queue.settle()
+
+
+class StreamStep(StaticStep):
+    """A fixed-shape step over an offloaded full cache (module docstring), as every layer of it reads and writes
+    the device's copies: an on-chip layer's whole buffers, as the device's static cache's, or an offloaded layer's
+    ring slot viewed as (Hkv, B, D), contiguous, with its first B positions fetched from the host and the tail
+    placed after host_valid, the tail also taking the step's keys and values. What the layers share is built once,
+    at the top of the step, on the device: the slots written (T,), their rows in the tail (T,), the tail's
+    positions in a slot (tail positions,), and each attention bias, over B slots or the capacity."""
+
+    def __init__(self, full: FullCache, stream: LayerStream, num_tokens: int, group: int):
+        if full.write_start is None:
+            raise ValueError("a fixed-shape step needs make_static() first")
+        self.cache = full
+        self.stream = stream
+        self.write_start = full.write_start
+        self.slots_are_positions = True
+        self.group = group
+        self.num_slots = stream.step_positions  # B
+        self.rows = torch.arange(num_tokens, device=stream.device)  # (T,)
+        self.slots = full.write_start.long() + self.rows  # (T,)
+        self.tail_rows = self.slots - stream.host_valid_at  # (T,)
+        # rows of the tail past B (past the positions written: the step writes over them or masks them) all land
+        # in the last slot read
+        self.tail_slots = (stream.host_valid_at + stream.tail_offsets).clamp_(max=self.num_slots - 1)
+        self.biases: dict[object, torch.Tensor] = {}
+        self.queries: list[torch.Tensor] = []
+        if stream.on_chip < stream.num_layers:
+            stream.fetch_positions(full, stream.on_chip, self.num_slots)
+
+    def step_update(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (Hkv, T, D) at the step's slots of layer's device buffers (and, offloaded, at its rows of the
+        tail) and keep q (Hq, T, D); return the (Hkv, S, D) buffers attention reads, masking past the last new
+        slot: an on-chip layer's whole buffers, an offloaded layer's slot of B positions, which first waits for its
+        fetch and takes the tail, and then the next layer's fetch starts into the other slot."""
+        stream, full = self.stream, self.cache
+        if layer < stream.on_chip:
+            keys, values = stream.chip_keys[layer], stream.chip_values[layer]
+        else:
+            stream.ring.arrive(layer)
+            keys, values = stream.slot_view(layer, self.num_slots)
+            for part, buffer in enumerate((keys, values)):  # (tail, Hkv, D) rows -> (Hkv, tail, D) positions
+                buffer.index_copy_(1, self.tail_slots, stream.tail[part, :, layer].transpose(0, 1))
+            if layer + 1 < stream.num_layers:
+                stream.fetch_positions(full, layer + 1, self.num_slots)
+            rows = (self.tail_rows[:, None], full.layer_ids[layer], full.head_ids[:, 0])  # broadcast to (T, Hkv)
+            stream.tail[0].index_put_(rows, k.transpose(0, 1))
+            stream.tail[1].index_put_(rows, v.transpose(0, 1))
+        where = (full.head_ids, self.slots)  # broadcast to (Hkv, T)
+        keys.index_put_(where, k)
+        values.index_put_(where, v)
+        self.queries.append(q)
+        return keys, values
+
+    def layer_slots(self, layer: int) -> int:
+        """The slots layer's attention reads: an on-chip layer's capacity, an offloaded layer's B."""
+        return self.stream.capacity if layer < self.stream.on_chip else self.num_slots
 
 
 def offload_kv(
@@ -278,6 +414,7 @@ def offload_kv(
     on_chip_layers: int = 0,
     queue: HostQueue | None = None,
     tail_positions: int = TAIL_POSITIONS,
+    bucket_positions: int | None = None,
 ) -> LayerStream:
     """Serve full's forwards on device from its host storage, streaming layer by layer (module docstring).
 
@@ -288,6 +425,8 @@ def offload_kv(
         on_chip_layers: the first layers kept on the device, never streamed.
         queue: streams and events for the copies; by default CUDA's on a GPU, the host's (no-ops) on the CPU.
         tail_positions: positions written on the device before they go back to the host, at most (the tail).
+        bucket_positions: a fixed-shape step streams the positions it writes up to rounded up to a multiple of
+            this (LayerStream.bucket); None: BUCKET_POSITIONS.
     Returns:
         The stream now installed as full.stream.
     """
@@ -299,6 +438,7 @@ def offload_kv(
     if pins_for(device):  # asynchronous copies need page-locked host memory
         pin_exactly(full.keys)
         pin_exactly(full.values)
-    stream = LayerStream(full, device, on_chip_layers, queue or queue_for(device), tail_positions)
+    bucket = BUCKET_POSITIONS if bucket_positions is None else bucket_positions
+    stream = LayerStream(full, device, on_chip_layers, queue or queue_for(device), tail_positions, bucket)
     full.stream = stream
     return stream

@@ -4,6 +4,12 @@ A queue has two streams, "compute" (where the model runs) and "copy" (a side str
 recorded on one and waited for on the other: CUDA streams and events on a GPU. On the CPU the host is the device,
 every copy is done when the call returns, and recording or waiting does nothing, so the same code runs and gives
 the same tokens; tests instrument a HostQueue to check the order of what a GPU would overlap.
+
+The same events order a CUDA graph's capture: a copy stream that waits for an event recorded on the capturing
+stream joins the capture (a fork), and the capturing stream's wait for the copy stream's event joins it back, so a
+Ring's copies inside a captured step become graph nodes that overlap its compute as they do eagerly. Every copy
+queued inside a capture must be waited for by the compute before the capture ends (Ring.arrive of every layer
+fetched), and reads pinned host memory (a pageable copy would synchronise, which a capture refuses).
 """
 
 import torch

@@ -3,6 +3,7 @@ order a GPU can overlap, checked with a queue that defers every copy until somet
 (CountingQueue): the prefill, layer by layer, moves each layer's keys and values across once."""
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -528,3 +529,146 @@ def test_offloaded_generation_on_a_gpu_gives_the_tokens_of_the_device_cache(samp
         assert engine._caches.full.keys.is_pinned() and engine._caches.full.stream.flushed.is_pinned()
         if engine._caches.retrieval is not None:
             assert engine._caches.retrieval.staging.is_pinned()
+
+
+BUCKET = 16  # positions a fixed-shape step streams are rounded up to a multiple of, in the tests below
+
+
+def recorded_engine(mode: str, steps: StepMode, monkeypatch, **changes) -> tuple[Engine, list[int]]:
+    """An engine of loaded_model() offloading its full cache with one layer on chip, its steps taken as steps say
+    ('compiled' by aot_eager), length buckets of BUCKET positions, a tail of 16 positions and deferred copies; and
+    its greedy tokens after a 64-token prompt, 40 of them (positions 64-104: three buckets, the tail flushed)."""
+    import triforce_cli.decoding.engine as engine_module
+
+    monkeypatch.setattr("triforce_cli.offload.kv.BUCKET_POSITIONS", BUCKET)
+    monkeypatch.setattr("triforce_cli.offload.kv.queue_for", lambda device: DeferredQueue())
+    monkeypatch.setattr(engine_module, "offload_kv", partial(offload_kv, tail_positions=16))
+    model = loaded_model()
+    if steps != StepMode.EAGER:
+        model.model.use_steps(steps, backend="aot_eager")
+    settings = {"offload": "kv", "on_chip_layers": 1, "max_new_tokens": 40, **changes}
+    engine = Engine(model, config(mode, SamplingConfig(temperature=0), **settings))
+    return engine, engine.generate(random_prompt(PROMPT, 64, seed=3)).token_ids
+
+
+@pytest.mark.parametrize(
+    ("mode", "steps"), [*((mode, StepMode.GRAPHS) for mode in MODES), ("triforce", StepMode.COMPILED)]
+)
+def test_recorded_steps_on_an_offloaded_cache_give_the_eager_tokens_across_length_buckets(mode, steps, monkeypatch):
+    """Greedy: an offloaded full cache with layers streamed takes fixed-shape steps, recorded per (padded length,
+    length bucket), and gives the eager steps' tokens while its length passes from one bucket into the next two
+    (the tail flushed on the way)."""
+    _, expected = recorded_engine(mode, StepMode.EAGER, monkeypatch)
+    engine, tokens = recorded_engine(mode, steps, monkeypatch)
+    assert tokens == expected
+    full = engine._caches.full
+    assert full.stream is not None and full.write_start is not None
+    buckets = {slots for _, slots in engine.target.model.step_graphs.recorded(full)}
+    assert buckets == {80, 96, 112} or (mode != "autoregressive" and buckets >= {80, 112}), buckets
+
+
+def test_an_offloaded_cache_records_its_steps_after_the_prefill_and_once_per_bucket(monkeypatch):
+    """Autoregressive decoding on an offloaded cache: nothing of the full cache is recorded before the prompt's
+    first token (its bucket follows the prompt's length), its one step at the prompt's bucket is recorded before
+    the first decode step (the warm-up after the prefill), and one more as the length enters each next bucket."""
+    monkeypatch.setattr("triforce_cli.offload.kv.BUCKET_POSITIONS", BUCKET)
+    model = loaded_model()
+    model.model.use_steps(StepMode.GRAPHS)
+    settings = {"offload": "kv", "on_chip_layers": 1, "max_new_tokens": 40}
+    engine = Engine(model, config("autoregressive", SamplingConfig(temperature=0), **settings))
+    graphs = model.model.step_graphs
+    counted = []
+    engine.generate(
+        random_prompt(PROMPT, 64, seed=3),
+        on_tokens=lambda ids, tiers: counted.append(graphs.recorded(engine._caches.full)),
+    )
+    assert counted[0] == [] and counted[1] == [(1, 80)]
+    assert graphs.recorded(engine._caches.full) == [(1, 80), (1, 96), (1, 112)] and graphs.captured == 3
+
+
+def test_an_offloaded_step_reads_nothing_from_the_host_and_fetches_its_bucket_at_a_fixed_shape():
+    """A fixed-shape step of 3 tokens padded to 4 on an offloaded cache (one layer on chip), twice, the second
+    after the first's positions went to the tail: no read of a device value on the host (.item(), .tolist()), no
+    tensor made from host data, no wait for the copy stream; each streamed layer fetches the same B = 80 positions
+    per KV head and tensor from the host storage whatever the length, while the layer before it computes; and the
+    logits are the device cache's."""
+    from test_gpu_path import ScalarReads, StepOps
+
+    model = loaded_model().model
+    cfg = model.config
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
+    queue = CountingQueue()
+    offload_kv(full, torch.device("cpu"), on_chip_layers=1, queue=queue, tail_positions=16, bucket_positions=BUCKET)
+    full.make_static(cfg.num_heads, 8)
+    reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
+    prompt = torch.tensor(random_prompt(PROMPT, 64, seed=4))
+    model(prompt, 0, full, decoding=False)
+    model(prompt, 0, reference, decoding=False)
+    host = storages(full.keys, full.values)
+    for start in (PROMPT, PROMPT + 3):
+        tokens = torch.tensor([1, 2, 3, 0])
+        full.prepare(start, 3, padding=1)
+        queue.copies.clear()
+        queue.log.clear()
+        settles = queue.settles
+        ops, reads = StepOps(), ScalarReads()
+        with torch.no_grad(), ops, reads:
+            logits = model.compute_logits(tokens, torch.arange(start, start + 4), full)
+        assert ops.from_host == 0 and reads.count == 0 and queue.settles == settles
+        fetched = [size for dst, src, size in queue.copies if src in host]
+        per_head = 80 * cfg.head_dim * 4
+        assert fetched == [per_head] * (2 * cfg.num_kv_heads * (cfg.num_layers - 1))
+        # the ring's order inside the step: each streamed layer's fetch (F: one copy per KV head and tensor) is
+        # queued once the layer before has its own (A: the compute waits for a copy), before that layer computes
+        order = "".join("F" if entry[0] == "copy" else "A" for entry in queue.log if entry[1] != "copy")
+        assert order == ("F" * 2 * cfg.num_kv_heads + "A") * (cfg.num_layers - 1)
+        torch.testing.assert_close(logits[:3], model(tokens[:3], start, reference))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_an_offloaded_cache_captures_its_steps_as_cuda_graphs_with_the_device_caches_tokens(mode, monkeypatch):
+    """Greedy, on a GPU: an offloaded cache's steps captured as CUDA graphs (the host-to-device copies and the
+    copy stream's events inside the capture, from pinned host memory) across three length buckets give the tokens
+    of the device cache's eager steps, and every recording of the full cache is a captured graph."""
+    monkeypatch.setattr("triforce_cli.offload.kv.BUCKET_POSITIONS", BUCKET)
+    greedy = SamplingConfig(temperature=0)
+    eager = loaded_model()
+    eager.model.to("cuda")
+    expected = Engine(eager, config(mode, greedy, max_new_tokens=40)).generate(random_prompt(PROMPT, 64, seed=3))
+    model = loaded_model()
+    model.model.to("cuda")
+    model.model.use_steps(StepMode.GRAPHS)
+    engine = Engine(model, config(mode, greedy, offload="kv", on_chip_layers=1, max_new_tokens=40))
+    assert engine.generate(random_prompt(PROMPT, 64, seed=3)).token_ids == expected.token_ids
+    full = engine._caches.full
+    assert full.keys.is_pinned() and full.write_start.is_cuda
+    recordings = model.model.step_graphs._graphs[full]
+    assert len({slots for _, slots in recordings}) >= 2
+    assert all(recorded.graph is not None for recorded in recordings.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_captured_offloaded_step_replays_its_copies_from_the_host():
+    """On a GPU: steps of 3 tokens on an offloaded cache (one layer on chip, a tail of 16 positions, buckets of 16)
+    replayed from CUDA graphs give the device cache's logits while the tail is flushed into the host storage
+    between replays and the length passes into later buckets: every replay copies the storage as it is then."""
+    model = loaded_model().model.to("cuda")
+    model.use_steps(StepMode.GRAPHS)
+    cfg = model.config
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
+    offload_kv(full, torch.device("cuda"), on_chip_layers=1, tail_positions=16, bucket_positions=BUCKET)
+    full.make_static(cfg.num_heads, 8)
+    reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32, "cuda")
+    prompt = torch.tensor(random_prompt(PROMPT, 64, seed=4), device="cuda")
+    model(prompt, 0, full, decoding=False)
+    model(prompt, 0, reference, decoding=False)
+    for start in range(PROMPT, PROMPT + 36, 3):
+        tokens = torch.tensor([1, 2, 3], device="cuda") + start % 7
+        expected = model(tokens, start, reference, decoding=False)
+        torch.testing.assert_close(model(tokens, start, full), expected, rtol=1e-4, atol=1e-4)
+    recordings = model.step_graphs._graphs[full]
+    assert sorted(recordings) == [(4, 80), (4, 96), (4, 112)]
+    assert all(recorded.graph is not None for recorded in recordings.values())

@@ -85,7 +85,7 @@ class TestJson:
     def test_offload_kv_moves_the_full_kv_cache_to_the_host_less_the_on_chip_layers(self):
         """The device's tensors (GPU_ITEMS aside) drop by the full KV cache, less the layers kept on chip and the
         two-layer ring an offloaded forward stages the others in, and plus the tail of 256 positions not yet written
-        back (and the compiled steps' query buffers, which run eager offloaded); the host holds the whole cache, the
+        back (the steps' query buffer stays on the device: offloaded, they are graphed too); the host holds the whole cache, the
         tail's pinned twin and, where the retrieval tier runs, the staging buffer its selection gathers every layer's
         chosen chunks into before one upload (budget 1,024 at 128K)."""
         target = MODELS["Llama-3.1-8B"].target
@@ -94,7 +94,6 @@ class TestJson:
         positions = -(-(131072 + DEFAULTS.max_new_tokens + headroom) // SPLIT_SLOTS) * SPLIT_SLOTS  # graphs' split
         full = kv_bytes(target, positions)
         tail = kv_bytes(target, 256)
-        step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * 2
         for mode in MODES:
             none, kv = row(payload, mode, "none"), row(payload, mode, "kv")
             staging = kv_bytes(target, 1024) if MODE_TIERS[mode].retrieval else 0
@@ -104,7 +103,7 @@ class TestJson:
                 r["device_bytes"] - sum(r["memory"].get(w, {"device": 0})["device"] for w in GPU_ITEMS)
                 for r in (none, kv)
             ]
-            assert tensors[0] - tensors[1] == full + step_queries - staged * full // 32 - tail
+            assert tensors[0] - tensors[1] == full - staged * full // 32 - tail
 
     def test_records_name_each_figure_in_its_unit_in_a_fixed_order(self):
         """The machine, a row and the recommendation as --json writes them: these keys in this order, rates in GB/s
@@ -244,15 +243,17 @@ class TestMemory:
         cpu = plan_json("--model", "SmolLM2-135M", "--hardware", "this-cpu", "--context", "8k")
         assert all(what not in r["memory"] for r in cpu["rows"] for what in GPU_ITEMS)
 
-    def test_an_eager_gpu_holds_no_graph_pools_and_offloaded_autoregressive_steps_none_of_the_target(self):
-        """Without CUDA graphs there are no pools; offloaded, the full tier runs eager, so autoregressive decoding
-        records no graph of the target, while triforce's retrieval tier still does."""
+    def test_an_eager_gpu_holds_no_graph_pools_and_offloaded_autoregressive_steps_the_targets(self):
+        """Without CUDA graphs there are no pools; offloaded, the full tier's steps are graphed too (one recording
+        per length bucket, in the target's pool), so autoregressive decoding holds the target's pool, as the
+        retrieval tier does."""
         eager = predict("Llama-3.1-8B", replace(HARDWARE["rtx-4090"], cuda_graphs=False), 131072)
         assert all("CUDA graph pools" not in {i.what for i in r.memory} for r in eager.rows)
         graphed = predict("Llama-3.1-8B", HARDWARE["rtx-4090"], 131072)
-        assert "CUDA graph pools" not in {i.what for i in graphed.row("autoregressive", "kv").memory}
-        pools = {i.what: i.device_bytes for i in graphed.row("retrieval", "kv").memory}["CUDA graph pools"]
-        assert pools == MODELS["Llama-3.1-8B"].target.step_activation_bytes(MAX_STEP_TOKENS, 2)
+        target_pool = MODELS["Llama-3.1-8B"].target.step_activation_bytes(MAX_STEP_TOKENS, 2)
+        for mode in ("autoregressive", "retrieval"):
+            pools = {i.what: i.device_bytes for i in graphed.row(mode, "kv").memory}["CUDA graph pools"]
+            assert pools == target_pool, mode
 
     def test_offload_none_is_recommended_where_it_fits(self):
         advice = plan_json("--model", "SmolLM2-135M", "--hardware", "a100-80gb", "--context", "32k")["recommendation"]

@@ -8,7 +8,8 @@ The caches are allocated once and kept across generations, sized as decoding/siz
 cache_positions for an engine serving many prompts, else the first prompt; grown, the old buffers released first,
 for a longer one). They keep their addresses, so fixed-shape decode steps, whose recordings hold them
 (runtime/graphs.py), are recorded once per padded length and cache: those decoding takes (_recorded_steps) on the
-first generation, before its prefill, timed apart as compile_seconds; any other length on first use.
+first generation, before its prefill (an offloaded full cache's, per length bucket, after it), timed apart as
+compile_seconds; any other length on first use.
 """
 
 import time
@@ -207,7 +208,7 @@ class Engine:
         retrieval chunk its first position is a multiple of."""
         offloaded = self.offloaded
         align = self.config.chunk_size if self._full_window() else None
-        return offloaded, self.config.on_chip_layers if offloaded else 0, self.compiled and not offloaded, align
+        return offloaded, self.config.on_chip_layers if offloaded else 0, self.compiled, align
 
     def _layout(self, kind: str, caps: Capacities) -> tuple:
         """What a held cache of kind (CacheKind) must have been built with for this engine to reuse it, besides
@@ -381,11 +382,11 @@ class Engine:
         shape = (model.num_layers, model.num_kv_heads, model.head_dim, caps.full, self.target.dtype)
         if self.offloaded:
             full = FullCache(*shape, "cpu")  # offload_kv pins it, exactly its bytes
-            offload_kv(full, device, self.config.on_chip_layers)  # its forwards run eager, on the streamed views
+            offload_kv(full, device, self.config.on_chip_layers)
         else:
             full = FullCache(*shape, device, window=self._full_window(), align=self.config.chunk_size)
-            if self.compiled:
-                full.make_static(model.num_heads, MAX_STEP_TOKENS)
+        if self.compiled:
+            full.make_static(model.num_heads, MAX_STEP_TOKENS)
         return full
 
     def _new_retrieval(self, caps: Capacities) -> RetrievalCache:
@@ -437,17 +438,25 @@ class Engine:
             if model.fixed_step is not None and cache.write_start is not None:
                 yield model, cache, longest
 
-    def _warm_up(self, caches: _InUse) -> float:
+    def _warm_up(self, caches: _InUse, prefilled: bool = False) -> float:
         """Record every padded length of every fixed-shape step (_recorded_steps) not yet recorded on these caches,
         and return the seconds it took. Each step runs at the cache's current length, written past what the cache
         holds and rolled back after, so a prefix kept from the last prefill (and the retrieval cache's summaries of
-        its chunks) stays. The drafter's cache records no step longer than its longest (StepGraphs.limit)."""
+        its chunks) stays. The drafter's cache records no step longer than its longest (StepGraphs.limit).
+
+        An offloaded full cache's steps are recorded per length bucket (KVCache.step_slots), which the prompt
+        decides: they are recorded after the prefill (prefilled), at the prompt's length; the others before it."""
         pending = []
         for model, cache, longest in self._recorded_steps(caches):
+            if (cache is caches.full and self.offloaded) != prefilled:
+                continue
             if cache is caches.streaming:
                 model.step_graphs.limit(cache, padded_length(longest))
             lengths = [1 << power for power in range(padded_length(longest).bit_length())]
-            pending += [(model, cache, n) for n in lengths if not model.step_graphs.holds(cache, n)]
+            held = cache.length
+            pending += [
+                (model, cache, n) for n in lengths if not model.step_graphs.holds(cache, n, cache.step_slots(held + n))
+            ]
         if not pending:
             return 0.0
         started = time.perf_counter()
@@ -748,6 +757,7 @@ class Engine:
             generated.append(first)
             if on_tokens is not None:
                 on_tokens([first], [Tier.TARGET])
+            stats.compile_seconds += self._warm_up(caches, prefilled=True)
             # 3. loop: rounds of the top tier
             top = self._build_tiers(caches, generator)
             chain = self._tier_chain(top)

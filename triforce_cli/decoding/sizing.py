@@ -207,8 +207,8 @@ def cache_items(
     half_copy: bool = False,
 ) -> list[MemoryItem]:
     """The caches' items: the retrieval cache with its chunk summaries (one key per chunk of the full cache, two for
-    the bound score), the drafter's StreamingLLM cache, the compiled steps' query buffer (FullCache.make_static;
-    not offloaded, where the full tier runs eager) and the full KV cache, on the device or, offloaded, in host
+    the bound score), the drafter's StreamingLLM cache, the compiled steps' query buffer (FullCache.make_static,
+    on the device, offloaded too) and the full KV cache, on the device or, offloaded, in host
     memory, where the retrieval cache also stages the chosen chunks of every layer before their upload
     (RetrievalCache.staging). Items of caches the capacities leave out are 0.
 
@@ -226,7 +226,7 @@ def cache_items(
     return [
         MemoryItem("retrieval cache", kv_bytes(target, caps.retrieval, dtype_bytes) + summaries, 0),
         MemoryItem("drafter cache", kv_bytes(drafter, caps.streaming, dtype_bytes) * drafter_copies, 0),
-        MemoryItem("step queries", step_queries if compiled and not offloaded else 0, 0),
+        MemoryItem("step queries", step_queries if compiled else 0, 0),
         MemoryItem("full KV cache", *((0, full_bytes) if offloaded else (full_bytes, 0))),
         MemoryItem("float16 prompt copy", kv_bytes(target, caps.full, 2) if half_copy else 0, 0),
         MemoryItem("retrieval staging", 0, kv_bytes(target, caps.budget, dtype_bytes) if offloaded else 0),

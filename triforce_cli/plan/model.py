@@ -482,15 +482,15 @@ def gpu_items(
 ) -> list[MemoryItem]:
     """What a GPU holds besides the weights and caches (GPU_ITEMS), each on every device: the CUDA context
     (runtime.environment.CUDA_CONTEXT_BYTES); with CUDA graphs, a pool per graphed model for the activations of its
-    longest fixed-shape step (MAX_STEP_TOKENS tokens; the full tier of an offloaded cache runs eager, its retrieval
-    tier does not); offloaded, the layer-wise prefill's hidden states of the whole prompt, held while the prefill
-    runs; and PLANNED_SLACK_SHARE of the card for the rest."""
+    longest fixed-shape step (MAX_STEP_TOKENS tokens; an offloaded full cache's steps are graphed too, one
+    recording per length bucket, which share the target's pool: a step's activations are freed when it ends);
+    offloaded, the layer-wise prefill's hidden states of the whole prompt, held while the prefill runs; and
+    PLANNED_SLACK_SHARE of the card for the rest."""
     size, copies, tiers = workload.dtype_bytes, hardware.gpus, MODE_TIERS[mode]
     offloaded = offload != OffloadMode.NONE
     pools = 0
     if hardware.cuda_graphs:
-        target_graphed = not offloaded or tiers.retrieval
-        pools += target.step_activation_bytes(MAX_STEP_TOKENS, size) if target_graphed else 0
+        pools += target.step_activation_bytes(MAX_STEP_TOKENS, size)
         pools += drafter.step_activation_bytes(MAX_STEP_TOKENS, size) if tiers.drafter else 0
     hidden = target.prefill_hidden_bytes(workload.context, size) if offloaded else 0
     return [

@@ -11,6 +11,12 @@ step eagerly on the same buffers, and counts the graphs it would have captured.
 Capture records the addresses of everything the step reads and writes: the cache's buffers (which make_static
 keeps in place), the model's weights and rotary frequencies (Transformer.fit_rope writes in place), and the static
 buffers here. A cache released takes its graphs with it (they are kept per cache, weakly).
+
+A cache whose steps read a number of slots that follows its length (KVCache.step_slots: an offloaded full cache
+streams its length bucket) keeps one recording per (P, slots): a step whose length passes into the next bucket
+records another. A step over an offloaded cache is recorded from the eager step even where the model's steps are
+compiled (Transformer.forward): its copies and cross-stream events stay out of the compiler, and a CUDA graph's
+capture takes them as they run (the copy stream forked from the capture stream and joined back by events).
 """
 
 import weakref
@@ -51,15 +57,20 @@ class StepGraphs:
     def __init__(self) -> None:
         self.captured = 0
         self._pool = None  # one memory pool for every graph of the model (torch.cuda.graph_pool_handle)
-        self._graphs: weakref.WeakKeyDictionary[KVCache, dict[int, StepGraph]] = weakref.WeakKeyDictionary()
+        # per cache: (padded length, slots read: KVCache.step_slots) -> its recording
+        self._graphs: weakref.WeakKeyDictionary[KVCache, dict[tuple[int, int], StepGraph]] = weakref.WeakKeyDictionary()
         self._longest: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
 
-    def holds(self, cache: KVCache, length: int) -> bool:
-        """Whether the step of padded length on cache is recorded."""
-        return length in self._graphs.get(cache, {})
+    def holds(self, cache: KVCache, length: int, slots: int = 0) -> bool:
+        """Whether the step of padded length on cache, reading slots (KVCache.step_slots), is recorded."""
+        return (length, slots) in self._graphs.get(cache, {})
 
     def lengths(self, cache: KVCache) -> list[int]:
-        """The padded lengths recorded on cache, shortest first."""
+        """The padded lengths recorded on cache, shortest first (each once, whatever slots it was recorded for)."""
+        return sorted({length for length, _ in self._graphs.get(cache, {})})
+
+    def recorded(self, cache: KVCache) -> list[tuple[int, int]]:
+        """The (padded length, slots) recorded on cache, in order."""
         return sorted(self._graphs.get(cache, {}))
 
     def limit(self, cache: KVCache, longest: int) -> None:
@@ -71,16 +82,19 @@ class StepGraphs:
         """The longest padded step recorded on cache (limit), default where none was set."""
         return self._longest.get(cache, default)
 
-    def run(self, step: StepFunction, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits (P, V) of step over tokens (P,) at positions (P,) on cache, prepared for them with padding: the
-        recorded step replayed, recorded first where it is not yet. The result is the step's static output, which
-        the next replay of the same step overwrites: the caller copies the rows it keeps.
+    def run(
+        self, step: StepFunction, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: int = 0
+    ) -> torch.Tensor:
+        """Logits (P, V) of step over tokens (P,) at positions (P,) on cache, prepared for them with padding and
+        reading slots (KVCache.step_slots): the recorded step replayed, recorded first where it is not yet. The
+        result is the step's static output, which the next replay of the same step overwrites: the caller copies
+        the rows it keeps.
 
         Replaying copies the inputs on the device and launches the graph: no host synchronization.
         """
-        recorded = self._graphs.setdefault(cache, {}).get(tokens.shape[0])
+        recorded = self._graphs.setdefault(cache, {}).get((tokens.shape[0], slots))
         if recorded is None:
-            recorded = self._record(step, tokens, positions, cache)
+            recorded = self._record(step, tokens, positions, cache, slots)
         recorded.tokens.copy_(tokens, non_blocking=True)
         recorded.positions.copy_(positions, non_blocking=True)
         if recorded.graph is None:
@@ -90,7 +104,9 @@ class StepGraphs:
             recorded.graph.replay()
         return recorded.logits
 
-    def _record(self, step: StepFunction, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> StepGraph:
+    def _record(
+        self, step: StepFunction, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: int
+    ) -> StepGraph:
         """A StepGraph of tokens' length on cache: on CUDA, the step run once on a side stream (which compiles it
         and lets the libraries it calls allocate their workspaces), then captured into the model's pool; on the CPU,
         its static buffers alone. The capture writes nothing: run() replays it next."""
@@ -107,6 +123,6 @@ class StepGraphs:
             recorded.graph = torch.cuda.CUDAGraph()
             with torch.no_grad(), torch.cuda.graph(recorded.graph, pool=self._pool):
                 recorded.logits = step(recorded.tokens, recorded.positions, cache)
-        self._graphs[cache][tokens.shape[0]] = recorded
+        self._graphs[cache][tokens.shape[0], slots] = recorded
         self.captured += 1
         return recorded

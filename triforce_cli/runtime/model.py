@@ -514,7 +514,10 @@ class Transformer(nn.Module):
             cache.prepare(start, num_tokens, padding=padded - num_tokens)
             tokens = F.pad(tokens, (0, padded - num_tokens))  # padding rows: token 0, written past cache.length
             positions = torch.arange(start, start + padded, device=tokens.device)
-            logits = self.step_graphs.run(self.fixed_step, tokens, positions, cache)
+            # an offloaded cache's step, with its copies and events, is recorded eager (runtime/graphs.py)
+            step = self.compute_logits if isinstance(cache, FullCache) and cache.stream is not None else self.fixed_step
+            slots = cache.step_slots(start + padded)
+            logits = self.step_graphs.run(step, tokens, positions, cache, slots)
             # a copy: a recorded step's outputs are overwritten by its next replay
             return logits[num_tokens - keep : num_tokens].clone()
         with torch.inference_mode():
