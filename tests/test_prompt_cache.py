@@ -134,8 +134,10 @@ class TestEntriesMatchTheirInputs:
 
 
 class TestSharedPrefixes:
-    """A prompt that starts like a saved one reuses its whole prefill chunks (256 positions each on the CPU), found
-    through the block hash index; the output is the fresh run's, token for token."""
+    """A prompt that starts like a saved one reuses the prefix it shares with it, whole prefill chunks (256 positions
+    each on the CPU) and the part of a chunk after them: the saved state is found through the block hash index of
+    its whole chunks, the shared length is the ids' own. The output is the fresh run's, token for token (past the
+    whole chunks, resting on the numeric contract, test_numeric_contract.py)."""
 
     DOCUMENT = " ".join(f"w{i * 7 % 31}" for i in range(530))  # two whole chunks and 18 words
 
@@ -149,10 +151,11 @@ class TestSharedPrefixes:
 
         return ask
 
-    def test_a_second_question_about_a_saved_document_prefills_only_its_new_chunk(self, ask):
+    def test_a_second_question_about_a_saved_document_prefills_only_its_new_tokens(self, ask):
         assert ask(self.DOCUMENT, "w1 w2 w3")["reused_tokens"] == 0
         second = ask(self.DOCUMENT, "w4 w5")
-        assert second["reused_tokens"] == 512 and not second["prompt_cached"]
+        shared = second["prompt_tokens"] - 2  # the document's ids: 530 words, past two whole chunks
+        assert second["reused_tokens"] == shared and shared % 256 and not second["prompt_cached"]
         assert second["token_ids"] == ask(self.DOCUMENT, "w4 w5", cache=False)["token_ids"]
         assert ask(self.DOCUMENT, "w4 w5")["prompt_cached"]  # saved whole, found whole
 
@@ -184,7 +187,7 @@ class TestSharedPrefixes:
         opened = []
         real = PromptCache._read
         monkeypatch.setattr(PromptCache, "_read", lambda self, path, *a: opened.append(path) or real(self, path, *a))
-        assert ask(self.DOCUMENT, "w7")["reused_tokens"] == 512
+        assert ask(self.DOCUMENT, "w7")["reused_tokens"] > 512
         assert len(opened) == 1  # the one state reused, none of the others
 
 

@@ -171,7 +171,8 @@ class Pipeline:
         should_stop: StopCheck | None = None,
     ) -> GenerationResult:
         """Generate after token ids; with prompt_cache (a folder), reuse a saved prefill of them or save this one,
-        reusing the whole prefill chunks of the saved prompt that shares the most of them (prefix reuse). A note
+        reusing the prefix shared with the saved prompt that shares the most whole prefill chunks with them (prefix
+        reuse: the whole shared prefix under the numeric contract, Engine.exact_positions). A note
         tells where the machine ran much slower than when its set-up was measured. should_stop: asked once per
         verification, True ends the generation there (Engine.generate)."""
         if prompt_cache is None:

@@ -10,12 +10,14 @@ run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, pre
 ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
 match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
 
-A prompt that only starts like a saved one (the same document, another question) reuses the saved state's whole
-prefill chunks (Engine's prefix reuse). The saved state is found through an index of block hashes
+A prompt that only starts like a saved one (the same document, another question) reuses the prefix it shares with
+the saved state (Engine's prefix reuse): under the numeric contract the whole shared prefix, which may end inside a
+prefill chunk, elsewhere its whole prefill chunks. The saved state is found through an index of block hashes
 (``PREFIX_INDEX``): one hash per whole chunk of a saved prompt, each covering the settings and every token id up to
 the chunk's end, mapped to the file; the prompt's own block hashes are looked up longest first, so no saved state is
-read but the one reused. The index is a hint: the file it names is checked (key, checksum, the shared ids) as an
-exact match is, and an index that is lost or stale only loses reuse.
+read but the one reused, and the length kept is then the ids' common prefix (Engine.generate), past the chunk the
+hashes found. The index is a hint: the file it names is checked (key, checksum, the shared ids) as an exact match
+is, and an index that is lost or stale only loses reuse.
 """
 
 import hashlib
@@ -177,8 +179,10 @@ class PromptCache:
 
     def load_longest_prefix(self, prompt_ids: list[int]) -> PromptState | None:
         """The saved prefill sharing the most whole prefill chunks with prompt_ids short of its last token (whose
-        logits a prefill computes), found through the block hash index; None where none shares a chunk. A file that
-        does not pass the checks of load is removed with a note, and the prompt is prefilled whole."""
+        logits a prefill computes), found through the block hash index; None where none shares a chunk. It may share
+        more than those chunks: the engine keeps the ids' whole common prefix where it computes under the numeric
+        contract (Engine.restore, then generate). A file that does not pass the checks of load is removed with a
+        note, and the prompt is prefilled whole."""
         index = self._read_index()
         for end, digest in reversed(self.block_hashes(prompt_ids, len(prompt_ids) - 1)):
             name = index.get(digest)
