@@ -159,6 +159,19 @@ class TestSharedPrefixes:
         assert second["token_ids"] == ask(self.DOCUMENT, "w4 w5", cache=False)["token_ids"]
         assert ask(self.DOCUMENT, "w4 w5")["prompt_cached"]  # saved whole, found whole
 
+    def test_a_prompt_going_on_from_a_saved_answer_keeps_the_answer_too(self, ask, tmp_path):
+        """After a generation the prompt's entry is saved again with the answer (all but its last token): a later
+        prompt that goes on from the answer prefills only that token and its own, and the prompt alone is still
+        served whole."""
+        first = ask(self.DOCUMENT, "w1 w2 w3")
+        answer = first["text"].strip()  # the word tokenizer: one word an id, the same ids again
+        assert len(list((tmp_path / "prompts").glob("*.safetensors"))) == 1  # the prefill, saved again with the answer
+        follow_up = ask(self.DOCUMENT, f"w1 w2 w3 {answer} w4")
+        assert follow_up["reused_tokens"] == first["prompt_tokens"] + len(first["token_ids"]) - 1
+        assert follow_up["token_ids"] == ask(self.DOCUMENT, f"w1 w2 w3 {answer} w4", cache=False)["token_ids"]
+        again = ask(self.DOCUMENT, "w1 w2 w3")  # the prompt alone is still served whole, its logits saved
+        assert again["prompt_cached"] and again["token_ids"] == first["token_ids"]
+
     def test_a_changed_document_or_another_model_reuses_nothing(self, ask, two_checkpoints):
         ask(self.DOCUMENT, "w1 w2 w3")
         changed = "w9 " + self.DOCUMENT.split(" ", 1)[1]

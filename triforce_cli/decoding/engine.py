@@ -14,7 +14,7 @@ first generation, before its prefill, timed apart as compile_seconds; any other 
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -671,12 +671,29 @@ class Engine:
         starts with its ids to keep (prefix reuse); the state was prefilled in this engine's chunks (PromptCache is
         keyed by them). next_prompt_tokens: the length of that next prompt, where known, so that the cache is
         allocated for it once (a cache too small for it is built anew and keeps nothing)."""
-        prompt_ids = prompt_state.prompt_ids.tolist()
-        self.check_prompt(prompt_ids)
+        held_ids = prompt_state.held_ids
+        self.check_prompt(held_ids)
         self._check_restorable(prompt_state)
-        full = self._allocate(max(len(prompt_ids), next_prompt_tokens)).full
-        with self._filling(prompt_ids):
-            prompt_state.restore(full)
+        full = self._allocate(max(len(held_ids), next_prompt_tokens)).full
+        with self._filling(held_ids):
+            prompt_state.restore(full, answer=True)
+
+    def answered_state(self, prompt_state: PromptState) -> PromptState | None:
+        """prompt_state (the prefill of the prompt just generated after, its keys and values left out or not) with
+        the answer the full cache holds after it (_Held: every committed token but the last), for the prompt cache to
+        save in its place, so that a later prompt going on from the answer keeps it too. None where the cache holds
+        no answer after that prompt, holds only a window, or where the answer's positions are not a prefill's bits
+        (outside the numeric contract, exact_positions). The full cache forgets the positions past what it holds."""
+        held, full = self._caches.holds, self._caches.full
+        prompt_ids = prompt_state.prompt_ids.tolist()
+        exact = held is not None and held.exact and self.exact_positions
+        if not exact or held.length <= len(prompt_ids) or held.ids[: len(prompt_ids)] != prompt_ids or full.offset:
+            return None
+        full.rollback(held.length)
+        full.settle()
+        _, keys, values = full.held()
+        answer_ids = torch.tensor(held.ids[len(prompt_ids) : held.length], dtype=torch.long)
+        return replace(prompt_state, answer_ids=answer_ids, keys=keys.clone(), values=values.clone())
 
     def _check_restorable(self, prompt_state: PromptState) -> None:
         """A ConfigError where prompt_state holds only the prompt's last positions (its full cache kept a sliding
