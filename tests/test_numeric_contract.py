@@ -17,6 +17,8 @@ import torch
 from helpers import make_model, random_prompt, small_config
 
 from triforce_cli.decoding.engine import Engine
+from triforce_cli.errors import ModelLoadError
+from triforce_cli.runtime.embedded import embedded_gguf_path
 from triforce_cli.runtime.environment import torch_threads
 from triforce_cli.runtime.loading import LoadedModel, load_model
 
@@ -92,10 +94,8 @@ def test_a_dense_float32_model_gives_every_position_the_same_bits_however_it_is_
 def test_the_embedded_gguf_model_gives_every_position_the_same_bits_however_it_is_fed():
     pytest.importorskip("gguf")
     try:
-        from triforce_cli.runtime.embedded import embedded_gguf_path
-
         embedded_gguf_path()
-    except Exception as missing:  # not installed: nothing to check
+    except ModelLoadError as missing:  # not installed: nothing to check
         pytest.skip(str(missing))
     loaded = load_model(None, weights="gguf")
     assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
