@@ -124,7 +124,7 @@ class _Held:
 @dataclass(frozen=True)
 class _InUse:
     """The caches one generation uses: the full cache, and the retrieval and StreamingLLM caches of its tiers;
-    kept: the prompt positions the full cache kept from the last prefill (Engine._allocate)."""
+    kept: the prompt positions the full cache kept from what it held (Engine._allocate)."""
 
     full: FullCache
     retrieval: RetrievalCache | None

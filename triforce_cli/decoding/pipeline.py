@@ -192,7 +192,8 @@ class Pipeline:
 
                 def save(fresh: PromptState) -> None:
                     if cache.save(fresh, prompt_ids):  # kept without its keys and values: the cache holds them
-                        saved.append(replace(fresh, keys=fresh.keys[:, :, :0], values=fresh.values[:, :, :0]))
+                        empty = fresh.keys[:, :, :0].clone()  # (layers, Hkv, 0, D), none of the copy's storage
+                        saved.append(replace(fresh, keys=empty, values=empty))
 
                 result = self.engine.generate(
                     prompt_ids, on_prefill, on_tokens, on_prompt_state=save, should_stop=should_stop
