@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.cli.chat import line_history, typed_lines
 from triforce_cli.decoding.chat import ChatTurn, ConversationIds
 from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
@@ -86,14 +88,13 @@ def test_each_prompt_extends_the_one_before_and_is_the_whole_conversation(pipe):
     turns, prefix = session.turns, session.conversation.document_prefix_ids
     assert len(turns) == len(QUESTIONS) and all(len(turn.result.token_ids) == NEW_TOKENS for turn in turns)
     assert turns[0].prompt_ids[: len(prefix)] == prefix and turns[0].carried_tokens == len(prefix)
-    chunk = pipe.engine.prefill_chunk
-    assert turns[0].result.stats.reused_tokens == len(prefix) // chunk * chunk > 0  # the document, read once
+    assert turns[0].result.stats.reused_tokens == len(prefix)  # the document, read once
     for before, after in itertools.pairwise(turns):
         read = before.prompt_ids + before.result.token_ids
         assert after.prompt_ids[: len(read)] == read
         assert after.carried_tokens == len(read) < len(after.prompt_ids)
-        # the last prompt's whole prefill chunks are kept; its answer, decoded rather than prefilled, is not
-        assert after.result.stats.reused_tokens == len(before.prompt_ids) // chunk * chunk
+        # the last prompt and its answer are kept but the answer's last token, whose keys no forward wrote yet
+        assert after.result.stats.reused_tokens == len(read) - 1
     tokenizer = pipe.target.tokenizer
     answers = [turn.result.text for turn in turns]
     for k, turn in enumerate(turns):
@@ -117,6 +118,42 @@ def test_greedy_answers_are_the_targets_on_the_whole_conversation(pipe):
         assert turn.result.token_ids == pipe.generate_ids(turn.prompt_ids).token_ids
     asked_first = pipe.chat(DOCUMENT).ask(QUESTIONS[1])
     assert asked_first.token_ids != results[1].token_ids
+
+
+def test_each_turn_prefills_only_what_is_new_and_answers_as_a_fresh_engine(pipe, monkeypatch):
+    """Three questions: after the document, each turn's prefill computes only the positions the engine does not
+    hold (counted as the full cache's prefill forwards compute them): the first question's own tokens, then the last
+    answer's last token (no forward wrote its keys yet), the template's end of turn and the next question. Each
+    greedy answer is a fresh engine's on the same conversation, prefilled whole, in triforce mode and
+    autoregressive (resting on the numeric contract, test_numeric_contract.py)."""
+    model = pipe.target.model
+    real, prefilled = model.forward, []
+
+    def forward(tokens, start, cache, num_logits=None, decoding=True):
+        if not decoding and cache is pipe.engine._caches.full:
+            prefilled.append(len(tokens))
+        return real(tokens, start, cache, num_logits=num_logits, decoding=decoding)
+
+    monkeypatch.setattr(model, "forward", forward)
+    session = pipe.chat(DOCUMENT)
+    session.prefill()
+    counts = []
+    for question in QUESTIONS:
+        prefilled.clear()
+        session.ask(question)
+        counts.append(sum(prefilled))
+    monkeypatch.undo()
+    turns = session.turns
+    assert counts[0] == len(turns[0].prompt_ids) - len(session.conversation.document_prefix_ids)
+    for before, after, count in zip(turns, turns[1:], counts[1:]):
+        new = len(after.prompt_ids) - len(before.prompt_ids) - len(before.result.token_ids)
+        assert count == new + 1 == len(after.prompt_ids) - after.result.stats.reused_tokens
+    for mode in ("triforce", "autoregressive"):
+        fresh = Engine(pipe.target, replace(pipe.config, mode=mode), prefill_threads=pipe.engine.prefill_threads)
+        for turn in turns:
+            answer = fresh.generate(turn.prompt_ids)
+            fresh._caches.holds = None  # nothing kept for the next conversation: each prefilled whole
+            assert answer.token_ids == turn.result.token_ids, mode
 
 
 def test_reset_goes_back_to_the_document_alone(pipe):
@@ -248,8 +285,7 @@ def test_a_restored_document_is_kept_for_the_first_question(pipe, tmp_path):
     restoring = pipe.chat(DOCUMENT)
     assert restoring.prefill(prompt_cache=tmp_path) is True
     answer = restoring.ask(QUESTIONS[0])
-    chunk = pipe.engine.prefill_chunk
-    assert answer.stats.reused_tokens == len(restoring.conversation.document_prefix_ids) // chunk * chunk > 0
+    assert answer.stats.reused_tokens == len(restoring.conversation.document_prefix_ids)
     assert answer.token_ids == expected.token_ids
 
 

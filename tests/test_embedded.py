@@ -143,9 +143,11 @@ def test_gguf_weights_give_the_dense_greedy_tokens_in_every_mode(greedy_runs, gg
 def test_a_prompt_reusing_the_last_prompts_prefix_gives_the_fresh_tokens_in_every_mode(
     greedy_runs, gguf_target, long_prompt
 ):
-    """Prefix reuse on the embedded model with GGUF weights (the float16 copy kept for the kept positions): a prompt
-    that starts with the last one's first 1,500 tokens keeps their whole prefill chunks, and every mode gives the
-    tokens of a fresh prefill (the dense autoregressive ones, as the test above shows them equal)."""
+    """Prefix reuse on the embedded model with GGUF weights, under the numeric contract: a prompt that starts with
+    the last one's first 1,500 tokens keeps all of them, a partial prefill chunk past five whole ones (and any
+    answer tokens that continue it as the prompt does), and every mode gives the tokens of a fresh prefill (the
+    dense autoregressive ones, as the test above shows them equal), resting on the contract's kernels
+    (test_numeric_contract.py)."""
     config = EngineConfig(budget=256, chunk_size=16, refresh_interval=2, max_new_tokens=NEW_TOKENS,
                           sampling=SamplingConfig(temperature=0), cache_positions=len(long_prompt) + 64)  # fmt: skip
     engine = Engine(gguf_target, config)
@@ -153,7 +155,7 @@ def test_a_prompt_reusing_the_last_prompts_prefix_gives_the_fresh_tokens_in_ever
         engine = engine.reconfigured(replace(config, mode=mode), None)
         engine.generate(long_prompt[:1500])
         result = engine.generate(long_prompt)
-        assert result.stats.reused_tokens == 1280, mode  # five whole chunks of 256
+        assert result.stats.reused_tokens >= 1500, mode  # five whole chunks of 256 and 220 positions
         assert result.token_ids == greedy_runs["autoregressive"].token_ids, mode
 
 

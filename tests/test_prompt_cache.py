@@ -134,8 +134,10 @@ class TestEntriesMatchTheirInputs:
 
 
 class TestSharedPrefixes:
-    """A prompt that starts like a saved one reuses its whole prefill chunks (256 positions each on the CPU), found
-    through the block hash index; the output is the fresh run's, token for token."""
+    """A prompt that starts like a saved one reuses the prefix it shares with it, whole prefill chunks (256 positions
+    each on the CPU) and the part of a chunk after them: the saved state is found through the block hash index of
+    its whole chunks, the shared length is the ids' own. The output is the fresh run's, token for token (past the
+    whole chunks, resting on the numeric contract, test_numeric_contract.py)."""
 
     DOCUMENT = " ".join(f"w{i * 7 % 31}" for i in range(530))  # two whole chunks and 18 words
 
@@ -149,12 +151,26 @@ class TestSharedPrefixes:
 
         return ask
 
-    def test_a_second_question_about_a_saved_document_prefills_only_its_new_chunk(self, ask):
+    def test_a_second_question_about_a_saved_document_prefills_only_its_new_tokens(self, ask):
         assert ask(self.DOCUMENT, "w1 w2 w3")["reused_tokens"] == 0
         second = ask(self.DOCUMENT, "w4 w5")
-        assert second["reused_tokens"] == 512 and not second["prompt_cached"]
+        shared = second["prompt_tokens"] - 2  # the document's ids: 530 words, past two whole chunks
+        assert second["reused_tokens"] == shared and shared % 256 and not second["prompt_cached"]
         assert second["token_ids"] == ask(self.DOCUMENT, "w4 w5", cache=False)["token_ids"]
         assert ask(self.DOCUMENT, "w4 w5")["prompt_cached"]  # saved whole, found whole
+
+    def test_a_prompt_going_on_from_a_saved_answer_keeps_the_answer_too(self, ask, tmp_path):
+        """After a generation the prompt's entry is saved again with the answer (all but its last token): a later
+        prompt that goes on from the answer prefills only that token and its own, and the prompt alone is still
+        served whole."""
+        first = ask(self.DOCUMENT, "w1 w2 w3")
+        answer = first["text"].strip()  # the word tokenizer: one word an id, the same ids again
+        assert len(list((tmp_path / "prompts").glob("*.safetensors"))) == 1  # the prefill, saved again with the answer
+        follow_up = ask(self.DOCUMENT, f"w1 w2 w3 {answer} w4")
+        assert follow_up["reused_tokens"] == first["prompt_tokens"] + len(first["token_ids"]) - 1
+        assert follow_up["token_ids"] == ask(self.DOCUMENT, f"w1 w2 w3 {answer} w4", cache=False)["token_ids"]
+        again = ask(self.DOCUMENT, "w1 w2 w3")  # the prompt alone is still served whole, its logits saved
+        assert again["prompt_cached"] and again["token_ids"] == first["token_ids"]
 
     def test_a_changed_document_or_another_model_reuses_nothing(self, ask, two_checkpoints):
         ask(self.DOCUMENT, "w1 w2 w3")
@@ -184,7 +200,7 @@ class TestSharedPrefixes:
         opened = []
         real = PromptCache._read
         monkeypatch.setattr(PromptCache, "_read", lambda self, path, *a: opened.append(path) or real(self, path, *a))
-        assert ask(self.DOCUMENT, "w7")["reused_tokens"] == 512
+        assert ask(self.DOCUMENT, "w7")["reused_tokens"] > 512
         assert len(opened) == 1  # the one state reused, none of the others
 
 

@@ -18,11 +18,13 @@ from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app as cli_app
 from triforce_cli.cli.serve import is_loopback
+from triforce_cli.decoding.chat import shared_length
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
+from triforce_cli.runtime.prompts import encode_messages
 
 for extra in ("openai", "httpx", "fastapi", "uvicorn"):  # the web stack and the test extra's clients
     pytest.importorskip(extra, reason=f"`{extra}` is not installed (`pip install -e .[test]`)")
@@ -200,15 +202,34 @@ def test_seeded_sampling_repeats(live):
     assert any(sampled(seed) != first for seed in (8, 9, 10))
 
 
-def test_a_second_question_about_the_document_reuses_its_prefill(live):
+def test_a_second_question_about_the_document_prefills_only_its_new_tokens(live):
     client = live.client()
     client.chat.completions.create(model=MODEL, messages=question("w1"), max_tokens=4, temperature=0)
     second = client.chat.completions.create(model=MODEL, messages=question("w2 w6"), max_tokens=4, temperature=0)
+    tokenizer = chat_model().tokenizer
+    first_ids, second_ids = (encode_messages(tokenizer, question(words)) for words in ("w1", "w2 w6"))
+    shared = shared_length(first_ids, second_ids)
     reused = second.usage.triforce["prefix_tokens_reused"]
-    assert reused >= 80  # the document's whole chunks of 16 (96 words after the template's 2)
+    assert reused == shared > 96  # the template's start and the whole document, not only its whole prefill chunks
+    assert second.usage.prompt_tokens - reused == len(second_ids) - shared
     assert second.usage.prompt_tokens_details.cached_tokens == reused
     metrics = httpx.get(f"{live.url}/metrics").text
     assert float(metric(metrics, "triforce_prefix_tokens_reused_total")) >= reused
+
+
+def test_a_follow_up_holding_the_answer_prefills_only_the_end_of_turn_and_the_question(live):
+    """The answer's keys and values stay in the full cache: a request that sends the conversation back with it
+    (its text tokenized as the template renders it, the same ids here) keeps the last prompt and the answer but its
+    last token, whose keys no forward wrote yet."""
+    client = live.client()
+    first = client.chat.completions.create(model=MODEL, messages=question("w3"), max_tokens=6, temperature=0)
+    answer = first.choices[0].message.content
+    follow_up = [*question("w3"), {"role": "assistant", "content": answer}, {"role": "user", "content": "w4 w5"}]
+    second = client.chat.completions.create(model=MODEL, messages=follow_up, max_tokens=4, temperature=0)
+    tokenizer = chat_model().tokenizer
+    held = encode_messages(tokenizer, question("w3")) + tokenizer(answer, add_special_tokens=False).input_ids
+    assert encode_messages(tokenizer, follow_up)[: len(held)] == held
+    assert second.usage.triforce["prefix_tokens_reused"] == len(held) - 1
 
 
 def test_a_stop_string_cuts_the_text_and_finishes_with_stop(live):

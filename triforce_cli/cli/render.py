@@ -157,7 +157,7 @@ def _prefill_source(stats: GenerationStats) -> str:
     if stats.prompt_cached:
         return " (restored from the prompt cache)"
     if stats.reused_tokens:
-        return f" ({stats.reused_tokens} prompt tokens kept from an earlier prompt's prefill, the rest prefilled)"
+        return f" ({stats.reused_tokens} prompt tokens kept from an earlier prompt and its answer, the rest prefilled)"
     return ""
 
 

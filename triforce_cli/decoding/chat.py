@@ -13,7 +13,7 @@ the answer before it and a user turn of its own. Turns are rendered with a place
 apart from it, so the document's ids are the same in every prompt and the template never runs over it. A prompt
 extends the one before it: turn k+1's ids are turn k's prompt ids, the ids of its answer as they were generated,
 then the tokenized text the template puts between that answer and the end of the next question. Exact prefix reuse
-in the engine then has only that last text to prefill.
+in the engine then has only that last text to prefill, and the answer's last token, whose keys no forward wrote.
 
 Where a template breaks the extension: it rewrites earlier turns (drops the reasoning of earlier answers, as Qwen3's
 does, or moves the system prompt into the latest user turn, as Mistral's does); its prompt for the answer is not the
@@ -21,7 +21,8 @@ start it gives an answered assistant turn; it trims an answer that starts or end
 ``| trim``); or the answer ended on an end-of-sequence token other than the one the template closes a turn with.
 That turn's prompt is then the template's whole rendering tokenized around the document: the document's ids stay the
 same, behind the template's text before it, but the earlier turns are tokenized anew and their ids need not be
-those generated.
+those generated. Reuse goes by ids (the common prefix of the prompt and the ids the engine holds), so such a turn
+still keeps the document and whatever comes after it unchanged.
 """
 
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ class ChatSession:
     def prefill(self, on_prefill: PrefillCallback | None = None, prompt_cache: Path | None = None) -> bool:
         """Read the template's text before the document and the document into the target's full cache now, once,
         so that the first question's prompt extends what the engine holds and prefills only its own tokens
-        (prefix reuse keeps the document's whole prefill chunks).
+        (prefix reuse keeps the document, Engine.generate).
 
         Args:
             on_prefill: receives (model name, tokens done, tokens total) as the prefill goes on.

@@ -44,7 +44,8 @@ MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sink
 # query rows then number Hkv * G*T / 128 = 1,024 for an 8B model's 32 query heads, enough to fill every SM of an
 # H100 (512 tokens gave 128 for its 132), and 128K tokens take 32 forwards rather than 256, each paying the
 # layers' launches once. Its activations, about 0.5 GiB for an 8B model in bfloat16 (logits of the last row only),
-# are an item of the memory plan (decoding.sizing.prefill_activation_bytes); prefix reuse keeps whole chunks.
+# are an item of the memory plan (decoding.sizing.prefill_activation_bytes); prefix reuse keeps whole chunks
+# where a position's bits depend on the forward's shape (outside the numeric contract: Engine.exact_positions).
 PREFILL_CHUNK = {"cpu": 256, "cuda": 4096}
 
 

@@ -15,7 +15,7 @@ compile_seconds; any other length on first use.
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -72,43 +72,60 @@ class _Caches:
     streaming: StreamingCache | None = None
     layouts: dict[str, tuple] = field(default_factory=dict)
     held: dict[str, tuple[int, int]] = field(default_factory=dict)
-    prefilled: "_Prefilled | None" = None  # what the full cache's first positions hold, for the next prompt to reuse
+    holds: "_Held | None" = None  # what the full cache's first positions hold, for the next prompt to reuse
 
     def release(self, kind: str) -> None:
         """Drop the cache of kind, so that its buffers are freed before a new one is allocated."""
         if kind == CacheKind.FULL:
-            self.prefilled = None
+            self.holds = None
         setattr(self, kind, None)
         self.layouts.pop(kind, None)
         self.held.pop(kind, None)
 
 
-@dataclass(frozen=True)
-class _Prefilled:
-    """A prompt the full cache holds at positions [0, len(ids)) as a prefill in chunks of `chunk` computed them,
-    rotated with the LongRoPE set rope_factors (Transformer.fit_rope; None for other RoPE variants)."""
+@dataclass
+class _Held:
+    """What the full cache's first positions hold, for the next prompt to keep: positions [0, length) hold the keys
+    and values of ids[:length], rotated with the LongRoPE set rope_factors (Transformer.fit_rope; None for other
+    RoPE variants). The first `prefilled` of them a prefill computed in chunks of `chunk` from a multiple of it (or
+    from any position where exact), the rest decoding's forwards (committed tokens: verified drafts and the tokens
+    the target sampled, never a draft rolled back). exact: every position was computed under the numeric contract
+    (Engine.exact_positions), so it holds the same bits however its forward grouped it."""
 
-    ids: tuple[int, ...]
+    ids: list[int]
+    length: int
+    prefilled: int
     chunk: int
     rope_factors: str | None
+    exact: bool
 
-    def reusable(self, prompt_ids: list[int], chunk: int, rope_factors: str | None) -> int:
+    def reusable(self, prompt_ids: list[int], chunk: int, rope_factors: str | None, exact: bool) -> int:
         """Positions a prefill of prompt_ids in chunks of `chunk`, rotated with rope_factors, may keep instead of
-        computing: the whole chunks both prompts share, short of prompt_ids' last token (its logits are computed).
-        A chunk is kept only where this prefill computed it whole with the same chunking and the same frequencies,
-        so every kept position holds what a fresh prefill of prompt_ids would write there, bit for bit: the same
-        forward of the same tokens on the same cache."""
-        if chunk != self.chunk or rope_factors != self.rope_factors:
+        computing, so that every kept position holds what a fresh prefill of prompt_ids would write there, bit for
+        bit, short of prompt_ids' last token (its logits are computed).
+
+        exact (this engine computes under the numeric contract) and every held position so computed: the whole
+        prefix the ids share, prompt, decoded answer and partial chunks alike, at any length. Otherwise a
+        position's bits depend on the forward that computed it: only the whole chunks a prefill with the same
+        chunking computed (the same forward of the same tokens on the same cache), none where rope_factors differ.
+        """
+        if rope_factors != self.rope_factors:
             return 0
-        limit = min(len(self.ids), len(prompt_ids) - 1)
+        limit = min(self.length, len(prompt_ids) - 1)  # length <= len(ids)
         shared = next((i for i in range(limit) if self.ids[i] != prompt_ids[i]), limit)
-        return shared // chunk * chunk
+        if exact and self.exact:
+            return shared
+        if exact:  # the prefill's positions are exact whatever the steps after it
+            return min(shared, self.prefilled)
+        if chunk != self.chunk:
+            return 0
+        return min(shared, self.prefilled) // chunk * chunk
 
 
 @dataclass(frozen=True)
 class _InUse:
     """The caches one generation uses: the full cache, and the retrieval and StreamingLLM caches of its tiers;
-    kept: the prompt positions the full cache kept from the last prefill (Engine._allocate)."""
+    kept: the prompt positions the full cache kept from what it held (Engine._allocate)."""
 
     full: FullCache
     retrieval: RetrievalCache | None
@@ -172,6 +189,17 @@ class Engine:
         """Whether the target runs its decode steps as fixed-shape steps, recorded or compiled (Transformer.use_steps),
         on caches made static."""
         return self.target.model.fixed_step is not None
+
+    @property
+    def exact_positions(self) -> bool:
+        """Whether every forward on the full cache computes under the numeric contract (docs/architecture.md): a
+        float32 target on the CPU with the cpu attention kernels and eager steps, whose kernels compute a row in an
+        order of arithmetic that depends neither on the rows beside it nor on the thread count. A position then
+        holds the same bits whether a prefill chunk, a verification or a one-token step computed it, and reuse keeps
+        whatever the cache holds of a prompt (_Held.reusable). Its prefill is exact with any steps: it runs eager."""
+        target = self.target
+        on_contract = target.device.type == "cpu" and target.dtype == torch.float32
+        return on_contract and target.model.attention_backend == "cpu" and not self.compiled
 
     def reconfigured(self, config: EngineConfig, drafter: LoadedModel | None) -> "Engine":
         """An engine for the same target with config and drafter, sharing this engine's caches (and prefill
@@ -339,7 +367,7 @@ class Engine:
         context of prompt_tokens + max_new_tokens for every forward until the next allocation (fit_rope).
 
         keep: prompt positions to keep in a full cache that is held, with the retrieval cache's summaries of the
-        chunks they fill (a prefix shared with the last prefill, _Prefilled.reusable); _InUse.kept says how many
+        chunks they fill (a prefix shared with what the cache holds, _Held.reusable); _InUse.kept says how many
         were kept: none where the full cache is built anew, or keeps only a window and dropped a position a
         forward from keep reads (FullCache.can_write_from).
         """
@@ -366,6 +394,8 @@ class Engine:
                 caches.layouts[kind] = self._layout(kind, caps)
                 caches.held[kind] = sizes[kind]
         caches.full.rollback(kept)  # 0: empty
+        if caches.holds is not None:
+            caches.holds.length = min(caches.holds.length, kept)
         retrieval = caches.retrieval if cfg.uses_retrieval else None
         if retrieval is not None:
             retrieval.reset(0 if CacheKind.RETRIEVAL in build else kept)
@@ -521,8 +551,8 @@ class Engine:
         first: int = 0,
     ) -> torch.Tensor:
         """Run the prompt through model in chunks on prefill_threads; return the logits (1, V) after its last token.
-        on_chunk receives each chunk's seconds. first: a multiple of the chunk, the positions before it already
-        in the cache (kept from the last prefill).
+        on_chunk receives each chunk's seconds. first: the positions before it are in the cache already (kept from
+        what it held, _Held.reusable: a multiple of the chunk but under the numeric contract), the chunks start there.
 
         A full cache in host memory is prefilled layer by layer (_prefill_layerwise); any other cache chunk by chunk.
         A chunk is timed by the device's clock (DeviceClock): on a GPU to the end of its work, which the host then
@@ -650,12 +680,29 @@ class Engine:
         starts with its ids to keep (prefix reuse); the state was prefilled in this engine's chunks (PromptCache is
         keyed by them). next_prompt_tokens: the length of that next prompt, where known, so that the cache is
         allocated for it once (a cache too small for it is built anew and keeps nothing)."""
-        prompt_ids = prompt_state.prompt_ids.tolist()
-        self.check_prompt(prompt_ids)
+        held_ids = prompt_state.held_ids
+        self.check_prompt(held_ids)
         self._check_restorable(prompt_state)
-        full = self._allocate(max(len(prompt_ids), next_prompt_tokens)).full
-        with self._filling(prompt_ids):
-            prompt_state.restore(full)
+        full = self._allocate(max(len(held_ids), next_prompt_tokens)).full
+        with self._filling(held_ids):
+            prompt_state.restore(full, answer=True)
+
+    def answered_state(self, prompt_state: PromptState) -> PromptState | None:
+        """prompt_state (the prefill of the prompt just generated after, its keys and values left out or not) with
+        the answer the full cache holds after it (_Held: every committed token but the last), for the prompt cache to
+        save in its place, so that a later prompt going on from the answer keeps it too. None where the cache holds
+        no answer after that prompt, holds only a window, or where the answer's positions are not a prefill's bits
+        (outside the numeric contract, exact_positions). The full cache forgets the positions past what it holds."""
+        held, full = self._caches.holds, self._caches.full
+        prompt_ids = prompt_state.prompt_ids.tolist()
+        exact = held is not None and held.exact and self.exact_positions
+        if not exact or held.length <= len(prompt_ids) or held.ids[: len(prompt_ids)] != prompt_ids or full.offset:
+            return None
+        full.rollback(held.length)
+        full.settle()
+        _, keys, values = full.held()
+        answer_ids = torch.tensor(held.ids[len(prompt_ids) : held.length], dtype=torch.long)
+        return replace(prompt_state, answer_ids=answer_ids, keys=keys.clone(), values=values.clone())
 
     def _check_restorable(self, prompt_state: PromptState) -> None:
         """A ConfigError where prompt_state holds only the prompt's last positions (its full cache kept a sliding
@@ -671,9 +718,11 @@ class Engine:
     def _filling(self, prompt_ids: list[int]) -> Iterator[None]:
         """Around writing prompt_ids' prefill into the full cache: nothing there to reuse while it runs, and
         prompt_ids once it has finished (an interrupted one leaves nothing)."""
-        self._caches.prefilled = None
+        self._caches.holds = None
         yield
-        self._caches.prefilled = _Prefilled(tuple(prompt_ids), self.prefill_chunk, self.target.model.rope_factors)
+        length = len(prompt_ids)
+        rope_factors, exact = self.target.model.rope_factors, self.exact_positions
+        self._caches.holds = _Held(list(prompt_ids), length, length, self.prefill_chunk, rope_factors, exact)
 
     def _prefill_caches(
         self,
@@ -741,11 +790,11 @@ class Engine:
         generated: list[int] = []
         chain: list[ModelTier] = []  # the tiers, top first, once built
         try:
-            held = self._caches.prefilled
+            held = self._caches.holds
             keep = 0
             if prompt_state is None and held is not None:
                 rope_factors = self.target.model.rope_factors_for(len(prompt_ids) + cfg.max_new_tokens)
-                keep = held.reusable(prompt_ids, self.prefill_chunk, rope_factors)
+                keep = held.reusable(prompt_ids, self.prefill_chunk, rope_factors, self.exact_positions)
             # 1. allocate
             caches = self._allocate(len(prompt_ids), keep)
             stats.compile_seconds = self._warm_up(caches)
@@ -755,6 +804,8 @@ class Engine:
             first = int(from_rank_zero(sample(probabilities(logits, cfg.sampling), generator)))
             stats.prefill_seconds = time.perf_counter() - started
             generated.append(first)
+            held = self._caches.holds
+            held.ids.append(first)
             if on_tokens is not None:
                 on_tokens([first], [Tier.TARGET])
             stats.compile_seconds += self._warm_up(caches, prefilled=True)
@@ -763,7 +814,7 @@ class Engine:
             chain = self._tier_chain(top)
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
             stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]
-            self._decode(top, prompt_ids, generated, stats, on_tokens, should_stop)
+            self._decode(top, prompt_ids, generated, held, stats, on_tokens, should_stop)
         except KeyboardInterrupt:
             stats.stop_reason = "interrupted"
         stats.tier_costs = [tier.costs() for tier in chain if tier.proposer is not None]
@@ -779,9 +830,22 @@ class Engine:
         return chain
 
     def _decode(
-        self, top: ModelTier, prompt_ids: list[int], generated: list[int], stats, on_tokens, should_stop=None
+        self,
+        top: ModelTier,
+        prompt_ids: list[int],
+        generated: list[int],
+        held: _Held,
+        stats,
+        on_tokens,
+        should_stop=None,
     ) -> None:
         """Rounds of the top tier (ModelTier.step) until max_new_tokens, an end-of-sequence token or should_stop.
+
+        held: what the full cache holds (_Held of the prompt and the first token), kept up to date round by round
+        for the next prompt to reuse: its ids are the prompt and every committed token, its length the full cache's
+        after the last round that ended (each round leaves it at the committed tokens' length, less the last one,
+        whose keys the next round writes), so that a round interrupted in the middle of a forward leaves only
+        positions that hold what their ids say.
 
         The committed ids live on the device (TokenSequence), copied there once: each round appends its tokens from
         the device, and the host learns them from the round's one read (a verification's, or where the top tier
@@ -808,6 +872,8 @@ class Engine:
             stats.round_tokens.append(len(tokens))
             committed.append(verified.ids[: len(tokens)], tokens)
             generated += tokens
+            held.ids += tokens
+            held.length = min(top.cache.length, len(held.ids))  # an end-of-sequence token may cut accepted drafts
             if on_tokens is not None:
                 on_tokens(tokens, verified.origins[: len(tokens)])
             if stop is not None:

@@ -16,7 +16,7 @@ import torch
 from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, StopCheck, TokenCallback
-from triforce_cli.decoding.prompt_state import PromptCache, check_writable
+from triforce_cli.decoding.prompt_state import PromptCache, PromptState, check_writable
 from triforce_cli.decoding.setup import LoadOptions, apply_setup, current_machine, resolve_setup
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.decoding.tuning import Tuning, fastest_configuration, slower_than_measured
@@ -171,7 +171,8 @@ class Pipeline:
         should_stop: StopCheck | None = None,
     ) -> GenerationResult:
         """Generate after token ids; with prompt_cache (a folder), reuse a saved prefill of them or save this one,
-        reusing the whole prefill chunks of the saved prompt that shares the most of them (prefix reuse). A note
+        reusing the prefix shared with the saved prompt that shares the most whole prefill chunks with them (prefix
+        reuse: the whole shared prefix under the numeric contract, Engine.exact_positions). A note
         tells where the machine ran much slower than when its set-up was measured. should_stop: asked once per
         verification, True ends the generation there (Engine.generate)."""
         if prompt_cache is None:
@@ -179,6 +180,7 @@ class Pipeline:
         else:
             cache = self.prompt_cache(prompt_cache)
             state = cache.load(prompt_ids)
+            saved = [] if state is None else [state]  # the prompt's entry, saved again with the answer after
             if state is not None:
                 result = self.engine.generate(
                     prompt_ids, on_prefill, on_tokens, prompt_state=state, should_stop=should_stop
@@ -187,13 +189,20 @@ class Pipeline:
                 earlier = cache.load_longest_prefix(prompt_ids)
                 if earlier is not None:
                     self.engine.restore(earlier, next_prompt_tokens=len(prompt_ids))
+
+                def save(fresh: PromptState) -> None:
+                    if cache.save(fresh, prompt_ids):  # kept without its keys and values: the cache holds them
+                        empty = fresh.keys[:, :, :0].clone()  # (layers, Hkv, 0, D), none of the copy's storage
+                        saved.append(replace(fresh, keys=empty, values=empty))
+
                 result = self.engine.generate(
-                    prompt_ids,
-                    on_prefill,
-                    on_tokens,
-                    on_prompt_state=lambda fresh: cache.save(fresh, prompt_ids),
-                    should_stop=should_stop,
+                    prompt_ids, on_prefill, on_tokens, on_prompt_state=save, should_stop=should_stop
                 )
+            answered = None
+            if saved and result.stats.stop_reason != "interrupted":
+                answered = self.engine.answered_state(saved[0])
+            if answered is not None:
+                cache.save(answered, prompt_ids)
         slow = None if self.tuning is None else slower_than_measured(self.tuning, result.stats.prefill_chunk_seconds)
         if slow is not None and self.status is not None:
             self.status(slow)

@@ -10,12 +10,16 @@ run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, pre
 ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
 match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
 
-A prompt that only starts like a saved one (the same document, another question) reuses the saved state's whole
-prefill chunks (Engine's prefix reuse). The saved state is found through an index of block hashes
+Under the numeric contract (Engine.exact_positions) a prompt's entry is saved again after its generation with the
+answer the full cache holds after it (PromptState.answer_ids), so that the next turn of a conversation keeps it too.
+A prompt that only starts like a saved one (the same document, another question) reuses the prefix it shares with
+the saved state (Engine's prefix reuse): under the numeric contract the whole shared prefix, which may end inside a
+prefill chunk, elsewhere its whole prefill chunks. The saved state is found through an index of block hashes
 (``PREFIX_INDEX``): one hash per whole chunk of a saved prompt, each covering the settings and every token id up to
 the chunk's end, mapped to the file; the prompt's own block hashes are looked up longest first, so no saved state is
-read but the one reused. The index is a hint: the file it names is checked (key, checksum, the shared ids) as an
-exact match is, and an index that is lost or stale only loses reuse.
+read but the one reused, and the length kept is then the ids' common prefix (Engine.generate), past the chunk the
+hashes found. The index is a hint: the file it names is checked (key, checksum, the shared ids) as an exact match
+is, and an index that is lost or stale only loses reuse.
 """
 
 import hashlib
@@ -33,17 +37,24 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically
 
-TENSOR_NAMES = ("prompt_ids", "keys", "values", "last_queries", "last_logits")
+TENSOR_NAMES = ("prompt_ids", "answer_ids", "keys", "values", "last_queries", "last_logits")
 PREFIX_INDEX = ".prefix-index.json"  # block hash -> saved file (a dot name: never counted or evicted as an entry)
 
 
 @dataclass
 class PromptState:
-    """A prefilled prompt of P tokens. A full cache keeping only its window (FullCache.window) holds the prompt's
-    last positions alone: keys and values then hold positions [first_position, P), first_position = P - n."""
+    """A prefilled prompt of P tokens, and the A tokens of an answer decoded after it whose keys and values the full
+    cache held after the generation (Engine.with_answer; none in a state saved after the prefill). A full cache
+    keeping only its window (FullCache.window) holds the last positions alone: keys and values then hold positions
+    [first_position, P + A), first_position = P + A - n.
+
+    The logits and queries are the prompt's: restored for the prompt itself (restore), the state serves it whole;
+    for a longer prompt that starts with its ids, the answer's positions too (restore with the answer, the longer
+    prompt computing its own last positions)."""
 
     prompt_ids: torch.Tensor  # (P,)
-    keys: torch.Tensor  # (layers, Hkv, n, D), n <= P: positions [P - n, P)
+    answer_ids: torch.Tensor  # (A,): answer tokens held after the prompt, each position computed by decoding
+    keys: torch.Tensor  # (layers, Hkv, n, D), n <= P + A: positions [P + A - n, P + A)
     values: torch.Tensor  # (layers, Hkv, n, D)
     last_queries: torch.Tensor  # (layers, Hq, D): queries at the last prompt position
     last_logits: torch.Tensor  # (1, V): logits after the last prompt token
@@ -55,6 +66,7 @@ class PromptState:
         queries = full.queries_at(full.length - 1)
         return cls(
             torch.tensor(prompt_ids, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
             keys.clone(),
             values.clone(),
             queries.clone(),
@@ -62,23 +74,32 @@ class PromptState:
         )
 
     @property
+    def held_ids(self) -> list[int]:
+        """The ids whose positions the state holds: the prompt's, then the answer's."""
+        return [*self.prompt_ids.tolist(), *self.answer_ids.tolist()]
+
+    @property
     def first_position(self) -> int:
         """The first position keys and values hold: 0 but for a full cache that kept only its window."""
-        return self.prompt_ids.shape[0] - self.keys.shape[2]
+        return self.prompt_ids.shape[0] + self.answer_ids.shape[0] - self.keys.shape[2]
 
     def matches(self, prompt_ids: list[int]) -> bool:
         return self.prompt_ids.tolist() == list(prompt_ids)
 
-    def restore(self, full: FullCache, half_copy: bool = False) -> None:
+    def restore(self, full: FullCache, half_copy: bool = False, answer: bool = False) -> None:
         """Put the prompt into a full cache as if it had just been prefilled (FullCache.assign: a ValueError where
         it cannot hold what this state holds).
 
         half_copy: also give the cache its float16 copy of the prompt (FullCache.make_half_copy), as a prefill does
         for a target with half or GGUF weights.
+        answer: also the answer's positions, for a longer prompt that goes on from it (the queries of the prompt's
+        last position are then not the last forward's: that prompt's prefill computes its own).
         """
-        full.assign(self.first_position, self.keys, self.values)
-        full.queries = [q[:, None, :] for q in self.last_queries]  # (Hq, 1, D) per layer
-        full.query_start = full.length - 1
+        held = self.keys.shape[2] - (0 if answer else self.answer_ids.shape[0])
+        full.assign(self.first_position, self.keys[:, :, :held], self.values[:, :, :held])
+        if not answer:
+            full.queries = [q[:, None, :] for q in self.last_queries]  # (Hq, 1, D) per layer
+            full.query_start = full.length - 1
         if half_copy:
             full.make_half_copy()
 
@@ -177,8 +198,10 @@ class PromptCache:
 
     def load_longest_prefix(self, prompt_ids: list[int]) -> PromptState | None:
         """The saved prefill sharing the most whole prefill chunks with prompt_ids short of its last token (whose
-        logits a prefill computes), found through the block hash index; None where none shares a chunk. A file that
-        does not pass the checks of load is removed with a note, and the prompt is prefilled whole."""
+        logits a prefill computes), found through the block hash index; None where none shares a chunk. It may share
+        more than those chunks: the engine keeps the ids' whole common prefix where it computes under the numeric
+        contract (Engine.restore, then generate). A file that does not pass the checks of load is removed with a
+        note, and the prompt is prefilled whole."""
         index = self._read_index()
         for end, digest in reversed(self.block_hashes(prompt_ids, len(prompt_ids) - 1)):
             name = index.get(digest)
@@ -209,8 +232,9 @@ class PromptCache:
         return index if isinstance(index, dict) else {}
 
     def _index(self, path: Path, prompt_ids: list[int]) -> None:
-        """Enter every whole chunk of prompt_ids in the block hash index as held by path; entries of files that are
-        gone are dropped. Two saves at once may lose one's entries: a lost entry only loses reuse."""
+        """Enter every whole chunk of prompt_ids (the ids a state holds) in the block hash index as held by path;
+        entries of files that are gone are dropped. Two saves at once may lose one's entries: a lost entry only
+        loses reuse."""
         index = {digest: name for digest, name in self._read_index().items() if (self.folder / str(name)).is_file()}
         index.update({digest: path.name for _, digest in self.block_hashes(prompt_ids, len(prompt_ids))})
         write_atomically(self.folder / PREFIX_INDEX, lambda partial: partial.write_text(json.dumps(index)))
@@ -234,13 +258,16 @@ class PromptCache:
             raise StaleEntry("was saved for another model, setting or prompt")
         if metadata.get("checksum") != state.checksum():
             raise StaleEntry("was changed after it was saved (its checksum does not match)")
-        if saved_ids[: len(prompt_ids)] != list(prompt_ids) or (key is not None and len(saved_ids) != len(prompt_ids)):
+        held = state.held_ids if key is None else saved_ids  # a prefix may go on into the answer
+        if held[: len(prompt_ids)] != list(prompt_ids) or (key is not None and len(saved_ids) != len(prompt_ids)):
             raise StaleEntry("holds another prompt than its index says")
         return state
 
-    def save(self, state: PromptState, prompt_ids: list[int]) -> None:
-        """Save state for prompt_ids, then evict the least recently used entries over the cache limit; a save that
-        fails is a note, never an error: the generation it belongs to goes on."""
+    def save(self, state: PromptState, prompt_ids: list[int]) -> bool:
+        """Save state for prompt_ids (replacing the entry of the same prompt: its prefill, saved again with the
+        answer after the generation), then evict the least recently used entries over the cache limit; every whole
+        chunk of the ids it holds, the answer's included, enters the index. A save that fails is a note, never an
+        error: the generation it belongs to goes on. Returns whether it was saved."""
         key = self.key(prompt_ids)
         path = self._path(key)
         tensors = {name: t.contiguous() for name, t in state.tensors.items()}
@@ -248,11 +275,12 @@ class PromptCache:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_atomically(path, lambda partial: save_file(tensors, partial, metadata=metadata))
-            self._index(path, prompt_ids)
+            self._index(path, state.held_ids)
         except (OSError, SafetensorError) as err:
             self._note(f"could not save the prefill to `prompt_cache` {self.folder} ({err}); generating on")
-            return
+            return False
         evict(self.folder, keep=path)
+        return True
 
     def _note(self, message: str) -> None:
         if self.status is not None:
