@@ -26,12 +26,13 @@
 //   different order from the few-row one): the reference, 1.00;
 // - these few-row passes over L2-sized chunks of tiles: 0.94-0.96 (Q4_1) and 0.86-0.90 (Q8_0) for N x K = 576 x 576,
 //   1536 x 576, 576 x 1536 and 49152 x 576, and 0.87-1.01 of the former time for T = 1 to 8 (the same passes as
-//   before, sum(x) no longer a separate torch reduction);
+//   before, sum(x) no longer a separate torch reduction); on 2 threads 0.87-0.98 and 0.85-1.03;
 // - the q's of 2 tiles turned into floats once into a buffer, then 4 or 5 rows x 2 tiles per pass in this same
-//   per-block order: 0.95-1.07, slower than converting on the fly (its per-block scaling steps add 1/32 of the
+//   per-block order: 0.96-1.10, slower than converting on the fly (its per-block scaling steps add 1/32 of the
 //   multiply-adds per scale and the buffer's loads cost what the conversion did);
 // - the rebuilt-weight order for every T would put a multiply and an add per weight on decode steps, whose speed is
 //   bound by turning q's into floats: not taken.
+// The AVX2 body, timed on the same CPU, decodes as before but takes 1.21-1.29x the former product for T = 256.
 // The result is the product with the dequantized weights up to the rounding of float32 sums: the activations are
 // never rounded below float32, which is why the int8 and bf16 dot-product units (AVX512-VNNI, AVX512-BF16, AMX) are
 // not used. One source, three bodies: AVX-512, AVX2+FMA and plain C++, picked at run time by what the CPU has
