@@ -102,6 +102,16 @@ def test_product_is_the_dequantized_product(body, kind, rows):
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_wide_weight_passes_over_chunks_of_tiles(body, kind):
+    """K = 4096: a tile's blocks take 48-72 KiB, so the 7 tiles go through in several chunks of the L2 budget."""
+    raw = weight_bytes(100, 4096, kind, seed=3)
+    x = torch.randn(13, 4096)
+    out = blocks_linear(x, pack_blocks(raw, kind))
+    expected = x.double() @ reference_weight(raw, kind).double().T
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-4)  # sums of 4096 float32 products
+
+
 @pytest.mark.parametrize("rows", [1, 77])
 def test_tiles_split_over_threads_give_the_one_thread_product(rows):
     torch.manual_seed(5)
