@@ -10,9 +10,10 @@ float32 scale d (and for some a minimum m), so that the weight is d * q + m as g
   Q5_K: (d * sc) * q - dmin * mn as Q4_K with 5-bit q; Q6_K: (d * sc) * (q - 32) with an int8 sc per 16 weights.
 unpack_blocks turns a tensor's bytes into those q, d and m; pack_blocks lays them out in tiles of 16 rows for the
 C++ kernel (csrc/gguf_blocks.cpp): q's of 4 bits two to a byte, others (5, 6 and 8 bits) one int8 each, d and m in
-float32. For a few activation rows the kernel sums d * sum(q x) + m * sum(x) per group; for many (a prefill chunk) it
-rebuilds every weight as d * q + m in float32, exactly as gguf-py rounds it, and multiplies those. The activations
-stay float32, so the product differs from the product with the dequantized weights only by float32 rounding.
+float32. The kernel sums d * sum(q x) + m * sum(x) per group, in one order of arithmetic for every number of
+activation rows and threads: a row's output has the same bits in a decode step, a verification and a prefill chunk.
+The activations stay float32, so the product differs from the product with the dequantized weights only by float32
+rounding.
 
 Bytes per weight in memory: 0.75 for the 4-bit types (a file's Q4_K is 0.5625), 1.125 for Q8_0 and Q5_0, 1.25 for
 Q5_1, Q5_K and Q6_K; float32 is 4. Other types (Q2_K, Q3_K, the IQ types) are dequantized by the loader.

@@ -93,14 +93,23 @@ def test_packed_bytes_per_weight_are_the_types_own(kind):
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40, 64, 77])
 def test_product_is_the_dequantized_product(body, kind, rows):
-    """Few-row bodies (up to 6 rows a pass, then the rest), and the rebuilt-tile product from 64 rows on (6 rows
-    a pass there, then the rest)."""
+    """Passes of up to 6 rows (AVX2: 4), then the rest, over one chunk of tiles."""
     raw = weight_bytes(40, width(kind), kind, seed=rows)
     x = torch.randn(rows, width(kind))
     out = blocks_linear(x, pack_blocks(raw, kind))
     expected = x.double() @ reference_weight(raw, kind).double().T
     assert out.shape == (rows, 40)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_wide_weight_passes_over_chunks_of_tiles(body, kind):
+    """K = 4096: a tile's blocks take 48-72 KiB, so the 7 tiles go through in several chunks of the L2 budget."""
+    raw = weight_bytes(100, 4096, kind, seed=3)
+    x = torch.randn(13, 4096)
+    out = blocks_linear(x, pack_blocks(raw, kind))
+    expected = x.double() @ reference_weight(raw, kind).double().T
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-4)  # sums of 4096 float32 products
 
 
 @pytest.mark.parametrize("rows", [1, 77])
@@ -114,6 +123,29 @@ def test_tiles_split_over_threads_give_the_one_thread_product(rows):
         alone = blocks_linear(x, packed)
         torch.set_num_threads(2)
         assert torch.equal(blocks_linear(x, packed), alone)  # each output is summed by one thread, in one order
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_a_row_has_the_same_bits_in_any_batch_and_on_any_number_of_threads(body, kind):
+    """Row i of a batch of n rows (1 to 300: the few-row passes, their tails and the many-row product) is the row
+    computed alone, bit for bit, on 1 and 2 threads: one order of arithmetic per output element."""
+    raw = weight_bytes(100, width(kind), kind, seed=11)  # 7 tiles: groups of tiles and a rest, split over threads
+    packed = pack_blocks(raw, kind)
+    generator = torch.Generator().manual_seed(12)
+    x = torch.randn(300, width(kind), generator=generator) * torch.rand(300, 1, generator=generator) * 4
+    splits = torch.randperm(299, generator=generator)[:6].add(1).sort().values.tolist()  # random split points
+    batches = [(0, 300), *zip([0, *splits], [*splits, 300])]
+    batches += [(start, start + n) for start, n in ((0, 64), (7, 63), (13, 200), (299, 1), (150, 6), (40, 77))]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([blocks_linear(x[i : i + 1], packed) for i in range(300)])  # (300, 100)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for start, end in batches:
+                assert torch.equal(blocks_linear(x[start:end], packed), alone[start:end]), (threads, start, end)
     finally:
         torch.set_num_threads(before)
 

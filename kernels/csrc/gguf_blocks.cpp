@@ -12,13 +12,31 @@
 // so that one 16-byte load gives one weight column for 16 output rows, and a tile's 16 outputs are one AVX-512
 // register (two AVX2 ones).
 //
-// Few activation rows (decode and verification steps) take, per block, d * sum(q * x) + m * sum(x) (with two
-// scales, each half's sum times its d); many rows (a prefill chunk) rebuild each tile's weights as d * q + m, rounded
-// exactly as the plain dequantization rounds them, and multiply those. Either way the result is the product with the
-// dequantized weights up to the rounding of float32 sums: the activations are never rounded below float32, which is
-// why the int8 and bf16 dot-product units (AVX512-VNNI, AVX512-BF16, AMX) are not used. One source, three bodies:
-// AVX-512, AVX2+FMA and plain C++, picked at run time by what the CPU has (isa.h); tiles of output rows are split
-// over torch's intra-op threads.
+// Every output element is computed in one order of arithmetic, whatever the number of activation rows T and the
+// number of threads, so that a row gets the same bits in a decode step, a verification of drafts and a prefill chunk.
+// Per block, the AVX-512 and AVX2 bodies take two 16-weight dots (fma along j from zero), then
+// acc = fma(dot0 + dot1, d, acc) (two scales: fma(dot1, d1, fma(dot0, d0, acc))) and, with minimums,
+// acc = fma(m, sum(x over the block), acc), the sum taken here in one order (block_sums); the plain body rebuilds
+// w = d * q + m and adds w * x along k. Rows go through in passes of up to 6 (AVX2: 4) that differ only in how many
+// rows share a q's conversion; threads split the output tiles; each body has its own order, none depends on T.
+// Many rows (a prefill chunk) take the same passes, over chunks of tiles that stay in L2 (kChunkBytes). That was
+// measured against the alternatives, AVX-512 on the 2-core AMD EPYC, Q4_1 and Q8_0, T = 256, CPU time of one
+// thread, minimum of repeats:
+// - rebuilding each tile's weights as d * q + m and multiplying those along k (the former prefill product, a
+//   different order from the few-row one): the reference, 1.00;
+// - these few-row passes over L2-sized chunks of tiles: 0.94-0.96 (Q4_1) and 0.86-0.90 (Q8_0) for N x K = 576 x 576,
+//   1536 x 576, 576 x 1536 and 49152 x 576, and 0.87-1.01 of the former time for T = 1 to 8 (the same passes as
+//   before, sum(x) no longer a separate torch reduction); on 2 threads 0.87-0.98 and 0.85-1.03;
+// - the q's of 2 tiles turned into floats once into a buffer, then 4 or 5 rows x 2 tiles per pass in this same
+//   per-block order: 0.96-1.10, slower than converting on the fly (its per-block scaling steps add 1/32 of the
+//   multiply-adds per scale and the buffer's loads cost what the conversion did);
+// - the rebuilt-weight order for every T would put a multiply and an add per weight on decode steps, whose speed is
+//   bound by turning q's into floats: not taken.
+// The AVX2 body, timed on the same CPU, decodes as before but takes 1.21-1.29x the former product for T = 256.
+// The result is the product with the dequantized weights up to the rounding of float32 sums: the activations are
+// never rounded below float32, which is why the int8 and bf16 dot-product units (AVX512-VNNI, AVX512-BF16, AMX) are
+// not used. One source, three bodies: AVX-512, AVX2+FMA and plain C++, picked at run time by what the CPU has
+// (isa.h); tiles of output rows are split over torch's intra-op threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -68,10 +86,9 @@ struct Rows {  // activations x (T, K), their sums over each block (T, K/32) and
   Rows from(int64_t row) const { return Rows{x + row * k, sums + row * (k / kBlock), out + row * n, k, n}; }
 };
 
-// A tile's weights rebuilt as float32 d * q + m (two roundings, as the plain dequantization): buffer (K, stride),
-// the tile's 16 rows in the first 16 columns. Branch-free, so that the compiler vectorises it for the target of
-// the body it is inlined into.
-inline void dequantize_tile(const Blocks& w, int64_t tile, float* buffer, int64_t stride = kLanes) {
+// A tile's weights rebuilt as float32 d * q + m (two roundings, as the plain dequantization): buffer (K, 16).
+void dequantize_tile(const Blocks& w, int64_t tile, float* buffer) {
+  constexpr int64_t stride = kLanes;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* qb = w.q_at(tile, b);
     float* out = buffer + b * kBlock * stride;
@@ -210,77 +227,6 @@ __attribute__((target("avx2,fma"))) void tiles_avx2(const Blocks& w, const Rows&
   }
 }
 
-// Many rows (a prefill chunk): the weights of four tiles are rebuilt as float32 into a buffer (K, 64), then a
-// register-blocked product runs over all rows, kGemmDepth steps of k at a time: per step, four weight registers
-// times 6 broadcast activations into 24 accumulators (AVX2: one tile, two registers, 12 accumulators).
-constexpr int kGemmRows = 6;
-constexpr int64_t kGemmDepth = 128;  // steps of k per pass over the rows: their weights and activations stay in L1
-
-template <int R, int Tiles>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void gemm_rows_avx512(const float* buffer, const float* x,
-                                                                           int64_t k, int64_t steps, float* out,
-                                                                           int64_t n, bool first) {
-  __m512 acc[R][Tiles];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < Tiles; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * n + c * kLanes);
-  for (int64_t i = 0; i < steps; ++i) {
-    __m512 weights[Tiles];
-    for (int c = 0; c < Tiles; ++c) weights[c] = _mm512_loadu_ps(buffer + (i * Tiles + c) * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * k + i]);
-      for (int c = 0; c < Tiles; ++c) acc[r][c] = _mm512_fmadd_ps(weights[c], xr, acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < Tiles; ++c) _mm512_storeu_ps(out + r * n + c * kLanes, acc[r][c]);
-}
-
-// The last rows < kGemmRows, in one pass of as many accumulators.
-template <int Tiles, int R = kGemmRows - 1>
-void gemm_tail_avx512(int64_t rows, const float* buffer, const float* x, int64_t k, int64_t steps, float* out,
-                      int64_t n, bool first) {
-  if constexpr (R > 1) {
-    if (rows < R) return gemm_tail_avx512<Tiles, R - 1>(rows, buffer, x, k, steps, out, n, first);
-  }
-  gemm_rows_avx512<R, Tiles>(buffer, x, k, steps, out, n, first);
-}
-
-template <int Tiles>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void gemm_avx512(const Blocks& w, const Rows& io, int64_t rows,
-                                                                      int64_t tile, float* buffer) {
-  for (int c = 0; c < Tiles; ++c) dequantize_tile(w, tile + c, buffer + c * kLanes, Tiles * kLanes);
-  float* out = io.out + tile * kLanes;
-  for (int64_t k0 = 0; k0 < io.k; k0 += kGemmDepth) {
-    const int64_t steps = std::min(kGemmDepth, io.k - k0);
-    int64_t t = 0;
-    for (; t + kGemmRows <= rows; t += kGemmRows)
-      gemm_rows_avx512<kGemmRows, Tiles>(buffer + k0 * Tiles * kLanes, io.x + t * io.k + k0, io.k, steps, out + t * io.n, io.n,
-                                         k0 == 0);
-    if (t < rows)
-      gemm_tail_avx512<Tiles>(rows - t, buffer + k0 * Tiles * kLanes, io.x + t * io.k + k0, io.k, steps, out + t * io.n, io.n,
-                              k0 == 0);
-  }
-}
-
-template <int R>
-__attribute__((target("avx2,fma"))) void gemm_rows_avx2(const float* buffer, const float* x, int64_t k, float* out,
-                                                        int64_t n) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    const __m256 first = _mm256_loadu_ps(buffer + i * kLanes), second = _mm256_loadu_ps(buffer + i * kLanes + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xr = _mm256_set1_ps(x[r * k + i]);
-      acc[r][0] = _mm256_fmadd_ps(first, xr, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(second, xr, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * n, acc[r][0]);
-    _mm256_storeu_ps(out + r * n + 8, acc[r][1]);
-  }
-}
-
 template <int R>
 void tiles(const Blocks& w, const Rows& io, int64_t tile_begin, int64_t tile_end) {
   switch (chosen_isa()) {
@@ -292,7 +238,8 @@ void tiles(const Blocks& w, const Rows& io, int64_t tile_begin, int64_t tile_end
 
 // activation rows a pass over a tile's blocks keeps in registers: 3 each (AVX-512: 18 of 32; AVX2: 12 of 16)
 constexpr int64_t kMaxRows = 6, kMaxRowsAvx2 = 4;
-constexpr int64_t kGemmFrom = 64;  // from this many rows, rebuild each tile's weights once and run the product
+// bytes of blocks the passes of a thread's row groups share before the next tiles: they stay in its L2 cache
+constexpr int64_t kChunkBytes = 256 * 1024;
 
 void row_group(const Blocks& w, const Rows& io, int64_t rows, int64_t tile_begin, int64_t tile_end) {
   switch (rows) {
@@ -305,24 +252,14 @@ void row_group(const Blocks& w, const Rows& io, int64_t rows, int64_t tile_begin
   }
 }
 
-__attribute__((target("avx2,fma"))) void gemm_avx2(const Blocks& w, const Rows& io, int64_t rows, int64_t tile,
-                                                    float* buffer) {
-  dequantize_tile(w, tile, buffer);
-  float* out = io.out + tile * kLanes;
-  int64_t t = 0;
-  for (; t + 6 <= rows; t += 6)
-    gemm_rows_avx2<6>(buffer, io.x + t * io.k, io.k, out + t * io.n, io.n);
-  for (; t < rows; ++t) gemm_rows_avx2<1>(buffer, io.x + t * io.k, io.k, out + t * io.n, io.n);
-}
-
-void gemm(const Blocks& w, const Rows& io, int64_t rows, int64_t tile_begin, int64_t tile_end) {
-  std::vector<float> buffer(4 * io.k * kLanes);
-  int64_t tile = tile_begin;
-  if (chosen_isa() == Isa::avx512) {
-    for (; tile + 4 <= tile_end; tile += 4) gemm_avx512<4>(w, io, rows, tile, buffer.data());
-    for (; tile < tile_end; ++tile) gemm_avx512<1>(w, io, rows, tile, buffer.data());
-  } else {
-    for (; tile < tile_end; ++tile) gemm_avx2(w, io, rows, tile, buffer.data());
+// Each block's sum of its 32 activations, x[32 i] + x[32 i + 1] + ... + x[32 i + 31] in this one order, for the
+// `count` blocks of x (rows of K = 32 * blocks, one after the other).
+void block_sums(const float* x, int64_t count, float* sums) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float* xb = x + i * kBlock;
+    float sum = xb[0];
+    for (int64_t j = 1; j < kBlock; ++j) sum += xb[j];
+    sums[i] = sum;
   }
 }
 
@@ -357,17 +294,19 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), k = xc.size(1), n = w.tiles * kLanes;
   at::Tensor out = at::empty({rows, n}, xc.options());
-  const bool many = rows >= kGemmFrom && chosen_isa() != Isa::scalar;
-  // the activations' sums over each block, for the minimums' part of the few-row bodies: (T, K/32)
-  const at::Tensor sums = w.m && !many ? xc.view({rows, w.blocks, kBlock}).sum(-1) : at::zeros({rows, w.blocks}, xc.options());
+  // the activations' sums over each block, for the minimums' part of the vector bodies: (T, K/32)
+  const at::Tensor sums = at::empty({w.m && chosen_isa() != Isa::scalar ? rows : 0, w.blocks}, xc.options());
+  block_sums(xc.data_ptr<float>(), sums.numel(), sums.data_ptr<float>());
   const Rows io{xc.data_ptr<float>(), sums.data_ptr<float>(), out.data_ptr<float>(), k, n};
-  // Tiles split over the threads; within a thread, each group of rows passes over its tiles, whose blocks stay
-  // in its caches for the next group.
+  // Tiles split over the threads; within a thread, chunks of tiles one after the other, and each group of rows
+  // passes over a chunk's tiles, whose blocks stay in its caches for the next group.
   const int64_t per_pass = chosen_isa() == Isa::avx2 ? kMaxRowsAvx2 : kMaxRows;
+  const int64_t tile_bytes = w.blocks * (w.block_bytes() + (w.groups + (w.m != nullptr)) * kLanes * sizeof(float));
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / tile_bytes);
   at::parallel_for(0, w.tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
-    if (many) return gemm(w, io, rows, tile_begin, tile_end);
-    for (int64_t t = 0; t < rows; t += per_pass)
-      row_group(w, io.from(t), std::min(per_pass, rows - t), tile_begin, tile_end);
+    for (int64_t begin = tile_begin; begin < tile_end; begin += chunk)
+      for (int64_t t = 0; t < rows; t += per_pass)
+        row_group(w, io.from(t), std::min(per_pass, rows - t), begin, std::min(begin + chunk, tile_end));
   });
   return out;
 }
