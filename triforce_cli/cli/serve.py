@@ -1,7 +1,7 @@
 """`triforce serve`: an OpenAI-compatible HTTP server (triforce_cli/serve/) over one loaded target and drafter."""
 
+import copy
 import ipaddress
-import logging
 from types import FrameType
 
 from triforce_cli.cli import options as o
@@ -25,18 +25,18 @@ def graceful_server(app, grace: float, **config):
     one given grace seconds) and then stops as uvicorn does, exiting 0 rather than raising the signal again; a
     second SIGINT stops at once."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     class Graceful(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if not self.should_exit:
-                logging.getLogger("triforce.serve").info(
-                    "stopping: waiting requests get 503, the running one %gs", grace
-                )
                 app.state.worker.drain(grace)
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # a signal handled here is a normal exit
 
-    return Graceful(uvicorn.Config(app, timeout_graceful_shutdown=grace + 5, **config))
+    logs = copy.deepcopy(LOGGING_CONFIG)  # the server's log beside uvicorn's messages, in their format
+    logs["loggers"]["triforce.serve"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return Graceful(uvicorn.Config(app, timeout_graceful_shutdown=grace + 5, log_config=logs, **config))
 
 
 @o.takes(*o.MODELS, *o.ENGINE, "max_new_tokens", *o.SAMPLING, *o.MACHINE, "prompt_cache", after="served_model_name")
@@ -78,9 +78,4 @@ def serve(
             print_note(err, f"listening on {host} without --api-key: anyone who reaches it can use the model")
         name = served_model_name or pipe.target.name
         print_note(err, f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)")
-        served = logging.getLogger("triforce.serve")  # beside uvicorn's messages, in their format
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        served.addHandler(handler)
-        served.setLevel(logging.INFO)
         graceful_server(app, shutdown_grace, host=host, port=port, log_level="info").run()
