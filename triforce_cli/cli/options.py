@@ -234,6 +234,10 @@ PromptFile = Annotated[
 DocumentFile = Annotated[
     str, typer.Option("--prompt-file", "-p", metavar="FILE", help="Text file of the document to ask about.")
 ]
+SystemPrompt = Annotated[
+    str | None,
+    typer.Option(metavar="TEXT", help="A system prompt opening the conversation.", show_default=False),
+]
 PromptCache = Annotated[
     Path | None,
     typer.Option(
