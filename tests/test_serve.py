@@ -755,6 +755,7 @@ def test_a_request_past_its_timeout_is_a_504_waiting_or_running():
         threads[0].start()
         wait_for(lambda: len(recorder.prompts) == 1)
         threads[1].start()
+        wait_for(lambda: server.app.state.worker.waiting == 1)
         time.sleep(1.0)
         recorder.gate.set()
         for thread in threads:
@@ -873,12 +874,16 @@ def test_a_signal_refuses_the_waiting_finishes_or_cancels_the_running_and_exits_
             body = {"model": MODEL, "prompt": "w1 w2 w3", "max_tokens": tokens, "temperature": 0}
             results[key] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
+        def gauges() -> tuple[str, str]:
+            text = httpx.get(f"{url}/metrics").text
+            return metric(text, "triforce_generating"), metric(text, "triforce_queue_waiting")
+
         running = threading.Thread(target=ask, args=("running", 40))
         running.start()
-        time.sleep(0.5)  # generating, a token per 50 ms
+        wait_for(lambda: gauges()[0] == "1", seconds=60)  # generating, a token per 50 ms
         waiting = threading.Thread(target=ask, args=("waiting", 2))
         waiting.start()
-        time.sleep(0.3)
+        wait_for(lambda: gauges()[1] == "1", seconds=60)
         process.send_signal(sig)
         running.join(timeout=60)
         waiting.join(timeout=60)
