@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import CHAT_WORDS, WORD_CHAT_TEMPLATE, save_word_checkpoint, small_config, word_tokenizer
+from helpers import CHAT_WORDS, WORD_CHAT_TEMPLATE, chat_model, save_word_checkpoint, small_config, word_tokenizer
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -30,6 +30,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.cli.chat import line_history, questions, typed_lines
 from triforce_cli.decoding.chat import ChatSession, ChatTurn, ConversationIds, transcript_text, transcript_turns
 from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
@@ -520,6 +521,18 @@ def test_a_system_prompt_opens_every_prompt(pipe):
     session.ask(QUESTIONS[1])
     second = conversation_ids(tokenizer, list(QUESTIONS[:2]), [first.text], system="w3 w4")
     assert session.turns[1].prompt_ids == second
+
+
+def test_a_template_that_refuses_a_system_prompt_says_so():
+    target = chat_model()
+    target.tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + WORD_CHAT_TEMPLATE
+    )
+    pipe = Pipeline(target, None, Engine(target, small_config(max_new_tokens=4, sampling=GREEDY)))
+    with pytest.raises(PromptError, match="chat template refuses the conversation: System role not supported"):
+        ChatSession(pipe, DOCUMENT, system="w3")
+    assert ChatSession(pipe, DOCUMENT).ask(QUESTIONS[0]).token_ids  # without one it chats
 
 
 def test_an_answer_is_capped_to_what_the_context_still_holds(pipe):
