@@ -400,8 +400,9 @@ def read_until(fd: int, seen: bytearray, marker: bytes, count: int = 1, timeout:
 
 
 def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_path):
-    """`triforce chat` in a pseudo-terminal, as a user runs it: a prompt, the answer written there, Ctrl-D ends the
-    session with 0, and the question is in the history file the next session reads."""
+    """`triforce chat` in a pseudo-terminal, as a user runs it: a prompt, the answer written there, a paste of two
+    lines answered as one question, Ctrl-D ends the session with 0, and the question is in the history file the next
+    session reads."""
     folder = save_word_checkpoint(tmp_path / "word-llama")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = WORD_CHAT_TEMPLATE
@@ -409,9 +410,8 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
     document = tmp_path / "words.txt"
     document.write_text(" ".join(f"w{i % 31}" for i in range(60)))
     config = EngineConfig(max_new_tokens=4, sampling=GREEDY)
-    expected = (
-        Pipeline.load(LoadOptions(target=str(folder)), config=config).chat(document.read_text()).ask(QUESTIONS[0]).text
-    )
+    session = Pipeline.load(LoadOptions(target=str(folder)), config=config).chat(document.read_text())
+    expected, pasted = session.ask(QUESTIONS[0]).text, session.ask("w7 w8\nw9").text
     command = [sys.executable, "-m", "triforce_cli", "chat", "-p", str(document), "--target", str(folder)]
     command += ["--max-new-tokens", "4", "--temperature", "0"]
     cache = tmp_path / "cache"
@@ -430,6 +430,9 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
         os.write(terminal, f"{QUESTIONS[0]}\r".encode())
         read_until(terminal, seen, b"> ", count=2)
         time.sleep(0.3)
+        os.write(terminal, b"\x1b[200~w7 w8\nw9\x1b[201~\r")  # a paste of two lines (bracketed paste): one question
+        read_until(terminal, seen, b"> ", count=3)
+        time.sleep(0.3)
         os.write(terminal, b"\x04")  # Ctrl-D
         assert process.wait(timeout=60) == 0, bytes(seen).decode(errors="replace")
     finally:
@@ -439,7 +442,9 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
         os.close(terminal)
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", bytes(seen).decode())  # the colours and cursor moves left out
     assert f"> {QUESTIONS[0]}" in shown and expected in shown and "Traceback" not in shown
-    assert (cache / "chat-history").read_text().splitlines()[-1] == QUESTIONS[0]
+    assert pasted in shown.split("w9", 1)[1]  # the answer to the two lines asked as one question
+    history = (cache / "chat-history").read_text().splitlines()
+    assert QUESTIONS[0] in history and history[-1] == "w9"  # the paste kept as one entry of two lines
 
 
 # ---------------------------------------------------------------------------------------------- the embedded model
