@@ -612,6 +612,26 @@ def test_fields_that_cannot_change_the_output_are_ignored_and_logged_once(live, 
     )
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"presence_penalty": 1.0}, "presence_penalty"),
+        ({"logit_bias": {"3": 5}}, "logit_bias"),
+        ({"extra_body": {"repetition_penalty": 1.3}}, "repetition_penalty"),
+    ],
+)
+def test_the_openai_client_gets_a_400_naming_what_would_change_the_output(live, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        live.client(max_retries=2).chat.completions.create(
+            model=MODEL, messages=question("w1"), max_tokens=2, temperature=0, **fields
+        )
+    assert refused.value.status_code == 400 and refused.value.body["param"] == param
+
+
 def test_top_k_and_min_p_are_served_per_request(live):
     """At temperature 1, top_k 1 or min_p 1 keep the likeliest token alone: the greedy answer, whatever the seed;
     without them the sampled answers differ."""
