@@ -22,14 +22,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import CHAT_WORDS, WORD_CHAT_TEMPLATE, save_word_checkpoint, small_config, word_tokenizer
+from helpers import CHAT_WORDS, WORD_CHAT_TEMPLATE, chat_model, save_word_checkpoint, small_config, word_tokenizer
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 import triforce_cli.cli.chat
 from triforce_cli.cli.app import app
-from triforce_cli.cli.chat import line_history, typed_lines
-from triforce_cli.decoding.chat import ChatTurn, ConversationIds
+from triforce_cli.cli.chat import line_history, questions, typed_lines
+from triforce_cli.decoding.chat import ChatSession, ChatTurn, ConversationIds, transcript_text, transcript_turns
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
@@ -61,9 +61,10 @@ def pipe(tiny) -> Pipeline:
     )  # prefill chunks of 16: the document is several, so prefix reuse keeps some
 
 
-def conversation_ids(tokenizer, questions: list[str], answers: list[str]) -> list[int]:
+def conversation_ids(tokenizer, questions: list[str], answers: list[str], system: str | None = None) -> list[int]:
     """The whole conversation as the template renders it, the document written out, tokenized in one piece."""
-    messages = [{"role": "user", "content": f"{DOCUMENT}\n\n{questions[0]}"}]
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    messages += [{"role": "user", "content": f"{DOCUMENT}\n\n{questions[0]}"}]
     for answer, question in zip(answers, questions[1:]):
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -170,7 +171,7 @@ def test_reset_goes_back_to_the_document_alone(pipe):
 def test_a_question_that_does_not_fit_leaves_the_conversation_as_it_was(pipe):
     session = pipe.chat(DOCUMENT)
     session.ask(QUESTIONS[0])
-    with pytest.raises(PromptError, match="exceeds the 512-token context of chat"):
+    with pytest.raises(PromptError, match="the 512-token context leaves no room for an answer"):
         session.ask(TOO_LONG)
     with pytest.raises(PromptError, match="the question is empty"):
         session.ask("  \n")
@@ -319,7 +320,7 @@ def test_what_cannot_be_done_inside_the_session_is_one_line_and_the_session_goes
         "error: unknown command /bogus: /help lists them",
         error_lines(result)[3],
     ]
-    assert "exceeds the 512-token context of chat" in error_lines(result)[3]
+    assert "the 512-token context leaves no room for an answer" in error_lines(result)[3]
     assert result.stdout.splitlines() == answers_of(pipe, QUESTIONS[:1])  # /quit: the last question not asked
     assert "Traceback" not in result.output
 
@@ -381,7 +382,7 @@ def test_sigterm_during_an_answer_ends_the_session_with_143(document, signal_at_
 
 
 def test_ctrl_c_at_the_prompt_ends_the_session_with_130(pipe, document, monkeypatch):
-    def one_question_then_ctrl_c(interactive):
+    def one_question_then_ctrl_c(interactive, prompt=None):
         yield QUESTIONS[0]
         raise KeyboardInterrupt
 
@@ -403,7 +404,7 @@ def test_at_a_terminal_lines_come_after_a_prompt_until_ctrl_d(monkeypatch, capsy
             raise EOFError from None
 
     monkeypatch.setattr(builtins, "input", terminal_input)
-    assert list(typed_lines(interactive=True)) == ["w5 w6", "/stats"]
+    assert list(questions(typed_lines(interactive=True))) == ["w5 w6", "/stats"]
     assert capsys.readouterr().out == "> > > > \n"  # a prompt per line read, and a newline after Ctrl-D
 
 
@@ -434,8 +435,9 @@ def read_until(fd: int, seen: bytearray, marker: bytes, count: int = 1, timeout:
 
 
 def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_path):
-    """`triforce chat` in a pseudo-terminal, as a user runs it: a prompt, the answer written there, Ctrl-D ends the
-    session with 0, and the question is in the history file the next session reads."""
+    """`triforce chat` in a pseudo-terminal, as a user runs it: a prompt, the answer written there, a paste of two
+    lines answered as one question, Ctrl-D ends the session with 0, and the question is in the history file the next
+    session reads."""
     folder = save_word_checkpoint(tmp_path / "word-llama")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = WORD_CHAT_TEMPLATE
@@ -443,9 +445,8 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
     document = tmp_path / "words.txt"
     document.write_text(" ".join(f"w{i % 31}" for i in range(60)))
     config = EngineConfig(max_new_tokens=4, sampling=GREEDY)
-    expected = (
-        Pipeline.load(LoadOptions(target=str(folder)), config=config).chat(document.read_text()).ask(QUESTIONS[0]).text
-    )
+    session = Pipeline.load(LoadOptions(target=str(folder)), config=config).chat(document.read_text())
+    expected, pasted = session.ask(QUESTIONS[0]).text, session.ask("w7 w8\nw9").text
     command = [sys.executable, "-m", "triforce_cli", "chat", "-p", str(document), "--target", str(folder)]
     command += ["--max-new-tokens", "4", "--temperature", "0"]
     cache = tmp_path / "cache"
@@ -464,6 +465,9 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
         os.write(terminal, f"{QUESTIONS[0]}\r".encode())
         read_until(terminal, seen, b"> ", count=2)
         time.sleep(0.3)
+        os.write(terminal, b"\x1b[200~w7 w8\nw9\x1b[201~\r")  # a paste of two lines (bracketed paste): one question
+        read_until(terminal, seen, b"> ", count=3)
+        time.sleep(0.3)
         os.write(terminal, b"\x04")  # Ctrl-D
         assert process.wait(timeout=60) == 0, bytes(seen).decode(errors="replace")
     finally:
@@ -473,7 +477,9 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
         os.close(terminal)
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", bytes(seen).decode())  # the colours and cursor moves left out
     assert f"> {QUESTIONS[0]}" in shown and expected in shown and "Traceback" not in shown
-    assert (cache / "chat-history").read_text().splitlines()[-1] == QUESTIONS[0]
+    assert pasted in shown.split("w9", 1)[1]  # the answer to the two lines asked as one question
+    history = (cache / "chat-history").read_text().splitlines()
+    assert QUESTIONS[0] in history and history[-1] == "w9"  # the paste kept as one entry of two lines
 
 
 # ---------------------------------------------------------------------------------------------- the embedded model
@@ -542,3 +548,105 @@ def test_a_scripted_chat_on_the_embedded_model_answers_as_the_target_does(tmp_pa
     config = EngineConfig(mode="autoregressive", max_new_tokens=16, sampling=GREEDY)
     session = Pipeline.load(config=config).chat(document.read_text())
     assert [session.ask(question).text for question in questions] == answers
+
+
+# ---------------------------------------------------------------------------------------------- a long session
+def test_a_system_prompt_opens_every_prompt(pipe):
+    session = ChatSession(pipe, DOCUMENT, system="w3 w4")
+    tokenizer = pipe.target.tokenizer
+    first = session.ask(QUESTIONS[0])
+    assert session.turns[0].prompt_ids == conversation_ids(tokenizer, [QUESTIONS[0]], [], system="w3 w4")
+    assert first.token_ids == pipe.generate_ids(session.turns[0].prompt_ids).token_ids
+    assert session.turns[0].prompt_ids != pipe.chat(DOCUMENT).prompt_ids(QUESTIONS[0])
+    session.ask(QUESTIONS[1])
+    second = conversation_ids(tokenizer, list(QUESTIONS[:2]), [first.text], system="w3 w4")
+    assert session.turns[1].prompt_ids == second
+
+
+def test_a_template_that_refuses_a_system_prompt_says_so():
+    target = chat_model()
+    target.tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + WORD_CHAT_TEMPLATE
+    )
+    pipe = Pipeline(target, None, Engine(target, small_config(max_new_tokens=4, sampling=GREEDY)))
+    with pytest.raises(PromptError, match="chat template refuses the conversation: System role not supported"):
+        ChatSession(pipe, DOCUMENT, system="w3")
+    assert ChatSession(pipe, DOCUMENT).ask(QUESTIONS[0]).token_ids  # without one it chats
+
+
+def test_an_answer_is_capped_to_what_the_context_still_holds(pipe):
+    session = pipe.chat(DOCUMENT)
+    prompt = session.prompt_ids("w2")
+    question = " ".join(["w2"] * (512 - len(prompt) - 4 + 1))  # leaves 4 positions
+    result = session.ask(question)
+    assert len(session.turns[0].prompt_ids) == 508 and len(result.token_ids) == 4
+    assert session.used_tokens == session.context_tokens == 512
+    assert pipe.config.max_new_tokens == NEW_TOKENS  # the cap was for that answer only
+    with pytest.raises(PromptError, match="no room for an answer"):  # the context is full
+        session.ask(QUESTIONS[0])
+
+
+def test_retry_asks_the_latest_question_again_in_place_of_its_answer(pipe):
+    session = pipe.chat(DOCUMENT)
+    first = session.ask(QUESTIONS[0])
+    second = session.ask(QUESTIONS[1])
+    again = session.retry()
+    assert again.token_ids == second.token_ids  # greedy: the same answer, after the same prompt
+    assert [turn.question for turn in session.turns] == list(QUESTIONS[:2])
+    assert session.turns[1].prompt_ids[: len(session.turns[0].prompt_ids)] == session.turns[0].prompt_ids
+    assert session.transcript[:2] == [("user", QUESTIONS[0]), ("assistant", first.text)]
+    with pytest.raises(PromptError, match="no question"):
+        pipe.chat(DOCUMENT).retry()
+
+
+def test_a_saved_conversation_is_loaded_and_goes_on_as_it_would_have(pipe):
+    session = pipe.chat(DOCUMENT)
+    for question in QUESTIONS[:2]:
+        session.ask(question)
+    saved = transcript_text(session.transcript)
+    assert transcript_turns(saved) == session.transcript
+    third = session.ask(QUESTIONS[2])
+    loaded = pipe.chat(DOCUMENT)
+    loaded.load(transcript_turns(saved))
+    assert loaded.transcript == session.transcript[:4]
+    assert loaded.prompt_ids(QUESTIONS[2]) == session.turns[2].prompt_ids
+    assert loaded.ask(QUESTIONS[2]).token_ids == third.token_ids
+    with pytest.raises(PromptError, match="not a conversation"):
+        transcript_turns("hello\n")
+    with pytest.raises(PromptError, match="alternates"):
+        loaded.load([("assistant", "w1")])
+
+
+def test_triple_quotes_make_one_question_of_several_lines():
+    lines = ["w1", '"""w2', "  w3", '"""', '"""w4"""', "", '"""', "w5"]
+    assert list(questions(iter(lines))) == ["w1", "w2\n  w3", "w4", "w5"]
+
+
+def test_system_retry_load_stats_and_an_escaped_slash_in_the_command(pipe, document, tmp_path):
+    saved = tmp_path / "saved.txt"
+    session = ChatSession(pipe, DOCUMENT, system="w3 w4")
+    expected = [session.ask(question).text for question in QUESTIONS[:2]]
+    script = [
+        QUESTIONS[0],
+        "/retry",
+        f"/save {saved}",
+        "/reset",
+        f"/load {saved}",
+        QUESTIONS[1],
+        "/stats",
+        "//w1",
+        '"""w5',
+        'w6"""',
+    ]
+    result = run_chat(document, "--system", "w3 w4", input="\n".join(script) + "\n")
+    assert result.exit_code == 0, result.output
+    answers = result.stdout.splitlines()
+    assert answers[:3] == [expected[0], expected[0], expected[1]]  # the question, retried, then after /load
+    assert len(answers) == 5 and not error_lines(result)  # "//w1" and the block were asked too
+    stats = flat(result.stderr)
+    assert "loaded 1 questions and answers" in stats
+    used = len(session.turns[1].prompt_ids) + len(session.turns[1].result.token_ids)
+    assert f"context: {used} of 512 tokens used" in stats
+    slash = session.ask("/w1")  # "//w1" asks "/w1": the word tokenizer reads "/" as a word of its own
+    assert answers[3] == slash.text

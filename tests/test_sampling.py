@@ -43,6 +43,16 @@ def test_top_k_keeps_k_best():
     torch.testing.assert_close(full, logits.softmax(dim=-1))
 
 
+def test_min_p_drops_tokens_below_a_share_of_the_likeliest():
+    logits = torch.tensor([[0.0, -1.0, 2.0, -3.0, 1.0]])
+    plain = logits.softmax(dim=-1)
+    probs = probabilities(logits, SamplingConfig(temperature=1.0, top_p=1.0, min_p=0.3))
+    kept = plain[0] >= 0.3 * plain.max()  # tokens 2 and 4: e^-1 of the likeliest is 0.37
+    assert kept.tolist() == [False, False, True, False, True]
+    torch.testing.assert_close(probs[0], torch.where(kept, plain[0], 0) / plain[0][kept].sum())
+    torch.testing.assert_close(probabilities(logits, SamplingConfig(temperature=1.0, top_p=1.0, min_p=0.0)), plain)
+
+
 def test_top_p_keeps_the_minimal_nucleus():
     base = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 0.5 (1), 0.3 (3), 0.15 (2), 0.05 (0)
     logits = base.log()[None]

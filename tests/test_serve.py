@@ -6,7 +6,11 @@ is words w0..w31, an answer too. Servers whose pipeline records what it was aske
 test the queue: the order requests are served in, the 503 of a full queue, a client that goes away.
 """
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,6 +20,7 @@ import pytest
 from helpers import ALPHABET, PROMPT, chat_model, tiny_loaded
 from typer.testing import CliRunner
 
+from triforce_cli.cli import serve as serve_command
 from triforce_cli.cli.app import app as cli_app
 from triforce_cli.cli.serve import is_loopback
 from triforce_cli.decoding.chat import shared_length
@@ -32,6 +37,7 @@ import httpx
 import openai
 import uvicorn
 
+from triforce_cli.serve import app as serve_app
 from triforce_cli.serve.app import create_app
 from triforce_cli.serve.worker import TextSoFar
 
@@ -83,7 +89,7 @@ class LiveServer:
             time.sleep(0.01)
 
     def client(self, api_key: str = "none", **options) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **options)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, **{"max_retries": 0, **options})
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -299,7 +305,19 @@ def chat_body(**fields) -> dict:
         (chat_body(presence_penalty=0.5), 400, "presence_penalty", "exact"),
         (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
         (chat_body(response_format={"type": "json_object"}), 400, "response_format", "plain text"),
-        (chat_body(guided_json={"type": "object"}), 400, "guided_json", "unknown field"),
+        (chat_body(guided_json={"type": "object"}), 400, "guided_json", "constrained decoding"),
+        (chat_body(repetition_penalty=1.2), 400, "repetition_penalty", "exact"),
+        (chat_body(frequency_penalty=0.3), 400, "frequency_penalty", "exact"),
+        (chat_body(logit_bias={"5": 10}), 400, "logit_bias", "exact"),
+        (chat_body(top_logprobs=3), 400, "top_logprobs", "not returned"),
+        (chat_body(top_k=-2), 400, "top_k", "greater than or equal to -1"),
+        (chat_body(min_p=1.5), 400, "min_p", "less than or equal to 1"),
+        (
+            chat_body(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]),
+            400,
+            "messages.0.tool_calls",
+            "not supported",
+        ),
         (chat_body(stop=[""]), 400, "stop", "1 to"),
         (chat_body(stop=[f"w{i}" for i in range(20)]), 400, "stop", "at most"),
         (chat_body(stream_options={"include_usage": True}), 400, "stream_options", "stream"),
@@ -373,6 +391,7 @@ class Recorder:
     gate: threading.Event = field(default_factory=threading.Event)
     pause: float = 0.0  # seconds to wait after each verification's tokens
     fail: bool = False  # raise instead of generating
+    prefilled: list[tuple[int, int]] = field(default_factory=list)  # (tokens done, in all) after each prefill chunk
 
 
 class RecordingPipeline(Pipeline):
@@ -391,7 +410,12 @@ class RecordingPipeline(Pipeline):
             on_tokens(ids, origins)
             time.sleep(recorder.pause)
 
-        result = super().generate_ids(prompt_ids, on_prefill, slowly, prompt_cache, should_stop)
+        def counted(name, done, total):
+            recorder.prefilled.append((done, total))
+            if on_prefill is not None:
+                on_prefill(name, done, total)
+
+        result = super().generate_ids(prompt_ids, counted, slowly, prompt_cache, should_stop)
         recorder.results.append(result)
         return result
 
@@ -477,14 +501,16 @@ def test_a_client_gone_while_queued_frees_its_place(gated):
     assert len(recorder.prompts) == 1  # the withdrawn request never ran
 
 
-def test_a_failing_generation_is_a_500_and_the_server_goes_on(gated):
+def test_a_failing_generation_is_a_500_without_its_exception_and_the_server_goes_on(gated, caplog):
     server, recorder = gated
     recorder.gate.set()
     recorder.fail = True
     body = {"model": MODEL, "prompt": f"{DOCUMENT} w1", "max_tokens": 2}
-    failed = post(server, body, route="completions")
+    with caplog.at_level("ERROR", logger="triforce.serve"):
+        failed = post(server, body, route="completions")
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
-    assert "the model broke" in failed.json()["error"]["message"]
+    assert "broke" not in failed.text and "RuntimeError" not in failed.text and "log" in failed.text
+    assert "the model broke" in caplog.text  # the log has it
     recorder.fail = False
     assert post(server, body, route="completions").status_code == 200
 
@@ -528,7 +554,15 @@ def test_the_prompt_cache_keeps_prefills_across_restarts(tmp_path):
 # ------------------------------------------------------------------------------------------------ the command
 def test_the_serve_command_loads_the_models_and_runs_uvicorn(tiny, monkeypatch, tmp_path):
     ran = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: ran.update(app=app, host=host, port=port))
+
+    class Ran:
+        def __init__(self, app, grace, host, port, log_level):
+            ran.update(app=app, host=host, port=port, grace=grace)
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(serve_command, "graceful_server", Ran)
     monkeypatch.setenv("TRIFORCE_API_KEY", "from-env")
     result = CliRunner().invoke(
         cli_app, ["serve", "--target", "chat", "--port", "8123", "--max-new-tokens", "8", "--temperature", "0"]
@@ -578,3 +612,329 @@ def test_the_embedded_model_answers_through_the_server_as_the_pipeline_does():
 )
 def test_only_loopback_addresses_count_as_private(host, loopback):
     assert is_loopback(host) == loopback
+
+
+# ------------------------------------------------------------------------------------------------ what clients send
+def test_fields_that_cannot_change_the_output_are_ignored_and_logged_once(live, caplog):
+    messages = question("w3 w5")
+    expected = reference_text(messages[0]["content"], chat=True)
+    named = [{**messages[0], "name": "alice"}]
+    extra = {"reasoning_effort": "low", "repetition_penalty": 1.0, "n": 1, "some_client_field": {"x": 1}}
+    with caplog.at_level("INFO", logger="triforce.serve"):
+        for _ in range(2):
+            response = live.client().chat.completions.create(
+                model=MODEL, messages=named, max_tokens=NEW_TOKENS, temperature=0, extra_body=extra
+            )
+            assert response.choices[0].message.content == expected
+    logged = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert sorted(logged) == sorted(
+        f"ignoring the request field '{name}': it does not change this server's output"
+        for name in ("reasoning_effort", "some_client_field", "messages[].name")
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"presence_penalty": 1.0}, "presence_penalty"),
+        ({"logit_bias": {"3": 5}}, "logit_bias"),
+        ({"extra_body": {"repetition_penalty": 1.3}}, "repetition_penalty"),
+    ],
+)
+def test_the_openai_client_gets_a_400_naming_what_would_change_the_output(live, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        live.client(max_retries=2).chat.completions.create(
+            model=MODEL, messages=question("w1"), max_tokens=2, temperature=0, **fields
+        )
+    assert refused.value.status_code == 400 and refused.value.body["param"] == param
+
+
+def test_top_k_and_min_p_are_served_per_request(live):
+    """At temperature 1, top_k 1 or min_p 1 keep the likeliest token alone: the greedy answer, whatever the seed;
+    without them the sampled answers differ."""
+    messages = question("w4")
+    greedy = reference_text(messages[0]["content"], chat=True)
+    client = live.client()
+
+    def sampled(seed: int, **extra) -> str:
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=NEW_TOKENS, temperature=1.0, seed=seed, extra_body=extra
+        )
+        return response.choices[0].message.content
+
+    assert {sampled(seed, top_k=1) for seed in (1, 2)} == {greedy}
+    assert {sampled(seed, min_p=1.0) for seed in (1, 2)} == {greedy}
+    assert any(sampled(seed, top_k=0, min_p=0.0) != greedy for seed in (1, 2, 3))
+    raw = post(live, chat_body(messages=messages, temperature=1.0, seed=1, top_k=-1, max_tokens=NEW_TOKENS))
+    assert raw.status_code == 200 and raw.json()["choices"][0]["message"]["content"] == sampled(1)
+
+
+# A template that knows system, user and assistant only, and refuses the rest as real templates do.
+ROLES_TEMPLATE = (
+    "w20 {% for message in messages %}{% if message['role'] == 'system' %}w25{% elif message['role'] == 'user' %}w23"
+    "{% elif message['role'] == 'assistant' %}w24{% else %}{{ raise_exception('no role ' + message['role']) }}"
+    "{% endif %} {{ message['content'] }} w21 {% endfor %}{% if add_generation_prompt %}w24 {% endif %}"
+)
+
+
+def test_developer_is_system_and_a_template_refusal_is_a_400_the_client_does_not_retry():
+    target = chat_model()
+    target.tokenizer.chat_template = ROLES_TEMPLATE
+    server = LiveServer(create_app(pipeline=Pipeline(target, None, Engine(target, config()))))
+    try:
+        client = server.client()
+
+        def ask(role: str):
+            messages = [{"role": role, "content": "w7 w8"}, *question("w2")]
+            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+
+        assert ask("developer").choices[0].message.content == ask("system").choices[0].message.content
+        tool = post(server, chat_body(messages=[*question("w2"), {"role": "tool", "content": "w5"}]))
+        assert tool.status_code == 400 and "no role tool" in tool.json()["error"]["message"]
+        assert tool.json()["error"]["param"] == "messages"
+        with pytest.raises(openai.BadRequestError, match="no role tool"):
+            server.client(max_retries=2).chat.completions.create(
+                model=MODEL, messages=[{"role": "tool", "content": "w5"}], max_tokens=2
+            )
+    finally:
+        server.close()
+
+
+def test_a_tool_message_goes_to_a_template_that_takes_it(live):
+    messages = [*question("w2"), {"role": "assistant", "content": "w3"}, {"role": "tool", "content": "w9"}]
+    response = post(live, chat_body(messages=messages))
+    assert response.status_code == 200, response.text
+
+
+# ------------------------------------------------------------------------------------------------ operations
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the SystemExit below
+def test_health_reports_a_stopped_worker_and_a_job_failing_outside_generation_leaves_it_running(monkeypatch):
+    target = chat_model()
+    server = LiveServer(create_app(pipeline=Pipeline(target, None, Engine(target, config()))))
+    worker = server.app.state.worker
+    try:
+        body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2}
+        with monkeypatch.context() as patch:
+            patch.setattr(worker, "_serve", lambda job: 1 / 0)  # a failure outside the generation's own handling
+            failed = post(server, body, route="completions")
+        assert failed.status_code == 500 and "ZeroDivision" not in failed.text
+        assert post(server, body, route="completions").status_code == 200
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+        def killed(job):
+            raise SystemExit  # not an Exception: it ends the thread
+
+        monkeypatch.setattr(worker, "_serve", killed)
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, body, route="completions", timeout=1)
+        wait_for(lambda: not worker.alive)
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "error", "worker": "stopped"}
+    finally:
+        server.close()
+
+
+def test_a_body_over_the_limit_is_a_413_with_or_without_its_length():
+    server = LiveServer(create_app(pipeline=pipeline(), max_body_bytes=2048))
+    try:
+        big = chat_body(messages=[{"role": "user", "content": " ".join(["w2"] * 1000)}])
+        response = post(server, big)
+        assert response.status_code == 413 and "2048 bytes" in response.json()["error"]["message"]
+        chunked = httpx.post(
+            f"{server.url}/v1/chat/completions", content=iter([b'{"model": "chat", "x": "', b"w" * 4096, b'"}'])
+        )
+        assert chunked.status_code == 413
+        assert post(server, chat_body()).status_code == 200
+    finally:
+        server.close()
+
+
+def test_a_full_queue_is_a_503_before_the_prompt_is_read(gated):
+    server, recorder = gated
+    worker = server.app.state.worker
+    threads = [
+        threading.Thread(target=post, args=(server, chat_body()), kwargs={"timeout": 60}, daemon=True) for _ in range(4)
+    ]
+    for i, thread in enumerate(threads):
+        thread.start()
+        wait_for(lambda i=i: len(recorder.prompts) == 1 and worker.waiting == i)
+    too_long = chat_body(messages=[{"role": "user", "content": " ".join(["w2"] * 600)}])  # a 400 once tokenized
+    assert post(server, too_long).status_code == 503
+    recorder.gate.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert post(server, too_long).status_code == 400
+
+
+def test_an_operator_caps_max_tokens():
+    server = LiveServer(create_app(pipeline=pipeline(max_new_tokens=64), max_tokens_limit=5))
+    try:
+        over = post(server, chat_body(max_tokens=6))
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+        assert "limit of 5" in over.json()["error"]["message"]
+        unasked = server.client().chat.completions.create(model=MODEL, messages=question("w1"), temperature=0)
+        assert unasked.usage.completion_tokens == 5 and unasked.choices[0].finish_reason == "length"
+    finally:
+        server.close()
+
+
+def test_a_request_past_its_timeout_is_a_504_waiting_or_running():
+    pipe = pipeline(RecordingPipeline)
+    pipe.recorder = recorder = Recorder()
+    server = LiveServer(create_app(pipeline=pipe, request_timeout=0.5))
+    try:
+        results = {}
+
+        def ask(key: str) -> None:
+            results[key] = post(server, {"model": MODEL, "prompt": f"{DOCUMENT} w1", "max_tokens": 8}, "completions")
+
+        threads = [threading.Thread(target=ask, args=(key,)) for key in ("running", "waiting")]
+        threads[0].start()
+        wait_for(lambda: len(recorder.prompts) == 1)
+        threads[1].start()
+        wait_for(lambda: server.app.state.worker.waiting == 1)
+        time.sleep(1.0)
+        recorder.gate.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        for response in results.values():
+            assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+        assert len(recorder.prefilled) == 1 and recorder.results == []  # stopped after its first prefill chunk
+        assert len(recorder.prompts) == 1  # the waiting one never ran
+        assert post(server, {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2}, "completions").status_code == 200
+    finally:
+        recorder.gate.set()
+        server.close()
+
+
+def test_cors_answers_a_browser_preflight_without_the_key():
+    origin = "http://localhost:3000"
+    server = LiveServer(create_app(pipeline=pipeline(), api_key="sekret", cors_origins=[origin]))
+    try:
+        preflight = httpx.options(
+            f"{server.url}/v1/chat/completions",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == origin
+        keyed = httpx.get(f"{server.url}/v1/models", headers={"Origin": origin, "Authorization": "Bearer sekret"})
+        assert keyed.status_code == 200 and keyed.headers["access-control-allow-origin"] == origin
+        assert httpx.get(f"{server.url}/v1/models", headers={"Origin": origin}).status_code == 401
+        other = httpx.get(
+            f"{server.url}/v1/models", headers={"Origin": "http://evil", "Authorization": "Bearer sekret"}
+        )
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        server.close()
+
+
+def test_a_stream_starts_at_once_with_comments_and_a_client_gone_in_prefill_stops_it(gated, monkeypatch):
+    server, recorder = gated
+    worker = server.app.state.worker
+    monkeypatch.setattr(serve_app, "KEEPALIVE_SECONDS", 0.05)
+    body = {"model": MODEL, "prompt": f"{DOCUMENT} w3", "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=10) as response:
+        assert response.status_code == 200  # while the generation is held at the gate
+        lines = response.iter_lines()
+        assert next(lines) == ": queued"
+        comments = [next(line for line in lines if line) for _ in range(3)]
+        assert all(line.startswith(": prefill") for line in comments)  # the job started: its prompt is read
+    wait_for(lambda: worker._running is not None and worker._running.cancelled.is_set())
+    recorder.gate.set()
+    wait_for(lambda: not worker.busy)
+    assert len(recorder.prefilled) == 1 and recorder.results == []  # one prefill chunk, then it stopped
+    text = server.client().completions.create(model=MODEL, prompt=f"{DOCUMENT} w3", max_tokens=4, temperature=0)
+    assert text.choices[0].text == reference_text(f"{DOCUMENT} w3", chat=False, max_new_tokens=4)
+
+
+def test_an_openai_stream_skips_the_comment_lines(gated, monkeypatch):
+    server, recorder = gated
+    monkeypatch.setattr(serve_app, "KEEPALIVE_SECONDS", 0.05)
+    threading.Timer(0.5, recorder.gate.set).start()
+    chunks = list(
+        server.client().completions.create(
+            model=MODEL, prompt=f"{DOCUMENT} w1", max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == reference_text(f"{DOCUMENT} w1", chat=False)
+
+
+SIGNAL_SERVER = """
+import sys, time
+from helpers import chat_model
+from triforce_cli.cli.serve import graceful_server
+from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.serve import app as serve_app
+from triforce_cli.serve.app import create_app
+from test_serve import config
+
+class Slow(Pipeline):
+    def generate_ids(self, prompt_ids, on_prefill=None, on_tokens=None, prompt_cache=None, should_stop=None):
+        def slowly(ids, origins):
+            on_tokens(ids, origins)
+            time.sleep(0.05)
+        return super().generate_ids(prompt_ids, on_prefill, slowly, prompt_cache, should_stop)
+
+target = chat_model()
+app = create_app(pipeline=Slow(target, None, Engine(target, config(mode="autoregressive"))))
+graceful_server(app, float(sys.argv[2]), host="127.0.0.1", port=int(sys.argv[1]), log_level="info").run()
+"""
+
+
+@pytest.mark.parametrize(("sig", "grace", "finished"), [(signal.SIGTERM, 30.0, True), (signal.SIGINT, 0.5, False)])
+def test_a_signal_refuses_the_waiting_finishes_or_cancels_the_running_and_exits_0(sig, grace, finished):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    process = subprocess.Popen(
+        [sys.executable, "-c", SIGNAL_SERVER, str(port), str(grace)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        results = {}
+
+        def ask(key: str, tokens: int) -> None:
+            body = {"model": MODEL, "prompt": "w1 w2 w3", "max_tokens": tokens, "temperature": 0}
+            results[key] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        def gauges() -> tuple[str, str]:
+            text = httpx.get(f"{url}/metrics").text
+            return metric(text, "triforce_generating"), metric(text, "triforce_queue_waiting")
+
+        running = threading.Thread(target=ask, args=("running", 40))
+        running.start()
+        wait_for(lambda: gauges()[0] == "1", seconds=60)  # generating, a token per 50 ms
+        waiting = threading.Thread(target=ask, args=("waiting", 2))
+        waiting.start()
+        wait_for(lambda: gauges()[1] == "1", seconds=60)
+        process.send_signal(sig)
+        running.join(timeout=60)
+        waiting.join(timeout=60)
+        assert process.wait(timeout=60) == 0
+        log = process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert results["waiting"].status_code == 503 and "shutting down" in results["waiting"].text
+    assert results["running"].status_code == 200
+    usage = results["running"].json()["usage"]
+    assert (usage["completion_tokens"] == 40) == finished
+    assert "Shutting down" in log and "Finished server process" in log  # uvicorn's messages at info level

@@ -1,10 +1,11 @@
 """`triforce chat`: questions about a (long) document, each answered after the whole conversation so far.
 
-The document is prefilled once at the start; then every line read is a question (or a /command), whose answer
-streams as the tiers accept it. At a terminal (standard input and output both), lines are edited and remembered
-with readline (the history kept in the cache root); otherwise each line of standard input is one question and each
-answer one block of stdout ending in a newline, so that `printf 'q1\\nq2\\n' | triforce chat -p doc.txt` answers
-both.
+The document is prefilled once at the start; then every line read is a question (or a /command; a question that
+starts with "/" is written "//"), whose answer streams as the tiers accept it. Lines between one that starts with
+three double quotes (BLOCK) and one that ends with them are one question, as ollama reads them. At a terminal
+(standard input and output both), lines are edited and remembered with readline (the history kept in the cache
+root), and a paste of several lines is one question (bracketed paste); otherwise each line of standard input is one question and each answer one
+block of stdout ending in a newline, so that `printf 'q1\\nq2\\n' | triforce chat -p doc.txt` answers both.
 
 Inside the session a question or command that cannot be carried out is one error line, and the session goes on;
 Ctrl-C stops the answer being written (what it had is kept), while at the prompt it ends the session with 130 as
@@ -37,7 +38,7 @@ from triforce_cli.cli.render import (
     print_summary,
 )
 from triforce_cli.cli.settings import engine_config, load_pipeline
-from triforce_cli.decoding.chat import ChatSession, transcript_text
+from triforce_cli.decoding.chat import ChatSession, transcript_text, transcript_turns
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.errors import PromptError, TriforceError
 from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, interrupted_exit_code
@@ -45,11 +46,13 @@ from triforce_cli.runtime.prompts import read_prompt
 from triforce_cli.runtime.store import chat_history_file
 
 PROMPT = "> "
+MORE_PROMPT = "... "  # inside a """ block
+BLOCK = '"""'  # opens and closes a question of several lines
 HISTORY_LENGTH = 1000  # lines of the terminal history kept across sessions
 
 
-@o.takes(*o.MODELS, *o.ENGINE, "max_new_tokens", *o.SAMPLING, *o.MACHINE, "prompt_cache")
-def chat(prompt_file: o.DocumentFile, **settings) -> None:
+@o.takes(*o.MODELS, *o.ENGINE, "max_new_tokens", *o.SAMPLING, *o.MACHINE, "prompt_cache", after="system")
+def chat(prompt_file: o.DocumentFile, system: o.SystemPrompt = None, **settings) -> None:
     """Ask questions about a (long) document; each answer is the target's own, after the whole conversation."""
     prompt_cache = settings["prompt_cache"]
     out = StdoutConsole(highlight=False)
@@ -61,7 +64,7 @@ def chat(prompt_file: o.DocumentFile, **settings) -> None:
         if prompt_cache is not None:
             check_writable(prompt_cache)  # before the model loads, as generate checks it
         pipe = load_pipeline(settings, config, lambda message: print_note(err, message))
-        session = pipe.chat(document)
+        session = ChatSession(pipe, document, system)
         prefix_tokens = len(session.conversation.document_prefix_ids)
         print_setup(err, pipe.engine.memory_plan(prefix_tokens), pipe.engine.drafter_description)
         with PrefillProgress(err) as progress:
@@ -70,13 +73,14 @@ def chat(prompt_file: o.DocumentFile, **settings) -> None:
         print_note(err, f"ask about {prompt_file} ({prefix_tokens} tokens {how}); /help lists the commands")
         interactive = sys.stdin.isatty() and sys.stdout.isatty()  # else a prompt would land among the answers
         with line_history(chat_history_file()) if interactive else nullcontext():
-            for line in typed_lines(interactive):
+            prompt = [PROMPT]
+            for line in questions(typed_lines(interactive, prompt), prompt):
                 if line == "/quit":
                     break
-                if line.startswith("/"):
-                    run_command(line, session, err)
+                if line.startswith("/") and not line.startswith("//"):
+                    run_command(line, session, err, out)
                 else:
-                    answer(session, line, out, err)
+                    answer(session, line.removeprefix("/"), out, err)
 
 
 @contextmanager
@@ -91,6 +95,7 @@ def line_history(path: Path) -> Iterator[None]:
     except OSError:
         pass  # the first session, or a cache root that cannot be read
     readline.set_history_length(HISTORY_LENGTH)
+    readline.parse_and_bind("set enable-bracketed-paste on")  # a paste of several lines comes as one line
     try:
         yield
     finally:
@@ -101,30 +106,58 @@ def line_history(path: Path) -> Iterator[None]:
             pass  # a read-only cache root: this session's lines are not kept
 
 
-def typed_lines(interactive: bool) -> Iterator[str]:
-    """The lines read, surrounding whitespace dropped and blank ones skipped, until the end of input: at a terminal
-    after a prompt, else each line of standard input."""
+def typed_lines(interactive: bool, prompt: list[str] | None = None) -> Iterator[str]:
+    """The lines read, without their line ends, until the end of input: at a terminal after a prompt (prompt[0],
+    which a reader may change between lines), else each line of standard input. A paste at a terminal comes as one
+    line holding several."""
+    prompt = prompt if prompt is not None else [PROMPT]
     if not interactive:
-        yield from filter(None, (line.strip() for line in sys.stdin))
+        yield from (line.rstrip("\r\n") for line in sys.stdin)
         return
     while True:
         try:
-            line = input(PROMPT).strip()
+            line = input(prompt[0])
         except EOFError:  # Ctrl-D: the shell's prompt then starts on a line of its own
             print()
             return
-        if line:
-            yield line
+        yield line
 
 
-def answer(session: ChatSession, question: str, out: Console, err: Console) -> None:
-    """Stream the answer to question, then one line of its figures. A question the session cannot take (one that
-    does not fit the context, a cache that cannot grow) is one error line, the conversation left as it was. Ctrl-C
-    stops the answer, kept as far as it got; a SIGTERM still ends the command."""
+def questions(lines: Iterator[str], prompt: list[str] | None = None) -> Iterator[str]:
+    """The questions and commands in lines, surrounding whitespace dropped and blank ones skipped: a line, or the
+    lines from one that starts with BLOCK (three double quotes) to one that ends with it, joined by newlines with the quotes dropped (a
+    block the input ends in is a question still). prompt[0] is MORE_PROMPT while a block is read, else PROMPT."""
+    prompt = prompt if prompt is not None else [PROMPT]
+    for line in lines:
+        if not line.strip().startswith(BLOCK):
+            if line.strip():
+                yield line.strip()
+            continue
+        block = [line.strip().removeprefix(BLOCK)]
+        prompt[0] = MORE_PROMPT
+        while not block[-1].rstrip().endswith(BLOCK):
+            following = next(lines, None)
+            if following is None:
+                break
+            block.append(following)
+        prompt[0] = PROMPT
+        text = "\n".join(block).rstrip().removesuffix(BLOCK).strip()
+        if text:
+            yield text
+
+
+def answer(session: ChatSession, question: str | None, out: Console, err: Console) -> None:
+    """Stream the answer to question (None: the latest question again, ChatSession.retry), then one line of its
+    figures. A question the session cannot take (one that does not fit the context, a cache that cannot grow) is
+    one error line, the conversation left as it was. Ctrl-C stops the answer, kept as far as it got; a SIGTERM
+    still ends the command."""
     stream = TokenStream(out, session.pipeline.target.tokenizer)
     try:
         with PrefillProgress(err) as progress:
-            result = session.ask(question, on_tokens=stream, on_prefill=progress)
+            if question is None:
+                result = session.retry(on_tokens=stream, on_prefill=progress)
+            else:
+                result = session.ask(question, on_tokens=stream, on_prefill=progress)
     except TriforceError as error:
         print_error(err, str(error))
         return
@@ -144,13 +177,13 @@ def answer(session: ChatSession, question: str, out: Console, err: Console) -> N
         print_note(err, answer_line(result.stats))
 
 
-def reset_conversation(session: ChatSession, argument: str, err: Console) -> None:
+def reset_conversation(session: ChatSession, argument: str, out: Console, err: Console) -> None:
     """/reset: the document alone again."""
     session.reset()
     print_note(err, "back to the document alone")
 
 
-def save_transcript(session: ChatSession, argument: str, err: Console) -> None:
+def save_transcript(session: ChatSession, argument: str, out: Console, err: Console) -> None:
     """/save FILE: the questions and answers written to FILE; one error line where it cannot be written."""
     if not argument:
         print_error(err, "/save needs a file: /save FILE")
@@ -163,8 +196,40 @@ def save_transcript(session: ChatSession, argument: str, err: Console) -> None:
     print_note(err, f"saved {len(session.transcript)} messages to {argument}")
 
 
-def print_stats(session: ChatSession, argument: str, err: Console) -> None:
-    """/stats: the last answer's prompt (how much of it the engine had read just before), then generate's summary."""
+def retry_question(session: ChatSession, argument: str, out: Console, err: Console) -> None:
+    """/retry: the latest question asked again, its answer dropped."""
+    answer(session, None, out, err)
+
+
+def load_conversation(session: ChatSession, argument: str, out: Console, err: Console) -> None:
+    """/load FILE: the conversation /save wrote to FILE taken up in place of this one; one error line where it
+    cannot be read or does not fit."""
+    if not argument:
+        print_error(err, "/load needs a file: /load FILE")
+        return
+    try:
+        text = Path(argument).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        print_error(err, f"cannot read {argument}: {getattr(error, 'strerror', None) or type(error).__name__}")
+        return
+    try:
+        session.load(transcript_turns(text))
+    except PromptError as error:
+        print_error(err, f"cannot load {argument}: {error}")
+        return
+    print_note(err, f"loaded {len(session.turns)} questions and answers from {argument}; {context_meter(session)}")
+
+
+def context_meter(session: ChatSession) -> str:
+    """How much of the context the conversation holds."""
+    used, context = session.used_tokens, session.context_tokens
+    return f"context: {used} of {context} tokens used ({100 * used / context:.0f}%), {context - used} left"
+
+
+def print_stats(session: ChatSession, argument: str, out: Console, err: Console) -> None:
+    """/stats: how much of the context the conversation holds, the last answer's prompt (how much of it the engine
+    had read just before), then generate's summary."""
+    print_note(err, context_meter(session))
     turn = session.last_turn
     if turn is None:
         print_note(err, "no answer yet")
@@ -178,27 +243,33 @@ def print_stats(session: ChatSession, argument: str, err: Console) -> None:
     print_summary(err, turn.result.stats)
 
 
-def print_help(session: ChatSession, argument: str, err: Console) -> None:
+def print_help(session: ChatSession, argument: str, out: Console, err: Console) -> None:
     """/help: every command and what it does."""
     for usage, (_, description) in COMMANDS.items():
         err.print(Text(f"{usage:<12} {description}"))
     err.print(Text(f"{'/quit':<12} end the session (as Ctrl-D does)"))
+    err.print(
+        Text(f"{BLOCK:<12} a question of several lines: from a line that starts with {BLOCK} to one that ends with it")
+    )
 
 
-Command = Callable[[ChatSession, str, Console], None]  # (session, the text after the command's name, stderr)
+# (session, the text after the command's name, stdout, stderr)
+Command = Callable[[ChatSession, str, Console, Console], None]
 COMMANDS: dict[str, tuple[Command, str]] = {  # usage -> (what carries it out, what it does)
+    "/retry": (retry_question, "ask the latest question again, its answer dropped"),
     "/reset": (reset_conversation, "forget the questions and answers: the document alone again"),
     "/save FILE": (save_transcript, "write the questions and answers to FILE"),
-    "/stats": (print_stats, "the last answer's prompt, timing and acceptance per tier"),
-    "/help": (print_help, "these commands; any other line is a question"),
+    "/load FILE": (load_conversation, "take up the questions and answers /save wrote to FILE"),
+    "/stats": (print_stats, "the context used, the last answer's prompt, timing and acceptance per tier"),
+    "/help": (print_help, 'these commands; any other line is a question ("//" starts one with "/")'),
 }
 
 
-def run_command(line: str, session: ChatSession, err: Console) -> None:
+def run_command(line: str, session: ChatSession, err: Console, out: Console) -> None:
     """Carry out a /command (COMMANDS); an unknown one is an error line."""
     name, _, argument = line.partition(" ")
     found = next((run for usage, (run, _) in COMMANDS.items() if usage.split()[0] == name), None)
     if found is None:
         print_error(err, f"unknown command {name}: /help lists them")
         return
-    found(session, argument.strip(), err)
+    found(session, argument.strip(), out, err)

@@ -234,6 +234,10 @@ PromptFile = Annotated[
 DocumentFile = Annotated[
     str, typer.Option("--prompt-file", "-p", metavar="FILE", help="Text file of the document to ask about.")
 ]
+SystemPrompt = Annotated[
+    str | None,
+    typer.Option(metavar="TEXT", help="A system prompt opening the conversation.", show_default=False),
+]
 PromptCache = Annotated[
     Path | None,
     typer.Option(
@@ -261,6 +265,43 @@ QueueSize = Annotated[
 ]
 ServedModelName = Annotated[
     str | None, typer.Option(metavar="NAME", help="The model id clients send [default: the target's name].")
+]
+MaxTokensLimit = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        metavar="N",
+        help="The most new tokens one request may ask for; more is a 400 [default: what the context holds].",
+        show_default=False,
+    ),
+]
+RequestTimeout = Annotated[
+    float | None,
+    typer.Option(
+        min=0.001,
+        metavar="SECONDS",
+        help="A request still waiting or generating after this long ends with a 504 [default: none].",
+        show_default=False,
+    ),
+]
+MaxBodyBytes = Annotated[
+    int, typer.Option(min=1024, metavar="BYTES", help="The largest request body accepted; larger ones get 413.")
+]
+CorsOrigin = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="ORIGIN",
+        help="A browser origin allowed to call the API (CORS), e.g. http://localhost:3000; '*' for any; repeatable.",
+        show_default=False,
+    ),
+]
+ShutdownGrace = Annotated[
+    float,
+    typer.Option(
+        min=0,
+        metavar="SECONDS",
+        help="On SIGINT/SIGTERM, how long the running request may go on before it is cancelled.",
+    ),
 ]
 
 # Bench sweeps: comma-separated lists

@@ -1,6 +1,8 @@
 """`triforce serve`: an OpenAI-compatible HTTP server (triforce_cli/serve/) over one loaded target and drafter."""
 
+import copy
 import ipaddress
+from types import FrameType
 
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console, print_note
@@ -18,6 +20,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def graceful_server(app, grace: float, **config):
+    """A uvicorn server whose first SIGINT or SIGTERM drains the worker (waiting requests answered 503, the running
+    one given grace seconds) and then stops as uvicorn does, exiting 0 rather than raising the signal again; a
+    second SIGINT stops at once."""
+    import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
+
+    class Graceful(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                app.state.worker.drain(grace)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a signal handled here is a normal exit
+
+    logs = copy.deepcopy(LOGGING_CONFIG)  # the server's log beside uvicorn's messages, in their format
+    logs["loggers"]["triforce.serve"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return Graceful(uvicorn.Config(app, timeout_graceful_shutdown=grace + 5, log_config=logs, **config))
+
+
 @o.takes(*o.MODELS, *o.ENGINE, "max_new_tokens", *o.SAMPLING, *o.MACHINE, "prompt_cache", after="served_model_name")
 def serve(
     host: o.Host = "127.0.0.1",
@@ -25,12 +46,15 @@ def serve(
     api_key: o.ApiKey = None,
     queue_size: o.QueueSize = 16,
     served_model_name: o.ServedModelName = None,
+    max_tokens_limit: o.MaxTokensLimit = None,
+    request_timeout: o.RequestTimeout = None,
+    max_body_bytes: o.MaxBodyBytes = 16 * 2**20,
+    cors_origin: o.CorsOrigin = None,
+    shutdown_grace: o.ShutdownGrace = 30.0,
     **settings,
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
     # imported here: the web stack loads only for this command
-    import uvicorn
-
     from triforce_cli.serve.app import create_app
 
     prompt_cache = settings["prompt_cache"]
@@ -45,9 +69,13 @@ def serve(
             api_key=api_key,
             queue_size=queue_size,
             prompt_cache=prompt_cache,
+            max_tokens_limit=max_tokens_limit,
+            request_timeout=request_timeout,
+            max_body_bytes=max_body_bytes,
+            cors_origins=cors_origin,
         )
         if api_key is None and not is_loopback(host):
             print_note(err, f"listening on {host} without --api-key: anyone who reaches it can use the model")
         name = served_model_name or pipe.target.name
         print_note(err, f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)")
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        graceful_server(app, shutdown_grace, host=host, port=port, log_level="info").run()

@@ -25,20 +25,23 @@ those generated. Reuse goes by ids (the common prefix of the prompt and the ids 
 still keeps the document and whatever comes after it unchanged.
 """
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from triforce_cli.decoding.engine import PrefillCallback, TokenCallback
-from triforce_cli.decoding.stats import GenerationResult
+from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import PromptError
 from triforce_cli.runtime.prompts import DOCUMENT_PLACEHOLDER, around_document, document_question
 
 if TYPE_CHECKING:
     from triforce_cli.decoding.pipeline import Pipeline
 
+SYSTEM = "system"
 USER = "user"
 ASSISTANT = "assistant"
 
@@ -62,26 +65,31 @@ class ChatTurn:
 class ConversationIds:
     """The token ids of a conversation about one document, by the tokenizer's chat template (module docstring)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, document: str):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, document: str, system: str | None = None):
         """The document's token ids, and those of the template's text before it.
 
         Args:
             tokenizer: the target's; a PromptError where it has no chat template.
             document: the text every conversation is about.
+            system: a system prompt opening every conversation, or None.
         """
-        self.tokenizer = tokenizer
-        before, _ = around_document(tokenizer, [{"role": USER, "content": DOCUMENT_PLACEHOLDER}])
+        self.tokenizer, self.system = tokenizer, system
+        opening = self._system_messages() + [{"role": USER, "content": DOCUMENT_PLACEHOLDER}]
+        before, _ = around_document(tokenizer, opening)
         self.document_ids = self._ids(document)
         self.document_prefix_ids = self._ids(before) + self.document_ids  # what a session prefills at its start
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    @staticmethod
-    def messages(turns: list[ChatTurn], question: str) -> list[dict[str, str]]:
-        """The chat messages of turns and then question, the document's placeholder before the first question."""
+    def _system_messages(self) -> list[dict[str, str]]:
+        return [] if self.system is None else [{"role": SYSTEM, "content": self.system}]
+
+    def messages(self, turns: list[ChatTurn], question: str) -> list[dict[str, str]]:
+        """The chat messages of turns and then question (after the system prompt, where there is one), the
+        document's placeholder before the first question."""
         questions = [turn.question for turn in turns] + [question]
-        messages = [document_question(questions[0])]
+        messages = self._system_messages() + [document_question(questions[0])]
         for turn, asked in zip(turns, questions[1:]):
             messages += [{"role": ASSISTANT, "content": turn.result.text}, {"role": USER, "content": asked}]
         return messages
@@ -129,7 +137,7 @@ class ChatSession:
         last_turn: the latest question asked and its generation, answered or not; None before the first.
     """
 
-    def __init__(self, pipeline: "Pipeline", document: str):
+    def __init__(self, pipeline: "Pipeline", document: str, system: str | None = None):
         """A session about document, nothing prefilled yet; the document is checked to fit with room for an answer.
 
         Args:
@@ -137,12 +145,17 @@ class ChatSession:
             document: what the conversation is about (surrounding whitespace dropped). A PromptError where it is
                 empty, where the target's tokenizer has no chat template, or where the document leaves no room in
                 the context for an answer.
+            system: a system prompt opening the conversation, or None (a template that takes no system turn
+                refuses it: a PromptError with its message).
         """
         document = document.strip()
         if not document:
             raise PromptError("the document is empty")
         self.pipeline = pipeline
-        self.conversation = ConversationIds(pipeline.target.tokenizer, document)
+        try:
+            self.conversation = ConversationIds(pipeline.target.tokenizer, document, system)
+        except TemplateError as error:
+            raise PromptError(f"the model's chat template refuses the conversation: {error}") from None
         pipeline.engine.check_prompt(self.conversation.document_prefix_ids)
         self.turns: list[ChatTurn] = []
         self.last_turn: ChatTurn | None = None
@@ -201,19 +214,87 @@ class ChatSession:
             on_tokens: receives each step's new token ids and the tier that sampled each.
             on_prefill: receives (model name, tokens done, tokens total) while the prompt is prefilled.
         Returns:
-            The answer's generation. A PromptError, the conversation left as it was, where the question is empty or
-            the conversation with it and max_new_tokens more no longer fits the context (Engine.check_prompt).
+            The answer's generation, at most max_new_tokens long or what the context still holds, whichever is
+            fewer. A PromptError, the conversation left as it was, where the question is empty, the chat template
+            refuses the conversation, or the conversation with it leaves no room for an answer.
         """
         question = question.strip()
         if not question:
             raise PromptError("the question is empty")
-        prompt_ids = self.conversation.prompt_ids(self.turns, question)
-        result = self.pipeline.generate_ids(prompt_ids, on_prefill, on_tokens)
+        try:
+            prompt_ids = self.conversation.prompt_ids(self.turns, question)
+        except TemplateError as error:
+            raise PromptError(f"the model's chat template refuses the conversation: {error}") from None
+        room = self.context_tokens - len(prompt_ids)
+        if room < 1:
+            raise PromptError(
+                f"the conversation with this question holds {len(prompt_ids)} tokens; the {self.context_tokens}-token"
+                " context leaves no room for an answer: /reset starts again from the document"
+            )
+        wanted = self.pipeline.config.max_new_tokens
+        if room < wanted:
+            self.pipeline.reconfigure(max_new_tokens=room)
+        try:
+            result = self.pipeline.generate_ids(prompt_ids, on_prefill, on_tokens)
+        finally:
+            if room < wanted:
+                self.pipeline.reconfigure(max_new_tokens=wanted)
         self.last_turn = ChatTurn(question, prompt_ids, result, shared_length(prompt_ids, self._read_ids))
         self._read_ids = prompt_ids + result.token_ids
         if result.token_ids:
             self.turns.append(self.last_turn)
         return result
+
+    @property
+    def context_tokens(self) -> int:
+        """The target's context: the most tokens a conversation and its next answer may hold."""
+        return self.pipeline.target.model.config.max_position_embeddings
+
+    @property
+    def used_tokens(self) -> int:
+        """Tokens the conversation holds now: the last prompt and its answer, or the document alone."""
+        if not self.turns:
+            return len(self.conversation.document_prefix_ids)
+        last = self.turns[-1]
+        return len(last.prompt_ids) + len(last.result.token_ids)
+
+    def retry(
+        self,
+        on_tokens: TokenCallback | None = None,
+        on_prefill: PrefillCallback | None = None,
+    ) -> GenerationResult:
+        """Ask the latest question again, its answer (if it had one) dropped from the conversation first; a
+        PromptError before any question."""
+        if self.last_turn is None:
+            raise PromptError("no question to ask again yet")
+        if self.turns and self.turns[-1] is self.last_turn:
+            self.turns.pop()
+        return self.ask(self.last_turn.question, on_tokens, on_prefill)
+
+    def load(self, transcript: list[tuple[str, str]]) -> None:
+        """Take up a saved conversation: transcript's questions and answers (transcript_turns) become the turns, in
+        place of those so far, as if they had been asked here. The answers' token ids are their text tokenized
+        again, and nothing is prefilled: the next question's prompt reads what the engine does not hold yet (the
+        document's prefill stays where it is held).
+
+        Args:
+            transcript: (role, text) pairs, user and assistant alternating, a user first; a PromptError otherwise.
+        """
+        roles = [role for role, _ in transcript]
+        if not transcript or roles != [USER, ASSISTANT] * (len(transcript) // 2):
+            raise PromptError("a saved conversation alternates user and assistant messages, a user's first")
+        turns: list[ChatTurn] = []
+        tokenizer = self.pipeline.target.tokenizer
+        for (_, question), (_, answer) in zip(transcript[::2], transcript[1::2]):
+            prompt_ids = self.conversation.prompt_ids(turns, question)
+            answer_ids = tokenizer(answer, add_special_tokens=False).input_ids
+            if not answer_ids:
+                raise PromptError("a saved conversation holds an empty answer")
+            stats = GenerationStats("loaded", None, len(prompt_ids), new_tokens=len(answer_ids))
+            turns.append(ChatTurn(question, prompt_ids, GenerationResult(answer_ids, answer, stats), 0))
+        if len(turns[-1].prompt_ids) + len(turns[-1].result.token_ids) >= self.context_tokens:
+            raise PromptError(f"the saved conversation does not fit the {self.context_tokens}-token context")
+        self.turns, self.last_turn = turns, None
 
     def reset(self) -> None:
         """Back to the document alone: the next question is the first turn again. Nothing is prefilled: the
@@ -224,3 +305,18 @@ class ChatSession:
 def transcript_text(transcript: list[tuple[str, str]]) -> str:
     """The transcript as text: each message as 'role: text', a blank line between messages."""
     return "".join(f"{role}: {text}\n\n" for role, text in transcript)
+
+
+MESSAGE_START = re.compile(rf"(?:\A|\n\n)({USER}|{ASSISTANT}): ")
+
+
+def transcript_turns(text: str) -> list[tuple[str, str]]:
+    """The (role, text) messages of a transcript_text: a message begins with 'user: ' or 'assistant: ' at the
+    start or after a blank line (so a message holding a blank line followed by such a word is read as two)."""
+    pieces = MESSAGE_START.split(text)  # [before, role, text, role, text, ...]
+    if pieces[0].strip() or len(pieces) < 3:
+        raise PromptError("not a conversation written by /save: messages start with 'user: ' or 'assistant: '")
+    messages = list(zip(pieces[1::2], pieces[2::2]))
+    role, last = messages[-1]
+    messages[-1] = (role, last.removesuffix("\n\n"))
+    return messages

@@ -2,7 +2,7 @@
 
 Speculative sampling (Leviathan et al., 2023, arXiv 2211.17192; Chen et al., 2023, arXiv 2302.01318): accept a
 draft token x with probability min(1, p(x)/q(x)); at the first rejection sample from norm(max(p - q, 0)); when
-every draft is accepted sample a bonus token from p. Temperature, top-k and top-p shape p and q identically, and
+every draft is accepted sample a bonus token from p. Temperature, top-k, min-p and top-p shape p and q identically, and
 temperature 0 turns both into one-hot argmax distributions, so greedy decoding runs through the same code.
 """
 
@@ -19,6 +19,7 @@ class SamplingConfig:
     temperature: float = 0.6
     top_p: float = 0.9
     top_k: int = 0  # 0 keeps every token
+    min_p: float = 0.0  # tokens less likely than min_p times the likeliest one are dropped; 0 keeps every token
     seed: int | None = None
 
     @property
@@ -36,6 +37,10 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = logits.topk(cfg.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
+    if cfg.min_p > 0:
+        floor = cfg.min_p * probs.amax(dim=-1, keepdim=True)  # (N, 1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if cfg.top_p < 1.0:
         probs = nucleus(probs, cfg.top_p)
     return probs

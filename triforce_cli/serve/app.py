@@ -1,11 +1,12 @@
 """The HTTP side of `triforce serve`: a FastAPI application over one Pipeline (create_app).
 
 Requests are parsed and checked here, on the event loop (tokenizing in a thread, one at a time), then handed to the
-Worker, which generates them one after another on its own thread. A full queue is a 503 with Retry-After. Streamed
-answers are server-sent events ending with ``data: [DONE]``; the first event is awaited before the response starts,
-so that an error found by the engine (a prompt it cannot take) is still a status code. A client that goes away
-(watched while it waits, and by Starlette once its stream runs) is withdrawn from the queue or stopped at the next
-verification.
+Worker, which generates them one after another on its own thread. A full queue is a 503 with Retry-After, found
+before the prompt is tokenized; a body over the size limit is a 413. Streamed answers are server-sent events ending
+with ``data: [DONE]``; their headers go out at once, and comment lines (``: queued``, ``: prefill 512/4096``) keep a
+proxy's read timeout from firing while the request waits or its prompt is read, so an error the engine finds then
+comes as an error event. A client that goes away (watched while it waits, and by Starlette once its stream runs) is
+withdrawn from the queue or stopped at the next prefill chunk or verification.
 """
 
 import asyncio
@@ -19,8 +20,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -40,6 +44,8 @@ log = logging.getLogger("triforce.serve")
 OPEN_ROUTES = ("/health",)  # answered without the API key
 RETRY_AFTER_SECONDS = 1  # a full queue's advice: try again after this long
 DISCONNECT_POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
+KEEPALIVE_SECONDS = 5.0  # the longest a stream goes without a line while its request waits or is prefilled
+MAX_BODY_BYTES = 16 * 2**20  # a request body's default limit: room for a whole long context as text or token ids
 CHAT_ROUTE, COMPLETIONS_ROUTE = "/v1/chat/completions", "/v1/completions"
 GENERATION_ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE)
 
@@ -99,7 +105,7 @@ class ApiKeyGuard:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or incorrect API key: send the header 'Authorization: Bearer <key>'"
@@ -116,6 +122,10 @@ def create_app(
     api_key: str | None = None,
     queue_size: int = 16,
     prompt_cache: Path | None = None,
+    max_tokens_limit: int | None = None,
+    request_timeout: float | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    cors_origins: list[str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible application over pipeline; its worker thread runs while the application does
     (lifespan).
@@ -128,6 +138,10 @@ def create_app(
         api_key: where given, every route but /health needs `Authorization: Bearer <api_key>`.
         queue_size: requests that may wait beside the one being generated; one more is answered 503.
         prompt_cache: a folder of saved prefills reused across restarts (Pipeline.generate_ids), or None.
+        max_tokens_limit: the most new tokens one request may ask for (a 400 beyond), or None: what the context holds.
+        request_timeout: seconds a request may wait and generate before it ends with a 504, or None: no limit.
+        max_body_bytes: the largest request body taken; a larger one is a 413.
+        cors_origins: browser origins allowed to call the API ("*": any), or None: no CORS headers.
     Returns:
         The FastAPI application, for uvicorn to serve.
     """
@@ -140,6 +154,7 @@ def create_app(
     worker = Worker(pipeline=pipeline, queue_size=queue_size, metrics=metrics, prompt_cache=prompt_cache)
     tokenizer_lock = threading.Lock()  # a fast tokenizer is not to be used by two threads at once
     started = int(time.time())
+    ignored_logged: set[str] = set()  # the ignored field names logged once already
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -153,6 +168,10 @@ def create_app(
     app.state.worker = worker
     if api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
+    if cors_origins:  # added last, so outermost: a preflight is answered before the key is asked for
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"], max_age=600
+        )
 
     @app.exception_handler(s.ApiError)
     async def api_error(request: Request, error: s.ApiError) -> JSONResponse:
@@ -168,12 +187,27 @@ def create_app(
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         log.error("request failed", exc_info=error)
-        message = f"the server failed: {type(error).__name__}: {error}"
+        message = "the server failed; its log has the details"
         return await api_error(request, s.ApiError(500, message, kind="server_error"))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """ok, or 503 naming what is wrong: the worker thread has stopped, the server is shutting down, or the
+        CUDA device does not answer."""
+        problems = {}
+        if not worker.alive:
+            problems["worker"] = "stopped"
+        elif worker.closed:
+            problems["worker"] = "shutting down"
+        device = torch.device(pipeline.target.device)
+        if device.type == "cuda":
+            try:
+                torch.cuda.mem_get_info(device)
+            except RuntimeError as error:
+                problems["device"] = f"{device} does not answer: {error}"
+        if problems:
+            return JSONResponse({"status": "error", **problems}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -217,7 +251,11 @@ def create_app(
             )
         limit = body.token_limit
         if limit is None:
-            limit = min(defaults.max_new_tokens, room)
+            limit = min(defaults.max_new_tokens, room, max_tokens_limit or room)
+        elif max_tokens_limit is not None and limit > max_tokens_limit:
+            raise s.ApiError(
+                400, f"max_tokens {limit} is over this server's limit of {max_tokens_limit}", param="max_tokens"
+            )
         elif limit > room:
             raise s.ApiError(
                 400,
@@ -229,7 +267,8 @@ def create_app(
         sampling = SamplingConfig(
             temperature=defaults.sampling.temperature if body.temperature is None else body.temperature,
             top_p=defaults.sampling.top_p if body.top_p is None else body.top_p,
-            top_k=defaults.sampling.top_k,
+            top_k=defaults.sampling.top_k if body.top_k is None else max(body.top_k, 0),
+            min_p=defaults.sampling.min_p if body.min_p is None else body.min_p,
             seed=defaults.sampling.seed if body.seed is None else body.seed,
         )
         return GenerationRequest(prompt_ids, limit, sampling, body.stop_strings, body.stream)
@@ -249,31 +288,37 @@ def create_app(
         finally:
             watcher.cancel()
 
+    def queue_full() -> s.ApiError:
+        message = f"the server is busy: {worker.queue_size} requests wait already; retry later"
+        if worker.closed:
+            message = "the server is shutting down"
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return s.ApiError(503, message, code="queue_full", kind="server_error", headers=headers)
+
     async def answer(request: Request, route: str, body: s.GenerationFields, generation: GenerationRequest):
-        """Queue the generation and answer it: one JSON object, or a stream of server-sent events."""
+        """Queue the generation and answer it: one JSON object, or a stream of server-sent events (its headers
+        sent at once)."""
         include_usage = body.include_usage  # checked before the job is queued
-        job = Job(generation, asyncio.get_running_loop())
+        job = Job(generation, asyncio.get_running_loop(), request_timeout)
         try:
             worker.submit(job)
         except QueueFull:
-            message = f"the server is busy: {worker.queue_size} requests wait already; retry later"
-            headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-            raise s.ApiError(503, message, code="queue_full", kind="server_error", headers=headers) from None
+            raise queue_full() from None
         ident = f"{'chatcmpl' if route == CHAT_ROUTE else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            return StreamingResponse(
+                stream(route, ident, job, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         kind, value = await first_event(request, job)
         if kind == "gone":
             metrics.request(route, "cancelled")
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         if kind == "error":
             raise value
-        if not body.stream:
-            metrics.request(route, "ok")
-            return complete_response(route, ident, value)
-        return StreamingResponse(
-            stream(route, ident, job, (kind, value), include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+        metrics.request(route, "ok")
+        return complete_response(route, ident, value)
 
     def complete_response(route: str, ident: str, finished: Finished) -> BaseModel:
         usage = usage_of(finished)
@@ -299,18 +344,39 @@ def create_app(
         kind = s.ChatCompletionChunk if route == CHAT_ROUTE else s.Completion
         return f"data: {kind(id=ident, model=name, choices=[], usage=usage).model_dump_json()}\n\n"
 
-    async def stream(
-        route: str, ident: str, job: Job, first: tuple[str, object], include_usage: bool
-    ) -> AsyncIterator[str]:
-        """The events of a streamed answer; a client gone (Starlette cancels this) stops the generation."""
+    async def next_event(job: Job) -> tuple[str, object] | None:
+        """The job's next event, or None where none came within KEEPALIVE_SECONDS."""
+        try:
+            return await asyncio.wait_for(job.events.get(), KEEPALIVE_SECONDS)
+        except TimeoutError:
+            return None
+
+    async def stream(route: str, ident: str, job: Job, include_usage: bool) -> AsyncIterator[str]:
+        """The events of a streamed answer, with comment lines while it waits and while its prompt is read; a
+        client gone (Starlette cancels this) stops the generation."""
         done = False
         try:
+            yield ": queued\n\n"
             if route == CHAT_ROUTE:
                 yield chunk(route, ident, "", role="assistant")
-            kind, value = first
-            while kind == "text":
-                yield chunk(route, ident, value)
-                kind, value = await job.events.get()
+            state = "queued"
+            while True:
+                event = await next_event(job)
+                if event is None:
+                    yield f": {state}\n\n"
+                    continue
+                kind, value = event
+                if kind == "started":
+                    state = "prefill"
+                    yield ": prefill\n\n"
+                elif kind == "prefill":
+                    state = f"prefill {value[0]}/{value[1]}"
+                    yield f": {state}\n\n"
+                elif kind == "text":
+                    state = "generating"
+                    yield chunk(route, ident, value)
+                else:
+                    break
             if kind == "done":
                 yield chunk(route, ident, None, finish=value.finish_reason)
                 if include_usage:
@@ -318,7 +384,7 @@ def create_app(
                 metrics.request(route, "ok")
             elif kind == "error":
                 yield f"data: {json.dumps(value.body())}\n\n"
-                metrics.request(route, "failed")
+                metrics.request(route, "rejected" if value.status == 503 else "failed")
             yield "data: [DONE]\n\n"
             done = True
         finally:
@@ -326,24 +392,56 @@ def create_app(
                 worker.withdraw(job)
                 metrics.request(route, "cancelled")
 
+    async def request_body(request: Request) -> bytes:
+        """The body, read up to max_body_bytes; a 413 beyond, told by Content-Length before any of it is read."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large()
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > max_body_bytes:
+                raise too_large()
+        return bytes(body)
+
+    def too_large() -> s.ApiError:
+        return s.ApiError(413, f"the request body is over this server's limit of {max_body_bytes} bytes")
+
+    def log_ignored(body: s.GenerationFields) -> None:
+        """Log each ignored field name the first time a request gives it."""
+        for field in body.ignored_fields():
+            if field not in ignored_logged:
+                ignored_logged.add(field)
+                log.info("ignoring the request field '%s': it does not change this server's output", field)
+
+    async def checked(request: Request, model: type[s.GenerationFields]) -> s.GenerationFields:
+        """The request's body parsed and checked, up to what needs the tokenizer; a 503 where the queue is full."""
+        body = parsed(model, await request_body(request))
+        check_model(body.model)
+        body.check_refused()
+        log_ignored(body)
+        if not worker.has_room():
+            raise queue_full()
+        return body
+
     @app.post(CHAT_ROUTE)
     async def chat_completions(request: Request) -> Response:
-        body = parsed(s.ChatCompletionRequest, await request.body())
-        check_model(body.model)
-        body.check_no_ops()
-        messages = [{"role": message.role, "content": message.text} for message in body.messages]
+        body = await checked(request, s.ChatCompletionRequest)
+        messages = [{"role": message.template_role, "content": message.text} for message in body.messages]
         tokenizer = pipeline.target.tokenizer
         try:
             ids = await run_in_threadpool(tokenized(lambda: encode_messages(tokenizer, messages)))
         except TriforceError as error:
             raise s.ApiError(400, str(error), param="messages") from None
+        except TemplateError as error:  # the template's own refusal: roles it does not take, or out of order
+            raise s.ApiError(
+                400, f"the model's chat template refuses the messages: {error}", param="messages"
+            ) from None
         return await answer(request, CHAT_ROUTE, body, generation_request(body, ids, "messages"))
 
     @app.post(COMPLETIONS_ROUTE)
     async def completions(request: Request) -> Response:
-        body = parsed(s.CompletionRequest, await request.body())
-        check_model(body.model)
-        body.check_no_ops()
+        body = await checked(request, s.CompletionRequest)
         prompt = body.one_prompt
         tokenizer = pipeline.target.tokenizer
         if isinstance(prompt, str):

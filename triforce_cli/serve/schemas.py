@@ -1,12 +1,13 @@
 """The OpenAI-compatible protocol: request and response models, the error object, and which request fields are
-served, accepted as no-ops, or refused.
+served, ignored, or refused.
 
 Field policy (docs/serving.md lists it too): a field that changes the output is either served (messages or prompt,
-max_tokens or max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options) or refused with a 400
-naming it; nothing that would change the output is silently ignored. A field that leaves the output as it is, is
-accepted and ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, and the others of NO_OPS at
-the one value that asks for nothing (``n`` 1, ``logprobs`` false, ``presence_penalty`` 0, ...). Any other field is
-an unknown one, refused. Types are strict: ``"max_tokens": "5"`` is a 400, not 5. No field names a file.
+max_tokens or max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop, stream, stream_options) or, in
+REFUSED, refused with a 400 naming it unless it holds the value that asks for nothing (``n`` 1, ``logprobs`` false,
+``presence_penalty`` 0, ...). Any other field is accepted and ignored (the server logs each such name once): `user`,
+`metadata`, `reasoning_effort`, a message's `name`, and whatever a client adds that this server does not know, as
+vLLM and llama-server do. Types of the served fields are strict: ``"max_tokens": "5"`` is a 400, not 5. No field
+names a file.
 """
 
 import time
@@ -19,24 +20,56 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters of one stop string
 
-# Fields taken at the value that asks for nothing; any other value is a 400 saying why (check_no_ops).
-NO_OPS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), "one choice per request is generated (one model, batch 1)"),
-    "best_of": ((None, 1), "one choice per request is generated (one model, batch 1)"),
+ONE_CHOICE = "one choice per request is generated (one model, batch 1)"
+EXACT = "it would change the target's distribution, which decoding keeps exact"
+NO_TOOLS = "tool calls are not supported"
+NO_CONSTRAINTS = "constrained decoding is not supported"
+# Fields that would change the output, taken only at a value that asks for nothing; any other value is a 400 saying
+# why (check_refused).
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((None, 1), ONE_CHOICE),
+    "best_of": ((None, 1), ONE_CHOICE),
+    "use_beam_search": ((None, False), ONE_CHOICE),
     "echo": ((None, False), "the prompt is not echoed"),
     "suffix": ((None, ""), "no suffix insertion"),
     "logprobs": ((None, False, 0), "log probabilities are not returned"),
     "top_logprobs": ((None, 0), "log probabilities are not returned"),
-    "presence_penalty": ((None, 0), "penalties would change the target's distribution, which decoding keeps exact"),
-    "frequency_penalty": ((None, 0), "penalties would change the target's distribution, which decoding keeps exact"),
-    "logit_bias": ((None, {}), "a logit bias would change the target's distribution, which decoding keeps exact"),
-    "tools": ((None, []), "tool calls are not supported"),
-    "tool_choice": ((None, "none"), "tool calls are not supported"),
-    "functions": ((None, []), "function calls are not supported"),
-    "function_call": ((None, "none"), "function calls are not supported"),
+    "prompt_logprobs": ((None, 0), "log probabilities are not returned"),
+    "presence_penalty": ((None, 0), EXACT),
+    "frequency_penalty": ((None, 0), EXACT),
+    "repetition_penalty": ((None, 1), EXACT),
+    "length_penalty": ((None, 1), EXACT),
+    "logit_bias": ((None, {}), EXACT),
+    "typical_p": ((None, 1), EXACT),
+    "tfs_z": ((None, 1), EXACT),
+    "mirostat": ((None, 0), EXACT),
+    "min_tokens": ((None, 0), "the end-of-sequence token always ends an answer"),
+    "ignore_eos": ((None, False), "the end-of-sequence token always ends an answer"),
+    "stop_token_ids": ((None, []), "stop tokens other than the model's are not supported; use `stop` strings"),
+    "bad_words": ((None, []), EXACT),
+    "tools": ((None, []), NO_TOOLS),
+    "tool_choice": ((None, "none", "auto"), NO_TOOLS),
+    "functions": ((None, []), NO_TOOLS),
+    "function_call": ((None, "none", "auto"), NO_TOOLS),
     "response_format": ((None, {"type": "text"}), "only plain text responses"),
+    "guided_json": ((None,), NO_CONSTRAINTS),
+    "guided_regex": ((None,), NO_CONSTRAINTS),
+    "guided_choice": ((None,), NO_CONSTRAINTS),
+    "guided_grammar": ((None,), NO_CONSTRAINTS),
+    "grammar": ((None, ""), NO_CONSTRAINTS),
+    "json_schema": ((None,), NO_CONSTRAINTS),
 }
-IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # accepted: the output stays the same
+# Accepted and ignored: the output stays the same whatever they say (listed for the docs; any unknown field is too).
+IGNORED = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "prediction",
+    "messages[].name",
+)
 
 
 class ApiError(Exception):
@@ -73,6 +106,15 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class Lenient(BaseModel):
+    """Unknown fields kept aside (model_extra) to be refused (REFUSED) or ignored, types not coerced."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def extra_fields(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -82,16 +124,28 @@ class TextPart(Strict):
     text: str
 
 
-class Message(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+class Message(Lenient):
+    """One message; `developer` is OpenAI's newer name for `system`, a `tool` message goes to the chat template as
+    it is (a template without tool messages refuses it), `name` is ignored."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
+    @property
+    def template_role(self) -> str:
+        """The role the chat template is given: system for developer."""
+        return "system" if self.role == "developer" else self.role
 
-class GenerationFields(Strict):
+
+class GenerationFields(Lenient):
     """What chat completions and completions share: the model, the sampling, the stop strings and streaming."""
 
     model: str
@@ -99,30 +153,26 @@ class GenerationFields(Strict):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: every token (vLLM's and OpenAI-style clients' "off")
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # the output stays the same whatever these say (IGNORED)
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
-    # taken at their no-op value only (NO_OPS)
-    n: Any = None
-    logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
 
-    def check_no_ops(self) -> None:
-        """An ApiError naming the first field set to something this server does not do (NO_OPS)."""
-        for name, (allowed, why) in NO_OPS.items():
-            value = getattr(self, name, None)
+    def check_refused(self) -> None:
+        """An ApiError naming the first field set to something that would change the output and that this server
+        does not do (REFUSED)."""
+        extra = self.extra_fields()
+        for name, (allowed, why) in REFUSED.items():
+            value = extra.get(name)
             if not any(_same(value, ok) for ok in allowed):
                 shown = ", ".join("null" if ok is None else repr(ok) for ok in allowed)
                 raise ApiError(400, f"'{name}' {value!r} is not supported: {why} (accepted: {shown})", param=name)
+
+    def ignored_fields(self) -> list[str]:
+        """The names of the fields given that this server ignores: every one it neither serves nor refuses."""
+        return [name for name in self.extra_fields() if name not in REFUSED]
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -151,19 +201,22 @@ class GenerationFields(Strict):
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[Message] = Field(min_length=1)
-    top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
+
+    def check_refused(self) -> None:
+        super().check_refused()
+        for index, message in enumerate(self.messages):
+            if message.tool_calls not in (None, []):
+                raise ApiError(400, f"a message's 'tool_calls': {NO_TOOLS}", param=f"messages.{index}.tool_calls")
+
+    def ignored_fields(self) -> list[str]:
+        names = {f"messages[].{name}" for message in self.messages for name in message.extra_fields()}
+        if any(message.name is not None for message in self.messages):
+            names.add("messages[].name")
+        return super().ignored_fields() + sorted(names)
 
 
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: Any = None
-    echo: Any = None
-    suffix: Any = None
 
     @property
     def one_prompt(self) -> str | list[int]:

@@ -5,12 +5,13 @@ One model, batch 1, as the engine is built (its caches are allocated once and it
 prompt to reuse, decoding/engine.py): so the worker is the only caller of the pipeline once the server runs, and the
 HTTP side never waits on the model. A job withdrawn while it waits (its client went away) frees its place at once;
 a running one is stopped by Engine.generate's should_stop before its next verification, and a stop string stops it
-the same way.
+the same way, or between two prefill chunks (Pipeline.generate_ids' on_prefill).
 """
 
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,16 +57,35 @@ class QueueFull(Exception):
     """The queue holds --queue-size waiting jobs already (or the server is stopping)."""
 
 
+class Stopped(Exception):
+    """Raised from a prefill callback: the job was cancelled or ran past its deadline while its prompt was read."""
+
+
+def timed_out_error(timeout: float) -> ApiError:
+    message = f"the request took longer than the server's {timeout:g} s limit (--request-timeout)"
+    return ApiError(504, message, kind="server_error", code="timeout")
+
+
 class Job:
     """One request's generation. The worker puts its events on `events`, through the loop that made the job:
-    ("text", piece) as the tiers accept tokens (streamed jobs only), then ("done", Finished) or ("error", ApiError);
-    the HTTP side adds ("gone", None) when the client has gone."""
+    ("started", None) and ("prefill", (tokens done, tokens in all)) for a streamed job, ("text", piece) as the tiers
+    accept tokens (streamed jobs only), then ("done", Finished) or ("error", ApiError); the HTTP side adds ("gone",
+    None) when the client has gone. A job given a timeout (seconds) is stopped once it has waited and run that
+    long."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
-        self.request = request
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, timeout: float | None = None):
+        self.request, self.timeout = request, timeout
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
         self._loop = loop
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+
+    @property
+    def timed_out(self) -> bool:
+        return self._deadline is not None and time.monotonic() > self._deadline
+
+    def should_stop(self) -> bool:
+        return self.cancelled.is_set() or self.timed_out
 
     def cancel(self) -> None:
         """Stop the generation before its next verification (or skip it, if it has not started)."""
@@ -142,6 +162,7 @@ class Worker:
         self._running: Job | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="triforce-worker", daemon=True)
+        self._grace: threading.Timer | None = None
 
     def mode_for(self, prompt_tokens: int) -> str:
         """The server's mode, or, for a prompt too short for the retrieval cache's budget (a question of a few
@@ -159,25 +180,53 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
-        """Refuse new jobs, stop the running one at its next verification, drop those waiting; wait for the
-        thread."""
+    def drain(self, grace: float) -> None:
+        """The server is stopping: refuse new jobs, answer those waiting with 503, and let the running one go on
+        for at most grace seconds before it is cancelled."""
         with self._changed:
             self._closed = True
             for job in self._waiting:
                 job.cancel()
                 job.emit("error", ApiError(503, "the server is shutting down", kind="server_error"))
             self._waiting.clear()
+            self._changed.notify_all()
+            if self._grace is None:
+                self._grace = threading.Timer(grace, self._cancel_running)
+                self._grace.daemon = True
+                self._grace.start()
+
+    def _cancel_running(self) -> None:
+        with self._changed:
             if self._running is not None:
                 self._running.cancel()
-            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Refuse new jobs, stop the running one at its next verification, drop those waiting; wait for the
+        thread."""
+        self.drain(0)
+        self._cancel_running()
         if self._thread.is_alive():
             self._thread.join()
+        if self._grace is not None:
+            self._grace.cancel()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread runs (or has yet to start)."""
+        return self._thread.is_alive() or (self._thread.ident is None and not self._closed)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def has_room(self) -> bool:
+        """Whether submit would take one more job now."""
+        return not self._closed and len(self._waiting) < self.queue_size
 
     def submit(self, job: Job) -> None:
         """Queue job behind those waiting; QueueFull where queue_size jobs wait already."""
         with self._changed:
-            if self._closed or len(self._waiting) >= self.queue_size:
+            if not self.has_room():
                 raise QueueFull
             self._waiting.append(job)
             self._changed.notify_all()
@@ -206,8 +255,13 @@ class Worker:
                     return
                 job = self._running = self._waiting.popleft()
             try:
-                if not job.cancelled.is_set():
+                if job.timed_out:
+                    job.emit("error", timed_out_error(job.timeout))
+                elif not job.cancelled.is_set():
                     self._serve(job)
+            except Exception:  # whatever a job does, the worker goes on with the next one
+                log.exception("a job failed outside its generation")
+                job.emit("error", ApiError(500, "the server failed; its log has the details", kind="server_error"))
             finally:
                 with self._changed:
                     self._running = None
@@ -222,6 +276,14 @@ class Worker:
             if piece and request.stream:
                 job.emit("text", piece)
 
+        def on_prefill(name: str, done: int, total: int) -> None:
+            if job.should_stop():
+                raise Stopped
+            if request.stream:
+                job.emit("prefill", (done, total))
+
+        if request.stream:
+            job.emit("started", None)
         try:
             settings = {
                 "mode": self.mode_for(len(request.prompt_ids)),
@@ -232,16 +294,25 @@ class Worker:
                 pipeline.reconfigure(**settings)
             result = pipeline.generate_ids(
                 request.prompt_ids,
+                on_prefill=on_prefill,
                 on_tokens=on_tokens,
                 prompt_cache=self.prompt_cache,
-                should_stop=lambda: job.cancelled.is_set() or text.stopped,
+                should_stop=lambda: job.should_stop() or text.stopped,
             )
+        except Stopped:
+            if job.timed_out:
+                job.emit("error", timed_out_error(job.timeout))
+            return
         except TriforceError as error:
             job.emit("error", ApiError(400, str(error)))
             return
-        except Exception as error:  # the server keeps serving; the log has the traceback
+        except Exception:  # the server keeps serving; the log has the traceback, the client a plain message
             log.exception("generation failed")
-            job.emit("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error"))
+            message = "the generation failed; the server's log has the details"
+            job.emit("error", ApiError(500, message, kind="server_error"))
+            return
+        if result.stats.stop_reason == "cancelled" and not text.stopped and job.timed_out:
+            job.emit("error", timed_out_error(job.timeout))
             return
         rest = text.finish()
         if rest and request.stream:
