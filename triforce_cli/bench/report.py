@@ -9,6 +9,7 @@ from triforce_cli.bench.qa import QARow
 from triforce_cli.bench.runner import BenchRow, over_prompts
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
+from triforce_cli.plan.plot import pyplot
 from triforce_cli.runtime.environment import machine_description
 
 
@@ -76,18 +77,6 @@ def write_results(
             writer = csv.DictWriter(handle, fieldnames=list(flat[0]))
             writer.writeheader()
             writer.writerows(flat)
-
-
-def pyplot():
-    """matplotlib's pyplot drawing to files; asked for before a bench runs, so a missing package fails early."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("plotting needs matplotlib: pip install matplotlib") from None
-    return plt
 
 
 def plot_latency(rows: list[BenchRow], path: Path) -> None:

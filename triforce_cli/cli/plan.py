@@ -11,14 +11,13 @@ from rich.table import Table
 from rich.text import Text
 
 from triforce_cli import plan as planner
-from triforce_cli.bench.report import pyplot
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.setup import DTYPES
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
-from triforce_cli.plan.plot import plot_predicted_latency
+from triforce_cli.plan.plot import plot_predicted_latency, pyplot
 from triforce_cli.plan.weights import WEIGHT_PLANS
 from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.store import human_size

@@ -2,10 +2,22 @@
 
 from pathlib import Path
 
-from triforce_cli.bench.report import pyplot
+from triforce_cli.errors import ConfigError
 from triforce_cli.plan.model import Row
 
 OFFLOAD_STYLES = {"none": "-", "kv": "--"}
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files; asked for before a bench or a plan runs, so a missing package fails early."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("plotting needs matplotlib: pip install matplotlib") from None
+    return plt
 
 
 def plot_predicted_latency(curves: list[tuple[int, tuple[Row, ...]]], path: Path, title: str) -> None:
