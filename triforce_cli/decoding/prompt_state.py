@@ -5,7 +5,8 @@ of a benchmark, every repeat, and later runs through ``--prompt-cache`` restore 
 
 A saved prefill must never serve a run it does not belong to. Its file is named by a hash of everything that
 shapes the prefilled state (``PromptCache.key``): the checkpoint's fingerprint (resolved paths, sizes, times and
-headers of its files, tokenizer included), dtype, weight format, rotary setting (with LongRoPE's set, which the
+headers of its files, tokenizer included), dtype and the KV cache's (cache.kv_dtype: the keys and values saved are
+the cache's own), weight format, rotary setting (with LongRoPE's set, which the
 run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, prefill chunk and the prompt's token
 ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
 match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
@@ -28,7 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from triforce_cli.cache import FullCache
+from triforce_cli.cache import FullCache, kv_dtype
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically
@@ -69,18 +70,12 @@ class PromptState:
     def matches(self, prompt_ids: list[int]) -> bool:
         return self.prompt_ids.tolist() == list(prompt_ids)
 
-    def restore(self, full: FullCache, half_copy: bool = False) -> None:
+    def restore(self, full: FullCache) -> None:
         """Put the prompt into a full cache as if it had just been prefilled (FullCache.assign: a ValueError where
-        it cannot hold what this state holds).
-
-        half_copy: also give the cache its float16 copy of the prompt (FullCache.make_half_copy), as a prefill does
-        for a target with half or GGUF weights.
-        """
+        it cannot hold what this state holds)."""
         full.assign(self.first_position, self.keys, self.values)
         full.queries = [q[:, None, :] for q in self.last_queries]  # (Hq, 1, D) per layer
         full.query_start = full.length - 1
-        if half_copy:
-            full.make_half_copy()
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -133,6 +128,7 @@ class PromptCache:
         return {
             "model": target.fingerprint,
             "dtype": str(target.dtype),
+            "kv_dtype": str(kv_dtype(target.device, target.dtype)),
             "weights": target.weights,
             "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings, rope_factors],
             "attention": target.model.attention_backend,
