@@ -178,14 +178,13 @@ class FullCache(KVCache):
         else:
             self.stream.upload(dst, src)
 
-    def make_static(self, num_query_heads: int, max_step: int, query_dtype: torch.dtype | None = None) -> None:
+    def make_static(self, num_query_heads: int, max_step: int, query_dtype: torch.dtype) -> None:
         """As KVCache.make_static, with room for the queries of steps of up to max_step tokens (padding included),
-        which a fixed-shape step writes into a buffer instead of handing them over; query_dtype: the model's dtype
-        (None: the cache's)."""
+        which a fixed-shape step writes into a buffer instead of handing them over; query_dtype: the model's dtype."""
         super().make_static()
         num_layers, _, _, head_dim = self.keys.shape
         shape = (max_step, num_layers, num_query_heads, head_dim)  # a step's rows first: one write for every layer
-        self.step_queries = torch.zeros(shape, dtype=query_dtype or self.keys.dtype, device=self.keys.device)
+        self.step_queries = torch.zeros(shape, dtype=query_dtype, device=self.keys.device)
         torch._dynamo.mark_static_address(self.step_queries)
 
     def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:

@@ -22,7 +22,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
-from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
+from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache, kv_dtype
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, attention_reference, optional
 from typer.testing import CliRunner
 
@@ -54,7 +54,7 @@ def prefilled(model, kind: str, device: str = "cpu"):
     cfg = model.config
     prompt = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(1)).to(device)
     if kind == "streaming":
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = kv_dtype(device, model.model.embed_tokens.weight.dtype)
         streaming = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 24, 8, dtype, device)
         for start in range(0, PROMPT, 8):  # the StreamingLLM cache takes at most 8 positions per forward
             model(prompt[start : start + 8], start, streaming)
@@ -68,9 +68,10 @@ def prefilled(model, kind: str, device: str = "cpu"):
     return retrieval
 
 
-def make_static(cache) -> None:
+def make_static(cache, dtype: torch.dtype = torch.float32) -> None:
+    """Make cache static for fixed-shape steps of a model computing in dtype."""
     if isinstance(cache, FullCache):
-        cache.make_static(4, MAX_STEP_TOKENS)  # llama_config's 4 query heads
+        cache.make_static(4, MAX_STEP_TOKENS, dtype)  # llama_config's 4 query heads
     else:
         cache.make_static()
 
@@ -409,7 +410,7 @@ def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatc
         model(torch.arange(PROMPT, device=device) % cfg.vocab_size, 0, cache, decoding=False)
     else:
         cache = prefilled(model, kind, device)
-    make_static(cache)
+    make_static(cache, dtype)
     start = cache.length
     cache.prepare(start, 3, padding=1)
     counter = StepOps()
@@ -709,7 +710,7 @@ class TestOnAGpu:
         cfg = model.config
         cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.bfloat16, "cuda")
         model(torch.arange(PROMPT, device="cuda") % cfg.vocab_size, 0, cache, decoding=False)
-        make_static(cache)
+        make_static(cache, torch.bfloat16)
         tokens = torch.tensor([1, 2, 3], device="cuda")
         for start in (PROMPT, PROMPT + 3, PROMPT + 6):
             model(tokens, start, cache)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import (
     F16_KV_TOLERANCE,
+    F16_SPLIT_TOLERANCE,
     full_cache_for,
     llama_config,
     random_prompt,
@@ -41,9 +42,6 @@ from triforce_cli.runtime.model import (
 
 SEQ = 96
 ATOL = 1e-5
-# one forward against the same tokens split otherwise (a chunk, then steps): some keys come out in other float32 bits,
-# a few of which round to a neighbouring float16 in the cache (cache.kv_dtype), up to ~1e-4 in these logits
-SPLIT_ATOL = 5e-4
 ROPES = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
@@ -216,7 +214,7 @@ def test_qwen3_query_and_key_norms_match_transformers():
     cache = full_cache_for(model)
     first = model(torch.tensor(ids[:50]), 0, cache)
     steps = [model(torch.tensor([t]), 50 + i, cache) for i, t in enumerate(ids[50:])]
-    torch.testing.assert_close(torch.cat([first, *steps]), whole, atol=SPLIT_ATOL, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([first, *steps]), whole, **F16_SPLIT_TOLERANCE)
     with torch.no_grad():
         model.model.layers[0].self_attn.k_norm.weight.fill_(1.0)
     assert not torch.allclose(our_logits(model, ids), whole, atol=1e-3)
@@ -268,7 +266,7 @@ def test_mistral_nemo_head_dim_wider_than_hidden_over_heads_matches_transformers
     steps = [model(torch.tensor(ids[:40]), 0, cache)] + [
         model(torch.tensor([t]), 40 + i, cache) for i, t in enumerate(ids[40:])
     ]
-    torch.testing.assert_close(torch.cat(steps), whole, atol=SPLIT_ATOL, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(steps), whole, **F16_SPLIT_TOLERANCE)
 
 
 def test_mistral_sliding_window_is_honoured():
