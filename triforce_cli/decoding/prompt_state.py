@@ -9,7 +9,8 @@ headers of its files, tokenizer included), dtype and the KV cache's (cache.kv_dt
 the cache's own), weight format, rotary setting (with LongRoPE's set, which the
 run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, prefill chunk and the prompt's token
 ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
-match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
+match, whose keys and values are not in the cache's dtype, or that cannot be read at all, is prefilled again and
+replaced, with one line saying so.
 
 A prompt that only starts like a saved one (the same document, another question) reuses the saved state's whole
 prefill chunks (Engine's prefix reuse). The saved state is found through an index of block hashes
@@ -230,6 +231,9 @@ class PromptCache:
             raise StaleEntry("was saved for another model, setting or prompt")
         if metadata.get("checksum") != state.checksum():
             raise StaleEntry("was changed after it was saved (its checksum does not match)")
+        held = kv_dtype(self.target.device, self.target.dtype)
+        if state.keys.dtype != held or state.values.dtype != held:
+            raise StaleEntry(f"holds keys and values in {state.keys.dtype}, where the cache holds {held}")
         if saved_ids[: len(prompt_ids)] != list(prompt_ids) or (key is not None and len(saved_ids) != len(prompt_ids)):
             raise StaleEntry("holds another prompt than its index says")
         return state
