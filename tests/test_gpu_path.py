@@ -49,17 +49,18 @@ def small():
     return wrap(LlamaForCausalLM(cfg).eval(), cfg)
 
 
-def prefilled(model, kind: str, device: str = "cpu"):
-    """A cache of kind ('full', 'retrieval' or 'streaming') holding a prompt of PROMPT tokens."""
+def prefilled(model, kind: str, device: str = "cpu", dtype: torch.dtype | None = None):
+    """A cache of kind ('full', 'retrieval' or 'streaming') holding a prompt of PROMPT tokens, in dtype (None: the
+    engine's for the model on device, cache.kv_dtype)."""
     cfg = model.config
     prompt = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(1)).to(device)
+    dtype = dtype or kv_dtype(device, model.model.embed_tokens.weight.dtype)
     if kind == "streaming":
-        dtype = kv_dtype(device, model.model.embed_tokens.weight.dtype)
         streaming = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 24, 8, dtype, device)
         for start in range(0, PROMPT, 8):  # the StreamingLLM cache takes at most 8 positions per forward
             model(prompt[start : start + 8], start, streaming)
         return streaming
-    full = full_cache_for(model, 2 * PROMPT)
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2 * PROMPT, dtype, device)
     model(prompt, 0, full)
     if kind == "full":
         return full
@@ -409,7 +410,7 @@ def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatc
         cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1024, dtype, device)
         model(torch.arange(PROMPT, device=device) % cfg.vocab_size, 0, cache, decoding=False)
     else:
-        cache = prefilled(model, kind, device)
+        cache = prefilled(model, kind, device, dtype)  # the model's dtype, as on a GPU
     make_static(cache, dtype)
     start = cache.length
     cache.prepare(start, 3, padding=1)
@@ -612,7 +613,7 @@ def test_retrieval_side_structures_stay_in_the_cache_dtype(small):
     """Chunk mean keys are one per chunk in the cache's dtype (bfloat16 on a GPU), never float32 for the whole
     context, and score the same chunks as float32 keys would."""
     model = small.model
-    full = prefilled(model, "full")
+    full = prefilled(model, "full", dtype=torch.float32)
     half_full = full_cache_for(model, 2 * PROMPT)
     half_full.keys = full.keys.to(torch.bfloat16)
     half_full.values = full.values.to(torch.bfloat16)
