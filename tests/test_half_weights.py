@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import full_cache_for, make_model, random_prompt, reference_logits, save_checkpoint
+from helpers import F16_KV_TOLERANCE, full_cache_for, make_model, random_prompt, reference_logits, save_checkpoint
 from torch import nn
 from triforce_cli.kernels import half_weights_available
 
@@ -58,7 +58,7 @@ def test_logits_match_transformers_on_the_same_rounded_weights():
     ids = random_prompt(64, 32, seed=5)
     cache = full_cache_for(tiny.model, 64)
     ours = tiny.model(torch.tensor(ids), 0, cache)
-    torch.testing.assert_close(ours, reference_logits(tiny.ref, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, reference_logits(tiny.ref, ids), **F16_KV_TOLERANCE)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -104,7 +104,7 @@ def test_load_model_with_half_weights(checkpoint):
     assert torch.equal(hf.model.embed_tokens.weight, loaded.model.model.embed_tokens.weight)
     ids = random_prompt(40, 31, seed=7)
     ours = loaded.model(torch.tensor(ids), 0, full_cache_for(loaded.model, 40))
-    torch.testing.assert_close(ours, reference_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, reference_logits(hf, ids), **F16_KV_TOLERANCE)
     dense_hf = load_hf_model(str(checkpoint), torch.float32)
     assert not torch.equal(dense_hf.lm_head.weight, hf.lm_head.weight)
 
