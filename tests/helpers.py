@@ -73,8 +73,9 @@ def small_config(**changes) -> EngineConfig:
 
 
 # our forward against transformers' float32 one: our KV cache is float16 on the CPU (cache.kv_dtype), whose rounding of
-# the keys and values (11 significant bits) moves the tiny test models' logits (up to ~7 in magnitude) by up to 1.6e-2
-F16_KV_TOLERANCE = {"atol": 2e-2, "rtol": 1e-3}
+# the keys and values (11 significant bits) moves the logits by up to 1.6e-2 on the tiny test models (logits up to ~7
+# in magnitude) and 2.5e-2 on the embedded SmolLM2-135M over 300 tokens (tests/test_embedded.py)
+F16_KV_TOLERANCE = {"atol": 3e-2, "rtol": 1e-3}
 # our forward against ours over the same tokens split otherwise (a chunk, then steps): some keys come out in other
 # float32 bits, a few of which round to a neighbouring float16 in the cache, up to ~1.2e-4 in these logits
 F16_SPLIT_TOLERANCE = {"atol": 5e-4, "rtol": 1e-4}
