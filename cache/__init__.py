@@ -1,6 +1,6 @@
 """KV caches: full (position-indexed), StreamingLLM (sinks + recent window) and retrieval (top chunks)."""
 
-from triforce_cli.cache.base import CacheCapacityError, KVCache, StaticStep
+from triforce_cli.cache.base import CacheCapacityError, KVCache, StaticStep, kv_dtype
 from triforce_cli.cache.full import FullCache, LayerwiseWrite
 from triforce_cli.cache.retrieval import RetrievalCache
 from triforce_cli.cache.streaming import StreamingCache
@@ -13,4 +13,5 @@ __all__ = [
     "RetrievalCache",
     "StaticStep",
     "StreamingCache",
+    "kv_dtype",
 ]

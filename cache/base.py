@@ -2,9 +2,13 @@
 
 A forward over new tokens at positions [start, start + T) first calls ``prepare(start, T)`` once, then
 ``update(layer, q, k, v)`` in every layer, which stores the new keys/values and returns the view attention
-reads: ``[context | the T new tokens]`` (see kernels/attention.py). ``length`` is the number of leading
-sequence positions the cache holds; rolling back is setting it. ``half_prefix(layer)`` may offer a
-float16 copy of the view's first positions for attention to read instead.
+reads: ``[context | the T new tokens]`` (see kernels/attention.py), whose first key is at position ``origin``
+where the view holds consecutive positions. ``length`` is the number of leading sequence positions the cache
+holds; rolling back is setting it.
+
+Every cache keeps its keys and values in kv_dtype(device, dtype) of the model computing on it: float16 for a
+float32 model on the CPU (written rounded once, and read as such by every later forward, as llama.cpp keeps its
+cache), the model's dtype on a GPU and for the CPU's bfloat16 runs, which stand in for a GPU.
 
 A decode step with fixed shapes (what torch.compile captures as one CUDA graph for every position) prepares with
 ``padding``: the step computes T + padding tokens, the padding after the real ones. ``make_static`` has the cache
@@ -18,7 +22,13 @@ never read, overwritten later.
 from abc import ABC, abstractmethod
 
 import torch
-from triforce_cli.kernels.attention import HalfPrefix, step_attention_bias
+from triforce_cli.kernels.attention import step_attention_bias
+
+
+def kv_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the KV caches of a model computing on device in dtype: float16 for a float32 model anywhere but
+    on a CUDA GPU (the CPU; the meta device sizes for it), else the model's dtype."""
+    return torch.float16 if torch.device(device).type != "cuda" and dtype == torch.float32 else dtype
 
 
 class CacheCapacityError(RuntimeError):
@@ -103,9 +113,11 @@ class KVCache(ABC):
         """Most positions one forward may write (None: as many as fit)."""
         return None
 
-    def half_prefix(self, layer: int) -> HalfPrefix | None:
-        """A float16 copy of the first positions of layer's view for attention to read, if this cache holds one."""
-        return None
+    @property
+    def origin(self) -> int:
+        """The position of the first key of the views update() returns, where they hold consecutive positions (the
+        full cache's: FullCache.offset); 0 for the caches whose slots are no positions."""
+        return 0
 
     def rollback(self, length: int) -> None:
         """Forget every position from ``length`` on."""
@@ -149,13 +161,15 @@ class StaticStep:
     def step_update(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (Hkv, T, D) at the step's slots and keep q (Hq, T, D); return layer's whole (Hkv, S, D)
-        buffers, for attention to mask past the last new slot."""
+        """Store k, v (Hkv, T, D) at the step's slots, in the cache's dtype, and keep q (Hq, T, D); return layer's
+        whole (Hkv, S, D) buffers, for attention to mask past the last new slot: read widened to q's dtype where the
+        cache keeps another (kv_dtype)."""
+        keys, values = self.cache.keys, self.cache.values
         where = (self.cache.layer_ids[layer], self.cache.head_ids, self.slots)  # broadcast to (Hkv, T)
-        self.cache.keys.index_put_(where, k)
-        self.cache.values.index_put_(where, v)
+        keys.index_put_(where, k.to(keys.dtype))
+        values.index_put_(where, v.to(values.dtype))
         self.queries.append(q)
-        return self.cache.keys[layer], self.cache.values[layer]
+        return keys[layer].to(q.dtype), values[layer].to(q.dtype)
 
     def step_bias(self, layer: int, window: int | None) -> torch.Tensor:
         """The float32 attention bias (G*T, S) of layer, whose sliding window is window (None: none): the full

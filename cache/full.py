@@ -20,7 +20,6 @@ from typing import Protocol
 
 import torch
 from triforce_cli.cache.base import CacheCapacityError, KVCache, StaticStep
-from triforce_cli.kernels.attention import HalfPrefix
 
 
 class StorageStream(Protocol):
@@ -76,6 +75,7 @@ class FullCache(KVCache):
         """An empty cache, its buffers allocated (zeros).
 
         Args:
+            dtype: of the keys and values, kv_dtype's for the model (cache.base).
             capacity: slots per layer and KV head: the positions [0, capacity) without window; with it, the most
                 positions held at once (any number written).
             window: the sliding window W every layer of the model shares, or None (every position kept): a write
@@ -99,48 +99,16 @@ class FullCache(KVCache):
         # with make_static: (max_step, layers, Hq, D), where fixed-shape steps write their queries instead
         self.step_queries: torch.Tensor | None = None
         self._write = slice(0, 0)
-        # float16 copy of the first positions (make_half_copy): buffers of the storage's shape and slots, made on
-        # first use; positions [offset, _half_length) hold the float16 rounding of the keys and values there now
-        self.half_keys: torch.Tensor | None = None
-        self.half_values: torch.Tensor | None = None
-        self._half_length = 0
-        self._half_in_use = False  # attention reads the copy (from make_half_copy until a write or rollback below it)
 
-    def make_half_copy(self) -> None:
-        """Hold a float16 copy of every position held now, for attention to read instead (CPU only).
-
-        Attention then reads these positions at half the bytes (kernels.half_prefix_attention); positions written
-        later stay float32. Only the positions the copy lacks are converted: a rollback or a write below its end
-        stops attention reading it and shortens it to the positions still the same, so a prompt that keeps the
-        last prompt's first positions converts only the rest, and the copy is the one a fresh prompt makes.
-        """
-        self.settle()
-        if self.half_keys is None:
-            self.half_keys = torch.empty_like(self.keys, dtype=torch.float16)
-            self.half_values = torch.empty_like(self.values, dtype=torch.float16)
-        new = slice(max(self._half_length, self.offset) - self.offset, self.length - self.offset)
-        self.half_keys[:, :, new] = self.keys[:, :, new]
-        self.half_values[:, :, new] = self.values[:, :, new]
-        self._half_length = self.length
-        self._half_in_use = True
-
-    def half_prefix(self, layer: int) -> HalfPrefix | None:
-        if not self._half_in_use or self._half_length <= self.offset:
-            return None
-        held = slice(0, self._half_length - self.offset)
-        return HalfPrefix(self.half_keys[layer, :, held], self.half_values[layer, :, held])
-
-    def _forget_half_beyond(self, length: int) -> None:
-        if length < self._half_length:
-            self._half_length = length
-            self._half_in_use = False
+    @property
+    def origin(self) -> int:
+        return self.offset
 
     def rollback(self, length: int) -> None:
         """Forget every position from length on; rolled back to 0, the cache is empty (nothing dropped)."""
         super().rollback(length)
-        self._forget_half_beyond(self.length)
         if self.length == 0:
-            self.offset = self._half_length = 0
+            self.offset = 0
         if self.stream is not None:
             self.stream.forget_beyond(self.length)
 
@@ -155,7 +123,7 @@ class FullCache(KVCache):
     def _make_room(self, start: int, stop: int) -> None:
         """Before a write of positions [start, stop), padding included, with window: where stop would pass the last
         slot, drop the positions before the first that the write's queries read (rounded down to align) and move
-        the rest, up to start, and their float16 copy to slot 0. A ValueError where that first position was dropped
+        the rest, up to start, to slot 0. A ValueError where that first position was dropped
         already (a rollback further back than the last write)."""
         first_read = max(0, start - self.window + 1)
         if first_read < self.offset:
@@ -167,16 +135,11 @@ class FullCache(KVCache):
             return
         offset = max(self.offset, first_read // self.align * self.align)
         shift = offset - self.offset
-        moves = [(self.keys, self.values, start)]
-        if self.half_keys is not None:
-            moves.append((self.half_keys, self.half_values, min(self._half_length, start)))
-        for keys, values, end in moves:
-            count = end - offset  # positions [offset, end) stay, from slot shift to slot 0
-            for buffer in (keys, values) if count > 0 else ():
-                for layer in range(buffer.shape[0]):  # one layer at a time: the ranges overlap
-                    buffer[layer, :, :count] = buffer[layer, :, shift : shift + count].clone()
+        count = start - offset  # positions [offset, start) stay, from slot shift to slot 0
+        for buffer in (self.keys, self.values) if count > 0 else ():
+            for layer in range(buffer.shape[0]):  # one layer at a time: the ranges overlap
+                buffer[layer, :, :count] = buffer[layer, :, shift : shift + count].clone()
         self.offset = offset
-        self._half_length = max(self._half_length, offset)
 
     def settle(self) -> None:
         """Return once reads of keys and values see every write (an offloaded cache writes back lazily and
@@ -235,18 +198,17 @@ class FullCache(KVCache):
             return self.stream.begin_step(self, num_tokens, group)
         return super().begin_step(num_tokens, group)
 
-    def make_static(self, num_query_heads: int, max_step: int) -> None:
+    def make_static(self, num_query_heads: int, max_step: int, query_dtype: torch.dtype) -> None:
         """As KVCache.make_static, with room for the queries of steps of up to max_step tokens (padding included),
-        which a fixed-shape step writes into a buffer instead of handing them over (on the compute device)."""
+        which a fixed-shape step writes into a buffer instead of handing them over (on the compute device); query_dtype: the model's dtype."""
         super().make_static()
         num_layers, _, _, head_dim = self.keys.shape
         shape = (max_step, num_layers, num_query_heads, head_dim)  # a step's rows first: one write for every layer
-        self.step_queries = torch.zeros(shape, dtype=self.keys.dtype, device=self.compute_device)
+        self.step_queries = torch.zeros(shape, dtype=query_dtype, device=self.compute_device)
         torch._dynamo.mark_static_address(self.step_queries)
 
     def prepare(self, start: int, num_tokens: int, padding: int | None = None) -> None:
         self._check_start(start)
-        self._forget_half_beyond(start)
         stop = start + num_tokens + (padding or 0)
         if self.window is not None:
             self._make_room(start, stop)
@@ -282,7 +244,7 @@ class FullCache(KVCache):
                 first = -(-(stop - self.capacity) // self.align) * self.align
             if first > max(0, stop - self.window + 1):
                 raise ValueError(f"positions {first}-{stop} lack some of the window before position {stop}")
-        self.offset = self._half_length = first
+        self.offset = first
         self._prepare_slots(first, stop - first, None)
         count = stop - first
         self.keys[:, :, :count] = keys[:, :, keys.shape[2] - count :]
@@ -370,8 +332,9 @@ class LayerwiseWrite:
         self.written = positions.stop
         return self._keys[:, : slots.stop], self._values[:, : slots.stop]
 
-    def half_prefix(self, layer: int) -> HalfPrefix | None:
-        return self.full.half_prefix(layer)
+    @property
+    def origin(self) -> int:
+        return self.full.origin
 
     def end_layer(self) -> None:
         """The layer has written every position: offloaded, copy them back to the host storage."""

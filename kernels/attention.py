@@ -565,7 +565,7 @@ def windowed_attention(
         for start in range(0, num_queries, WINDOW_QUERY_BLOCK):
             stop = min(start + WINDOW_QUERY_BLOCK, num_queries)
             seen = num_keys - num_queries + stop  # the view up to the block's last query's own key
-            blocks.append(attention(q[:, start:stop], k[:, :seen], v[:, :seen], scale, prefix, backend, window))
+            blocks.append(attention(q[:, start:stop], k[:, :seen], v[:, :seen], scale, backend, window))
         return torch.cat(blocks, dim=1)  # (Hq, T, D)
     first = max(0, num_keys - num_queries - window + 1)  # the first key the first query reads
     if prefix is not None and first < prefix.length:
@@ -574,7 +574,7 @@ def windowed_attention(
         prefix = None
     k, v = k[:, first:], v[:, first:]
     if num_queries == 1:
-        return attention(q, k, v, scale, prefix, backend)
+        return attention(q, k, v, scale, backend)
     if backend == "cpu" and prefix is None and num_queries <= FEW_QUERIES:
         return grouped_attention(q, k, v, scale, window)  # a verification step's fast path, banded
     if prefix is not None:
@@ -599,9 +599,9 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    prefix: HalfPrefix | None = None,
     backend: str | None = None,
     window: int | None = None,
+    origin: int = 0,
 ) -> torch.Tensor:
     """Dispatch to a kernel of backend (attention_backend; None: the fastest for q's device and dtype), and within
     the CPU kernels to the fastest for the number of queries.
@@ -614,6 +614,8 @@ def attention(
     On the CPU, grouped_attention takes up to FEW_QUERIES queries, where it beat or tied SDPA at every context
     length measured (SDPA won at 16); more go to chunk attention or SDPA. See docs/performance.md for the timings.
     """
+    k, v = k.to(q.dtype), v.to(q.dtype)  # PLACEHOLDER until the float16 cache kernel: a float16 cache read widened
+    prefix = None  # PLACEHOLDER, with the line above
     backend = backend or attention_backend(q.device, q.dtype)
     if window is not None and k.shape[1] > window:
         return windowed_attention(q, k, v, scale, window, prefix, backend)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
-from triforce_cli.cache import FullCache
+from triforce_cli.cache import FullCache, kv_dtype
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.sampling import Verdict, sample, verify_draft
@@ -72,10 +72,20 @@ def small_config(**changes) -> EngineConfig:
     return EngineConfig(**{**settings, **changes})
 
 
+# our forward against transformers' float32 one: our KV cache is float16 on the CPU (cache.kv_dtype), whose rounding of
+# the keys and values (11 significant bits) moves the logits by up to 1.6e-2 on the tiny test models (logits up to ~7
+# in magnitude) and 2.5e-2 on the embedded SmolLM2-135M over 300 tokens (tests/test_embedded.py)
+F16_KV_TOLERANCE = {"atol": 3e-2, "rtol": 1e-3}
+# our forward against ours over the same tokens split otherwise (a chunk, then steps): some keys come out in other
+# float32 bits, a few of which round to a neighbouring float16 in the cache, up to ~1.2e-4 in these logits
+F16_SPLIT_TOLERANCE = {"atol": 5e-4, "rtol": 1e-4}
+
+
 def full_cache_for(model: Transformer, capacity: int = 256) -> FullCache:
-    """An empty full KV cache for model, in its dtype."""
+    """An empty full KV cache for model, in the dtype the engine keeps it in (cache.kv_dtype: float16 for a float32
+    model on the CPU)."""
     cfg = model.config
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = kv_dtype(model.device, model.model.embed_tokens.weight.dtype)
     return FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype)
 
 

@@ -6,7 +6,7 @@ view can be decoded back into the positions it holds.
 
 import pytest
 import torch
-from triforce_cli.cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
+from triforce_cli.cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache, kv_dtype
 
 LAYERS, Q_HEADS, KV_HEADS, DIM = 2, 4, 2, 4
 
@@ -69,44 +69,50 @@ def test_full_cache_write_view_and_rollback():
     assert cache.length == 0
 
 
-def test_full_cache_half_copy_is_read_until_a_write_or_rollback_reaches_into_it():
-    cache = full_cache(16)
-    write(cache, 0, 6)
-    assert cache.half_prefix(0) is None
-    cache.make_half_copy()
-    for layer in range(LAYERS):
-        prefix = cache.half_prefix(layer)
-        assert prefix.length == 6 and prefix.keys.dtype == torch.float16
-        assert torch.equal(prefix.keys, cache.keys[layer, :, :6].half())  # the float16-rounded keys
-        assert torch.equal(prefix.values, -prefix.keys)
-    assert positions_of(cache.half_prefix(0).keys[1].float(), 0, 1) == list(range(6))
-    write(cache, 6, 3)
-    cache.rollback(6)  # back to the prompt: still read
-    assert cache.half_prefix(1).length == 6
-    cache.rollback(5)
-    assert cache.half_prefix(0) is None
-    cache.make_half_copy()
-    assert cache.half_prefix(0).length == 5
-    cache.prepare(4, 1)  # overwriting a copied position without a rollback
-    assert cache.half_prefix(0) is None
-    cache.make_half_copy()
-    cache.reset()
-    assert cache.half_prefix(0) is None
+def test_kv_dtype_is_float16_for_a_float32_model_on_the_cpu_and_the_models_own_elsewhere():
+    assert kv_dtype("cpu", torch.float32) == kv_dtype(torch.device("meta"), torch.float32) == torch.float16
+    for dtype in (torch.bfloat16, torch.float16):  # a CPU in bfloat16 stands in for a GPU
+        assert kv_dtype("cpu", dtype) == dtype
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kv_dtype(torch.device("cuda", 0), dtype) == dtype
 
 
-def test_full_cache_half_copy_converts_only_the_positions_it_lacks():
-    cache = full_cache(16)
+@pytest.mark.parametrize("kind", ["full", "streaming", "retrieval"])
+def test_a_float16_cache_holds_each_write_rounded_once_and_views_it_so(kind):
+    """Float32 keys and values written to a float16 cache are held, and viewed by attention, as their float16
+    rounding; the full cache's views start at its first held position (origin), the others' at 0."""
+    full = FullCache(LAYERS, KV_HEADS, DIM, 64, torch.float16)
+    if kind == "streaming":
+        cache = StreamingCache(LAYERS, KV_HEADS, DIM, 2, 8, 8, torch.float16)
+    elif kind == "retrieval":
+        torch.manual_seed(0)
+        full.prepare(0, 16)
+        for layer in range(LAYERS):
+            full.update(
+                layer, torch.randn(Q_HEADS, 16, DIM), torch.randn(KV_HEADS, 16, DIM), torch.randn(KV_HEADS, 16, DIM)
+            )
+        cache = RetrievalCache(full, 8, 4, 16)
+        cache.select_chunks()
+        assert cache.keys.dtype == cache.chunk_keys.dtype == torch.float16
+    else:
+        cache = full
+    start = cache.length
+    k, v = torch.randn(KV_HEADS, 3, DIM) * 3, torch.randn(KV_HEADS, 3, DIM) * 3
+    cache.prepare(start, 3)
+    keys, values = cache.update(0, torch.zeros(Q_HEADS, 3, DIM), k, v)
+    assert keys.dtype == values.dtype == torch.float16
+    assert torch.equal(keys[:, -3:], k.half()) and torch.equal(values[:, -3:], v.half())
+    assert not torch.equal(keys[:, -3:].float(), k)  # rounded
+    assert cache.origin == 0
+
+
+def test_the_full_caches_origin_is_its_first_held_position():
+    cache = FullCache(LAYERS, KV_HEADS, DIM, 12, torch.float16, window=4, align=4)
     write(cache, 0, 8)
-    cache.make_half_copy()
-    cache.rollback(5)  # a next prompt sharing 5 positions
-    cache.half_keys[:, :, :5] = 7  # marks what a conversion would overwrite
-    write(cache, 5, 6, salt=0.5)
-    assert cache.half_prefix(0) is None  # the new positions' forwards read float32
-    cache.make_half_copy()
-    prefix = cache.half_prefix(1)
-    assert prefix.length == 11
-    assert (prefix.keys[:, :5] == 7).all()  # kept, not converted again
-    assert torch.equal(prefix.keys[:, 5:], cache.keys[1, :, 5:11].half())
+    assert cache.origin == cache.offset == 0
+    keys, _ = write(cache, 8, 8)[0]
+    assert cache.origin == cache.offset == 4
+    assert positions_of(keys[0].float()) == list(range(4, 16))  # the view's first key is at position origin
 
 
 def test_full_cache_capacity_and_gaps():

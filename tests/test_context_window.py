@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import full_cache_for, llama_config, random_prompt, save_checkpoint, with_eos
+from helpers import F16_KV_TOLERANCE, full_cache_for, llama_config, random_prompt, save_checkpoint, with_eos
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -58,7 +58,7 @@ def test_extended_model_matches_transformers_past_the_trained_context(tmp_path):
     ids = random_prompt(3 * TRAINED, 31, seed=3)
     ours = loaded.model(torch.tensor(ids), 0, full_cache_for(loaded.model, 4 * TRAINED))
     theirs = reference(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, theirs, **F16_KV_TOLERANCE)
     unscaled = plain.model(torch.tensor(ids), 0, full_cache_for(plain.model, 4 * TRAINED))
     assert not torch.allclose(ours[-1], unscaled[-1], atol=1e-3)
 

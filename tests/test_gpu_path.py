@@ -22,7 +22,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
-from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
+from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache, kv_dtype
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, attention_reference, optional
 from typer.testing import CliRunner
 
@@ -49,17 +49,18 @@ def small():
     return wrap(LlamaForCausalLM(cfg).eval(), cfg)
 
 
-def prefilled(model, kind: str, device: str = "cpu"):
-    """A cache of kind ('full', 'retrieval' or 'streaming') holding a prompt of PROMPT tokens."""
+def prefilled(model, kind: str, device: str = "cpu", dtype: torch.dtype | None = None):
+    """A cache of kind ('full', 'retrieval' or 'streaming') holding a prompt of PROMPT tokens, in dtype (None: the
+    engine's for the model on device, cache.kv_dtype)."""
     cfg = model.config
     prompt = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(1)).to(device)
+    dtype = dtype or kv_dtype(device, model.model.embed_tokens.weight.dtype)
     if kind == "streaming":
-        dtype = model.model.embed_tokens.weight.dtype
         streaming = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 24, 8, dtype, device)
         for start in range(0, PROMPT, 8):  # the StreamingLLM cache takes at most 8 positions per forward
             model(prompt[start : start + 8], start, streaming)
         return streaming
-    full = full_cache_for(model, 2 * PROMPT)
+    full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2 * PROMPT, dtype, device)
     model(prompt, 0, full)
     if kind == "full":
         return full
@@ -68,9 +69,10 @@ def prefilled(model, kind: str, device: str = "cpu"):
     return retrieval
 
 
-def make_static(cache) -> None:
+def make_static(cache, dtype: torch.dtype = torch.float32) -> None:
+    """Make cache static for fixed-shape steps of a model computing in dtype."""
     if isinstance(cache, FullCache):
-        cache.make_static(4, MAX_STEP_TOKENS)  # llama_config's 4 query heads
+        cache.make_static(4, MAX_STEP_TOKENS, dtype)  # llama_config's 4 query heads
     else:
         cache.make_static()
 
@@ -408,8 +410,8 @@ def count_static_step(num_layers: int, dtype: torch.dtype, kind: str, monkeypatc
         cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1024, dtype, device)
         model(torch.arange(PROMPT, device=device) % cfg.vocab_size, 0, cache, decoding=False)
     else:
-        cache = prefilled(model, kind, device)
-    make_static(cache)
+        cache = prefilled(model, kind, device, dtype)  # the model's dtype, as on a GPU
+    make_static(cache, dtype)
     start = cache.length
     cache.prepare(start, 3, padding=1)
     counter = StepOps()
@@ -611,7 +613,7 @@ def test_retrieval_side_structures_stay_in_the_cache_dtype(small):
     """Chunk mean keys are one per chunk in the cache's dtype (bfloat16 on a GPU), never float32 for the whole
     context, and score the same chunks as float32 keys would."""
     model = small.model
-    full = prefilled(model, "full")
+    full = prefilled(model, "full", dtype=torch.float32)
     half_full = full_cache_for(model, 2 * PROMPT)
     half_full.keys = full.keys.to(torch.bfloat16)
     half_full.values = full.values.to(torch.bfloat16)
@@ -709,7 +711,7 @@ class TestOnAGpu:
         cfg = model.config
         cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.bfloat16, "cuda")
         model(torch.arange(PROMPT, device="cuda") % cfg.vocab_size, 0, cache, decoding=False)
-        make_static(cache)
+        make_static(cache, torch.bfloat16)
         tokens = torch.tensor([1, 2, 3], device="cuda")
         for start in (PROMPT, PROMPT + 3, PROMPT + 6):
             model(tokens, start, cache)

@@ -27,7 +27,6 @@ from triforce_cli.kernels import retrieval as kernel_retrieval
 from triforce_cli.kernels.attention import (
     FEW_QUERIES,
     KEY_BLOCK,
-    HalfPrefix,
     blocked_attention,
     chunk_attention,
     chunk_attention_available,
@@ -38,8 +37,6 @@ from triforce_cli.kernels.attention import (
 )
 from triforce_cli.kernels.linear import FEW_ROWS, few_row_linear
 from triforce_cli.kernels.retrieval import bound_scores, chunk_key_bounds
-
-from triforce_cli.runtime.native import kernel_error
 
 HEAD_DIM = 8
 SCALE = HEAD_DIM**-0.5
@@ -465,20 +462,17 @@ def test_packed_half_weight_holds_the_rounded_values():
     assert torch.equal(unpacked_bias, bias)
 
 
-@pytest.mark.parametrize("num_queries, prefix_keys, tail_keys", [(1, 300, 1), (1, 40, 9), (3, 257, 3), (8, 100, 20)])
+@pytest.mark.parametrize("num_queries, num_keys", [(1, 301), (1, 49), (3, 260), (8, 120)])
 @pytest.mark.parametrize("group", [1, 3])
-def test_attention_reads_a_half_prefix_as_its_rounded_keys_and_values(num_queries, prefix_keys, tail_keys, group):
-    if kernel_error() is not None:
-        pytest.skip(kernel_error())
-    q, k, v = qkv(2 * group, 2, num_queries, prefix_keys + tail_keys, seed=prefix_keys)
-    prefix = HalfPrefix(k[:, :prefix_keys].half(), v[:, :prefix_keys].half())
-    assert prefix.length == prefix_keys
-    rounded_k, rounded_v = k.clone(), v.clone()
-    rounded_k[:, :prefix_keys] = k[:, :prefix_keys].half().float()
-    rounded_v[:, :prefix_keys] = v[:, :prefix_keys].half().float()
+def test_attention_reads_float16_keys_and_values_as_their_values(num_queries, num_keys, group):
+    """Float32 queries against a float16 cache's view (cache.kv_dtype on the CPU)."""
+    q, k, v = qkv(2 * group, 2, num_queries, num_keys, seed=num_keys)
     with torch.inference_mode():
-        out = attention(q, k, v, SCALE, prefix)
-    torch.testing.assert_close(out, attention_reference(q, rounded_k, rounded_v, SCALE), atol=1e-5, rtol=1e-5)
+        out = attention(q, k.half(), v.half(), SCALE)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(
+        out, attention_reference(q, k.half().float(), v.half().float(), SCALE), atol=1e-5, rtol=1e-5
+    )
     assert not torch.allclose(out, attention_reference(q, k, v, SCALE), atol=1e-6, rtol=1e-6)
 
 

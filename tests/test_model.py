@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 from helpers import (
+    F16_KV_TOLERANCE,
+    F16_SPLIT_TOLERANCE,
     full_cache_for,
     llama_config,
     random_prompt,
@@ -23,6 +25,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from triforce_cli.cache import FullCache
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -76,6 +79,32 @@ def random_llama(seed: int = 0, fused: bool = True, **config):
     return ref, model
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engines_target_keeps_a_float16_cache_on_the_cpu_in_float32_only(dtype):
+    """The engine's prefill logits are transformers' within F16_KV_TOLERANCE (float32; bfloat16 is the GPU proxy,
+    only checked for its cache's dtype): on the CPU the target is the model with a float16 KV cache, whose rounding
+    shows in the logits (a float32 cache gives other ones), and a bfloat16 model keeps its own dtype."""
+    ref, _ = random_llama(num_kv_heads=2)
+    loaded = wrap(ref, ref.config)
+    loaded.model.to(dtype)
+    ids = random_prompt(SEQ, 32, seed=1)
+    engine = Engine(loaded, EngineConfig(mode="autoregressive", max_new_tokens=1))
+    state = engine.prefill(ids)
+    full = engine._caches.full
+    assert (
+        full.keys.dtype == full.values.dtype == state.keys.dtype == (torch.float16 if dtype == torch.float32 else dtype)
+    )
+    if dtype != torch.float32:
+        return
+    expected = reference_logits(ref, ids)[-1:]
+    torch.testing.assert_close(state.last_logits, expected, **F16_KV_TOLERANCE)
+    cfg = loaded.model.config
+    float32_cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, SEQ, torch.float32)
+    unrounded = loaded.model(torch.tensor(ids), 0, float32_cache)[-1:]
+    torch.testing.assert_close(unrounded, expected, atol=ATOL, rtol=1e-5)
+    assert not torch.allclose(state.last_logits, unrounded, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rope", list(ROPES))
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -95,7 +124,7 @@ def test_logits_match_transformers(rope, num_kv_heads, tied, fused):
     ids = random_prompt(SEQ, 32, seed=1)
     expected = reference_logits(ref, ids)
     assert expected.std() > 0.1  # a meaningful comparison, not near-zero logits
-    torch.testing.assert_close(our_logits(model, ids), expected, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(model, ids), expected, **F16_KV_TOLERANCE)
 
 
 def test_rope_variants_differ():
@@ -113,7 +142,7 @@ def test_head_dim_different_from_hidden_over_heads():
     ref, model = random_llama(head_dim=16)
     assert model.config.head_dim == 16
     ids = random_prompt(40, 32, seed=2)
-    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), **F16_KV_TOLERANCE)
 
 
 def test_chunked_prefill_and_decode_match_one_forward():
@@ -125,7 +154,7 @@ def test_chunked_prefill_and_decode_match_one_forward():
     second = model(torch.tensor(ids[50:90]), 50, cache)
     steps = [model(torch.tensor([t]), 90 + i, cache) for i, t in enumerate(ids[90:])]
     torch.testing.assert_close(torch.cat([first, second, *steps]), whole, atol=ATOL, rtol=1e-5)
-    torch.testing.assert_close(whole, reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(whole, reference_logits(ref, ids), **F16_KV_TOLERANCE)
     # num_logits keeps only the last rows
     cache.rollback(80)
     tail = model(torch.tensor(ids[80:]), 80, cache, num_logits=3)
@@ -155,7 +184,7 @@ def test_qwen2_biases_match_transformers():
     model = wrap(ref, cfg).model
     assert model.config.attention_bias
     ids = random_prompt(SEQ, 32, seed=5)
-    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), **F16_KV_TOLERANCE)
     # the biases are really used: dropping the query biases changes the output
     with torch.no_grad():
         model.model.layers[0].self_attn.qkv_proj.bias[: cfg.num_attention_heads * model.config.head_dim].zero_()
@@ -181,11 +210,11 @@ def test_qwen3_query_and_key_norms_match_transformers():
     assert model.config.qk_norm and not model.config.attention_bias
     ids = random_prompt(SEQ, 32, seed=6)
     whole = our_logits(model, ids)
-    torch.testing.assert_close(whole, reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(whole, reference_logits(ref, ids), **F16_KV_TOLERANCE)
     cache = full_cache_for(model)
     first = model(torch.tensor(ids[:50]), 0, cache)
     steps = [model(torch.tensor([t]), 50 + i, cache) for i, t in enumerate(ids[50:])]
-    torch.testing.assert_close(torch.cat([first, *steps]), whole, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([first, *steps]), whole, **F16_SPLIT_TOLERANCE)
     with torch.no_grad():
         model.model.layers[0].self_attn.k_norm.weight.fill_(1.0)
     assert not torch.allclose(our_logits(model, ids), whole, atol=1e-3)
@@ -198,7 +227,7 @@ def test_qwen3_checkpoint_loads_and_every_mode_is_greedy_equal(tmp_path):
     save_tokenizer(tmp_path / "qwen3", cfg.vocab_size)
     loaded = load_model(str(tmp_path / "qwen3"))
     ids = random_prompt(64, 32, seed=7)
-    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), **F16_KV_TOLERANCE)
     greedy = SamplingConfig(temperature=0)
     settings = {"budget": 16, "chunk_size": 8, "draft_window": 16, "sink_tokens": 4, "max_new_tokens": 24}
     expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **settings)).generate(ids)
@@ -218,7 +247,7 @@ def mistral(sliding_window):
 def test_mistral_without_sliding_window_matches_transformers():
     cfg, ref = mistral(sliding_window=None)
     ids = random_prompt(48, 32, seed=1)
-    torch.testing.assert_close(our_logits(wrap(ref, cfg).model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(wrap(ref, cfg).model, ids), reference_logits(ref, ids), **F16_KV_TOLERANCE)
 
 
 def test_mistral_nemo_head_dim_wider_than_hidden_over_heads_matches_transformers():
@@ -232,12 +261,12 @@ def test_mistral_nemo_head_dim_wider_than_hidden_over_heads_matches_transformers
     assert model.config.head_dim == 16 != cfg.hidden_size // cfg.num_attention_heads
     ids = random_prompt(SEQ, 32, seed=8)
     whole = our_logits(model, ids)
-    torch.testing.assert_close(whole, reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(whole, reference_logits(ref, ids), **F16_KV_TOLERANCE)
     cache = full_cache_for(model)
     steps = [model(torch.tensor(ids[:40]), 0, cache)] + [
         model(torch.tensor([t]), 40 + i, cache) for i, t in enumerate(ids[40:])
     ]
-    torch.testing.assert_close(torch.cat(steps), whole, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps), whole, **F16_SPLIT_TOLERANCE)
 
 
 def test_mistral_sliding_window_is_honoured():
@@ -245,7 +274,7 @@ def test_mistral_sliding_window_is_honoured():
     cfg, ref = mistral(sliding_window=16)
     model = wrap(ref, cfg).model
     ids = random_prompt(48, 32, seed=1)
-    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), **F16_KV_TOLERANCE)
 
 
 def test_unsupported_configs_are_rejected():
@@ -286,7 +315,7 @@ def test_load_model_from_saved_folder(tmp_path, tied):
     assert isinstance(attn.qkv_proj, Linear) and isinstance(mlp.gate_up_proj, Linear)  # the projections are fused
     assert attn.qkv_proj.out_features == (4 + 2 * 2) * 8 and mlp.gate_up_proj.out_features == 2 * 48
     ids = random_prompt(SEQ, 31, seed=6)
-    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(model, ids), reference_logits(ref, ids), **F16_KV_TOLERANCE)
 
 
 @pytest.mark.parametrize("rope", ["linear", "llama3", "yarn"])
@@ -295,7 +324,7 @@ def test_load_model_with_scaled_rope(tmp_path, rope):
     ref = save_checkpoint(folder, rope_parameters=dict(ROPES[rope]))
     loaded = load_model(str(folder))
     ids = random_prompt(SEQ, 31, seed=6)
-    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), **F16_KV_TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -322,7 +351,7 @@ def test_load_model_from_single_safetensors_file(tmp_path):
     loaded = load_model(str(folder / "model.safetensors"))
     assert loaded.name == "model"
     ids = random_prompt(40, 31, seed=7)
-    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(our_logits(loaded.model, ids), reference_logits(ref, ids), **F16_KV_TOLERANCE)
 
 
 def test_load_model_in_bfloat16(tmp_path):
@@ -363,12 +392,12 @@ def _biased_checkpoint_logits(tmp_path, **bias):
 
 def test_llama_attention_bias_checkpoint(tmp_path):
     ours, expected = _biased_checkpoint_logits(tmp_path, attention_bias=True)
-    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(ours, expected, **F16_KV_TOLERANCE)
 
 
 def test_llama_mlp_bias_checkpoint(tmp_path):
     ours, expected = _biased_checkpoint_logits(tmp_path, mlp_bias=True)
-    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(ours, expected, **F16_KV_TOLERANCE)
 
 
 # --- installed names ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import full_cache_for, random_prompt, rich_model
-from triforce_cli.cache import StreamingCache
+from triforce_cli.cache import FullCache, StreamingCache
 
 from triforce_cli.decoding import clock
 from triforce_cli.decoding.config import EngineConfig
@@ -157,8 +157,11 @@ def tier_writing_at_most_4(model) -> ModelTier:
 
 
 def assert_matches_one_forward(model, ids: list[int], probs: torch.Tensor) -> None:
-    """probs are the distributions after the last len(probs) tokens of ids, as one forward over ids gives them."""
-    reference = model(torch.tensor(ids), 0, full_cache_for(model))[-len(probs) :]
+    """probs are the distributions after the last len(probs) tokens of ids, as one forward over ids gives them, on a
+    float32 cache as the tier's (tier_writing_at_most_4)."""
+    cfg = model.config
+    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
+    reference = model(torch.tensor(ids), 0, cache)[-len(probs) :]
     torch.testing.assert_close(probs, probabilities(reference, UNSCALED), atol=1e-5, rtol=1e-4)
 
 

@@ -251,7 +251,7 @@ def test_an_offloaded_prefill_moves_each_layer_across_once_and_gives_the_device_
     """A 128-token prompt in 8 chunks of 16, 4 layers: nothing of the prompt is fetched from the host (every layer
     holds its keys and values on the device while all its chunks run), and each layer's keys and values go back once,
     in one copy per layer, tensor and KV head. Chunk by chunk, every chunk fetched the prefix of every offloaded
-    layer (229,376 bytes here with no layer on chip) and copied each chunk back apart (64 copies per layer). The
+    layer (114,688 bytes here with no layer on chip) and copied each chunk back apart (64 copies per layer). The
     keys, values, queries and logits are the device cache's, bit for bit (the same forwards, in another order)."""
     queues = counting_queues(monkeypatch)
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
@@ -264,7 +264,7 @@ def test_an_offloaded_prefill_moves_each_layer_across_once_and_gives_the_device_
     fetched, back, copies_back = queues[0].moved(full)
     num_layers, num_kv_heads = full.keys.shape[:2]
     assert (fetched, back, copies_back) == (0, kv_bytes(full, 128), num_layers * 2 * num_kv_heads)
-    assert back == 65_536
+    assert back == 32_768  # 128 positions of float16 keys and values (cache.kv_dtype on the CPU)
     assert torch.equal(state.last_logits, expected.last_logits)
     assert torch.equal(state.keys, expected.keys) and torch.equal(state.values, expected.values)
     assert torch.equal(state.last_queries, expected.last_queries)
@@ -465,7 +465,7 @@ def test_the_memory_plan_puts_the_full_cache_in_host_memory():
     full = on_device.bytes_of("full KV cache")
     staging = offloaded.bytes_of("retrieval staging")  # every layer's chosen chunks, gathered beside the storage
     cfg = model.model.config
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # float16 (cache.kv_dtype on the CPU)
     # the positions not yet written back, on the device and as their pinned twin on the host
     tail = min(TAIL_POSITIONS, full // per_position) * per_position
     assert on_device.host_bytes == 0 and offloaded.host_bytes == full + tail + staging and full > 0

@@ -216,7 +216,7 @@ def compiled_steps(rank: int, world: int, folder: str) -> None:
         eager, fixed = full_cache_for(model), full_cache_for(model)
         for cache in (eager, fixed):
             model(prompt, 0, cache, decoding=False)
-        fixed.make_static(model.config.num_heads, MAX_STEP_TOKENS)
+        fixed.make_static(model.config.num_heads, MAX_STEP_TOKENS, torch.float32)
         generator = torch.Generator().manual_seed(2)
         for _ in range(3):
             tokens = torch.randint(0, model.config.vocab_size, (7,), generator=generator)

@@ -183,7 +183,7 @@ class TestMemory:
             target = loaded(Transformer.from_hf_config(SMOLLM2_135M.llama_config()), SMOLLM2_135M.llama_config())
             drafter = loaded(Transformer.from_hf_config(hf), hf)
         workload = Workload(
-            context=7680,
+            context=15360,
             engine=EngineConfig(mode=mode, budget=2048, prefill_chunk=PREFILL_CHUNK["cpu"]),
             acceptance=Acceptance(draft=0.5, retrieval=0.9),
             dtype_bytes=4,
@@ -194,7 +194,7 @@ class TestMemory:
         for offload in ("none", "kv"):
             row = prediction.row(mode, offload)
             config = replace(workload.engine, offload=offload, on_chip_layers=row.on_chip_layers)
-            engine_plan = Engine(target, config, drafter).memory_plan(7680)
+            engine_plan = Engine(target, config, drafter).memory_plan(15360)
             expected = {what: (device, host) for what, device, host in engine_plan.items if what != "weights"}
             assert {i.what: (i.device_bytes, i.host_bytes) for i in row.memory if "weights" not in i.what} == expected
         assert 0 < prediction.row(mode, "kv").on_chip_layers < SMOLLM2_135M.num_layers
@@ -207,6 +207,23 @@ class TestMemory:
         positions = DEFAULTS.sink_tokens + DEFAULTS.draft_window + PREFILL_CHUNK[device]
         expected = kv_bytes(MODELS["SmolLM2-135M"].drafter, positions)
         assert row(payload, "triforce", "none")["memory"]["drafter cache"]["device"] == expected
+
+    @pytest.mark.parametrize(("hardware", "device"), [("a100-80gb", "cuda"), ("this-cpu", "cpu")])
+    def test_a_cpu_in_float32_holds_float16_caches(self, hardware, device):
+        """On a CPU a float32 model's caches are float16 (cache.kv_dtype), the bytes of a bfloat16 model's; a GPU
+        keeps float32 caches, twice a bfloat16 model's, in every cache's item."""
+        payloads = {
+            dtype: plan_json("--model", "SmolLM2-135M", "--hardware", hardware, "--context", "8k", "--dtype", dtype)
+            for dtype in ("float32", "bfloat16")
+        }
+        kv_size = 2 if device == "cpu" else 4
+        positions = DEFAULTS.sink_tokens + DEFAULTS.draft_window + PREFILL_CHUNK[device]
+        drafter = kv_bytes(MODELS["SmolLM2-135M"].drafter, positions, kv_size)
+        memory = {dtype: row(payload, "triforce", "none")["memory"] for dtype, payload in payloads.items()}
+        assert memory["float32"]["drafter cache"]["device"] == drafter
+        for item in ("full KV cache", "retrieval cache", "drafter cache"):
+            halves = memory["float32"][item]["device"], memory["bfloat16"][item]["device"] * kv_size // 2
+            assert halves[0] == halves[1] > 0, item
 
     def test_llama_3_1_8b_at_128k_needs_offloading_on_an_rtx_4090(self):
         payload = plan_json("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")

@@ -5,6 +5,7 @@ cannot be written to, a save that fails after the prefill, and the size limit wi
 `triforce cache list|clear`.
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -16,9 +17,12 @@ from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
 from triforce_cli.cli.console import NOTE_INDENT
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.prompt_state import PromptCache, check_writable
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime import store
+from triforce_cli.runtime.loading import load_model
 
 GREEDY_SHORT = ("--max-new-tokens", 6, "--temperature", 0, "--mode", "autoregressive", "--json")
 
@@ -70,6 +74,22 @@ class TestEntriesMatchTheirInputs:
         fresh = json_run(*args, "--offload", offload, "--prompt-cache", folder)
         reused = json_run(*args, "--offload", offload, "--prompt-cache", folder)
         assert not fresh["prompt_cached"] and reused["prompt_cached"] and reused["token_ids"] == fresh["token_ids"]
+
+    def test_states_hold_the_float16_cache_and_one_of_another_dtype_is_not_served(self, two_checkpoints, tmp_path):
+        """A float32 model on the CPU saves its float16 keys and values, under a key that names that dtype; a state
+        of another dtype, even under the right key and checksum, is prefilled again."""
+        target = load_model(str(two_checkpoints[0]))
+        notes = []
+        cache = PromptCache(tmp_path / "prompts", target, status=notes.append, prefill_chunk=256)
+        ids = list(range(1, 20))
+        state = Engine(target, EngineConfig(mode="autoregressive", max_new_tokens=2)).prefill(ids)
+        assert state.keys.dtype == state.values.dtype == torch.float16
+        assert json.loads(cache.key(ids))["kv_dtype"] == "torch.float16"
+        cache.save(state, ids)
+        assert cache.load(ids) is not None and not notes
+        cache.save(dataclasses.replace(state, keys=state.keys.float(), values=state.values.float()), ids)
+        assert cache.load(ids) is None
+        assert "holds keys and values in torch.float32, where the cache holds torch.float16" in notes[0]
 
     def test_weights_changed_in_place_miss_the_cache(self, two_checkpoints, words, tmp_path):
         first, second = two_checkpoints

@@ -11,7 +11,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import full_cache_for, llama_config, random_prompt, reference_logits, save_tokenizer, wrap
+from helpers import (
+    F16_KV_TOLERANCE,
+    full_cache_for,
+    llama_config,
+    random_prompt,
+    reference_logits,
+    save_tokenizer,
+    wrap,
+)
 from transformers import (
     DynamicCache,
     MistralConfig,
@@ -23,7 +31,7 @@ from transformers import (
 )
 from triforce_cli.cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
 from triforce_cli.kernels import half_weights_available
-from triforce_cli.kernels.attention import HalfPrefix, attention, attention_in_cache, half_prefix_available
+from triforce_cli.kernels.attention import attention, attention_in_cache
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -96,16 +104,16 @@ def test_logits_equal_transformers_for_prefill_chunks_verifications_and_steps(bu
     ids = random_prompt(SEQ, cfg.vocab_size, seed=3)
     expected = reference_logits(ref, ids)
     whole = model(torch.tensor(ids), 0, full_cache_for(model))
-    torch.testing.assert_close(whole, expected, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(whole, expected, **F16_KV_TOLERANCE)
     # chunks shorter and longer than the window, each query with its own lower bound
     cache, parts, start = full_cache_for(model), [], 0
     for size in (5, 20, 1, 9, 3, 30, 1, 1, 10):
         parts.append(model(torch.tensor(ids[start : start + size]), start, cache))
         start += size
-    torch.testing.assert_close(torch.cat(parts), expected, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(parts), expected, **F16_KV_TOLERANCE)
     steps = [model(torch.tensor(ids[:30]), 0, cache := full_cache_for(model))]
     steps += [model(torch.tensor([t]), 30 + i, cache) for i, t in enumerate(ids[30:])]
-    torch.testing.assert_close(torch.cat(steps), reference_steps(ref, ids, 30), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps), reference_steps(ref, ids, 30), **F16_KV_TOLERANCE)
 
 
 def test_without_the_window_the_logits_differ():
@@ -117,7 +125,7 @@ def test_without_the_window_the_logits_differ():
     logits = unwindowed(torch.tensor(ids), 0, full_cache_for(unwindowed))
     cfg.sliding_window = WINDOW
     assert not torch.allclose(logits[WINDOW + 1 :], reference_logits(ref, ids)[WINDOW + 1 :], atol=1e-3)
-    torch.testing.assert_close(logits[:WINDOW], reference_logits(ref, ids)[:WINDOW], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(logits[:WINDOW], reference_logits(ref, ids)[:WINDOW], **F16_KV_TOLERANCE)
 
 
 def test_rollback_then_rewrite_keeps_the_window_exact():
@@ -130,7 +138,7 @@ def test_rollback_then_rewrite_keeps_the_window_exact():
     model(torch.tensor(random_prompt(7, cfg.vocab_size, seed=9)), 40, cache)  # drafts, all rejected
     cache.rollback(40)
     logits = model(torch.tensor(ids[40:47]), 40, cache)
-    torch.testing.assert_close(logits, reference_logits(ref, ids[:47])[40:], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(logits, reference_logits(ref, ids[:47])[40:], **F16_KV_TOLERANCE)
 
 
 def test_layerwise_prefill_equals_chunked_forwards():
@@ -160,17 +168,14 @@ def windowed_reference(q, k, v, scale, window):
 
 @pytest.mark.parametrize("backend", ["cpu", "sdpa"])
 @pytest.mark.parametrize("num_queries", [1, 3, 8, 20])
-@pytest.mark.parametrize("half", [False, True], ids=["float32", "half-prefix"])
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16-cache"])
 def test_attention_reads_only_the_window(num_queries, half, backend):
     torch.manual_seed(0)
     q, k, v = torch.randn(4, num_queries, 16), torch.randn(2, 70, 16), torch.randn(2, 70, 16)
-    prefix = None
     if half:
-        if num_queries == 1 and not half_prefix_available(q):
-            pytest.skip("the CPU extension is not loaded")
-        k[:, :50], v[:, :50] = k[:, :50].half().float(), v[:, :50].half().float()
-        prefix = HalfPrefix(k[:, :50].half(), v[:, :50].half())
-    out = attention(q, k, v, 0.25, prefix, backend, window=WINDOW)
+        k, v = k.half().float(), v.half().float()
+    view = (k.half(), v.half()) if half else (k, v)
+    out = attention(q, *view, 0.25, backend, window=WINDOW)
     torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
 
 
@@ -191,7 +196,7 @@ def test_the_sdpa_backend_reads_a_long_chunk_in_query_blocks(num_keys, monkeypat
     monkeypatch.setattr(module.F, "scaled_dot_product_attention", recorded)
     torch.manual_seed(2)
     q, k, v = torch.randn(4, 20, 16), torch.randn(2, num_keys, 16), torch.randn(2, num_keys, 16)
-    out = attention(q, k, v, 0.25, None, "sdpa", window=WINDOW)
+    out = attention(q, k, v, 0.25, "sdpa", window=WINDOW)
     torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
     assert [queries for queries, _ in shapes] == [8, 8, 4]
     assert all(keys <= WINDOW + 7 for _, keys in shapes)
@@ -219,7 +224,9 @@ def test_checkpoint_loads_and_every_mode_is_greedy_equal(tmp_path, build):
     assert loaded.model.config.sliding_windows == ModelConfig.from_hf(cfg).sliding_windows
     ids = random_prompt(64, cfg.vocab_size, seed=7)
     model = loaded.model
-    torch.testing.assert_close(model(torch.tensor(ids), 0, full_cache_for(model)), reference_logits(ref, ids))
+    torch.testing.assert_close(
+        model(torch.tensor(ids), 0, full_cache_for(model)), reference_logits(ref, ids), **F16_KV_TOLERANCE
+    )
     greedy = SamplingConfig(temperature=0)
     expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **SETTINGS)).generate(ids)
     with torch.no_grad():
@@ -276,14 +283,14 @@ def saved_half_mistral(folder):
 
 
 @pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
-def test_half_weights_read_the_float16_prompt_inside_the_window_in_every_mode(tmp_path):
-    """With half weights attention reads the prompt's float16 copy, cut to the window for one query and widened
-    for several: every mode still gives autoregressive's greedy tokens."""
+def test_half_weights_read_the_float16_cache_inside_the_window_in_every_mode(tmp_path):
+    """With half weights attention reads the float16 cache, cut to the window: every mode still gives
+    autoregressive's greedy tokens."""
     loaded, ids = saved_half_mistral(tmp_path)
     greedy = SamplingConfig(temperature=0)
     reference = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **SETTINGS))
     expected = reference.generate(ids)
-    assert reference._caches.full.half_prefix(0).length == len(ids)
+    assert reference._caches.full.keys.dtype == torch.float16
     for mode in ("retrieval", "streaming", "triforce"):
         result = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **SETTINGS)).generate(ids)
         assert result.token_ids == expected.token_ids, mode
@@ -312,11 +319,10 @@ ALIGN = 4
 
 
 def windowed_cache_for(model, capacity: int, align: int = ALIGN) -> FullCache:
-    """A full cache of capacity slots that keeps only model's shared window."""
+    """A full cache of capacity slots that keeps only model's shared window, in full_cache_for's dtype."""
     cfg = model.config
-    return FullCache(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, torch.float32, window=WINDOW, align=align
-    )
+    dtype = full_cache_for(model, 0).keys.dtype
+    return FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype, window=WINDOW, align=align)
 
 
 def saved(folder, built):
@@ -352,12 +358,12 @@ def test_logits_equal_transformers_on_a_cache_that_moves_many_times(capacity, al
         parts.append(model(torch.tensor(ids[start : start + size]), start, cache))
         start += size
         offsets.add(cache.offset)
-    torch.testing.assert_close(torch.cat(parts), reference_logits(ref, ids[:start]), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(parts), reference_logits(ref, ids[:start]), **F16_KV_TOLERANCE)
     steps = []
     for position in range(start, SEQ):
         steps.append(model(torch.tensor(ids[position : position + 1]), position, cache))
         offsets.add(cache.offset)
-    torch.testing.assert_close(torch.cat(steps), reference_steps(ref, ids, start)[start:], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps), reference_steps(ref, ids, start)[start:], **F16_KV_TOLERANCE)
     assert cache.keys.shape[2] == capacity and len(offsets) > 5 and cache.offset >= SEQ - capacity
     assert all(offset % align == 0 for offset in offsets)
 
@@ -394,22 +400,20 @@ def test_rollback_after_a_move_rewrites_exactly():
     assert cache.offset > before  # their write moved the cache
     cache.rollback(40)
     logits = model(torch.tensor(ids[40:47]), 40, cache)
-    torch.testing.assert_close(logits, reference_logits(ref, ids[:47])[40:], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(logits, reference_logits(ref, ids[:47])[40:], **F16_KV_TOLERANCE)
 
 
-def test_half_copy_moves_with_the_positions_it_copies():
-    """The float16 prompt copy read from a cache that keeps the window gives the logits read from a cache that
-    keeps every position, through moves past the prompt."""
-    if not half_prefix_available(torch.zeros(1)):
-        pytest.skip("the CPU extension is not loaded")
+def test_a_float16_cache_keeping_the_window_reads_as_one_keeping_every_position():
+    """A float16 cache that keeps the window gives the logits read from a float16 cache that keeps every position,
+    through moves past the prompt."""
     cfg, ref = mistral(seed=2)
     model = wrap(ref, cfg).model
     ids = random_prompt(SEQ, cfg.vocab_size, seed=5)
     logits = []
     for cache in (full_cache_for(model), windowed_cache_for(model, WINDOW + 12)):
+        assert cache.keys.dtype == torch.float16
         for start in range(0, 48, 8):
             model(torch.tensor(ids[start : start + 8]), start, cache)
-        cache.make_half_copy()
         logits.append(torch.cat([model(torch.tensor([t]), 48 + i, cache) for i, t in enumerate(ids[48:])]))
     torch.testing.assert_close(logits[1], logits[0], atol=ATOL, rtol=1e-5)
 
@@ -444,7 +448,7 @@ def test_full_cache_bytes_are_the_window_and_a_slack(tmp_path):
     has the window; the same model without one, offloaded, or a Qwen2 with one windowed layer, every position."""
     loaded, _ = saved_mistral(tmp_path)
     ids = random_prompt(64, loaded.model.config.vocab_size, seed=7)
-    per_position = 2 * 2 * 2 * loaded.model.config.head_dim * 4  # keys and values, 2 layers, 2 KV heads, float32
+    per_position = 2 * 2 * 2 * loaded.model.config.head_dim * 2  # keys and values, 2 layers, 2 KV heads, float16
     engine = Engine(loaded, EngineConfig(mode="autoregressive", **WINDOW_KEPT))
     spare = engine.config.speculation_depth
     slots = WINDOW + max(8, spare) + WINDOW_KEPT["chunk_size"]
@@ -494,7 +498,7 @@ def test_every_mode_is_greedy_equal_on_a_cache_keeping_the_window(tmp_path, fixe
 
 @pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
 def test_half_weights_are_greedy_equal_on_a_cache_keeping_the_window(tmp_path):
-    """With half weights every mode reads the float16 prompt copy, which moves with the cache."""
+    """With half weights every mode reads the float16 cache, which moves its positions."""
     loaded, ids = saved_half_mistral(tmp_path)
     greedy = SamplingConfig(temperature=0)
     expected = Engine(loaded, EngineConfig(mode="autoregressive", sampling=greedy, **WINDOW_KEPT)).generate(ids)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    F16_KV_TOLERANCE,
     StubTokenizer,
     fixed_drafts_at_least,
     make_model,
@@ -75,8 +76,12 @@ def test_autoregressive_greedy_matches_reference_model(seed):
     tokens = list(autoregressive_tokens(seed))
     assert len(tokens) == NEW_TOKENS
     prompt = prompt_for(seed)
-    logits = reference_logits(rich_model(seed).ref, prompt + tokens)
-    assert logits[PROMPT_TOKENS - 1 : -1].argmax(dim=-1).tolist() == tokens
+    logits = reference_logits(rich_model(seed).ref, prompt + tokens)[PROMPT_TOKENS - 1 : -1]  # before each token
+    # transformers' float32 cache against our float16 one: each token is transformers' choice, or one its logits put
+    # within the float16 cache's tolerance of it (a near-tie the rounding may break either way)
+    gaps = logits.max(dim=-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert (gaps <= F16_KV_TOLERANCE["atol"]).all(), gaps.max()
+    assert (gaps == 0).sum() >= NEW_TOKENS - 2
     assert len(set(tokens)) > 5  # the tiny model does not just repeat one token
 
 

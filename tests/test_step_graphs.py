@@ -127,7 +127,7 @@ def test_a_step_longer_than_any_recorded_is_recorded_on_first_use():
     model.use_steps(StepMode.GRAPHS)
     cfg = model.config
     eager, fixed = full_cache_for(model), full_cache_for(model)
-    fixed.make_static(cfg.num_heads, 128)
+    fixed.make_static(cfg.num_heads, 128, torch.float32)
     prompt = torch.arange(16) % cfg.vocab_size
     model(prompt, 0, eager, decoding=False)
     model(prompt, 0, fixed, decoding=False)

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from triforce_cli.cache import FullCache, KVCache, RetrievalCache
+from triforce_cli.cache import FullCache, KVCache, RetrievalCache, kv_dtype
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.stats import summary_of
 from triforce_cli.plan.rates import MachineRates
@@ -166,9 +166,10 @@ def measure_forward_costs(
     context, held = state.prompt_ids.shape[0], state.keys.shape[2]
     most = max(token_counts)
     window = cfg.shared_window if held < context else None  # a state that kept only the window: as it was held
-    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, held + most, target.dtype, target.device)
+    cache_dtype = kv_dtype(target.device, target.dtype)
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, held + most, cache_dtype, target.device)
     full = FullCache(*shape, window=window)
-    state.restore(full, half_copy=target.half_prompt_cache)
+    state.restore(full)
     retrieval = RetrievalCache(full, budget, chunk_size, chunk_size + most, windows=cfg.sliding_windows)
     retrieval.select_chunks()
     new_ids = state.prompt_ids[-most:].to(target.device)  # any tokens: only the cost is measured

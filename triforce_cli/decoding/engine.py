@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache
+from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache, kv_dtype
 from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
@@ -287,13 +287,19 @@ class Engine:
             return False
         return cfg.offload != OffloadMode.NONE
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of every cache of this engine's models (cache.kv_dtype): float16 for a float32 target on the
+        CPU, else the target's dtype."""
+        return kv_dtype(self.target.device, self.target.dtype)
+
     def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
         """What a generation after prompt_tokens holds, and where, before anything is allocated: the models'
         weights, and the caches as sizing.cache_items sizes them (the full, retrieval and StreamingLLM caches, the
         compiled steps' queries and, offloaded, the device's on-chip layers and ring), a full cache held that is
         large enough at its own size, and one prefill forward's activations (sizing.prefill_activation_bytes)."""
         caps = self._capacities(prompt_tokens)
-        target, itemsize = self.target.model.config, self.target.dtype.itemsize
+        target, itemsize, kv_itemsize = self.target.model.config, self.target.dtype.itemsize, self.kv_dtype.itemsize
         items = [*self._weight_items()]
         items += cache_items(
             self.config,
@@ -301,12 +307,12 @@ class Engine:
             target,
             self._drafter_model.config,
             itemsize,
+            kv_itemsize,
             compiled=self.compiled,
             offloaded=self.offloaded,
-            half_copy=self.target.half_prompt_cache,
         )
         if self.offloaded:
-            items.append(staged_item(target, caps, itemsize, self.config.on_chip_layers))
+            items.append(staged_item(target, caps, kv_itemsize, self.config.on_chip_layers))
         items.append(activation_item(target, self.prefill_chunk, itemsize))
         held = tuple(item for item in items if item.device_bytes or item.host_bytes)
         return MemoryPlan(str(self.target.device), held)
@@ -409,14 +415,14 @@ class Engine:
     def _new_full(self, caps: Capacities) -> FullCache:
         model = self.target.model.config
         device = self.target.device
-        shape = (model.num_layers, model.num_kv_heads, model.head_dim, caps.full, self.target.dtype)
+        shape = (model.num_layers, model.num_kv_heads, model.head_dim, caps.full, self.kv_dtype)
         if self.offloaded:
             full = FullCache(*shape, "cpu")  # offload_kv pins it, exactly its bytes
             offload_kv(full, device, self.config.on_chip_layers)
         else:
             full = FullCache(*shape, device, window=self._full_window(), align=self.config.chunk_size)
         if self.compiled:
-            full.make_static(model.num_heads, MAX_STEP_TOKENS)
+            full.make_static(model.num_heads, MAX_STEP_TOKENS, self.target.dtype)
         return full
 
     def _new_retrieval(self, caps: Capacities) -> RetrievalCache:
@@ -443,7 +449,7 @@ class Engine:
             cfg.sink_tokens,
             cfg.draft_window,
             caps.draft_step,
-            self.target.dtype,
+            self.kv_dtype,
             self.target.device,
             draft.sliding_windows,
         )
@@ -734,7 +740,7 @@ class Engine:
         on_prompt_state: Callable[[PromptState], None] | None,
     ) -> torch.Tensor:
         """Fill every cache for prompt_ids and return the logits (1, V) after its last token: the full cache
-        prefilled from the positions it kept (or restored from prompt_state), its float16 copy, the retrieval
+        prefilled from the positions it kept (or restored from prompt_state), the retrieval
         cache's first chunk selection, and the drafter's StreamingLLM cache."""
         full = caches.full
         with self._filling(prompt_ids):
@@ -746,10 +752,8 @@ class Engine:
                 stats.reused_tokens = caches.kept
                 if on_prompt_state is not None:
                     on_prompt_state(PromptState.capture(full, prompt_ids, logits))
-                if self.target.half_prompt_cache:
-                    full.make_half_copy()
             else:
-                prompt_state.restore(full, half_copy=self.target.half_prompt_cache)
+                prompt_state.restore(full)
                 logits = prompt_state.last_logits.to(self.target.device)
                 stats.prompt_cached = True
         if caches.retrieval is not None:
@@ -772,8 +776,7 @@ class Engine:
     ) -> GenerationResult:
         """Generate after prompt_ids, restoring prompt_state instead of prefilling when it is given.
 
-        on_prompt_state receives the freshly prefilled prompt (to save it). A target with half or GGUF weights
-        reads the prompt from a float16 copy (FullCache.make_half_copy). Ctrl-C stops early and still returns
+        on_prompt_state receives the freshly prefilled prompt (to save it). Ctrl-C stops early and still returns
         what was generated. should_stop is asked before each round of the top tier (once per verification): True
         ends the generation there, with stop_reason "cancelled" (a server's client gone, a stop string written).
         """

@@ -5,10 +5,12 @@ of a benchmark, every repeat, and later runs through ``--prompt-cache`` restore 
 
 A saved prefill must never serve a run it does not belong to. Its file is named by a hash of everything that
 shapes the prefilled state (``PromptCache.key``): the checkpoint's fingerprint (resolved paths, sizes, times and
-headers of its files, tokenizer included), dtype, weight format, rotary setting (with LongRoPE's set, which the
+headers of its files, tokenizer included), dtype and the KV cache's (cache.kv_dtype: the keys and values saved are
+the cache's own), weight format, rotary setting (with LongRoPE's set, which the
 run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, prefill chunk and the prompt's token
 ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
-match, or that cannot be read at all, is prefilled again and replaced, with one line saying so.
+match, whose keys and values are not in the cache's dtype, or that cannot be read at all, is prefilled again and
+replaced, with one line saying so.
 
 Under the numeric contract (Engine.exact_positions) a prompt's entry is saved again after its generation with the
 answer the full cache holds after it (PromptState.answer_ids), so that the next turn of a conversation keeps it too.
@@ -32,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from triforce_cli.cache import FullCache
+from triforce_cli.cache import FullCache, kv_dtype
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically
@@ -86,12 +88,10 @@ class PromptState:
     def matches(self, prompt_ids: list[int]) -> bool:
         return self.prompt_ids.tolist() == list(prompt_ids)
 
-    def restore(self, full: FullCache, half_copy: bool = False, answer: bool = False) -> None:
+    def restore(self, full: FullCache, answer: bool = False) -> None:
         """Put the prompt into a full cache as if it had just been prefilled (FullCache.assign: a ValueError where
         it cannot hold what this state holds).
 
-        half_copy: also give the cache its float16 copy of the prompt (FullCache.make_half_copy), as a prefill does
-        for a target with half or GGUF weights.
         answer: also the answer's positions, for a longer prompt that goes on from it (the queries of the prompt's
         last position are then not the last forward's: that prompt's prefill computes its own).
         """
@@ -100,8 +100,6 @@ class PromptState:
         if not answer:
             full.queries = [q[:, None, :] for q in self.last_queries]  # (Hq, 1, D) per layer
             full.query_start = full.length - 1
-        if half_copy:
-            full.make_half_copy()
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -154,6 +152,7 @@ class PromptCache:
         return {
             "model": target.fingerprint,
             "dtype": str(target.dtype),
+            "kv_dtype": str(kv_dtype(target.device, target.dtype)),
             "weights": target.weights,
             "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings, rope_factors],
             "attention": target.model.attention_backend,
@@ -258,6 +257,9 @@ class PromptCache:
             raise StaleEntry("was saved for another model, setting or prompt")
         if metadata.get("checksum") != state.checksum():
             raise StaleEntry("was changed after it was saved (its checksum does not match)")
+        kv = kv_dtype(self.target.device, self.target.dtype)
+        if state.keys.dtype != kv or state.values.dtype != kv:
+            raise StaleEntry(f"holds keys and values in {state.keys.dtype}, where the cache holds {kv}")
         held = state.held_ids if key is None else saved_ids  # a prefix may go on into the answer
         if held[: len(prompt_ids)] != list(prompt_ids) or (key is not None and len(saved_ids) != len(prompt_ids)):
             raise StaleEntry("holds another prompt than its index says")

@@ -3,7 +3,8 @@
 The engine feeds it its loaded models' configs (runtime.model.ModelConfig) and the planner its shapes
 (plan.model.ModelShape); both have the fields of KVShape, so the memory `generate` prints and the memory `triforce
 plan` predicts are the same functions' results. Weights are each caller's own: the engine counts the tensors it
-holds, the planner the parameters of a shape.
+holds, the planner the parameters of a shape. The caches' elements take kv_dtype_bytes each: half the model's on the
+CPU in float32 (cache.kv_dtype).
 
 Sizing policy (Engine, docs/architecture.md): the caches are allocated once and kept across generations. The full
 cache holds max(prompt + new tokens, EngineConfig.cache_positions) positions plus one step's headroom (for a
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple, Protocol
 
+import torch
+
+from triforce_cli.cache import kv_dtype
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.kernels import SUMMARIES
 from triforce_cli.kernels.attention import SPLIT_SLOTS
@@ -61,7 +65,6 @@ class CacheKind(StrEnum):
 KIND_OF_ITEM = {  # the memory plan's items of each cache kind
     "full KV cache": CacheKind.FULL,
     "step queries": CacheKind.FULL,
-    "float16 prompt copy": CacheKind.FULL,
     "on-chip layers and ring": CacheKind.FULL,
     "retrieval cache": CacheKind.RETRIEVAL,
     "retrieval staging": CacheKind.RETRIEVAL,
@@ -189,6 +192,12 @@ def capacities(
     return Capacities(full, budget, recent, draft_step, streaming)
 
 
+def kv_dtype_bytes(device_type: str, dtype_bytes: int) -> int:
+    """Bytes of one key or value element of the caches of a model on device_type ('cpu' or 'cuda') whose elements
+    take dtype_bytes (4: float32, 2: a 16-bit dtype): cache.kv_dtype's."""
+    return kv_dtype(device_type, torch.float32 if dtype_bytes == 4 else torch.float16).itemsize
+
+
 def kv_bytes(shape: KVShape, positions: int, dtype_bytes: int) -> int:
     """Bytes of the keys and values of every layer of shape for this many positions."""
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * positions * dtype_bytes
@@ -200,11 +209,11 @@ def cache_items(
     target: KVShape,
     drafter: KVShape,
     dtype_bytes: int,
+    kv_dtype_bytes: int,
     *,
     compiled: bool,
     offloaded: bool,
     drafter_copies: int = 1,
-    half_copy: bool = False,
 ) -> list[MemoryItem]:
     """The caches' items: the retrieval cache with its chunk summaries (one key per chunk of the full cache, two for
     the bound score), the drafter's StreamingLLM cache, the compiled steps' query buffer (FullCache.make_static,
@@ -213,23 +222,23 @@ def cache_items(
     (RetrievalCache.staging). Items of caches the capacities leave out are 0.
 
     Args:
+        dtype_bytes: bytes of an element of the model's dtype (the step queries').
+        kv_dtype_bytes: bytes of a cache element (kv_dtype_bytes()).
         drafter_copies: devices holding the drafter's cache whole (tensor parallel); the target's caches are
             counted once, split over the devices.
-        half_copy: the full cache also holds a float16 copy of its positions (FullCache.make_half_copy: half or
-            GGUF weights on the CPU).
     """
-    full_bytes = kv_bytes(target, caps.full, dtype_bytes)
+    kv_size = kv_dtype_bytes
+    full_bytes = kv_bytes(target, caps.full, kv_size)
     summaries = 0
     if caps.retrieval:
-        summaries = SUMMARIES[config.chunk_score] * kv_bytes(target, caps.full // config.chunk_size, dtype_bytes) // 2
+        summaries = SUMMARIES[config.chunk_score] * kv_bytes(target, caps.full // config.chunk_size, kv_size) // 2
     step_queries = target.num_layers * target.num_heads * MAX_STEP_TOKENS * target.head_dim * dtype_bytes
     return [
-        MemoryItem("retrieval cache", kv_bytes(target, caps.retrieval, dtype_bytes) + summaries, 0),
-        MemoryItem("drafter cache", kv_bytes(drafter, caps.streaming, dtype_bytes) * drafter_copies, 0),
+        MemoryItem("retrieval cache", kv_bytes(target, caps.retrieval, kv_size) + summaries, 0),
+        MemoryItem("drafter cache", kv_bytes(drafter, caps.streaming, kv_size) * drafter_copies, 0),
         MemoryItem("step queries", step_queries if compiled else 0, 0),
         MemoryItem("full KV cache", *((0, full_bytes) if offloaded else (full_bytes, 0))),
-        MemoryItem("float16 prompt copy", kv_bytes(target, caps.full, 2) if half_copy else 0, 0),
-        MemoryItem("retrieval staging", 0, kv_bytes(target, caps.budget, dtype_bytes) if offloaded else 0),
+        MemoryItem("retrieval staging", 0, kv_bytes(target, caps.budget, kv_size) if offloaded else 0),
     ]
 
 

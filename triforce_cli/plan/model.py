@@ -31,6 +31,7 @@ from triforce_cli.decoding.sizing import (
     activation_item,
     cache_items,
     capacities,
+    kv_dtype_bytes,
     kv_layer_bytes,
     staged_item,
     staged_layers,
@@ -253,14 +254,19 @@ class WeightBytes:
 @dataclass(frozen=True)
 class Workload:
     """What is generated: a prompt of `context` tokens, the engine's settings (budget, chunk size, gammas, windows,
-    new tokens), the acceptance rates, and the bytes of one element of weights and caches; weights: the target's
-    bytes per weight where they are not dtype_bytes (GGUF blocks)."""
+    new tokens), the acceptance rates, and the bytes of one element of the model's dtype (weights, activations, and
+    caches but on a CPU in float32, whose caches are float16: kv_dtype_bytes); weights: the target's bytes per weight
+    where they are not dtype_bytes (GGUF blocks)."""
 
     context: int
     engine: EngineConfig
     acceptance: Acceptance
     dtype_bytes: int
     weights: WeightBytes | None = None
+
+    def kv_dtype_bytes(self, hardware: "Hardware") -> int:
+        """Bytes of a cache element on hardware (sizing.kv_dtype_bytes: 2 on a CPU in float32, else dtype_bytes)."""
+        return kv_dtype_bytes("cuda" if hardware.gpu else "cpu", self.dtype_bytes)
 
     @property
     def target_weights(self) -> WeightBytes:
@@ -393,6 +399,7 @@ def predicted_forward(
     tokens: int,
     positions: int,
     dtype_bytes: int,
+    kv_dtype_bytes: int | None = None,
     weights: WeightBytes | None = None,
     streamed_layers: int = 0,
     split: bool = True,
@@ -401,7 +408,8 @@ def predicted_forward(
     seconds of PCIe transfer it overlaps.
 
     Args:
-        dtype_bytes: bytes of a cache and activation element (and of a weight, unless weights says otherwise).
+        dtype_bytes: bytes of an activation element (and of a weight, unless weights says otherwise).
+        kv_dtype_bytes: bytes of a cache element (Workload.kv_dtype_bytes); None: dtype_bytes.
         streamed_layers: layers whose keys and values come over PCIe during the forward (offloaded, not on chip).
         split: whether the model is split over hardware.gpus in tensor parallel (the drafter is not: each device
             holds it whole).
@@ -413,7 +421,7 @@ def predicted_forward(
     devices = hardware.gpus if split else 1
     weights = weights or WeightBytes("dtype", dtype_bytes, dtype_bytes)
     layer_bytes = shape.layer_parameters * weights.layers / devices
-    kv_bytes = 2 * shape.num_kv_heads * shape.head_dim * positions * dtype_bytes / devices
+    kv_bytes = 2 * shape.num_kv_heads * shape.head_dim * positions * (kv_dtype_bytes or dtype_bytes) / devices
     attention_flops = 4 * shape.num_heads * shape.head_dim * positions * tokens
     layer_flops = (2 * shape.layer_parameters * tokens + attention_flops) / devices
     compute = max((layer_bytes + kv_bytes) / hardware.bandwidth, layer_flops / hardware.flops)
@@ -458,6 +466,7 @@ def memory_items(
         target,
         drafter,
         size,
+        workload.kv_dtype_bytes(hardware),
         compiled=hardware.cuda_graphs,
         offloaded=offload != OffloadMode.NONE,
         drafter_copies=copies,
@@ -515,6 +524,7 @@ def mode_row(
 ) -> Row:
     """The predicted latency and memory of one mode with one offload setting (see the module docstring)."""
     cfg, size, alpha = workload.engine, workload.dtype_bytes, workload.acceptance
+    kv_size = workload.kv_dtype_bytes(hardware)
     items, caps = memory_items(
         target=target, drafter=drafter, hardware=hardware, workload=workload, mode=mode, offload=offload
     )
@@ -522,11 +532,11 @@ def mode_row(
     on_chip = 0
     if offload == OffloadMode.KV:
         device = sum(item.device_bytes for item in items)
-        layer_bytes = kv_layer_bytes(target, caps.full, size)
+        layer_bytes = kv_layer_bytes(target, caps.full, kv_size)
         on_chip = on_chip_layers(
             device_bytes=device, layer_bytes=layer_bytes, num_layers=target.num_layers, memory_limit=limit
         )
-        items.append(staged_item(target, caps, size, on_chip))
+        items.append(staged_item(target, caps, kv_size, on_chip))
     streamed = target.num_layers - on_chip if offload == OffloadMode.KV else 0
     tiers = MODE_TIERS[mode]
     gamma = (cfg.gamma2 if tiers.retrieval else cfg.gamma1) if tiers.speculative else 0
@@ -536,6 +546,7 @@ def mode_row(
         tokens=gamma + 1,
         positions=workload.context,
         dtype_bytes=size,
+        kv_dtype_bytes=kv_size,
         weights=workload.weights,
         streamed_layers=streamed,
     )
@@ -544,7 +555,13 @@ def mode_row(
     if tiers.drafter:
         window = min(workload.context, cfg.sink_tokens + cfg.draft_window)
         draft = predicted_forward(
-            shape=drafter, hardware=hardware, tokens=1, positions=window, dtype_bytes=size, split=False
+            shape=drafter,
+            hardware=hardware,
+            tokens=1,
+            positions=window,
+            dtype_bytes=size,
+            kv_dtype_bytes=kv_size,
+            split=False,
         ).seconds
     if tiers.retrieval:
         # the budget, and on average half the recent positions committed since the last chunk selection
@@ -557,6 +574,7 @@ def mode_row(
                 tokens=tokens,
                 positions=attended,
                 dtype_bytes=size,
+                kv_dtype_bytes=kv_size,
                 weights=workload.weights,
             )
             return cost.seconds
@@ -595,7 +613,7 @@ def mode_row(
 def selection_seconds(*, target: ModelShape, hardware: Hardware, workload: Workload, offload: str) -> float:
     """One chunk selection of the retrieval cache: read the chunk mean keys, then copy the budget's keys and values
     from the full cache (over PCIe where it is offloaded) into the retrieval cache."""
-    size, devices = workload.dtype_bytes, hardware.gpus
+    size, devices = workload.kv_dtype_bytes(hardware), hardware.gpus
     mean_keys = target.kv_elements(workload.context // workload.engine.chunk_size) // 2 * size / devices
     gathered = target.kv_elements(workload.budget) * size / devices
     source = hardware.pcie if offload == OffloadMode.KV else hardware.bandwidth

@@ -104,12 +104,6 @@ class LoadedModel:
         if not vocabulary or self.model.config.vocab_size != target.model.config.vocab_size:
             raise ConfigError(f"drafter {self.name} does not share the vocabulary of {target.name}")
 
-    @property
-    def half_prompt_cache(self) -> bool:
-        """Whether attention reads the prompt's keys and values as float16 too: with 'half' and 'gguf' weights (as
-        llama.cpp keeps its cache in float16), where the CPU kernels that read them can be built or loaded."""
-        return self.weights in HALF_PROMPT_FORMS and kernel_error() is None
-
     @cached_property
     def fingerprint(self) -> str:
         """A hash that changes with the checkpoint behind this model: each weight file's resolved path, size,
@@ -520,10 +514,9 @@ def load_model(
     embedding and output layer (see borrow_shared_weights).
 
     weights: 'dense' computes from float weights; 'half' (CPU, float32) rounds the weight matrices to float16
-    and reads them as such, half the bytes per step (half_weights.py; attention then also reads the prompt's
-    keys and values from a float16 copy, see half_prompt_cache); 'gguf' computes from a GGUF file's own blocks
-    (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; GGUF source, CPU, float32; gguf_weights.py), with the prompt's
-    keys and values read as float16 too; a note names the file's types that are dequantized instead.
+    and reads them as such, half the bytes per step (half_weights.py); 'gguf' computes from a GGUF file's own blocks
+    (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; GGUF source, CPU, float32; gguf_weights.py); a note names the
+    file's types that are dequantized instead.
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
 

@@ -300,9 +300,8 @@ class Attention(nn.Module):
                 q, keys, values, cache.write_start, self.scale, backend, window, first_slot, bias
             )  # (Hq, T, D) laid out as (T, Hq, D)
         else:
-            keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
-            prefix = cache.half_prefix(self.layer)
-            out = attention(q, keys, values, self.scale, prefix, self.backend, window)  # (Hq, T, D)
+            keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D), in the cache's dtype
+            out = attention(q, keys, values, self.scale, self.backend, window, cache.origin)  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
 
 
