@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "flash_attention.cpp", "half_attention.cpp"))
-HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h"))  # included by SOURCES
+SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "flash_attention.cpp", "half_attention.cpp", "cache_attention.cpp"))
+HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h", "cache_attention_body.h"))  # included by SOURCES
 EXTENSION = "triforce_cpu"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # at::parallel_for runs on torch's OpenMP
 LDFLAGS = ("-fopenmp",)
