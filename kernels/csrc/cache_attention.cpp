@@ -52,7 +52,18 @@ constexpr int64_t kBlock = 64;        // keys per online-softmax step, aligned t
 constexpr int64_t kSegment = 2048;    // keys per segment merged at the end, aligned to absolute positions
 constexpr int64_t kGroupRows = 96;    // query rows per unit of work, which share each block's widened K and V
 constexpr int64_t kTileRows = 24;     // rows whose scores and weights are taken together before their values
+constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+constexpr int64_t kAhead = 2;         // blocks between the one read and the one prefetched
+
+// prefetcht1 (into L2) of the lines of n elements from `at` (an address past the cache's end is fine: prefetches never
+// fault); in assembly, which the optimiser keeps (it dropped __builtin_prefetch from the unit's loop)
+template <typename T>
+inline void prefetch_row(const T* at, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(T))
+    asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(at + i)));
+}
 
 inline int64_t floor_to(int64_t x, int64_t step) { return x / step * step; }  // x >= 0
 inline int64_t segment_of(int64_t position) { return position / kSegment; }
@@ -109,6 +120,7 @@ struct Ops {
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* at) { return _mm512_loadu_ps(at); }
+  static V load(const at::Half* at) { return widen16(at); }
   static void store(float* at, V x) { _mm512_storeu_ps(at, x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
@@ -166,12 +178,19 @@ inline void transpose16(__m512* r) {
 // keys_t (D, kBlock) = the block's keys [ja, jb) (rows row_stride apart) widened, for every 16-key group that
 // holds one of them; the group's other keys are 0.
 inline void transpose_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim,
-                           float* keys_t) {
+                           float* keys_t, int64_t ahead) {
+  alignas(64) float rows[16 * kMaxDim];  // the group's keys widened row by row: the cache is read in order
   for (int64_t g = ja / 16 * 16; g < jb; g += 16) {
+    for (int64_t i = 0; i < 16; ++i) {
+      prefetch_row(block + (ahead + g + i) * row_stride, dim);
+      if (g + i >= ja && g + i < jb)
+        Ops::widen(block + (g + i) * row_stride, rows + i * dim, dim);
+      else
+        std::fill(rows + i * dim, rows + (i + 1) * dim, 0.f);
+    }
     for (int64_t d = 0; d < dim; d += 16) {
       __m512 r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = g + i >= ja && g + i < jb ? Ops::widen16(block + (g + i) * row_stride + d) : _mm512_setzero_ps();
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(rows + i * dim + d);
       transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(keys_t + (d + i) * kBlock + g, r[i]);
     }
@@ -201,6 +220,7 @@ struct Ops {
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* at) { return _mm256_loadu_ps(at); }
+  static V load(const at::Half* at) { return widen8(at); }
   static void store(float* at, V x) { _mm256_storeu_ps(at, x); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
@@ -253,12 +273,17 @@ inline void transpose8(__m256* r) {
 }
 
 inline void transpose_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim,
-                           float* keys_t) {
+                           float* keys_t, int64_t ahead) {
   for (int64_t g = ja / 8 * 8; g < jb; g += 8) {
+    for (int64_t i = 0; i < 8; ++i) prefetch_row(block + (ahead + g + i) * row_stride, dim);
+    const bool whole = g >= ja && g + 8 <= jb;
     for (int64_t d = 0; d < dim; d += 8) {
       __m256 r[8];
-      for (int i = 0; i < 8; ++i)
-        r[i] = g + i >= ja && g + i < jb ? Ops::widen8(block + (g + i) * row_stride + d) : _mm256_setzero_ps();
+      if (whole)
+        for (int i = 0; i < 8; ++i) r[i] = Ops::widen8(block + (g + i) * row_stride + d);
+      else
+        for (int i = 0; i < 8; ++i)
+          r[i] = g + i >= ja && g + i < jb ? Ops::widen8(block + (g + i) * row_stride + d) : _mm256_setzero_ps();
       transpose8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(keys_t + (d + i) * kBlock + g, r[i]);
     }
@@ -286,6 +311,7 @@ struct Ops {
   static V zero() { return 0.f; }
   static V set1(float x) { return x; }
   static V load(const float* at) { return *at; }
+  static V load(const at::Half* at) { return static_cast<float>(*at); }
   static void store(float* at, V x) { *at = x; }
   static V fma(V a, V b, V c) { return std::fma(a, b, c); }
   static V add(V a, V b) { return a + b; }
@@ -303,9 +329,11 @@ struct Ops {
 };
 
 inline void transpose_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim,
-                           float* keys_t) {
-  for (int64_t j = ja; j < jb; ++j)
+                           float* keys_t, int64_t ahead) {
+  for (int64_t j = ja; j < jb; ++j) {
+    prefetch_row(block + (ahead + j) * row_stride, dim);
     for (int64_t d = 0; d < dim; ++d) keys_t[d * kBlock + j] = static_cast<float>(block[j * row_stride + d]);
+  }
 }
 
 #include "cache_attention_body.h"
@@ -315,11 +343,11 @@ inline void transpose_keys(const at::Half* block, int64_t row_stride, int64_t ja
 
 namespace {
 
-// The chosen ISA's body for D; the plain one where D is not a multiple of its width.
+// The chosen ISA's body for D; the plain one where D is not a multiple of its width or above kMaxDim.
 Body chosen_body(int64_t dim) {
   const Isa isa = chosen_isa();
-  if (isa == Isa::avx512 && dim % 16 == 0) return avx512::body(dim);
-  if (isa != Isa::scalar && dim % 8 == 0) return avx2::body(dim);
+  if (isa == Isa::avx512 && dim % 16 == 0 && dim <= kMaxDim) return avx512::body(dim);
+  if (isa != Isa::scalar && dim % 8 == 0 && dim <= kMaxDim) return avx2::body(dim);
   return plain::body(dim);
 }
 

@@ -60,11 +60,12 @@ inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* k
   }
 }
 
-// state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D): each output element's
-// block sum is the FMA chain over the keys in order from 0, then added to the rescaled old value in one FMA.
-template <int kDim, int R>
-inline void value_tile(const float* weights, const float* values, int64_t dim, int64_t j0, int64_t j1,
-                       const float* rescale, float* out) {
+// state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D), rows `stride` apart,
+// float32 or float16 (widened as they are read): each output element's block sum is the FMA chain over the keys in
+// order from 0, then added to the rescaled old value in one FMA.
+template <int kDim, int R, typename T>
+inline void value_tile(const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0, int64_t j1,
+                       const float* rescale, float* out, int64_t ahead) {
   constexpr int kColumns = Ops::kValueColumns;
   const int64_t d_end = kDim ? kDim : dim;
   for (int64_t column = 0; column < d_end; column += kColumns * Ops::kLanes) {
@@ -74,8 +75,9 @@ inline void value_tile(const float* weights, const float* values, int64_t dim, i
       for (int c = 0; c < kColumns; ++c) acc[r][c] = Ops::zero();
     if (count == kColumns) {
       for (int64_t j = j0; j < j1; ++j) {
+        if (ahead) prefetch_row(values + j * stride + column + ahead, kColumns * Ops::kLanes);
         typename Ops::V value[kColumns];
-        for (int c = 0; c < kColumns; ++c) value[c] = Ops::load(values + j * d_end + column + c * Ops::kLanes);
+        for (int c = 0; c < kColumns; ++c) value[c] = Ops::load(values + j * stride + column + c * Ops::kLanes);
         for (int r = 0; r < R; ++r) {
           const typename Ops::V w = Ops::set1(weights[r * kBlock + j]);
           for (int c = 0; c < kColumns; ++c) acc[r][c] = Ops::fma(w, value[c], acc[r][c]);
@@ -84,7 +86,7 @@ inline void value_tile(const float* weights, const float* values, int64_t dim, i
     } else {
       for (int64_t j = j0; j < j1; ++j) {
         for (int c = 0; c < count; ++c) {
-          const typename Ops::V value = Ops::load(values + j * d_end + column + c * Ops::kLanes);
+          const typename Ops::V value = Ops::load(values + j * stride + column + c * Ops::kLanes);
           for (int r = 0; r < R; ++r) acc[r][c] = Ops::fma(Ops::set1(weights[r * kBlock + j]), value, acc[r][c]);
         }
       }
@@ -97,16 +99,18 @@ inline void value_tile(const float* weights, const float* values, int64_t dim, i
   }
 }
 
-template <int kDim, int R = Ops::kValueRows>
-inline void value_rows(int64_t rows, const float* weights, const float* values, int64_t dim, int64_t j0, int64_t j1,
-                       const float* rescale, float* out) {
+// ahead: an offset (elements) of values to prefetch, row by row, while they are read; 0: none.
+template <int kDim, typename T, int R = Ops::kValueRows>
+inline void value_rows(int64_t rows, const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0,
+                       int64_t j1, const float* rescale, float* out, int64_t ahead = 0) {
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    value_tile<kDim, R>(weights + r * kBlock, values, dim, j0, j1, rescale + r, out + r * d_end);
+    value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end, ahead);
   if constexpr (R > 1) {
     if (r < rows)
-      value_rows<kDim, R - 1>(rows - r, weights + r * kBlock, values, dim, j0, j1, rescale + r, out + r * d_end);
+      value_rows<kDim, T, R - 1>(rows - r, weights + r * kBlock, values, stride, dim, j0, j1, rescale + r,
+                                 out + r * d_end, ahead);
   }
 }
 
@@ -144,8 +148,17 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
       // the block's keys that are read, [ja, jb) as block lanes
       const int64_t ja = std::max(block_start, first) - block_start;
       const int64_t jb = std::min(block_start + kBlock, last + 1) - block_start;
-      transpose_keys(k_head + block_start * p.k_row, p.k_row, ja, jb, dim, keys_t);
-      for (int64_t j = ja; j < jb; ++j) Ops::widen(v_head + (block_start + j) * p.v_row, values + j * dim, dim);
+      // the block kAhead blocks on is asked for while this one is read, a few lines at a time: a decode step
+      // streams the cache, and a block is too short for the hardware's prefetchers to run ahead
+      const int64_t ahead = std::min(block_start + kAhead * kBlock, p.keys - 1) - block_start;
+      transpose_keys(k_head + block_start * p.k_row, p.k_row, ja, jb, dim, keys_t, ahead);
+      // a group of one value tile reads the float16 values directly; larger ones widen them once for every tile
+      const bool widened = rows > Ops::kValueRows;
+      if (widened)
+        for (int64_t j = ja; j < jb; ++j) {
+          prefetch_row(v_head + (block_start + ahead + j) * p.v_row, dim);
+          Ops::widen(v_head + (block_start + j) * p.v_row, values + j * dim, dim);
+        }
       for (int64_t t0 = 0; t0 < rows; t0 += kTileRows) {
         const int64_t tile = std::min(kTileRows, rows - t0);
         // the lanes each row of the tile reads, [lo, hi]; the tile's union
@@ -187,7 +200,12 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
           float* total = state.total + row * W;
           Ops::store(total, Ops::fma(Ops::load(total), Ops::set1(rescale[row]), block_total));
         }
-        value_rows<kDim>(tile, tile_weights, values, dim, tile_lo, tile_hi + 1, rescale + t0, state.out + t0 * dim);
+        if (widened)
+          value_rows<kDim>(tile, tile_weights, values, dim, dim, tile_lo, tile_hi + 1, rescale + t0,
+                           state.out + t0 * dim);
+        else
+          value_rows<kDim>(tile, tile_weights, v_head + block_start * p.v_row, p.v_row, dim, tile_lo, tile_hi + 1,
+                           rescale + t0, state.out + t0 * dim, ahead * p.v_row);
       }
     }
   }
