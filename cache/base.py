@@ -16,9 +16,23 @@ never read, overwritten later.
 """
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
-from triforce_cli.kernels.attention import HalfPrefix, step_attention_bias
+from triforce_cli.kernels.attention import step_attention_bias
+
+
+@dataclass(frozen=True)
+class HalfPrefix:
+    """A float16 copy of the first keys and values of one layer's cache view: keys and values (Hkv, P, D), views of
+    the cache's float16 buffers."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
 
 
 class CacheCapacityError(RuntimeError):

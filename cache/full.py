@@ -19,8 +19,7 @@ for the whole prompt, where each forward over it would stream every layer's pref
 from typing import Protocol
 
 import torch
-from triforce_cli.cache.base import CacheCapacityError, KVCache
-from triforce_cli.kernels.attention import HalfPrefix
+from triforce_cli.cache.base import CacheCapacityError, HalfPrefix, KVCache
 
 
 class StorageStream(Protocol):

@@ -23,7 +23,7 @@ from transformers import (
 )
 from triforce_cli.cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
 from triforce_cli.kernels import half_weights_available
-from triforce_cli.kernels.attention import HalfPrefix, attention, attention_in_cache, half_prefix_available
+from triforce_cli.kernels.attention import attention, attention_in_cache, cache_attention_available
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -160,17 +160,15 @@ def windowed_reference(q, k, v, scale, window):
 
 @pytest.mark.parametrize("backend", ["cpu", "sdpa"])
 @pytest.mark.parametrize("num_queries", [1, 3, 8, 20])
-@pytest.mark.parametrize("half", [False, True], ids=["float32", "half-prefix"])
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16-cache"])
 def test_attention_reads_only_the_window(num_queries, half, backend):
     torch.manual_seed(0)
     q, k, v = torch.randn(4, num_queries, 16), torch.randn(2, 70, 16), torch.randn(2, 70, 16)
-    prefix = None
     if half:
-        if num_queries == 1 and not half_prefix_available(q):
-            pytest.skip("the CPU extension is not loaded")
-        k[:, :50], v[:, :50] = k[:, :50].half().float(), v[:, :50].half().float()
-        prefix = HalfPrefix(k[:, :50].half(), v[:, :50].half())
-    out = attention(q, k, v, 0.25, prefix, backend, window=WINDOW)
+        if backend != "cpu" or not cache_attention_available(q, k.half()):
+            pytest.skip("float16 caches with float32 queries: the CPU extension's cache_attention")
+        k, v = k.half(), v.half()  # the window goes to the kernel
+    out = attention(q, k, v, 0.25, backend, window=WINDOW)
     torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
 
 
@@ -191,7 +189,7 @@ def test_the_sdpa_backend_reads_a_long_chunk_in_query_blocks(num_keys, monkeypat
     monkeypatch.setattr(module.F, "scaled_dot_product_attention", recorded)
     torch.manual_seed(2)
     q, k, v = torch.randn(4, 20, 16), torch.randn(2, num_keys, 16), torch.randn(2, num_keys, 16)
-    out = attention(q, k, v, 0.25, None, "sdpa", window=WINDOW)
+    out = attention(q, k, v, 0.25, "sdpa", window=WINDOW)
     torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
     assert [queries for queries, _ in shapes] == [8, 8, 4]
     assert all(keys <= WINDOW + 7 for _, keys in shapes)
@@ -400,7 +398,7 @@ def test_rollback_after_a_move_rewrites_exactly():
 def test_half_copy_moves_with_the_positions_it_copies():
     """The float16 prompt copy read from a cache that keeps the window gives the logits read from a cache that
     keeps every position, through moves past the prompt."""
-    if not half_prefix_available(torch.zeros(1)):
+    if not cache_attention_available(torch.zeros(1), torch.zeros(1, dtype=torch.float16)):
         pytest.skip("the CPU extension is not loaded")
     cfg, ref = mistral(seed=2)
     model = wrap(ref, cfg).model

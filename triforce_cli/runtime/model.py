@@ -301,8 +301,7 @@ class Attention(nn.Module):
             )  # (Hq, T, D) laid out as (T, Hq, D)
         else:
             keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D)
-            prefix = cache.half_prefix(self.layer)
-            out = attention(q, keys, values, self.scale, prefix, self.backend, window)  # (Hq, T, D)
+            out = attention(q, keys, values, self.scale, self.backend, window, origin=0)  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
 
 
