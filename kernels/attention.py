@@ -9,9 +9,10 @@ query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
 
 A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view of consecutive positions
 (the full cache's, from its first held one): query t, at index L - T + t, reads keys j with L - T + t - W < j
-(``window`` W), as transformers' sliding_window_overlay masks by position. Where every query's window starts at
-or before key 0 nothing changes; otherwise the keys before the first query's window are cut off the view, which
-serves one query exactly, and several queries get each its own lower bound (windowed_attention).
+(``window`` W), as transformers' sliding_window_overlay masks by position. cache_attention (a float16 CPU cache)
+takes the window itself, keeping its blocks aligned to absolute positions. Elsewhere, where every query's window
+starts at or before key 0 nothing changes; otherwise the keys before the first query's window are cut off the
+view, which serves one query exactly, and several queries get each its own lower bound (windowed_attention).
 """
 
 import torch

@@ -47,13 +47,18 @@ def cache_views(kv_heads, length, dim, seed=0):
     return [buffer[:, 3 : 3 + length, :dim] for buffer in buffers]
 
 
-@pytest.mark.parametrize(
-    ("q_heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 48), (2, 1, 20)]
-)
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 48), (2, 1, 20)])
 @pytest.mark.parametrize(
     ("queries", "length", "origin", "window"),
-    [(1, 1, 0, None), (1, 300, 0, None), (5, 300, 17, None), (70, 700, 100, None), (7, 2600, 2040, 300),
-     (1, 4200, 0, None), (30, 200, 5, 16)],
+    [
+        (1, 1, 0, None),
+        (1, 300, 0, None),
+        (5, 300, 17, None),
+        (70, 700, 100, None),
+        (7, 2600, 2040, 300),
+        (1, 4200, 0, None),
+        (30, 200, 5, 16),
+    ],
 )
 def test_matches_the_float64_attention_on_the_float16_values(
     body, q_heads, kv_heads, dim, queries, length, origin, window
