@@ -5,7 +5,6 @@ Every kernel here has a plain-torch reference beside it that the tests compare a
 
 from triforce_cli.kernels.attention import (
     ATTENTION_BACKENDS,
-    HalfPrefix,
     attention,
     attention_backend,
     attention_in_cache,
@@ -35,7 +34,6 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "CHUNK_SCORES",
     "SUMMARIES",
-    "HalfPrefix",
     "attention",
     "attention_backend",
     "attention_in_cache",

@@ -9,12 +9,11 @@ query head h reads KV head h // (Hq // Hkv)). Output (Hq, T, D).
 
 A sliding-window layer (Mistral, Qwen2's and Qwen3's windowed layers) reads a view of consecutive positions
 (the full cache's, from its first held one): query t, at index L - T + t, reads keys j with L - T + t - W < j
-(``window`` W), as transformers' sliding_window_overlay masks by position. Where every query's window starts at
-or before key 0 nothing changes; otherwise the keys before the first query's window are cut off the view, which
-serves one query exactly, and several queries get each its own lower bound (windowed_attention).
+(``window`` W), as transformers' sliding_window_overlay masks by position. cache_attention (a float16 CPU cache)
+takes the window itself, keeping its blocks aligned to absolute positions. Elsewhere, where every query's window
+starts at or before key 0 nothing changes; otherwise the keys before the first query's window are cut off the
+view, which serves one query exactly, and several queries get each its own lower bound (windowed_attention).
 """
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -100,80 +99,43 @@ def grouped_attention(
     return out.reshape(num_q_heads, num_queries, head_dim)
 
 
-@dataclass(frozen=True)
-class HalfPrefix:
-    """A float16 copy of the first keys and values of one layer's cache view, which attention reads instead of
-    them (half_prefix_attention): keys and values (Hkv, P, D), views of the cache's float16 buffers."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[1]
+def cache_attention_available(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the CPU extension's cache_attention (csrc/cache_attention.cpp) takes q against k: float32 queries and
+    float16 keys on the CPU, the extension loaded (kernels.native). Every x86 CPU runs it; AVX-512 and AVX2 ones fast
+    for head dims 64 and 128."""
+    return q.dtype == torch.float32 and k.dtype == torch.float16 and q.device.type == "cpu" and native_loaded()
 
 
-def chunk_attention_available(q: torch.Tensor) -> bool:
-    """Whether the CPU extension's chunk attention (csrc/flash_attention.cpp) can take q: float32 on an AVX-512 CPU,
-    the extension loaded (kernels.native)."""
-    return (
-        q.dtype == torch.float32
-        and not q.is_cuda
-        and native_loaded()
-        and torch.ops.triforce_cpu.chunk_attention_supported()
-    )
-
-
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """FlashAttention-style attention of many queries on the CPU, the G query heads of a KV head folded into one set
-    of rows. Nearly three times faster than SDPA on a prefill chunk (see docs/performance.md)."""
-    return torch.ops.triforce_cpu.chunk_attention(q, k, v, scale)
-
-
-def half_prefix_available(q: torch.Tensor) -> bool:
-    """Whether the CPU extension's half_prefix_attention (csrc/half_attention.cpp) can take q: float32 on the CPU,
-    the extension loaded (kernels.native). Every CPU runs it; AVX-512 and AVX2 ones fast for head dims 64 and 128."""
-    return q.dtype == torch.float32 and not q.is_cuda and native_loaded()
-
-
-def half_prefix_attention(
-    q: torch.Tensor,
-    k_half: torch.Tensor,
-    v_half: torch.Tensor,
-    k_tail: torch.Tensor,
-    v_tail: torch.Tensor,
-    scale: float,
+def cache_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, origin: int = 0, window: int | None = None
 ) -> torch.Tensor:
-    """Attention of a few queries against [float16 prefix | float32 tail], the tail ending with the T new keys.
+    """Attention of T float32 queries against a float16 cache view on the CPU, in one order of arithmetic per query:
+    row t's result is the same bits whatever T, whichever rows go with it and however many threads run (so a
+    prompt prefilled in chunks and token by token leave the same outputs).
 
-    The prefix is a plain float16 copy that grows by converting only its new positions (k_half, v_half are views
-    ``storage[:, :P]`` of a longer buffer), where fbgemm's packed float16 matrices cannot be extended: a longer
-    prompt would pack its whole prefix again. The float16 values are widened exactly and everything after is
-    float32, so the result is the float64 attention on those values up to float32 rounding; it is the same bit for
-    bit whatever the number of threads (the keys are split into blocks of a fixed size, combined in a fixed order).
-    Query head h reads KV head h // G.
-
-    It is faster than fbgemm's float16 GEMM on a packed prefix at every query count and length measured, and
-    converting a prompt's keys and values to float16 costs a fiftieth of packing them (see docs/performance.md).
-    One query streams the prefix at close to the memory's bandwidth; more are bound by the multiply-adds.
+    Keys are read in blocks of 64 and segments of 2,048 aligned to absolute positions (origin + view index), each
+    score is an FMA chain over the head dim, the softmax runs online over a segment's blocks in increasing position
+    and segments merge in order; see the top of csrc/cache_attention.cpp. The float16 keys and values are widened
+    exactly, so the result is softmax(scale q k^T) v on them up to float32 rounding.
 
     Args:
-        q: (Hq, T, D) float32 queries, Hq = G * Hkv, T >= 1.
-        k_half, v_half: (Hkv, P, D) float16 prefix keys and values, P >= 0; any head and row strides, each row's D
-            contiguous.
-        k_tail, v_tail: (Hkv, Lt, D) float32 keys and values after the prefix, Lt >= T, the same stride rules; query
-            t sees every prefix key and tail keys j <= Lt - T + t.
-        scale: the factor on the scores q . k.
+        q: (Hq, T, D) float32 queries, Hq a multiple of Hkv, query head h reading KV head h // (Hq // Hkv).
+        k, v: (Hkv, L, D) float16, L >= T, laid out [context | the T new keys]; any head and row strides, each row's
+            D contiguous (views of a longer cache buffer).
+        scale: the factor on the scores.
+        origin: the absolute position of view index 0 (>= 0).
+        window: a sliding window W: query t, at view index L - T + t, reads keys j > L - T + t - W; None: every key
+            up to its own.
 
     Returns:
         (Hq, T, D) float32.
     """
-    return torch.ops.triforce_cpu.half_prefix_attention(q, k_half, v_half, k_tail, v_tail, scale)
+    return torch.ops.triforce_cpu.cache_attention(q, k, v, scale, origin, window or 0)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """torch scaled_dot_product_attention with an explicit bottom-right mask (SDPA's is_causal is top-left): the
-    CPU kernels' choice for many queries where chunk_attention cannot run. On the CPU SDPA takes the mask into its
+    CPU kernels' choice for many queries where cache_attention cannot run. On the CPU SDPA takes the mask into its
     own flash kernel; on CUDA a mask with grouped heads sends it to the math kernel, which expands K/V to every
     query head and materialises (Hq, T, L) scores, so the 'sdpa' backend runs torch_attention instead."""
     mask = None if q.shape[1] == 1 else new_token_mask(q.shape[1], k.shape[1], q.device)
@@ -533,25 +495,24 @@ def windowed_attention(
     v: torch.Tensor,
     scale: float,
     window: int,
-    prefix: HalfPrefix | None,
     backend: str,
 ) -> torch.Tensor:
     """Attention of a sliding-window layer whose view reaches before some query's window (L > window): query t
-    reads keys j with L - T + t - window < j <= L - T + t.
+    reads keys j with L - T + t - window < j <= L - T + t, where attention() cannot pass the window to
+    cache_attention.
 
     'flash' masks the window itself. Otherwise the keys before the first query's window are cut off: one query
-    then reads the rest as attention() would, fast paths and float16 prefix included; several queries, each with
-    its own lower bound, read at most window + T - 1 keys with the band mask (window_mask): on the CPU up to
-    FEW_QUERIES of them through grouped_attention, else SDPA, the float16 prefix's keys read widened (exactly) where
-    it holds them. The 'sdpa' backend reads WINDOW_QUERY_BLOCK queries at a time, each block against the view up to
-    its last query's own key, so that the math kernel's scores are bounded by the block rather than the chunk.
+    then reads the rest as attention() would; several queries, each with its own lower bound, read at most
+    window + T - 1 keys with the band mask (window_mask): on the CPU up to FEW_QUERIES of them through
+    grouped_attention, else SDPA. The 'sdpa' backend reads WINDOW_QUERY_BLOCK queries at a time, each block against
+    the view up to its last query's own key, so that the math kernel's scores are bounded by the block rather than
+    the chunk.
 
     Args:
         q: (Hq, T, D) queries.
         k, v: (Hkv, L, D) keys and values of consecutive positions, the last T the queries' own.
         scale: the factor on the scores.
         window: the layer's sliding window W.
-        prefix: a float16 copy of the first keys and values (HalfPrefix), or None.
         backend: attention_backend's choice.
 
     Returns:
@@ -568,18 +529,11 @@ def windowed_attention(
             blocks.append(attention(q[:, start:stop], k[:, :seen], v[:, :seen], scale, backend, window))
         return torch.cat(blocks, dim=1)  # (Hq, T, D)
     first = max(0, num_keys - num_queries - window + 1)  # the first key the first query reads
-    if prefix is not None and first < prefix.length:
-        prefix = HalfPrefix(prefix.keys[:, first:], prefix.values[:, first:])
-    else:
-        prefix = None
     k, v = k[:, first:], v[:, first:]
     if num_queries == 1:
         return attention(q, k, v, scale, backend)
-    if backend == "cpu" and prefix is None and num_queries <= FEW_QUERIES:
+    if backend == "cpu" and num_queries <= FEW_QUERIES:
         return grouped_attention(q, k, v, scale, window)  # a verification step's fast path, banded
-    if prefix is not None:
-        k = torch.cat([prefix.keys.to(k.dtype), k[:, prefix.length :]], dim=1)
-        v = torch.cat([prefix.values.to(v.dtype), v[:, prefix.length :]], dim=1)
     mask = window_mask(num_queries, k.shape[1], window, q.device)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0]
@@ -606,28 +560,27 @@ def attention(
     """Dispatch to a kernel of backend (attention_backend; None: the fastest for q's device and dtype), and within
     the CPU kernels to the fastest for the number of queries.
 
-    prefix: a float16 copy of the first keys and values of k and v (a CPU cache's prompt, HalfPrefix); they are
-    then read from it instead (half_prefix_attention), at well under half the cost of reading them as float32.
-    window: the sliding window of the layer, over a view of consecutive positions (windowed_attention where
-    a query's window starts after key 0); None: every key.
+    window: the sliding window of the layer, over a view of consecutive positions; None: every key. origin: the
+    absolute position of view index 0 (the full cache's first held position, 0 for the other caches), to which
+    cache_attention aligns its blocks of keys.
 
-    On the CPU, grouped_attention takes up to FEW_QUERIES queries, where it beat or tied SDPA at every context
-    length measured (SDPA won at 16); more go to chunk attention or SDPA. See docs/performance.md for the timings.
+    On the CPU, float32 queries against float16 keys and values (a CPU cache) run cache_attention, windowed layers
+    included (the window goes to the kernel, which keeps its blocks aligned): one kernel and one order of arithmetic
+    for prefill chunks, verification and decoding. Other dtypes keep grouped_attention for up to FEW_QUERIES
+    queries, where it beat or tied SDPA at every context length measured (SDPA won at 16), and SDPA beyond. See
+    docs/performance.md for the timings.
     """
-    k, v = k.to(q.dtype), v.to(q.dtype)  # PLACEHOLDER until the float16 cache kernel: a float16 cache read widened
-    prefix = None  # PLACEHOLDER, with the line above
     backend = backend or attention_backend(q.device, q.dtype)
+    if backend == "cpu" and cache_attention_available(q, k):
+        return cache_attention(q, k, v, scale, origin, window)
+    if k.dtype != q.dtype:  # a float16 CPU cache read by another kernel: widened, layer by layer
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if window is not None and k.shape[1] > window:
-        return windowed_attention(q, k, v, scale, window, prefix, backend)
+        return windowed_attention(q, k, v, scale, window, backend)
     if backend == "flash":
         return flash_attention(q, k, v, scale)
     if backend == "sdpa":
         return torch_attention(q, k, v, scale)
-    if prefix is not None:
-        tail = slice(prefix.length, None)
-        return half_prefix_attention(q, prefix.keys, prefix.values, k[:, tail], v[:, tail], scale)
     if q.shape[1] <= FEW_QUERIES:
         return grouped_attention(q, k, v, scale)
-    if chunk_attention_available(q):
-        return chunk_attention(q, k, v, scale)
     return sdpa_attention(q, k, v, scale)

@@ -1,5 +1,5 @@
-"""The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp), attention of
-prefill chunks (csrc/flash_attention.cpp) and of a few queries against a float16 prefix (csrc/half_attention.cpp).
+"""The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp) and attention of
+float32 queries against a float16 KV cache (csrc/cache_attention.cpp).
 
 Built from source with torch.utils.cpp_extension the first time (seconds; it needs a C++ compiler and ninja) into a
 folder the caller names, with OpenMP so that at::parallel_for runs on torch's own threads. Its kernels pick their
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "flash_attention.cpp", "half_attention.cpp"))
-HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h"))  # included by SOURCES
+SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "cache_attention.cpp"))
+HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h", "cache_attention_body.h"))  # included by SOURCES
 EXTENSION = "triforce_cpu"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # at::parallel_for runs on torch's OpenMP
 LDFLAGS = ("-fopenmp",)

@@ -28,8 +28,6 @@ from triforce_cli.kernels.attention import (
     FEW_QUERIES,
     KEY_BLOCK,
     blocked_attention,
-    chunk_attention,
-    chunk_attention_available,
     grouped_attention,
     new_token_mask,
     sdpa_attention,
@@ -130,51 +128,32 @@ def test_dispatch_matches_reference_on_a_long_strided_cache(num_queries, backend
     torch.testing.assert_close(out, attention_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
 
 
-MANY_QUERIES = "chunk_attention" if chunk_attention_available(torch.zeros(1)) else "sdpa_attention"
-needs_chunk_attention = pytest.mark.skipif(
-    not chunk_attention_available(torch.zeros(1)), reason="no CPU extension or no AVX-512 here"
-)
-
-
 @pytest.mark.parametrize(
-    ("num_queries", "expected"),
+    ("num_queries", "half", "expected"),
     [
-        (1, "grouped_attention"),
-        (2, "grouped_attention"),
-        (FEW_QUERIES, "grouped_attention"),
-        (FEW_QUERIES + 1, MANY_QUERIES),
+        (1, False, "grouped_attention"),
+        (2, False, "grouped_attention"),
+        (FEW_QUERIES, False, "grouped_attention"),
+        (FEW_QUERIES + 1, False, "sdpa_attention"),
+        (1, True, "cache_attention"),
+        (FEW_QUERIES + 1, True, "cache_attention"),
     ],
 )
-def test_cpu_dispatch_by_number_of_queries(monkeypatch, num_queries, expected):
+def test_cpu_dispatch_by_number_of_queries_and_cache_dtype(monkeypatch, num_queries, half, expected):
+    """A float16 cache runs cache_attention whatever the number of queries; float32 keys the few- and many-query
+    paths."""
+    q, k, v = qkv(4, 2, num_queries, 16)
+    if half:
+        if kernel_error() is not None:
+            pytest.skip(kernel_error())
+        k, v = k.half(), v.half()
     module = sys.modules["triforce_cli.kernels.attention"]  # the package re-exports a function under the same name
     calls = []
-    for name in ("grouped_attention", "sdpa_attention", "chunk_attention"):
+    for name in ("grouped_attention", "sdpa_attention", "cache_attention"):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
-    q, k, v = qkv(4, 2, num_queries, 16)
     module.attention(q, k, v, SCALE)
     assert calls == [expected]
-
-
-@needs_chunk_attention
-@pytest.mark.parametrize(
-    ("num_q_heads", "num_kv_heads", "num_queries", "num_keys", "head_dim"),
-    [(4, 2, 9, 9, 8), (9, 3, 70, 200, 64), (6, 6, 23, 23, 16), (8, 1, 130, 1500, 32), (3, 3, 1, 70, 4)],
-)
-def test_chunk_attention_matches_reference_on_a_strided_cache(
-    num_q_heads, num_kv_heads, num_queries, num_keys, head_dim
-):
-    """Tiles of 64 folded query rows (some only partly filled), key blocks of 64 (the last partial), the causal
-    mask on the blocks that straddle a tile's limits, grouped heads, and the cache's head stride."""
-    g = torch.Generator().manual_seed(num_keys)
-    q = torch.randn(num_q_heads, num_queries, head_dim, generator=g)
-    buffer = 3 * torch.randn(2, num_kv_heads, num_keys + 37, head_dim, generator=g)  # peaked scores
-    k, v = buffer[0, :, :num_keys], buffer[1, :, :num_keys]
-    scale = head_dim**-0.5
-    expected = attention_reference(q.double(), k.double(), v.double(), scale)
-    error = (chunk_attention(q, k, v, scale).double() - expected).abs().max().item()
-    sdpa_error = (sdpa_attention(q, k, v, scale).double() - expected).abs().max().item()
-    assert error <= max(4 * sdpa_error, 1e-6)  # float32 rounding, as SDPA's
 
 
 def test_multi_query_rows_equal_single_query_calls():
@@ -462,18 +441,19 @@ def test_packed_half_weight_holds_the_rounded_values():
     assert torch.equal(unpacked_bias, bias)
 
 
-@pytest.mark.parametrize("num_queries, num_keys", [(1, 301), (1, 49), (3, 260), (8, 120)])
-@pytest.mark.parametrize("group", [1, 3])
-def test_attention_reads_float16_keys_and_values_as_their_values(num_queries, num_keys, group):
-    """Float32 queries against a float16 cache's view (cache.kv_dtype on the CPU)."""
-    q, k, v = qkv(2 * group, 2, num_queries, num_keys, seed=num_keys)
+@pytest.mark.parametrize("num_queries, num_keys", [(1, 300), (1, 40), (3, 257), (8, 120), (20, 2100)])
+@pytest.mark.parametrize("window", [None, 50])
+def test_attention_reads_a_float16_cache_with_float32_queries(num_queries, num_keys, window):
+    """attention() on a float16 cache: cache_attention, the window passed to it, gives the attention on the float16
+    values (and not the one on the float32 values they were rounded from)."""
+    if kernel_error() is not None:
+        pytest.skip(kernel_error())
+    q, k, v = qkv(6, 2, num_queries, num_keys, seed=num_keys)
     with torch.inference_mode():
-        out = attention(q, k.half(), v.half(), SCALE)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(
-        out, attention_reference(q, k.half().float(), v.half().float(), SCALE), atol=1e-5, rtol=1e-5
-    )
-    assert not torch.allclose(out, attention_reference(q, k, v, SCALE), atol=1e-6, rtol=1e-6)
+        out = attention(q, k.half(), v.half(), SCALE, window=window, origin=7)
+    expected = attention_reference(q, k.half().float(), v.half().float(), SCALE, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, attention_reference(q, k, v, SCALE, window), atol=1e-6, rtol=1e-6)
 
 
 def test_a_failed_build_of_the_cpu_kernels_is_tried_once(monkeypatch, tmp_path):

@@ -31,7 +31,7 @@ from transformers import (
 )
 from triforce_cli.cache import CacheCapacityError, FullCache, RetrievalCache, StreamingCache
 from triforce_cli.kernels import half_weights_available
-from triforce_cli.kernels.attention import attention, attention_in_cache
+from triforce_cli.kernels.attention import attention, attention_in_cache, cache_attention_available
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -173,9 +173,10 @@ def test_attention_reads_only_the_window(num_queries, half, backend):
     torch.manual_seed(0)
     q, k, v = torch.randn(4, num_queries, 16), torch.randn(2, 70, 16), torch.randn(2, 70, 16)
     if half:
-        k, v = k.half().float(), v.half().float()
-    view = (k.half(), v.half()) if half else (k, v)
-    out = attention(q, *view, 0.25, backend, window=WINDOW)
+        if backend != "cpu" or not cache_attention_available(q, k.half()):
+            pytest.skip("float16 caches with float32 queries: the CPU extension's cache_attention")
+        k, v = k.half(), v.half()  # the window goes to the kernel
+    out = attention(q, k, v, 0.25, backend, window=WINDOW)
     torch.testing.assert_close(out, windowed_reference(q, k, v, 0.25, WINDOW), atol=1e-5, rtol=1e-5)
 
 

@@ -38,8 +38,8 @@ MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs m
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
 # Prompt tokens per prefill forward, by device. On the CPU, the chunk at which a prompt prefilled fastest with SDPA's
-# attention, and close to the fastest with the extension's chunk attention (kernels.attention.chunk_attention), which
-# replaces SDPA on AVX-512 CPUs; see docs/performance.md. On a GPU, 4,096: a chunk's attention is a few fused
+# attention, and close to the fastest with the extension's chunk attention, which cache_attention
+# (kernels.attention) replaced; see docs/performance.md. On a GPU, 4,096: a chunk's attention is a few fused
 # kernel calls whatever the context (FlashAttention, or the sdpa backend's torch_attention), whose tiles of 128
 # query rows then number Hkv * G*T / 128 = 1,024 for an 8B model's 32 query heads, enough to fill every SM of an
 # H100 (512 tokens gave 128 for its 132), and 128K tokens take 32 forwards rather than 256, each paying the

@@ -1,0 +1,250 @@
+// The body of cache_attention.cpp's kernel, written once over a vector type and included once per instruction
+// set, each time inside a namespace that defines `Ops` (the vector operations and the tile sizes of that set) and
+// under that set's `#pragma GCC target`. No includes here: cache_attention.cpp includes everything first.
+//
+// Ops gives: kLanes (W), the vector type V, zero, set1, load, store, fma (a b + c, one rounding), add, max, exp,
+// first (lane 0), reduce_add (a fixed order) and reduce_max, hide (-inf outside a range of lanes), widen (n float16
+// to float32, n a multiple of W) and transpose_keys (a block's keys, widened, into (D, kBlock)); kScoreRows and
+// kValueRows (rows of a tile for the scores and for the values), kValueColumns (vectors of D a pass of the values
+// product takes).
+
+// The softmax state of one query row within a unit's segment: its running maximum, the lanes of its running sum of
+// exponentials and its unnormalised output (D).
+struct RowState {
+  float* max;     // (rows)
+  float* total;   // (rows, W)
+  float* out;     // (rows, D)
+};
+
+// scores (rows, kBlock) = q (rows, D) . keys^T, keys transposed (D, kBlock), for the key vectors [k0, k1) of the
+// block: every score is the FMA chain over d = 0 .. D-1 from 0, whatever the tile.
+template <int kDim, int R>
+inline void score_tile(const float* q, int64_t dim, const float* keys_t, int64_t k0, int64_t k1, float* scores) {
+  constexpr int kKeys = Ops::kScoreKeys;
+  const int64_t d_end = kDim ? kDim : dim;
+  for (int64_t k = k0; k < k1; k += kKeys) {
+    const int64_t count = std::min<int64_t>(kKeys, k1 - k);
+    typename Ops::V acc[R][kKeys];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kKeys; ++c) acc[r][c] = Ops::zero();
+    if (count == kKeys) {
+      for (int64_t d = 0; d < d_end; ++d) {
+        typename Ops::V key[kKeys];
+        for (int c = 0; c < kKeys; ++c) key[c] = Ops::load(keys_t + d * kBlock + (k + c) * Ops::kLanes);
+        for (int r = 0; r < R; ++r) {
+          const typename Ops::V query = Ops::set1(q[r * d_end + d]);
+          for (int c = 0; c < kKeys; ++c) acc[r][c] = Ops::fma(query, key[c], acc[r][c]);
+        }
+      }
+    } else {
+      for (int64_t d = 0; d < d_end; ++d) {
+        for (int c = 0; c < count; ++c) {
+          const typename Ops::V key = Ops::load(keys_t + d * kBlock + (k + c) * Ops::kLanes);
+          for (int r = 0; r < R; ++r) acc[r][c] = Ops::fma(Ops::set1(q[r * d_end + d]), key, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < count; ++c) Ops::store(scores + r * kBlock + (k + c) * Ops::kLanes, acc[r][c]);
+  }
+}
+
+template <int kDim, int R = Ops::kScoreRows>
+inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys_t, int64_t k0, int64_t k1,
+                       float* scores) {
+  const int64_t d_end = kDim ? kDim : dim;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) score_tile<kDim, R>(q + r * d_end, dim, keys_t, k0, k1, scores + r * kBlock);
+  if constexpr (R > 1) {
+    if (r < rows) score_rows<kDim, R - 1>(rows - r, q + r * d_end, dim, keys_t, k0, k1, scores + r * kBlock);
+  }
+}
+
+// state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D), rows `stride` apart,
+// float32 or float16 (widened as they are read): each output element's block sum is the FMA chain over the keys in
+// order from 0, then added to the rescaled old value in one FMA.
+template <int kDim, int R, typename T>
+inline void value_tile(const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0, int64_t j1,
+                       const float* rescale, float* out, int64_t ahead) {
+  constexpr int kColumns = Ops::kValueColumns;
+  const int64_t d_end = kDim ? kDim : dim;
+  for (int64_t column = 0; column < d_end; column += kColumns * Ops::kLanes) {
+    const int64_t count = std::min<int64_t>(kColumns, (d_end - column) / Ops::kLanes);
+    typename Ops::V acc[R][kColumns];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kColumns; ++c) acc[r][c] = Ops::zero();
+    if (count == kColumns) {
+      for (int64_t j = j0; j < j1; ++j) {
+        if (ahead) prefetch_row(values + j * stride + column + ahead, kColumns * Ops::kLanes);
+        typename Ops::V value[kColumns];
+        for (int c = 0; c < kColumns; ++c) value[c] = Ops::load(values + j * stride + column + c * Ops::kLanes);
+        for (int r = 0; r < R; ++r) {
+          const typename Ops::V w = Ops::set1(weights[r * kBlock + j]);
+          for (int c = 0; c < kColumns; ++c) acc[r][c] = Ops::fma(w, value[c], acc[r][c]);
+        }
+      }
+    } else {
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int c = 0; c < count; ++c) {
+          const typename Ops::V value = Ops::load(values + j * stride + column + c * Ops::kLanes);
+          for (int r = 0; r < R; ++r) acc[r][c] = Ops::fma(Ops::set1(weights[r * kBlock + j]), value, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < count; ++c) {
+        float* at = out + r * d_end + column + c * Ops::kLanes;
+        Ops::store(at, Ops::fma(Ops::load(at), Ops::set1(rescale[r]), acc[r][c]));
+      }
+  }
+}
+
+// ahead: an offset (elements) of values to prefetch, row by row, while they are read; 0: none.
+template <int kDim, typename T, int R = Ops::kValueRows>
+inline void value_rows(int64_t rows, const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0,
+                       int64_t j1, const float* rescale, float* out, int64_t ahead = 0) {
+  const int64_t d_end = kDim ? kDim : dim;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R)
+    value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end, ahead);
+  if constexpr (R > 1) {
+    if (r < rows)
+      value_rows<kDim, T, R - 1>(rows - r, weights + r * kBlock, values, stride, dim, j0, j1, rescale + r,
+                                 out + r * d_end, ahead);
+  }
+}
+
+// One unit of work: the rows [row0, row0 + rows) of KV head `head` against the keys of segment `segment`, online
+// softmax over its blocks in increasing position; the rows' (maximum, sum, output) go to the problem's partials.
+template <int kDim>
+void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
+  const int64_t dim = kDim ? kDim : p.dim;
+  constexpr int64_t W = Ops::kLanes;
+  float* keys_t = scratch;                    // (D, kBlock)
+  float* values = keys_t + dim * kBlock;      // (kBlock, D)
+  float* weights = values + kBlock * dim;     // (rows, kBlock)
+  float* rescale = weights + rows * kBlock;   // (rows)
+  RowState state{rescale + rows, rescale + 2 * rows, rescale + 2 * rows + rows * W};
+  std::fill(state.max, state.max + rows, kMinusInf);
+  std::fill(state.total, state.total + rows * W, 0.f);
+  std::fill(state.out, state.out + rows * dim, 0.f);
+
+  // the keys the segment holds, as view indices, and the part of them these rows read
+  const int64_t seg_begin = std::max<int64_t>(0, segment * kSegment - p.origin);
+  const int64_t seg_end = std::min<int64_t>(p.keys, (segment + 1) * kSegment - p.origin);
+  int64_t first = seg_end, last = seg_begin - 1;
+  for (int64_t r = row0; r < row0 + rows; ++r) {
+    first = std::min(first, p.first_key(r));
+    last = std::max(last, p.last_key(r));
+  }
+  first = std::max(first, seg_begin);
+  last = std::min(last, seg_end - 1);
+  const float* q = p.q + (head * p.rows + row0) * dim;
+  const at::Half* k_head = p.k + head * p.k_head;
+  const at::Half* v_head = p.v + head * p.v_head;
+  if (first <= last) {
+    for (int64_t block_start = floor_to(p.origin + first, kBlock) - p.origin; block_start <= last;
+         block_start += kBlock) {
+      // the block's keys that are read, [ja, jb) as block lanes
+      const int64_t ja = std::max(block_start, first) - block_start;
+      const int64_t jb = std::min(block_start + kBlock, last + 1) - block_start;
+      // the block kAhead blocks on is asked for while this one is read, a few lines at a time: a decode step
+      // streams the cache, and a block is too short for the hardware's prefetchers to run ahead
+      const int64_t ahead = std::min(block_start + kAhead * kBlock, p.keys - 1) - block_start;
+      transpose_keys(k_head + block_start * p.k_row, p.k_row, ja, jb, dim, keys_t, ahead);
+      // a group of one value tile reads the float16 values directly; larger ones widen them once for every tile
+      const bool widened = rows > Ops::kValueRows;
+      if (widened)
+        for (int64_t j = ja; j < jb; ++j) {
+          prefetch_row(v_head + (block_start + ahead + j) * p.v_row, dim);
+          Ops::widen(v_head + (block_start + j) * p.v_row, values + j * dim, dim);
+        }
+      for (int64_t t0 = 0; t0 < rows; t0 += kTileRows) {
+        const int64_t tile = std::min(kTileRows, rows - t0);
+        // the lanes each row of the tile reads, [lo, hi]; the tile's union
+        int64_t tile_lo = kBlock, tile_hi = -1;
+        int64_t lo[kTileRows], hi[kTileRows];
+        for (int64_t r = 0; r < tile; ++r) {
+          lo[r] = std::max(p.first_key(row0 + t0 + r) - block_start, ja);
+          hi[r] = std::min(p.last_key(row0 + t0 + r) - block_start, jb - 1);
+          if (lo[r] <= hi[r]) {
+            tile_lo = std::min(tile_lo, lo[r]);
+            tile_hi = std::max(tile_hi, hi[r]);
+          }
+        }
+        if (tile_lo > tile_hi) continue;  // no row of the tile reads a key of the block: nothing changes
+        const int64_t k0 = tile_lo / W, k1 = tile_hi / W + 1;  // the key vectors the tile reads
+        float* tile_weights = weights + t0 * kBlock;
+        score_rows<kDim>(tile, q + t0 * dim, dim, keys_t, k0, k1, tile_weights);
+        for (int64_t r = 0; r < tile; ++r) {
+          const int64_t row = t0 + r;
+          float* s = tile_weights + r * kBlock;
+          typename Ops::V top = Ops::set1(kMinusInf);
+          for (int64_t k = k0; k < k1; ++k) {
+            const typename Ops::V score = Ops::hide(Ops::load(s + k * W), k * W, lo[r], hi[r]);
+            Ops::store(s + k * W, score);
+            top = Ops::max(top, score);
+          }
+          const float old_max = state.max[row];
+          const float new_max = std::max(old_max, Ops::reduce_max(top));
+          const float shift = new_max == kMinusInf ? 0.f : new_max;  // no key read yet: every weight 0
+          const typename Ops::V shift_v = Ops::set1(shift);
+          typename Ops::V block_total = Ops::zero();
+          for (int64_t k = k0; k < k1; ++k) {
+            const typename Ops::V w = Ops::exp(Ops::sub(Ops::load(s + k * W), shift_v));
+            Ops::store(s + k * W, w);
+            block_total = Ops::add(block_total, w);
+          }
+          rescale[row] = Ops::first(Ops::exp(Ops::set1(old_max - shift)));
+          state.max[row] = new_max;
+          float* total = state.total + row * W;
+          Ops::store(total, Ops::fma(Ops::load(total), Ops::set1(rescale[row]), block_total));
+        }
+        if (widened)
+          value_rows<kDim>(tile, tile_weights, values, dim, dim, tile_lo, tile_hi + 1, rescale + t0,
+                           state.out + t0 * dim);
+        else
+          value_rows<kDim>(tile, tile_weights, v_head + block_start * p.v_row, p.v_row, dim, tile_lo, tile_hi + 1,
+                           rescale + t0, state.out + t0 * dim, ahead * p.v_row);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* partial = p.partial(head, segment, row0 + r);
+    partial[0] = state.max[r];
+    partial[1] = Ops::reduce_add(Ops::load(state.total + r * W));
+    std::copy(state.out + r * dim, state.out + (r + 1) * dim, partial + 2);
+  }
+}
+
+inline int64_t unit_scratch(int64_t dim) {
+  return 2 * dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim);
+}
+
+// Row r of KV head `head`: its segments' partials merged in segment order into out (D): with M the largest
+// maximum, out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s.
+template <int kDim>
+void combine_row(const Problem& p, int64_t head, int64_t r, float* out) {
+  const int64_t dim = kDim ? kDim : p.dim;
+  const int64_t first = segment_of(p.origin + p.first_key(r)), last = segment_of(p.origin + p.last_key(r));
+  float top = kMinusInf;
+  for (int64_t s = first; s <= last; ++s) top = std::max(top, p.partial(head, s, r)[0]);
+  float total = 0.f;
+  for (int64_t d = 0; d < dim; d += Ops::kLanes) Ops::store(out + d, Ops::zero());
+  for (int64_t s = first; s <= last; ++s) {
+    const float* partial = p.partial(head, s, r);
+    const float factor = Ops::first(Ops::exp(Ops::set1(partial[0] - top)));
+    total = std::fma(factor, partial[1], total);
+    const typename Ops::V f = Ops::set1(factor);
+    for (int64_t d = 0; d < dim; d += Ops::kLanes)
+      Ops::store(out + d, Ops::fma(f, Ops::load(partial + 2 + d), Ops::load(out + d)));
+  }
+  const typename Ops::V divisor = Ops::set1(total);
+  for (int64_t d = 0; d < dim; d += Ops::kLanes) Ops::store(out + d, Ops::div(Ops::load(out + d), divisor));
+}
+
+inline Body body(int64_t dim) {
+  if (dim == 64) return Body{attend_unit<64>, combine_row<64>, unit_scratch};
+  if (dim == 128) return Body{attend_unit<128>, combine_row<128>, unit_scratch};
+  return Body{attend_unit<0>, combine_row<0>, unit_scratch};
+}
