@@ -1,4 +1,5 @@
-"""The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp), attention of
+"""The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp), dense products of
+float32 or float16 weight tiles in one order of arithmetic per output (csrc/dense_linear.cpp), attention of
 prefill chunks (csrc/flash_attention.cpp) and of a few queries against a float16 prefix (csrc/half_attention.cpp).
 
 Built from source with torch.utils.cpp_extension the first time (seconds; it needs a C++ compiler and ninja) into a
@@ -25,7 +26,9 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "flash_attention.cpp", "half_attention.cpp"))
+SOURCES = tuple(
+    CSRC / name for name in ("gguf_blocks.cpp", "dense_linear.cpp", "flash_attention.cpp", "half_attention.cpp")
+)
 HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h"))  # included by SOURCES
 EXTENSION = "triforce_cpu"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # at::parallel_for runs on torch's OpenMP

@@ -58,6 +58,7 @@ from triforce_cli.runtime.store import (
     remove,
     write_atomically,
 )
+from triforce_cli.runtime.tiled_weights import tiled_weights_apply, use_tiled_weights
 
 StatusCallback = Callable[[str], None]
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
@@ -438,7 +439,8 @@ def build_model(
     1. cast each tensor to options.dtype (before fusing: the fused copies are then of the smaller dtype);
     2. build the model, fusing q/k/v and gate/up (fuse_checkpoint: each projection's parts freed as its fused
        tensor exists), and restrict a distilled drafter's output layer to its tokens (Transformer.restrict_output);
-    3. the weight form (half or gguf weights; the CPU only);
+    3. the weight form (half or gguf weights; the CPU only); on the CPU in float32, the linears left dense are laid
+       out in tiles for the tiled product (tiled_weights.py), unless sharded or streamed;
     4. shard the decoder layers (options.tensor_parallel, parallel.apply_tp);
     5. weight offload (options.offload_weights): the streamed layers stay in host memory, page-locked for a CUDA
        device, and their two-slot ring is allocated on the device;
@@ -488,6 +490,10 @@ def build_model(
         use_gguf_weights(model, checkpoint.gguf, hf_config, checkpoint.folder)
     if options.weights == WeightForm.HALF:
         use_half_weights(model)
+    elif tiled_weights_apply(options.device, options.dtype) and not (
+        options.tensor_parallel or options.offload_weights
+    ):
+        use_tiled_weights(model)  # every dense linear left: a dense model's, a GGUF file's dequantized ones
     if options.tensor_parallel:
         apply_tp(model)
     if options.offload_weights:
