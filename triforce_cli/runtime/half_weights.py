@@ -9,6 +9,7 @@ transformers peers of `triforce bench` can run on exactly these weights (round_t
 import torch
 from torch import nn
 
+from triforce_cli.runtime.model import Transformer
 from triforce_cli.runtime.tiled_weights import TiledLinear, use_tiled_weights
 
 
@@ -27,7 +28,8 @@ def round_to_half(model: nn.Module) -> None:
             module.weight.copy_(module.weight.half())
 
 
-def use_half_weights(model: nn.Module) -> int:
-    """Round the embeddings and replace every linear by a HalfLinear; return how many were replaced."""
+def use_half_weights(model: Transformer) -> int:
+    """Round the embeddings and replace every linear by a HalfLinear (a tied embedding then reads the output
+    layer's tiles: tiled_weights.use_tiled_weights); return how many linears were replaced."""
     round_to_half(model)
     return use_tiled_weights(model, HalfLinear)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from triforce_cli.kernels import pack_tiles, pad_bias, tiled_linear, tiled_linear_available, unpack_tiles
+from triforce_cli.kernels.linear import LANES
+from triforce_cli.runtime.model import Transformer
 
 
 def inference() -> bool:
@@ -53,9 +55,31 @@ def tiled_weights_apply(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and tiled_linear_available()
 
 
-def use_tiled_weights(model: nn.Module, tiled: Callable[[nn.Linear], nn.Module] = TiledLinear) -> int:
-    """Replace every nn.Linear of model by tiled(it) (float32 tiles by default); return how many were replaced."""
+class TiledEmbedding(nn.Module):
+    """A token embedding read from a tied output layer's tiles (the same tensor: one copy of the table serves both):
+    ids (T,) -> (T, C) float32, the values the output layer computes with."""
+
+    def __init__(self, output: TiledLinear):
+        super().__init__()
+        self.num_embeddings = output.out_features
+        self.register_buffer("tiles", output.tiles)  # (V/16, C, 16)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack_tiles(self.tiles, self.num_embeddings)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tiles[ids // LANES, :, ids % LANES].float()  # (T, C)
+
+
+def use_tiled_weights(model: Transformer, tiled: Callable[[nn.Linear], TiledLinear] = TiledLinear) -> int:
+    """Replace every nn.Linear of model by tiled(it) (float32 tiles by default), and a tied embedding by a
+    TiledEmbedding of the output layer; return how many linears were replaced."""
+    embedding = model.model.embed_tokens
+    tied = isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is getattr(embedding, "weight", None)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in linears:
         model.set_submodule(name, tiled(module))
+    if tied:
+        model.model.embed_tokens = TiledEmbedding(model.lm_head)
     return len(linears)
