@@ -13,9 +13,9 @@
 // side by side: a panel of R rows x C tiles keeps R * C accumulators in registers, and the weights of its C tiles are
 // read once for its R rows. Few rows (decode, verification) take all of them in one panel and as many tiles as the
 // registers hold (independent chains hide the multiply-add's latency); many rows (a prefill chunk) take panels of 6
-// rows x 4 tiles over kDepth steps of k at a time, whose weights stay in L1 for every group of rows. A panel that
-// continues a chain reloads its accumulators from the output, where they were stored as float32: nothing is rounded
-// in between. Threads split the output tiles only.
+// rows x 4 tiles over kDepth steps of k at a time, whose weights stay in L1 for every group of rows (float16 ones
+// widened to float32 there once). A panel that continues a chain reloads its accumulators from the output, where
+// they were stored as float32: nothing is rounded in between. Threads split the output tiles only.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 #include "isa.h"
 
@@ -52,6 +54,12 @@ struct Tiles {  // the packed weight
   int64_t tiles, k;
 
   const W* at(int64_t tile, int64_t i) const { return w + (tile * k + i) * kLanes; }
+};
+
+template <typename W>
+struct Panel {  // a panel's weights: tile c's column i at base + c * tile_stride + i * kLanes
+  const W* base;
+  int64_t tile_stride;
 };
 
 struct Rows {  // activations x (T, K), the bias (N/16 * 16) or nullptr, outputs (T, N/16 * 16), row-major
@@ -81,14 +89,14 @@ TARGET_AVX2 inline __m256 load8(const at::Half* p) {
 }
 
 template <int R, int C, typename W>
-TARGET_AVX512 void panel_avx512(const Tiles<W>& w, const Rows& io, int64_t row, int64_t tile, Span span) {
+TARGET_AVX512 void panel_avx512(Panel<W> w, const Rows& io, int64_t row, int64_t tile, Span span) {
   float* out = io.out + row * io.n + tile * kLanes;
   const float* x = io.x + row * io.k + span.i0;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = span.first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * io.n + c * kLanes);
-  const W* base = w.at(tile, span.i0);
-  const int64_t tile_stride = w.k * kLanes;
+  const W* base = w.base;
+  const int64_t tile_stride = w.tile_stride;
   for (int64_t i = 0; i < span.steps; ++i) {
     __m512 weights[C];
     for (int c = 0; c < C; ++c) weights[c] = load16(base + c * tile_stride + i * kLanes);
@@ -105,7 +113,7 @@ TARGET_AVX512 void panel_avx512(const Tiles<W>& w, const Rows& io, int64_t row, 
 }
 
 template <int R, int C, typename W>
-TARGET_AVX2 void panel_avx2(const Tiles<W>& w, const Rows& io, int64_t row, int64_t tile, Span span) {
+TARGET_AVX2 void panel_avx2(Panel<W> w, const Rows& io, int64_t row, int64_t tile, Span span) {
   float* out = io.out + row * io.n + tile * kLanes;
   const float* x = io.x + row * io.k + span.i0;
   __m256 acc[R][C][2];
@@ -113,8 +121,8 @@ TARGET_AVX2 void panel_avx2(const Tiles<W>& w, const Rows& io, int64_t row, int6
     for (int c = 0; c < C; ++c)
       for (int h = 0; h < 2; ++h)
         acc[r][c][h] = span.first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * io.n + c * kLanes + h * 8);
-  const W* base = w.at(tile, span.i0);
-  const int64_t tile_stride = w.k * kLanes;
+  const W* base = w.base;
+  const int64_t tile_stride = w.tile_stride;
   for (int64_t i = 0; i < span.steps; ++i) {
     __m256 weights[C][2];
     for (int c = 0; c < C; ++c)
@@ -137,22 +145,22 @@ TARGET_AVX2 void panel_avx2(const Tiles<W>& w, const Rows& io, int64_t row, int6
 
 // Plain C++: the same chains one lane at a time, std::fma rounding each step once as the vector units do.
 template <typename W>
-void panel_scalar(const Tiles<W>& w, const Rows& io, int64_t row, int64_t rows, int64_t tile, int64_t tiles,
-                  Span span) {
+void panel_scalar(Panel<W> w, const Rows& io, int64_t row, int64_t rows, int64_t tile, int64_t tiles, Span span) {
   for (int64_t t = row; t < row + rows; ++t)
     for (int64_t c = tile; c < tile + tiles; ++c)
       for (int64_t lane = 0; lane < kLanes; ++lane) {
         float* out = io.out + t * io.n + c * kLanes + lane;
         float acc = span.first ? 0.0f : *out;
-        for (int64_t i = span.i0; i < span.i0 + span.steps; ++i)
-          acc = std::fma(static_cast<float>(w.at(c, i)[lane]), io.x[t * io.k + i], acc);
+        const W* column = w.base + (c - tile) * w.tile_stride + lane;
+        for (int64_t i = 0; i < span.steps; ++i)
+          acc = std::fma(static_cast<float>(column[i * kLanes]), io.x[t * io.k + span.i0 + i], acc);
         *out = span.last && io.bias ? acc + io.bias[c * kLanes + lane] : acc;
       }
 }
 
 // The panel of `rows` rows x `tiles` tiles for the chosen body: templates instantiated for every size a plan uses.
 template <typename W, int R, int C = 1>
-void panel_avx512_sized(const Tiles<W>& w, const Rows& io, int64_t row, int64_t tile, int tiles, Span span) {
+void panel_avx512_sized(Panel<W> w, const Rows& io, int64_t row, int64_t tile, int tiles, Span span) {
   if constexpr (C < max_tiles_avx512(R)) {
     if (tiles > C) return panel_avx512_sized<W, R, C + 1>(w, io, row, tile, tiles, span);
   }
@@ -160,7 +168,7 @@ void panel_avx512_sized(const Tiles<W>& w, const Rows& io, int64_t row, int64_t 
 }
 
 template <typename W, int R, int C = 1>
-void panel_avx2_sized(const Tiles<W>& w, const Rows& io, int64_t row, int64_t tile, int tiles, Span span) {
+void panel_avx2_sized(Panel<W> w, const Rows& io, int64_t row, int64_t tile, int tiles, Span span) {
   if constexpr (C < max_tiles_avx2(R)) {
     if (tiles > C) return panel_avx2_sized<W, R, C + 1>(w, io, row, tile, tiles, span);
   }
@@ -168,7 +176,7 @@ void panel_avx2_sized(const Tiles<W>& w, const Rows& io, int64_t row, int64_t ti
 }
 
 template <typename W, int R = 1>
-void panel(const Tiles<W>& w, const Rows& io, int64_t row, int rows, int64_t tile, int tiles, Span span) {
+void panel(Panel<W> w, const Rows& io, int64_t row, int rows, int64_t tile, int tiles, Span span) {
   if constexpr (R < kFewRows) {
     if (rows > R) return panel<W, R + 1>(w, io, row, rows, tile, tiles, span);
   }
@@ -196,16 +204,48 @@ Plan plan_for(int64_t rows) {
   }
 }
 
+TARGET_AVX512 void widen_avx512(const at::Half* from, float* to, int64_t count) {
+  for (int64_t j = 0; j < count; j += kLanes) _mm512_storeu_ps(to + j, load16(from + j));
+}
+
+TARGET_AVX2 void widen_avx2(const at::Half* from, float* to, int64_t count) {
+  for (int64_t j = 0; j < count; j += 8) _mm256_storeu_ps(to + j, load8(from + j));
+}
+
+// A float16 panel widened to float32 once for all its rows (exactly: every float16 is a float32), buffer (tiles,
+// steps, 16); the panels then read float32 as for float32 weights.
+Panel<float> widen(const Tiles<at::Half>& w, int64_t tile, int tiles, Span span, float* buffer) {
+  for (int c = 0; c < tiles; ++c) {
+    const at::Half* from = w.at(tile + c, span.i0);
+    float* to = buffer + c * span.steps * kLanes;
+    if (chosen_isa() == Isa::avx512) widen_avx512(from, to, span.steps * kLanes);
+    else widen_avx2(from, to, span.steps * kLanes);
+  }
+  return Panel<float>{buffer, span.steps * kLanes};
+}
+
 // Tiles [tile_begin, tile_end) for every row: per group of plan.tiles tiles, per kDepth steps of k, every group of
-// plan.rows rows.
+// plan.rows rows. Float16 weights read by more than one group of rows are widened once per panel.
 template <typename W>
 void tiles_range(const Tiles<W>& w, const Rows& io, int64_t rows, Plan plan, int64_t tile_begin, int64_t tile_end) {
+  std::vector<float> buffer;
+  const bool widened = std::is_same_v<W, at::Half> && rows > plan.rows && chosen_isa() != Isa::scalar;
+  if (widened) buffer.resize(plan.tiles * kDepth * kLanes);
   for (int64_t tile = tile_begin; tile < tile_end; tile += plan.tiles) {
     const int tiles = int(std::min<int64_t>(plan.tiles, tile_end - tile));
     for (int64_t i0 = 0; i0 < io.k; i0 += kDepth) {
       const Span span{i0, std::min(kDepth, io.k - i0), i0 == 0, i0 + kDepth >= io.k};
+      if constexpr (std::is_same_v<W, at::Half>) {
+        if (widened) {
+          const Panel<float> panel_weights = widen(w, tile, tiles, span, buffer.data());
+          for (int64_t row = 0; row < rows; row += plan.rows)
+            panel(panel_weights, io, row, int(std::min<int64_t>(plan.rows, rows - row)), tile, tiles, span);
+          continue;
+        }
+      }
+      const Panel<W> panel_weights{w.at(tile, i0), w.k * kLanes};
       for (int64_t row = 0; row < rows; row += plan.rows)
-        panel(w, io, row, int(std::min<int64_t>(plan.rows, rows - row)), tile, tiles, span);
+        panel(panel_weights, io, row, int(std::min<int64_t>(plan.rows, rows - row)), tile, tiles, span);
     }
   }
 }
