@@ -58,7 +58,7 @@ from triforce_cli.runtime.store import (
     remove,
     write_atomically,
 )
-from triforce_cli.runtime.tiled_weights import tiled_weights_apply, use_tiled_weights
+from triforce_cli.runtime.tiled_weights import TiledEmbedding, tiled_weights_apply, use_tiled_weights
 
 StatusCallback = Callable[[str], None]
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
@@ -279,11 +279,12 @@ def embedding_digest(weight_files) -> str:
 
 def borrow_shared_weights(
     name: str, hf_config: PretrainedConfig, state: dict, shared_from: "LoadedModel | None"
-) -> None:
-    """Fill a distilled drafter's missing embedding and output layer with its target's (the same tensors)."""
+) -> bool:
+    """Fill a distilled drafter's missing embedding and output layer with its target's (the same tensors, or the
+    values of a packed form); return whether it did."""
     metadata = getattr(hf_config, DRAFTER_METADATA, None)
     if not metadata or EMBEDDING_WEIGHT in state:
-        return
+        return False
     if shared_from is None:
         raise ModelLoadError(
             f"{name} is a drafter distilled for {metadata['target']} and borrows its embeddings: load it with --draft"
@@ -296,6 +297,7 @@ def borrow_shared_weights(
     state[EMBEDDING_WEIGHT] = target.model.embed_tokens.weight
     if not hf_config.tie_word_embeddings:
         state["lm_head.weight"] = target.lm_head.weight
+    return True
 
 
 def resolve_weights(
@@ -358,8 +360,11 @@ def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype
             raise ModelLoadError("gguf weights need a GGUF checkpoint, the CPU and float32")
         if (error := kernel_error()) is not None:
             raise ModelLoadError(error)
-    if weights == WeightForm.HALF and not (on_cpu_in_float32 and half_weights_available()):
-        raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
+    if weights == WeightForm.HALF:
+        if not (on_cpu_in_float32 and half_weights_available()):
+            raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
+        if (error := kernel_error()) is not None:  # the tiled product computes them
+            raise ModelLoadError(error)
 
 
 @dataclass(frozen=True)
@@ -549,11 +554,13 @@ def load_model(
         extend_context(hf_config, context_window)
     runtime_config(hf_config, name)  # an architecture this runtime cannot run fails before any weight is read
     state = read_host_state(files)
-    borrow_shared_weights(name, hf_config, state, shared_from)
+    borrowed = borrow_shared_weights(name, hf_config, state, shared_from)
     options = BuildOptions(torch.device(device), dtype, weights, tensor_parallel, offload_weights, resident_layers)
     model = build_model(state, hf_config, options, checkpoint)
     if shared_from is not None and isinstance(shared_from.model.model.embed_tokens, GGUFEmbedding):
         model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's blocks, not a float copy
+    elif borrowed and isinstance(shared_from.model.model.embed_tokens, TiledEmbedding):
+        model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's tiles, not a copy
     loaded = LoadedModel(name, model, tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
     expanded = expanded_types(loaded.file_types) if weights == WeightForm.GGUF else {}
     if expanded and status is not None:
