@@ -1,4 +1,5 @@
-"""The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp) and attention of
+"""The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp), dense products of
+float32 or float16 weight tiles in one order of arithmetic per output (csrc/dense_linear.cpp), and attention of
 float32 queries against a float16 KV cache (csrc/cache_attention.cpp).
 
 Built from source with torch.utils.cpp_extension the first time (seconds; it needs a C++ compiler and ninja) into a
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "cache_attention.cpp"))
+SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "dense_linear.cpp", "cache_attention.cpp"))
 HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h", "cache_attention_body.h"))  # included by SOURCES
 EXTENSION = "triforce_cpu"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # at::parallel_for runs on torch's OpenMP

@@ -88,7 +88,7 @@ def offload_weights(
         The stream, also kept as model.weight_stream.
     """
     layers = model.model.layers
-    if any(hasattr(module, "packed_bytes") or hasattr(module, "scales_and_zeros") for module in layers.modules()):
+    if any(hasattr(module, "tiles") or hasattr(module, "scales_and_zeros") for module in layers.modules()):
         raise ValueError("streamed weights must be dense (`weights` dense)")
     stream = WeightStream(
         layers,

@@ -13,15 +13,10 @@ from triforce_cli.kernels import (
     attention_reference,
     chunk_mean_keys,
     gather_chunks,
-    half_weight_linear,
-    half_weight_linear_reference,
-    half_weights_available,
     linear,
     linear_reference,
-    pack_half_weight,
     score_chunks,
     top_chunks,
-    unpack_half_weight,
 )
 from triforce_cli.kernels import retrieval as kernel_retrieval
 from triforce_cli.kernels.attention import (
@@ -412,33 +407,6 @@ def test_linear_dispatch(monkeypatch):
         linear(torch.randn(1, 2, 4), weight)  # batched input: torch's linear
     linear(torch.randn(2, 4, requires_grad=True), weight)  # training needs autograd: torch's linear
     assert calls == [(FEW_ROWS, 4)]
-
-
-needs_fbgemm = pytest.mark.skipif(not half_weights_available(), reason="torch build without fbgemm")
-
-
-@needs_fbgemm
-@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, 64])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_half_weight_linear_matches_reference(rows, with_bias):
-    g = torch.Generator().manual_seed(rows)
-    x, weight = torch.randn(rows, 96, generator=g), torch.randn(40, 96, generator=g)
-    bias = torch.randn(40, generator=g) if with_bias else None
-    packed = pack_half_weight(weight, bias)
-    with torch.inference_mode():
-        out = half_weight_linear(x, packed)
-    assert out.shape == (rows, 40) and out.dtype == torch.float32
-    torch.testing.assert_close(out, half_weight_linear_reference(x, weight, bias), atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(out, linear_reference(x, weight, bias), atol=1e-5, rtol=1e-5)  # weights were rounded
-
-
-@needs_fbgemm
-def test_packed_half_weight_holds_the_rounded_values():
-    weight, bias = torch.randn(7, 5), torch.randn(7)
-    unpacked, unpacked_bias = unpack_half_weight(pack_half_weight(weight, bias))
-    assert unpacked.dtype == torch.float32 and torch.equal(unpacked, weight.half().float())
-    assert not torch.equal(unpacked, weight)
-    assert torch.equal(unpacked_bias, bias)
 
 
 @pytest.mark.parametrize("num_queries, num_keys", [(1, 300), (1, 40), (3, 257), (8, 120), (20, 2100)])

@@ -58,6 +58,7 @@ from triforce_cli.runtime.store import (
     remove,
     write_atomically,
 )
+from triforce_cli.runtime.tiled_weights import TiledEmbedding, tiled_weights_apply, use_tiled_weights
 
 StatusCallback = Callable[[str], None]
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
@@ -272,11 +273,12 @@ def embedding_digest(weight_files) -> str:
 
 def borrow_shared_weights(
     name: str, hf_config: PretrainedConfig, state: dict, shared_from: "LoadedModel | None"
-) -> None:
-    """Fill a distilled drafter's missing embedding and output layer with its target's (the same tensors)."""
+) -> bool:
+    """Fill a distilled drafter's missing embedding and output layer with its target's (the same tensors, or the
+    values of a packed form); return whether it did."""
     metadata = getattr(hf_config, DRAFTER_METADATA, None)
     if not metadata or EMBEDDING_WEIGHT in state:
-        return
+        return False
     if shared_from is None:
         raise ModelLoadError(
             f"{name} is a drafter distilled for {metadata['target']} and borrows its embeddings: load it with --draft"
@@ -289,6 +291,7 @@ def borrow_shared_weights(
     state[EMBEDDING_WEIGHT] = target.model.embed_tokens.weight
     if not hf_config.tie_word_embeddings:
         state["lm_head.weight"] = target.lm_head.weight
+    return True
 
 
 def resolve_weights(
@@ -351,8 +354,11 @@ def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype
             raise ModelLoadError("gguf weights need a GGUF checkpoint, the CPU and float32")
         if (error := kernel_error()) is not None:
             raise ModelLoadError(error)
-    if weights == WeightForm.HALF and not (on_cpu_in_float32 and half_weights_available()):
-        raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
+    if weights == WeightForm.HALF:
+        if not (on_cpu_in_float32 and half_weights_available()):
+            raise ModelLoadError("half weights need the CPU, float32 and a torch build with fbgemm (x86)")
+        if (error := kernel_error()) is not None:  # the tiled product computes them
+            raise ModelLoadError(error)
 
 
 @dataclass(frozen=True)
@@ -432,7 +438,8 @@ def build_model(
     1. cast each tensor to options.dtype (before fusing: the fused copies are then of the smaller dtype);
     2. build the model, fusing q/k/v and gate/up (fuse_checkpoint: each projection's parts freed as its fused
        tensor exists), and restrict a distilled drafter's output layer to its tokens (Transformer.restrict_output);
-    3. the weight form (half or gguf weights; the CPU only);
+    3. the weight form (half or gguf weights; the CPU only); on the CPU in float32, the linears left dense are laid
+       out in tiles for the tiled product (tiled_weights.py), unless sharded or streamed;
     4. shard the decoder layers (options.tensor_parallel, parallel.apply_tp);
     5. weight offload (options.offload_weights): the streamed layers stay in host memory, page-locked for a CUDA
        device, and their two-slot ring is allocated on the device;
@@ -482,6 +489,10 @@ def build_model(
         use_gguf_weights(model, checkpoint.gguf, hf_config, checkpoint.folder)
     if options.weights == WeightForm.HALF:
         use_half_weights(model)
+    elif tiled_weights_apply(options.device, options.dtype) and not (
+        options.tensor_parallel or options.offload_weights
+    ):
+        use_tiled_weights(model)  # every dense linear left: a dense model's, a GGUF file's dequantized ones
     if options.tensor_parallel:
         apply_tp(model)
     if options.offload_weights:
@@ -536,11 +547,13 @@ def load_model(
         extend_context(hf_config, context_window)
     runtime_config(hf_config, name)  # an architecture this runtime cannot run fails before any weight is read
     state = read_host_state(files)
-    borrow_shared_weights(name, hf_config, state, shared_from)
+    borrowed = borrow_shared_weights(name, hf_config, state, shared_from)
     options = BuildOptions(torch.device(device), dtype, weights, tensor_parallel, offload_weights, resident_layers)
     model = build_model(state, hf_config, options, checkpoint)
     if shared_from is not None and isinstance(shared_from.model.model.embed_tokens, GGUFEmbedding):
         model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's blocks, not a float copy
+    elif borrowed and isinstance(shared_from.model.model.embed_tokens, TiledEmbedding):
+        model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's tiles, not a copy
     loaded = LoadedModel(name, model, tokenizer, hf_config, str(folder), tuple(files), checkpoint.gguf, weights)
     expanded = expanded_types(loaded.file_types) if weights == WeightForm.GGUF else {}
     if expanded and status is not None:

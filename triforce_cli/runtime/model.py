@@ -610,13 +610,10 @@ class Transformer(nn.Module):
 
 
 def weight_bytes(*models: nn.Module) -> int:
-    """Bytes of the models' weights, each tensor counted once (a drafter may share the target's embedding), packed
-    weights held outside parameters (their modules' packed_bytes) included."""
+    """Bytes of the models' weights, parameters and buffers (packed weights' tiles and blocks), each tensor counted
+    once (a drafter may share the target's embedding)."""
     tensors = {t.data_ptr(): t.nbytes for m in models for t in (*m.parameters(), *m.buffers())}
-    packed = {
-        id(module): module.packed_bytes for m in models for module in m.modules() if hasattr(module, "packed_bytes")
-    }
-    return sum(tensors.values()) + sum(packed.values())
+    return sum(tensors.values())
 
 
 def dense_rows(weight: torch.Tensor) -> Linear:
