@@ -20,7 +20,6 @@ never read, overwritten later.
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 from triforce_cli.kernels.attention import step_attention_bias

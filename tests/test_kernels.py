@@ -31,6 +31,8 @@ from triforce_cli.kernels.attention import (
 from triforce_cli.kernels.linear import FEW_ROWS, few_row_linear
 from triforce_cli.kernels.retrieval import bound_scores, chunk_key_bounds
 
+from triforce_cli.runtime.native import kernel_error
+
 HEAD_DIM = 8
 SCALE = HEAD_DIM**-0.5
 
