@@ -21,6 +21,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.sampling import Verdict, sample, verify_draft
 from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
 from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.tiled_weights import use_tiled_weights
 
 
 class StubTokenizer:
@@ -107,6 +108,13 @@ def wrap(ref: torch.nn.Module, cfg, name: str = "tiny", eos_token_id: int | None
     assert set(missing) <= {"lm_head.weight"}, missing
     cfg.eos_token_id = eos_token_id
     return LoadedModel(name, model.eval(), StubTokenizer(cfg.vocab_size, eos_token_id), cfg)
+
+
+def tiled(loaded: LoadedModel) -> LoadedModel:
+    """loaded with every linear in tiles (use_tiled_weights), as the loader builds a float32 model on the CPU: the
+    numeric contract's kernels (Engine.exact_positions), where a model built from a reference keeps torch's."""
+    use_tiled_weights(loaded.model)
+    return loaded
 
 
 def load_tiny(tiny: TinyModel, options: BuildOptions) -> LoadedModel:

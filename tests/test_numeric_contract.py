@@ -21,6 +21,7 @@ from triforce_cli.errors import ModelLoadError
 from triforce_cli.runtime.embedded import embedded_gguf_path
 from triforce_cli.runtime.environment import torch_threads
 from triforce_cli.runtime.loading import LoadedModel, load_model
+from triforce_cli.runtime.tiled_weights import use_tiled_weights
 
 PROMPT_TOKENS = 600
 CHUNK = 256  # the CPU's prefill chunk
@@ -86,7 +87,9 @@ def test_a_dense_float32_model_gives_every_position_the_same_bits_however_it_is_
         initializer_range=0.2,
     )
     loaded = tiny.loaded
+    assert use_tiled_weights(loaded.model) > 0  # as the loader builds a float32 model on the CPU
     assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
+    assert Engine(loaded, small_config()).exact_positions
     check_contract(loaded, random_prompt(PROMPT_TOKENS, 96, seed=46))
 
 

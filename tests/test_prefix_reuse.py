@@ -10,7 +10,7 @@ Under the contract that equality rests on the CPU kernels computing a row whatev
 import pytest
 import torch
 import triforce_cli.cache.retrieval as retrieval_module
-from helpers import make_model, random_prompt, small_config
+from helpers import make_model, random_prompt, small_config, tiled
 
 from triforce_cli.decoding.config import MODES
 from triforce_cli.decoding.engine import Engine
@@ -22,7 +22,9 @@ VOCAB = 64
 
 @pytest.fixture(scope="module")
 def model():
-    return make_model(seed=5, vocab_size=VOCAB, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
+    return tiled(
+        make_model(seed=5, vocab_size=VOCAB, num_layers=2, initializer_range=0.3, tie_word_embeddings=False).loaded
+    )
 
 
 def config(mode: str, sampling: SamplingConfig, **changes):

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache, kv_dtype
 from triforce_cli.decoding.clock import DeviceClock
@@ -196,10 +197,13 @@ class Engine:
         float32 target on the CPU with the cpu attention kernels and eager steps, whose kernels compute a row in an
         order of arithmetic that depends neither on the rows beside it nor on the thread count. A position then
         holds the same bits whether a prefill chunk, a verification or a one-token step computed it, and reuse keeps
-        whatever the cache holds of a prompt (_Held.reusable). Its prefill is exact with any steps: it runs eager."""
+        whatever the cache holds of a prompt (_Held.reusable). Its prefill is exact with any steps: it runs eager.
+        A plain nn.Linear left in the model (one built without the loader's tiled weights) computes by torch's
+        products, which are not row-invariant, and leaves the target off the contract."""
         target = self.target
         on_contract = target.device.type == "cpu" and target.dtype == torch.float32
-        return on_contract and target.model.attention_backend == "cpu" and not self.compiled
+        plain_linears = any(isinstance(module, nn.Linear) for module in target.model.modules())
+        return on_contract and not plain_linears and target.model.attention_backend == "cpu" and not self.compiled
 
     def reconfigured(self, config: EngineConfig, drafter: LoadedModel | None) -> "Engine":
         """An engine for the same target with config and drafter, sharing this engine's caches (and prefill
