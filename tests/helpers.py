@@ -268,9 +268,10 @@ CHAT_WORDS = [f"w{i}" for i in range(32)]
 
 
 def chat_model() -> LoadedModel:
-    """A tiny target whose answers depend on the whole conversation (rich_model), with the word chat template."""
+    """A tiny target whose answers depend on the whole conversation (rich_model), with the word chat template, its
+    linears tiled as the loader tiles them (under the numeric contract, so chat and serve keep whole conversations)."""
     tiny = rich_model(seed=3)
-    return replace(tiny.loaded, name="chat", tokenizer=word_tokenizer(CHAT_WORDS, "w31", WORD_CHAT_TEMPLATE))
+    return tiled(replace(tiny.loaded, name="chat", tokenizer=word_tokenizer(CHAT_WORDS, "w31", WORD_CHAT_TEMPLATE)))
 
 
 def save_word_checkpoint(folder: Path, seed: int = 0) -> Path:

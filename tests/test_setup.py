@@ -248,11 +248,11 @@ ERRORS = {
     "unknown attention": ({"attention": "tiled"}, CPU, NONE, "`attention` tiled: unknown attention backend 'tiled'"),
     "sdpa, half": (
         {"attention": "sdpa", "weights": "half"}, CPU, NONE,
-        "`attention` sdpa cannot read half weights' float16 prompt cache: use `weights` dense",
+        "`attention` sdpa does not run beside half weights, which the cpu kernels compute: use `weights` dense",
     ),
     "cuda, gguf": (
         {"weights": "gguf"}, FLASH_GPU, NONE,
-        "`attention` flash cannot read gguf weights' float16 prompt cache: use `weights` dense",
+        "`attention` flash does not run beside gguf weights, which the cpu kernels compute: use `weights` dense",
     ),
     "cpu compiled, half": (
         {"steps": "compiled", "weights": "half"}, CPU, NONE,

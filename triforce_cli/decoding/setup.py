@@ -170,15 +170,15 @@ def resolve_attention(
     requested: str, device: torch.device, dtype: torch.dtype, weights: str, flash_installed: bool | None = None
 ) -> str:
     """The attention kernel family to run (kernels.attention_backend), or a ConfigError saying why the requested
-    one cannot run. Half weights read the prompt's keys and values from a packed float16 copy that only the cpu
-    kernels read: the model they define is computed there alone."""
+    one cannot run. Half and GGUF weights are computed by the CPU extension's kernels alone, beside its attention
+    kernels."""
     try:
         backend = attention_backend(device, dtype, requested, flash_installed)
     except ValueError as err:
         raise ConfigError(f"`attention` {requested}: {err}") from None
     if weights in HALF_PROMPT_FORMS and backend != "cpu":  # 'auto' weights then resolve to dense
         raise ConfigError(
-            f"`attention` {backend} cannot read {weights} weights' float16 prompt cache: use `weights` dense"
+            f"`attention` {backend} does not run beside {weights} weights, which the cpu kernels compute: use `weights` dense"
         )
     return backend
 

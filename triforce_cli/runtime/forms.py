@@ -18,7 +18,7 @@ class WeightForm(StrEnum):
     GGUF = "gguf"  # a GGUF file's own blocks (gguf_weights.py)
 
 
-# the forms whose attention reads the prompt's keys and values from a float16 copy (the CPU kernels only), and beside
+# the forms that only the CPU extension's kernels compute (with the cpu attention kernels, in eager steps), and beside
 # which a drafter takes half weights; `weights in HALF_PROMPT_FORMS` reads a plain string too
 HALF_PROMPT_FORMS = (WeightForm.HALF, WeightForm.GGUF)
 WEIGHT_FORMATS = (WeightForm.DENSE, WeightForm.HALF, WeightForm.GGUF)  # what a loaded model holds

@@ -307,10 +307,10 @@ def resolve_weights(
 ) -> str:
     """'auto' as the fastest exact weight form by rule: on a CPU in float32 with the cpu attention kernels and eager
     steps, 'gguf' for a GGUF checkpoint whose block kernel builds here (a decode step reads a fifth of the float32
-    bytes), else 'half' where fbgemm is there (half the bytes); 'dense' elsewhere. Any other choice as it is.
+    bytes), else 'half' on an x86 torch build whose CPU extension builds (half the bytes); 'dense' elsewhere. Any other choice as it is.
     runtime.tuning replaces the rule by a measurement where it may.
 
-    gguf_kernels, half_available: whether the block kernel builds and fbgemm is there, where the caller knows
+    gguf_kernels, half_available: whether the block kernel builds and half weights run here, where the caller knows
     (decoding.setup.Machine); None: found out here, the kernel only for a GGUF checkpoint."""
     if weights != WeightForm.AUTO:
         return weights
@@ -318,15 +318,14 @@ def resolve_weights(
         return WeightForm.DENSE
     if gguf_source and (kernel_error() is None if gguf_kernels is None else gguf_kernels):
         return WeightForm.GGUF
-    half = half_weights_available() if half_available is None else half_available
+    half = half_weights_available() and kernel_error() is None if half_available is None else half_available
     return WeightForm.HALF if half else WeightForm.DENSE
 
 
 def resolve_steps(requested: StepMode | None, device: torch.device, weights: str) -> StepMode:
     """How decode steps run (Transformer.use_steps): as requested, else as fixed-shape steps recorded as CUDA graphs
     on CUDA, and eager on the CPU, where the eager steps on half weights measured faster (STEP_REASONS). Half and
-    GGUF weights run only in eager steps: their CPU kernels take a packed float16 prompt cache and variable-length
-    views."""
+    GGUF weights run only in eager steps: their CPU kernels take variable-length views."""
     default = StepMode.GRAPHS if device.type == "cuda" else StepMode.EAGER
     steps = default if requested is None else StepMode(requested)
     if steps != StepMode.EAGER and weights in HALF_PROMPT_FORMS:
