@@ -704,19 +704,20 @@ class Engine:
         answer_ids = torch.tensor(held.ids[len(prompt_ids) : held.length], dtype=torch.long)
         return replace(prompt_state, answer_ids=answer_ids, keys=keys.clone(), values=values.clone())
 
-    def held_state(self) -> PromptState | None:
+    def held_state(self, max_bytes: int | None = None) -> PromptState | None:
         """What the full cache holds that a later prompt may keep (prefix reuse), copied to host memory for
         restore() to put back: every held position under the numeric contract (exact_positions), else only those a
         prefill computed (_Held.reusable's rules). The state is a prefix's, for restore() alone: its last queries and
         logits are left empty, so it never serves its ids whole (generate's prompt_state). None where the cache holds
-        nothing, or only a window."""
+        nothing, only a window, or (max_bytes given) keys and values of more than max_bytes, which are not copied."""
         held, full = self._caches.holds, self._caches.full
         if held is None or full is None or full.offset:
             return None
         full.settle()
         _, keys, values = full.held()
         length = min(held.length if held.exact and self.exact_positions else held.prefilled, keys.shape[2])
-        if length == 0:
+        held_bytes = 2 * keys[:, :, :length].numel() * keys.element_size()  # keys and values
+        if length == 0 or (max_bytes is not None and held_bytes > max_bytes):
             return None
         cpu = torch.device("cpu")
         return PromptState(

@@ -84,7 +84,7 @@ class PrefixStates:
         self.current = None  # a restore that fails leaves the cache holding nothing known
         try:
             engine.restore(best.state, next_prompt_tokens=len(prompt_ids))
-        except TriforceError:  # a state this generation's settings cannot hold (its context): the prompt prefills
+        except (TriforceError, ValueError):  # a state this generation's caches cannot hold: the prompt prefills
             return 0
         self.current = best
         return best_shared
@@ -95,12 +95,10 @@ class PrefixStates:
         self.current = None
         if self.budget <= 0:
             return
-        state = engine.held_state()
+        state = engine.held_state(max_bytes=self.budget)
         if state is None:
             return
         entry = _Entry(state, engine.target.model.rope_factors, engine.exact_positions)
-        if entry.bytes > self.budget:
-            return
         ids = state.prompt_ids.tolist()
         for key, kept in list(self._entries.items()):
             held = kept.state.prompt_ids.tolist()
