@@ -150,6 +150,9 @@ class ChatSession:
                 the context for an answer.
             system: a system prompt opening the conversation, or None (a template that takes no system turn
                 refuses it: a PromptError with its message).
+
+        Unless the pipeline's config sizes the caches already (EngineConfig.cache_positions), they are sized for the
+        target's whole context, as Pipeline.chat says why.
         """
         document = document.strip()
         if not document:
@@ -160,6 +163,8 @@ class ChatSession:
         except TemplateError as error:
             raise PromptError(f"the model's chat template refuses the conversation: {error}") from None
         pipeline.engine.check_prompt(self.conversation.document_prefix_ids)
+        if pipeline.config.cache_positions is None:  # a full cache grown for a longer prompt would keep nothing
+            pipeline.reconfigure(cache_positions=self.context_tokens)
         self.turns: list[ChatTurn] = []
         self.last_turn: ChatTurn | None = None
         self._read_ids: list[int] = []  # what the engine read last: the prefilled document, or a prompt and answer
