@@ -641,6 +641,27 @@ def test_the_serve_command_loads_the_models_and_runs_uvicorn(tiny, monkeypatch, 
         server.close()
 
 
+def test_the_serve_command_takes_the_prefix_memory_as_a_size(tiny, monkeypatch):
+    ran = {}
+
+    class Ran:
+        def __init__(self, app, grace, **config):
+            ran["app"] = app
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(serve_command, "graceful_server", Ran)
+    ran_ok = CliRunner().invoke(cli_app, ["serve", "--target", "chat", "--prefix-memory", "3MiB"])
+    assert ran_ok.exit_code == 0, ran_ok.output
+    assert ran["app"].state.worker.prefix_states.budget == 3 * 2**20
+    bad = CliRunner().invoke(cli_app, ["serve", "--target", "chat", "--prefix-memory", "lots"])
+    assert bad.exit_code == 1 and "Traceback" not in bad.output
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "error: `prefix_memory` takes a size such as 2GiB or 500M (0: only the last prefix), not 'lots'"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ the real model
 @pytest.mark.embedded
 def test_the_embedded_model_answers_through_the_server_as_the_pipeline_does():
