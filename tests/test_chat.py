@@ -29,7 +29,14 @@ from typer.testing import CliRunner
 import triforce_cli.cli.chat
 from triforce_cli.cli.app import app
 from triforce_cli.cli.chat import line_history, questions, typed_lines
-from triforce_cli.decoding.chat import ChatSession, ChatTurn, ConversationIds, transcript_text, transcript_turns
+from triforce_cli.decoding.chat import (
+    ChatSession,
+    ChatTurn,
+    ConversationIds,
+    state_path,
+    transcript_text,
+    transcript_turns,
+)
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
@@ -323,6 +330,68 @@ def test_what_cannot_be_done_inside_the_session_is_one_line_and_the_session_goes
     assert "the 512-token context leaves no room for an answer" in error_lines(result)[3]
     assert result.stdout.splitlines() == answers_of(pipe, QUESTIONS[:1])  # /quit: the last question not asked
     assert "Traceback" not in result.output
+
+
+def saved_conversation(pipe: Pipeline, folder: Path) -> tuple[Path, list[int], list[int]]:
+    """Two questions answered and saved with their state (transcript and state files in folder); the transcript's
+    path, the ids the engine held when it was saved, and the greedy answer to the third question after them."""
+    session = pipe.chat(DOCUMENT)
+    session.prefill()
+    for asked in QUESTIONS[:2]:
+        session.ask(asked)
+    transcript = folder / "conversation.txt"
+    transcript.write_text(transcript_text(session.transcript), encoding="utf-8")
+    assert session.save_state(state_path(transcript))
+    last = session.turns[-1]
+    held = last.prompt_ids + last.result.token_ids[:-1]  # the answer's last token: no forward wrote its keys
+    return transcript, held, session.ask(QUESTIONS[2]).token_ids
+
+
+def loaded_session(pipe: Pipeline, transcript: Path) -> tuple[ChatSession, str | None]:
+    """A new session on pipe that takes up transcript and its state, nothing prefilled; why the state was refused."""
+    session = pipe.chat(DOCUMENT)
+    session.load(transcript_turns(transcript.read_text(encoding="utf-8")))
+    return session, session.load_state(state_path(transcript))
+
+
+def test_a_conversation_loaded_with_its_state_prefills_only_the_next_question(pipe, tmp_path):
+    transcript, held, expected = saved_conversation(pipe, tmp_path)
+    fresh = Pipeline.load(
+        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_chunk=16)
+    )  # a new process's: nothing held
+    session, refused = loaded_session(fresh, transcript)
+    assert refused is None
+    prompt = session.prompt_ids(QUESTIONS[2])
+    answer = session.ask(QUESTIONS[2])
+    assert prompt[: len(held)] == held and answer.stats.reused_tokens == len(held)
+    assert answer.token_ids == expected
+
+
+def test_a_state_saved_with_other_settings_is_refused_in_one_line_and_the_conversation_read_again(pipe, tmp_path):
+    transcript, _, expected = saved_conversation(pipe, tmp_path)
+    other = Pipeline.load(
+        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_chunk=8)
+    )
+    session, refused = loaded_session(other, transcript)
+    assert refused == f"{state_path(transcript)} was saved for another model or setting"
+    answer = session.ask(QUESTIONS[2])
+    assert answer.stats.reused_tokens == 0 and answer.token_ids == expected
+
+
+def test_save_then_load_in_a_new_chat_takes_the_conversation_up_with_its_state(pipe, document, tmp_path):
+    saved = tmp_path / "saved.txt"
+    first = run_chat(document, input="\n".join([*QUESTIONS[:2], f"/save {saved}", QUESTIONS[2]]) + "\n")
+    assert first.exit_code == 0, first.output
+    assert f"and its state to {state_path(saved)}" in flat(first.stderr)
+    again = run_chat(document, input=f"/load {saved}\n{QUESTIONS[2]}\n/stats\n")
+    assert again.exit_code == 0, again.output
+    assert again.stdout.splitlines() == first.stdout.splitlines()[2:]
+    stats = flat(again.stderr)
+    assert "loaded 2 questions and answers with its state" in stats
+    found = re.search(r"last prompt: (\d+) tokens.*?\((\d+) prompt tokens kept from an earlier prompt", stats)
+    assert found is not None  # kept: all but the answer's last token, the template's text and the question
+    assert 0 < int(found.group(1)) - int(found.group(2)) < 16
+    assert not error_lines(again)
 
 
 @pytest.mark.usefixtures("tiny")

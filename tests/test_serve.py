@@ -211,9 +211,9 @@ def test_seeded_sampling_repeats(live):
 def test_a_second_question_about_the_document_prefills_only_its_new_tokens(live):
     client = live.client()
     client.chat.completions.create(model=MODEL, messages=question("w1"), max_tokens=4, temperature=0)
-    second = client.chat.completions.create(model=MODEL, messages=question("w2 w6"), max_tokens=4, temperature=0)
+    second = client.chat.completions.create(model=MODEL, messages=question("w12 w6"), max_tokens=4, temperature=0)
     tokenizer = chat_model().tokenizer
-    first_ids, second_ids = (encode_messages(tokenizer, question(words)) for words in ("w1", "w2 w6"))
+    first_ids, second_ids = (encode_messages(tokenizer, question(words)) for words in ("w1", "w12 w6"))
     shared = shared_length(first_ids, second_ids)
     reused = second.usage.triforce["prefix_tokens_reused"]
     assert reused == shared > 96  # the template's start and the whole document, not only its whole prefill chunks
@@ -534,6 +534,68 @@ def test_the_api_key_guards_every_route_but_health():
         server.close()
 
 
+# ------------------------------------------------------------------------------------------------ prefix states
+def test_title_and_tag_requests_between_questions_leave_the_document_prefilled_once():
+    """A chat client's title and tag requests between two questions about a document: the second question keeps
+    the document from the kept prefix state, where a server keeping only the last state reads it again; every answer
+    is a reuse-free pipeline's."""
+    tokenizer = chat_model().tokenizer
+    asked = [
+        question("w1"),
+        [{"role": "user", "content": "w5 w9 w2 title"}],
+        [{"role": "user", "content": "w8 w3 tags"}],
+        question("w2 w6"),
+    ]
+    cached = {}
+    for memory in (0, 2**30):
+        server = LiveServer(create_app(pipeline=pipeline(), prefix_memory=memory))
+        try:
+            client = server.client()
+            answers = [
+                client.chat.completions.create(model=MODEL, messages=m, max_tokens=6, temperature=0) for m in asked
+            ]
+        finally:
+            server.close()
+        cached[memory] = answers[-1].usage.prompt_tokens_details.cached_tokens
+        for messages, answer in zip(asked, answers, strict=True):
+            reference = reference_text(messages[0]["content"], chat=True, max_new_tokens=6, mode="autoregressive")
+            assert answer.choices[0].message.content == reference
+    first_ids, last_ids = (encode_messages(tokenizer, m) for m in (asked[0], asked[-1]))
+    assert cached[2**30] == shared_length(first_ids, last_ids) > 96  # the document read once
+    assert cached[0] < 16  # the tag request's state replaced it: the template's start alone is kept
+
+
+def test_the_least_recently_used_prefix_state_goes_first_past_the_budget():
+    """Three conversations, each about a document of its own, within a budget of about two documents' states: the
+    one left longest unused is read again, the others go on from their state."""
+    app = create_app(pipeline=pipeline())
+    states = app.state.worker.prefix_states
+    server = LiveServer(app)
+    conversations = {name: [] for name in "abc"}
+
+    def ask(name: str, words: str) -> int:
+        """Ask the next question of conversation name; the prompt tokens it kept."""
+        messages = conversations[name]
+        shift = "abc".index(name) + 1
+        document = " ".join(f"w{(5 * i + shift) % 23}" for i in range(96))
+        messages.append({"role": "user", "content": f"{document} {words}" if not messages else words})
+        answer = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    try:
+        assert ask("a", "w1") < 16
+        states.budget = int(2.5 * states.held_bytes)  # two conversations' states, not three
+        assert ask("b", "w1") < 16
+        assert ask("a", "w2") > 96  # a kept, and now used more recently than b
+        assert ask("c", "w1") < 16  # c in: b, the least recently used, goes
+        assert states.held_bytes <= states.budget and len(states.held_ids) == 2
+        assert ask("a", "w3") > 96
+        assert ask("b", "w2") < 16
+    finally:
+        server.close()
+
+
 # ------------------------------------------------------------------------------------------------ prompt cache
 def test_the_prompt_cache_keeps_prefills_across_restarts(tmp_path):
     messages = question("w6")
@@ -577,6 +639,27 @@ def test_the_serve_command_loads_the_models_and_runs_uvicorn(tiny, monkeypatch, 
         assert models["data"][0]["id"] == "chat" and models["data"][0]["max_model_len"] == 512
     finally:
         server.close()
+
+
+def test_the_serve_command_takes_the_prefix_memory_as_a_size(tiny, monkeypatch):
+    ran = {}
+
+    class Ran:
+        def __init__(self, app, grace, **config):
+            ran["app"] = app
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(serve_command, "graceful_server", Ran)
+    ran_ok = CliRunner().invoke(cli_app, ["serve", "--target", "chat", "--prefix-memory", "3MiB"])
+    assert ran_ok.exit_code == 0, ran_ok.output
+    assert ran["app"].state.worker.prefix_states.budget == 3 * 2**20
+    bad = CliRunner().invoke(cli_app, ["serve", "--target", "chat", "--prefix-memory", "lots"])
+    assert bad.exit_code == 1 and "Traceback" not in bad.output
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "error: `prefix_memory` takes a size such as 2GiB or 500M (0: only the last prefix), not 'lots'"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ the real model

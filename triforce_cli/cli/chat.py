@@ -38,7 +38,7 @@ from triforce_cli.cli.render import (
     print_summary,
 )
 from triforce_cli.cli.settings import engine_config, load_pipeline
-from triforce_cli.decoding.chat import ChatSession, transcript_text, transcript_turns
+from triforce_cli.decoding.chat import ChatSession, state_path, transcript_text, transcript_turns
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.errors import PromptError, TriforceError
 from triforce_cli.interrupts import INTERRUPTED_EXIT_CODE, interrupted_exit_code
@@ -184,16 +184,23 @@ def reset_conversation(session: ChatSession, argument: str, out: Console, err: C
 
 
 def save_transcript(session: ChatSession, argument: str, out: Console, err: Console) -> None:
-    """/save FILE: the questions and answers written to FILE; one error line where it cannot be written."""
+    """/save FILE: the questions and answers written to FILE, and what the engine holds of them beside it
+    (state_path), for /load to take up without reading the conversation again; one error line where it cannot be
+    written."""
     if not argument:
         print_error(err, "/save needs a file: /save FILE")
         return
+    path = Path(argument).expanduser()
+    state = state_path(path)
     try:
-        Path(argument).expanduser().write_text(transcript_text(session.transcript), encoding="utf-8")
+        path.write_text(transcript_text(session.transcript), encoding="utf-8")
+        state.unlink(missing_ok=True)  # a state saved before with another conversation
+        with_state = session.save_state(state)
     except OSError as error:
-        print_error(err, f"cannot write {argument}: {error.strerror or type(error).__name__}")
+        print_error(err, f"cannot write {argument}: {error.strerror or error}")
         return
-    print_note(err, f"saved {len(session.transcript)} messages to {argument}")
+    kept = f", and its state to {state}" if with_state else ""
+    print_note(err, f"saved {len(session.transcript)} messages to {argument}{kept}")
 
 
 def retry_question(session: ChatSession, argument: str, out: Console, err: Console) -> None:
@@ -217,7 +224,13 @@ def load_conversation(session: ChatSession, argument: str, out: Console, err: Co
     except PromptError as error:
         print_error(err, f"cannot load {argument}: {error}")
         return
-    print_note(err, f"loaded {len(session.turns)} questions and answers from {argument}; {context_meter(session)}")
+    state = state_path(Path(argument).expanduser())
+    refused = session.load_state(state) if state.is_file() else None
+    if refused is not None:
+        print_note(err, f"{refused}: the next question reads the conversation again")
+    how = " with its state" if state.is_file() and refused is None else ""
+    loaded = f"loaded {len(session.turns)} questions and answers{how} from {argument}"
+    print_note(err, f"{loaded}; {context_meter(session)}")
 
 
 def context_meter(session: ChatSession) -> str:
@@ -258,8 +271,8 @@ Command = Callable[[ChatSession, str, Console, Console], None]
 COMMANDS: dict[str, tuple[Command, str]] = {  # usage -> (what carries it out, what it does)
     "/retry": (retry_question, "ask the latest question again, its answer dropped"),
     "/reset": (reset_conversation, "forget the questions and answers: the document alone again"),
-    "/save FILE": (save_transcript, "write the questions and answers to FILE"),
-    "/load FILE": (load_conversation, "take up the questions and answers /save wrote to FILE"),
+    "/save FILE": (save_transcript, "write the questions and answers to FILE, their KV state beside it"),
+    "/load FILE": (load_conversation, "take up the questions and answers /save wrote to FILE, with their state"),
     "/stats": (print_stats, "the context used, the last answer's prompt, timing and acceptance per tier"),
     "/help": (print_help, 'these commands; any other line is a question ("//" starts one with "/")'),
 }

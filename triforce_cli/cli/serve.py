@@ -3,11 +3,25 @@
 import copy
 import ipaddress
 from types import FrameType
+from typing import Annotated
+
+import typer
 
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console, print_note
 from triforce_cli.cli.settings import engine_config, load_pipeline
 from triforce_cli.decoding.prompt_state import check_writable
+from triforce_cli.errors import ConfigError
+from triforce_cli.runtime.store import parse_size
+
+PrefixMemory = Annotated[
+    str,
+    typer.Option(
+        metavar="SIZE",
+        help="Host memory for the prompt prefixes kept between requests (e.g. 2GiB, 500M; 0: only the last one):"
+        " each request reuses the longest it shares, the least recently used going first.",
+    ),
+]
 
 
 def is_loopback(host: str) -> bool:
@@ -51,6 +65,7 @@ def serve(
     max_body_bytes: o.MaxBodyBytes = 16 * 2**20,
     cors_origin: o.CorsOrigin = None,
     shutdown_grace: o.ShutdownGrace = 30.0,
+    prefix_memory: PrefixMemory = "2GiB",
     **settings,
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
@@ -60,6 +75,12 @@ def serve(
     prompt_cache = settings["prompt_cache"]
     with command_console(settings["threads"]) as err:
         config = engine_config(settings)
+        try:
+            prefix_bytes = parse_size(prefix_memory)
+        except ConfigError:
+            raise ConfigError(
+                f"`prefix_memory` takes a size such as 2GiB or 500M (0: only the last prefix), not '{prefix_memory}'"
+            ) from None
         if prompt_cache is not None:
             check_writable(prompt_cache)
         pipe = load_pipeline(settings, config, lambda message: print_note(err, message))
@@ -69,6 +90,7 @@ def serve(
             api_key=api_key,
             queue_size=queue_size,
             prompt_cache=prompt_cache,
+            prefix_memory=prefix_bytes,
             max_tokens_limit=max_tokens_limit,
             request_timeout=request_timeout,
             max_body_bytes=max_body_bytes,

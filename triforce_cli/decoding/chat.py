@@ -25,17 +25,20 @@ those generated. Reuse goes by ids (the common prefix of the prompt and the ids 
 still keeps the document and whatever comes after it unchanged.
 """
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
+from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
 from triforce_cli.decoding.engine import PrefillCallback, TokenCallback
+from triforce_cli.decoding.prompt_state import PromptCache, StaleEntry
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
-from triforce_cli.errors import PromptError
+from triforce_cli.errors import PromptError, TriforceError
 from triforce_cli.runtime.prompts import DOCUMENT_PLACEHOLDER, around_document, document_question
 
 if TYPE_CHECKING:
@@ -147,6 +150,9 @@ class ChatSession:
                 the context for an answer.
             system: a system prompt opening the conversation, or None (a template that takes no system turn
                 refuses it: a PromptError with its message).
+
+        Unless the pipeline's config sizes the caches already (EngineConfig.cache_positions), they are sized for the
+        target's whole context, as Pipeline.chat says why.
         """
         document = document.strip()
         if not document:
@@ -157,6 +163,8 @@ class ChatSession:
         except TemplateError as error:
             raise PromptError(f"the model's chat template refuses the conversation: {error}") from None
         pipeline.engine.check_prompt(self.conversation.document_prefix_ids)
+        if pipeline.config.cache_positions is None:  # a full cache grown for a longer prompt would keep nothing
+            pipeline.reconfigure(cache_positions=self.context_tokens)
         self.turns: list[ChatTurn] = []
         self.last_turn: ChatTurn | None = None
         self._read_ids: list[int] = []  # what the engine read last: the prefilled document, or a prompt and answer
@@ -296,10 +304,79 @@ class ChatSession:
             raise PromptError(f"the saved conversation does not fit the {self.context_tokens}-token context")
         self.turns, self.last_turn = turns, None
 
+    def _state_file(self, path: Path) -> PromptCache:
+        """The prompt cache whose key (model, dtype, weights, rotary, attention, prefill chunk and ids) a saved
+        conversation state is written and checked with; path's folder is only read or written there."""
+        engine = self.pipeline.engine
+        return PromptCache(
+            path.parent, self.pipeline.target, None, engine.prefill_chunk, self.pipeline.config.max_new_tokens
+        )
+
+    def save_state(self, path: Path) -> bool:
+        """Write what the engine holds of the conversation (Engine.held_state: its prompts and answers, as far as
+        a later prompt may keep them) to path (safetensors), with the last turn's prompt length, question and
+        answer ids, so that load_state takes the conversation up without reading it again.
+
+        Returns:
+            Whether it was written: not before an answer, nor where the engine holds another prompt than the last
+            turn's (a question stopped before its first token). An OSError where path cannot be written.
+        """
+        last = self.turns[-1] if self.turns else None
+        if last is None or self._read_ids != last.prompt_ids + last.result.token_ids:
+            return False
+        state = self.pipeline.engine.held_state()
+        held = [] if state is None else state.prompt_ids.tolist()
+        if len(held) < len(last.prompt_ids) or held != self._read_ids[: len(held)]:
+            return False
+        turn = {"prompt_tokens": len(last.prompt_ids), "question": last.question, "answer_ids": last.result.token_ids}
+        try:
+            self._state_file(path).write_file(path, state, {"turn": json.dumps(turn)})
+        except SafetensorError as error:
+            raise OSError(str(error)) from None
+        return True
+
+    def load_state(self, path: Path) -> str | None:
+        """Put the state save_state wrote to path back in the engine, for the conversation load took up from its
+        transcript: the last turn then has the token ids it was generated with, and the next question prefills only
+        what follows what the state holds.
+
+        Returns:
+            None where it was restored; else why not (another model or setting, a state of another conversation, a
+            file that cannot be read), the conversation then read again from its text by the next question.
+        """
+        try:
+            state, metadata = self._state_file(path).read_file(path)
+            turn = json.loads(metadata.get("turn", ""))
+            prompt_tokens, question, answer_ids = turn["prompt_tokens"], turn["question"], turn["answer_ids"]
+        except StaleEntry as reason:
+            return f"{path} {reason}"
+        except (ValueError, KeyError, TypeError):
+            return f"{path} does not hold a conversation's state"
+        held, last = state.prompt_ids.tolist(), self.turns[-1] if self.turns else None
+        text = self.pipeline.target.tokenizer.decode(answer_ids, skip_special_tokens=True)
+        document = self.conversation.document_prefix_ids
+        if last is None or (question, text) != (last.question, last.result.text) or held[: len(document)] != document:
+            return f"{path} holds the state of another conversation"
+        if not prompt_tokens <= len(held) <= prompt_tokens + len(answer_ids):
+            return f"{path} does not hold a conversation's state"
+        try:
+            self.pipeline.engine.restore(state)
+        except (TriforceError, ValueError) as error:
+            return f"{path} cannot be restored: {error}"
+        result = replace(last.result, token_ids=list(answer_ids))
+        self.turns[-1] = replace(last, prompt_ids=held[:prompt_tokens], result=result, carried_tokens=0)
+        self._read_ids = held
+        return None
+
     def reset(self) -> None:
         """Back to the document alone: the next question is the first turn again. Nothing is prefilled: the
         document's ids begin the next prompt as they began every prompt before."""
         self.turns.clear()
+
+
+def state_path(transcript: Path) -> Path:
+    """Where /save writes a conversation's state beside its transcript: FILE.kv.safetensors."""
+    return transcript.with_name(f"{transcript.name}.kv.safetensors")
 
 
 def transcript_text(transcript: list[tuple[str, str]]) -> str:

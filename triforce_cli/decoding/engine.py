@@ -714,6 +714,31 @@ class Engine:
         answer_ids = torch.tensor(held.ids[len(prompt_ids) : held.length], dtype=torch.long)
         return replace(prompt_state, answer_ids=answer_ids, keys=keys.clone(), values=values.clone())
 
+    def held_state(self, max_bytes: int | None = None) -> PromptState | None:
+        """What the full cache holds that a later prompt may keep (prefix reuse), copied to host memory for
+        restore() to put back: every held position under the numeric contract (exact_positions), else only those a
+        prefill computed (_Held.reusable's rules). The state is a prefix's, for restore() alone: its last queries and
+        logits are left empty, so it never serves its ids whole (generate's prompt_state). None where the cache holds
+        nothing, only a window, or (max_bytes given) keys and values of more than max_bytes, which are not copied."""
+        held, full = self._caches.holds, self._caches.full
+        if held is None or full is None or full.offset:
+            return None
+        full.settle()
+        _, keys, values = full.held()
+        length = min(held.length if held.exact and self.exact_positions else held.prefilled, keys.shape[2])
+        held_bytes = 2 * keys[:, :, :length].numel() * keys.element_size()  # keys and values
+        if length == 0 or (max_bytes is not None and held_bytes > max_bytes):
+            return None
+        cpu = torch.device("cpu")
+        return PromptState(
+            torch.tensor(held.ids[:length], dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            keys[:, :, :length].to(cpu, copy=True),  # (layers, Hkv, length, D)
+            values[:, :, :length].to(cpu, copy=True),
+            torch.zeros(0),
+            torch.zeros(0),
+        )
+
     def _check_restorable(self, prompt_state: PromptState) -> None:
         """A ConfigError where prompt_state holds only the prompt's last positions (its full cache kept a sliding
         window) and this engine's full cache keeps every position (offloaded): it lacks the positions before."""

@@ -241,17 +241,7 @@ class PromptCache:
     def _read(self, path: Path, key: str | None, prompt_ids: list[int], run_tokens: int | None = None) -> PromptState:
         """The state saved in path, checked against key (None: the key of the ids it holds for a run after
         run_tokens, see key) and its checksum; it must hold prompt_ids or (key None) start with them."""
-        try:
-            # read and checked in host memory: restore copies the keys and values to wherever the run's cache lives
-            # (the GPU, or host memory when it is offloaded), so nothing crosses to the device only to come back
-            with safe_open(path, framework="pt", device="cpu") as handle:
-                metadata = handle.metadata() or {}
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-        except (OSError, SafetensorError, ValueError, RuntimeError) as err:
-            raise StaleEntry(f"cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
-        if set(tensors) != set(TENSOR_NAMES):
-            raise StaleEntry("lacks some of its tensors")
-        state = PromptState(**tensors)
+        state, metadata = _read_file(path)
         saved_ids = state.prompt_ids.tolist()
         if metadata.get("key") != (self.key(saved_ids, run_tokens) if key is None else key):
             raise StaleEntry("was saved for another model, setting or prompt")
@@ -284,9 +274,41 @@ class PromptCache:
         evict(self.folder, keep=path)
         return True
 
+    def write_file(self, path: Path, state: PromptState, extra: dict[str, str]) -> None:
+        """Write state to path, outside the folder's entries, keyed as save keys an entry (key: the ids it holds)
+        and with extra metadata beside the key and checksum; an OSError or SafetensorError where it cannot."""
+        metadata = {**extra, "key": self.key(state.prompt_ids.tolist()), "checksum": state.checksum()}
+        tensors = {name: t.contiguous() for name, t in state.tensors.items()}
+        write_atomically(path, lambda partial: save_file(tensors, partial, metadata=metadata))
+
+    def read_file(self, path: Path) -> tuple[PromptState, dict[str, str]]:
+        """The state write_file wrote to path and its metadata, checked against the key of the ids it holds under
+        this cache's settings and against its checksum; a StaleEntry saying why it cannot serve this run."""
+        state, metadata = _read_file(path)
+        if metadata.get("key") != self.key(state.prompt_ids.tolist()):
+            raise StaleEntry("was saved for another model or setting")
+        if metadata.get("checksum") != state.checksum():
+            raise StaleEntry("was changed after it was saved (its checksum does not match)")
+        return state, metadata
+
     def _note(self, message: str) -> None:
         if self.status is not None:
             self.status(message)
+
+
+def _read_file(path: Path) -> tuple[PromptState, dict[str, str]]:
+    """The state saved in path and its metadata, unchecked; a StaleEntry where it cannot be read or lacks a tensor."""
+    try:
+        # read and checked in host memory: restore copies the keys and values to wherever the run's cache lives
+        # (the GPU, or host memory when it is offloaded), so nothing crosses to the device only to come back
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError, ValueError, RuntimeError) as err:
+        raise StaleEntry(f"cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    if set(tensors) != set(TENSOR_NAMES):
+        raise StaleEntry("lacks some of its tensors")
+    return PromptState(**tensors), metadata
 
 
 def _id_bytes(ids: list[int]) -> bytes:

@@ -37,6 +37,7 @@ from triforce_cli.errors import TriforceError
 from triforce_cli.runtime.prompts import encode_messages, encode_prompt
 from triforce_cli.serve import schemas as s
 from triforce_cli.serve.metrics import CONTENT_TYPE, Metrics
+from triforce_cli.serve.prefix_states import DEFAULT_BUDGET
 from triforce_cli.serve.worker import Finished, GenerationRequest, Job, QueueFull, Worker
 
 log = logging.getLogger("triforce.serve")
@@ -122,6 +123,7 @@ def create_app(
     api_key: str | None = None,
     queue_size: int = 16,
     prompt_cache: Path | None = None,
+    prefix_memory: int = DEFAULT_BUDGET,
     max_tokens_limit: int | None = None,
     request_timeout: float | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -138,6 +140,8 @@ def create_app(
         api_key: where given, every route but /health needs `Authorization: Bearer <api_key>`.
         queue_size: requests that may wait beside the one being generated; one more is answered 503.
         prompt_cache: a folder of saved prefills reused across restarts (Pipeline.generate_ids), or None.
+        prefix_memory: bytes of host memory for the prefix states kept between requests, each request reusing the
+            longest it shares (serve/prefix_states.py); 0: only the last generation's, which the full cache holds.
         max_tokens_limit: the most new tokens one request may ask for (a 400 beyond), or None: what the context holds.
         request_timeout: seconds a request may wait and generate before it ends with a 504, or None: no limit.
         max_body_bytes: the largest request body taken; a larger one is a 413.
@@ -151,7 +155,13 @@ def create_app(
     defaults = pipeline.config
     name = model_name or pipeline.target.name
     metrics = Metrics()
-    worker = Worker(pipeline=pipeline, queue_size=queue_size, metrics=metrics, prompt_cache=prompt_cache)
+    worker = Worker(
+        pipeline=pipeline,
+        queue_size=queue_size,
+        metrics=metrics,
+        prompt_cache=prompt_cache,
+        prefix_memory=prefix_memory,
+    )
     tokenizer_lock = threading.Lock()  # a fast tokenizer is not to be used by two threads at once
     started = int(time.time())
     ignored_logged: set[str] = set()  # the ignored field names logged once already

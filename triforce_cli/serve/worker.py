@@ -23,6 +23,7 @@ from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import GenerationStats
 from triforce_cli.errors import ConfigError, TriforceError
 from triforce_cli.serve.metrics import Metrics
+from triforce_cli.serve.prefix_states import DEFAULT_BUDGET, PrefixStates
 from triforce_cli.serve.schemas import ApiError
 
 log = logging.getLogger("triforce.serve")
@@ -148,14 +149,25 @@ class TextSoFar:
 class Worker:
     """The thread that runs every generation, one at a time, in the order the jobs arrived."""
 
-    def __init__(self, *, pipeline: Pipeline, queue_size: int, metrics: Metrics, prompt_cache: Path | None = None):
+    def __init__(
+        self,
+        *,
+        pipeline: Pipeline,
+        queue_size: int,
+        metrics: Metrics,
+        prompt_cache: Path | None = None,
+        prefix_memory: int = DEFAULT_BUDGET,
+    ):
         """Args:
         pipeline: the loaded models; only this worker uses them once it has started.
         queue_size: jobs that may wait beside the one running; submit refuses more (QueueFull).
         metrics: where each generation's counts go.
         prompt_cache: a folder of saved prefills (Pipeline.generate_ids), or None.
+        prefix_memory: bytes of host memory for the prefix states kept between requests (PrefixStates); 0: only
+            the one the full cache holds.
         """
         self.pipeline, self.queue_size, self.metrics, self.prompt_cache = pipeline, queue_size, metrics, prompt_cache
+        self.prefix_states = PrefixStates(prefix_memory)
         self.mode = pipeline.config.mode  # the server's; a short prompt may run without the retrieval tier (mode_for)
         self._waiting: deque[Job] = deque()
         self._changed = threading.Condition()
@@ -292,13 +304,17 @@ class Worker:
             }
             if any(getattr(pipeline.config, name) != value for name, value in settings.items()):
                 pipeline.reconfigure(**settings)
-            result = pipeline.generate_ids(
-                request.prompt_ids,
-                on_prefill=on_prefill,
-                on_tokens=on_tokens,
-                prompt_cache=self.prompt_cache,
-                should_stop=lambda: job.should_stop() or text.stopped,
-            )
+            self.prefix_states.prepare(pipeline.engine, request.prompt_ids)
+            try:
+                result = pipeline.generate_ids(
+                    request.prompt_ids,
+                    on_prefill=on_prefill,
+                    on_tokens=on_tokens,
+                    prompt_cache=self.prompt_cache,
+                    should_stop=lambda: job.should_stop() or text.stopped,
+                )
+            finally:
+                self.prefix_states.keep(pipeline.engine)
         except Stopped:
             if job.timed_out:
                 job.emit("error", timed_out_error(job.timeout))
