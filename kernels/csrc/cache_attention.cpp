@@ -146,19 +146,19 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen16(from + i));
   }
-  // The scores of a query row q (D) against 16 keys (16, D): lane j = key j's score. Key j's lanes l = 0..15 take
+  // The scores of a query row q (D) against 16 keys (rows `stride` apart, float32 or float16): lane j = key j's score. Key j's lanes l = 0..15 take
   // p_l = the FMA chain over c = 0 .. D/16-1 of q[16 c + l] k_j[16 c + l], then the fixed tree
   // ((p_l + p_l+8) + (p_l+4 + p_l+12)) for l < 4, (that_0 + that_2) + (that_1 + that_3). Keys go into the
   // accumulators in the order that the butterfly's levels (each one the tree's next level for every key at once)
   // leave in lanes 0..15: accumulator 4 a + b holds key 4 b + a.
-  template <int kDim>
-  static V score(const float* q, const float* keys, int64_t dim) {
+  template <int kDim, typename T>
+  static V score(const float* q, const T* keys, int64_t stride, int64_t dim) {
     const int64_t d_end = kDim ? kDim : dim;
     V p[16];
     for (int i = 0; i < 16; ++i) p[i] = zero();
     for (int64_t c = 0; c < d_end; c += 16) {
       const V query = load(q + c);
-      for (int i = 0; i < 16; ++i) p[i] = fma(query, load(keys + ((i % 4) * 4 + i / 4) * d_end + c), p[i]);
+      for (int i = 0; i < 16; ++i) p[i] = fma(query, load(keys + ((i % 4) * 4 + i / 4) * stride + c), p[i]);
     }
     V t[8];  // t[i]: halves p_l + p_l+8 of accumulators 2 i, 2 i + 1
     for (int i = 0; i < 8; ++i)
@@ -225,18 +225,18 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen8(from + i));
   }
-  // The scores of a query row q (D) against 8 keys (8, D): lane j = key j's score. Key j's lanes l = 0..7 take
+  // The scores of a query row q (D) against 8 keys (rows `stride` apart, float32 or float16): lane j = key j's score. Key j's lanes l = 0..7 take
   // p_l = the FMA chain over c = 0 .. D/8-1 of q[8 c + l] k_j[8 c + l], then the fixed tree
   // ((p_0 + p_4) + (p_2 + p_6)) + ((p_1 + p_5) + (p_3 + p_7)). Accumulator 2 i + h holds key 4 h + i, the order
   // the butterfly's levels leave in lanes 0..7.
-  template <int kDim>
-  static V score(const float* q, const float* keys, int64_t dim) {
+  template <int kDim, typename T>
+  static V score(const float* q, const T* keys, int64_t stride, int64_t dim) {
     const int64_t d_end = kDim ? kDim : dim;
     V p[8];
     for (int i = 0; i < 8; ++i) p[i] = zero();
     for (int64_t c = 0; c < d_end; c += 8) {
       const V query = load(q + c);
-      for (int i = 0; i < 8; ++i) p[i] = fma(query, load(keys + ((i % 2) * 4 + i / 2) * d_end + c), p[i]);
+      for (int i = 0; i < 8; ++i) p[i] = fma(query, load(keys + ((i % 2) * 4 + i / 2) * stride + c), p[i]);
     }
     V t[4];  // t[i]: halves p_l + p_l+4 of accumulators 2 i, 2 i + 1
     for (int i = 0; i < 4; ++i)
@@ -283,11 +283,11 @@ struct Ops {
     for (int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from[i]);  // exact
   }
   // The score of a query row q (D) against one key (D): the FMA chain over d = 0 .. D-1.
-  template <int kDim>
-  static V score(const float* q, const float* key, int64_t dim) {
+  template <int kDim, typename T>
+  static V score(const float* q, const T* key, int64_t, int64_t dim) {
     const int64_t d_end = kDim ? kDim : dim;
     float acc = 0.f;
-    for (int64_t d = 0; d < d_end; ++d) acc = std::fma(q[d], key[d], acc);
+    for (int64_t d = 0; d < d_end; ++d) acc = std::fma(q[d], load(key + d), acc);
     return acc;
   }
 };

@@ -17,12 +17,14 @@ struct RowState {
 };
 
 // keys (kBlock, D) = the block's keys [ja, jb) (rows row_stride apart) widened, row by row, for every W-key vector
-// that holds one of them; the vector's other keys are 0 (their scores are hidden).
+// that holds one of them (only the vectors [ja, jb) does not fill, with `edges_only`); the vector's other keys are 0
+// (their scores are hidden). Every key of [ja, jb) is prefetched `ahead` rows on.
 inline void widen_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim, float* keys,
-                       int64_t ahead) {
+                       int64_t ahead, bool edges_only) {
   constexpr int64_t W = Ops::kLanes;
   for (int64_t j = ja / W * W; j < (jb + W - 1) / W * W; ++j) {
     prefetch_row(block + (ahead + j) * row_stride, dim);
+    if (edges_only && j / W * W >= ja && j / W * W + W <= jb) continue;
     if (j >= ja && j < jb)
       Ops::widen(block + j * row_stride, keys + j * dim, dim);
     else
@@ -30,16 +32,20 @@ inline void widen_keys(const at::Half* block, int64_t row_stride, int64_t ja, in
   }
 }
 
-// scores (rows, kBlock) = q (rows, D) . keys^T, keys widened (kBlock, D), for the key vectors [k0, k1) of the block:
-// every score is Ops::score's fixed order, a row's alone, whatever the tile.
+// scores (rows, kBlock) = q (rows, D) . keys^T for the key vectors [k0, k1) of the block: from the widened keys
+// (kBlock, D), or, with `block` (not null), the vectors that [ja, jb) fills from the block's float16 rows
+// (row_stride apart) directly. Every score is Ops::score's fixed order, a row's alone, whatever the tile.
 template <int kDim>
-inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys, int64_t k0, int64_t k1,
-                       float* scores) {
+inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys, const at::Half* block,
+                       int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1, float* scores) {
+  constexpr int64_t W = Ops::kLanes;
   const int64_t d_end = kDim ? kDim : dim;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = k0; k < k1; ++k)
-      Ops::store(scores + r * kBlock + k * Ops::kLanes,
-                 Ops::template score<kDim>(q + r * d_end, keys + k * Ops::kLanes * d_end, dim));
+      Ops::store(scores + r * kBlock + k * W,
+                 block && k * W >= ja && k * W + W <= jb
+                     ? Ops::template score<kDim>(q + r * d_end, block + k * W * row_stride, row_stride, dim)
+                     : Ops::template score<kDim>(q + r * d_end, keys + k * W * d_end, d_end, dim));
 }
 
 // state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D), rows `stride` apart,
@@ -133,9 +139,11 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
       // the block kAhead blocks on is asked for while this one is read, a few lines at a time: a decode step
       // streams the cache, and a block is too short for the hardware's prefetchers to run ahead
       const int64_t ahead = std::min(block_start + kAhead * kBlock, p.keys - 1) - block_start;
-      widen_keys(k_head + block_start * p.k_row, p.k_row, ja, jb, dim, keys, ahead);
-      // a group of one value tile reads the float16 values directly; larger ones widen them once for every tile
+      // a group of one value tile reads the float16 keys and values directly (but for the keys of vectors the
+      // rows read in part); larger ones widen them once for every tile
       const bool widened = rows > Ops::kValueRows;
+      const at::Half* k_block = k_head + block_start * p.k_row;
+      widen_keys(k_block, p.k_row, ja, jb, dim, keys, ahead, !widened);
       if (widened)
         for (int64_t j = ja; j < jb; ++j) {
           prefetch_row(v_head + (block_start + ahead + j) * p.v_row, dim);
@@ -157,7 +165,8 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
         if (tile_lo > tile_hi) continue;  // no row of the tile reads a key of the block: nothing changes
         const int64_t k0 = tile_lo / W, k1 = tile_hi / W + 1;  // the key vectors the tile reads
         float* tile_weights = weights + t0 * kBlock;
-        score_rows<kDim>(tile, q + t0 * dim, dim, keys, k0, k1, tile_weights);
+        score_rows<kDim>(tile, q + t0 * dim, dim, keys, widened ? nullptr : k_block, p.k_row, ja, jb, k0, k1,
+                         tile_weights);
         for (int64_t r = 0; r < tile; ++r) {
           const int64_t row = t0 + r;
           float* s = tile_weights + r * kBlock;
