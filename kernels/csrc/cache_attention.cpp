@@ -146,19 +146,26 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen16(from + i));
   }
-  // The scores of a query row q (D) against 16 keys (rows `stride` apart, float32 or float16): lane j = key j's score. Key j's lanes l = 0..15 take
-  // p_l = the FMA chain over c = 0 .. D/16-1 of q[16 c + l] k_j[16 c + l], then the fixed tree
-  // ((p_l + p_l+8) + (p_l+4 + p_l+12)) for l < 4, (that_0 + that_2) + (that_1 + that_3). Keys go into the
-  // accumulators in the order that the butterfly's levels (each one the tree's next level for every key at once)
-  // leave in lanes 0..15: accumulator 4 a + b holds key 4 b + a.
-  template <int kDim, typename T>
-  static V score(const float* q, const T* keys, int64_t stride, int64_t dim) {
+  // The scores of R <= 4 query rows q (R, D) against 4 keys (rows `stride` apart, float32 or float16) into scores
+  // (R, 4), rows kBlock apart. The pair of row r and key j has lanes l = 0..15 that take p_l = the FMA chain over
+  // c = 0 .. D/16-1 of q_r[16 c + l] k_j[16 c + l], then the fixed tree ((p_l + p_l+8) + (p_l+4 + p_l+12)) for
+  // l < 4, (that_0 + that_2) + (that_1 + that_3). The 16 pairs' accumulators go through a butterfly whose levels
+  // are the tree's levels for all of them at once, and leave the pair in accumulator 4 j + r in lane 4 r + j: the
+  // same bits for a pair whichever rows and keys go with it (the rows past R are zeros that are not stored).
+  static constexpr int kScoreRows = 4;
+  static constexpr int kScoreKeys = 4;
+  template <int kDim, int R, typename T>
+  static void score(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
     V p[16];
     for (int i = 0; i < 16; ++i) p[i] = zero();
     for (int64_t c = 0; c < d_end; c += 16) {
-      const V query = load(q + c);
-      for (int i = 0; i < 16; ++i) p[i] = fma(query, load(keys + ((i % 4) * 4 + i / 4) * stride + c), p[i]);
+      V key[4];
+      for (int j = 0; j < 4; ++j) key[j] = load(keys + j * stride + c);
+      for (int r = 0; r < R; ++r) {
+        const V query = load(q + r * d_end + c);
+        for (int j = 0; j < 4; ++j) p[4 * j + r] = fma(query, key[j], p[4 * j + r]);
+      }
     }
     V t[8];  // t[i]: halves p_l + p_l+8 of accumulators 2 i, 2 i + 1
     for (int i = 0; i < 8; ++i)
@@ -169,7 +176,12 @@ struct Ops {
     V w[2];  // w[i], quarter k: lanes 0, 1 of accumulator 8 i + k, lanes 2, 3 of accumulator 8 i + 4 + k
     for (int i = 0; i < 2; ++i)
       w[i] = add(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
-    return add(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    const V all = add(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    // lanes 4 r .. 4 r + 3 to scores + r kBlock (no masked stores: slow on some CPUs)
+    _mm_storeu_ps(scores, _mm512_castps512_ps128(all));
+    if constexpr (R > 1) _mm_storeu_ps(scores + kBlock, _mm512_extractf32x4_ps(all, 1));
+    if constexpr (R > 2) _mm_storeu_ps(scores + 2 * kBlock, _mm512_extractf32x4_ps(all, 2));
+    if constexpr (R > 3) _mm_storeu_ps(scores + 3 * kBlock, _mm512_extractf32x4_ps(all, 3));
   }
 };
 
@@ -225,12 +237,14 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen8(from + i));
   }
-  // The scores of a query row q (D) against 8 keys (rows `stride` apart, float32 or float16): lane j = key j's score. Key j's lanes l = 0..7 take
+  // The scores of R = 1 query row q (D) against 8 keys (rows `stride` apart, float32 or float16) into scores (8). Key j's lanes l = 0..7 take
   // p_l = the FMA chain over c = 0 .. D/8-1 of q[8 c + l] k_j[8 c + l], then the fixed tree
   // ((p_0 + p_4) + (p_2 + p_6)) + ((p_1 + p_5) + (p_3 + p_7)). Accumulator 2 i + h holds key 4 h + i, the order
   // the butterfly's levels leave in lanes 0..7.
-  template <int kDim, typename T>
-  static V score(const float* q, const T* keys, int64_t stride, int64_t dim) {
+  static constexpr int kScoreRows = 1;
+  static constexpr int kScoreKeys = 8;
+  template <int kDim, int R, typename T>
+  static void score(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
     V p[8];
     for (int i = 0; i < 8; ++i) p[i] = zero();
@@ -244,7 +258,7 @@ struct Ops {
     V u[2];  // u[i], half h: lanes 0, 1 of accumulator 4 i + h, lanes 2, 3 of accumulator 4 i + 2 + h
     for (int i = 0; i < 2; ++i)
       u[i] = add(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-    return add(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    store(scores, add(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD)));
   }
 };
 
@@ -282,13 +296,15 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from[i]);  // exact
   }
-  // The score of a query row q (D) against one key (D): the FMA chain over d = 0 .. D-1.
-  template <int kDim, typename T>
-  static V score(const float* q, const T* key, int64_t, int64_t dim) {
+  // The score of R = 1 query row q (D) against one key (D) into scores (1): the FMA chain over d = 0 .. D-1.
+  static constexpr int kScoreRows = 1;
+  static constexpr int kScoreKeys = 1;
+  template <int kDim, int R, typename T>
+  static void score(const float* q, const T* key, int64_t, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
     float acc = 0.f;
     for (int64_t d = 0; d < d_end; ++d) acc = std::fma(q[d], load(key + d), acc);
-    return acc;
+    *scores = acc;
   }
 };
 

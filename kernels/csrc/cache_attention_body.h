@@ -4,8 +4,8 @@
 //
 // Ops gives: kLanes (W), the vector type V, zero, set1, load, store, fma (a b + c, one rounding), add, max, exp,
 // first (lane 0), reduce_add (a fixed order) and reduce_max, hide (-inf outside a range of lanes), widen (n float16
-// to float32, n a multiple of W), score (one query row against W widened keys, key j's score in lane j, in an order
-// of its own fixed for the set), kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D
+// to float32, n a multiple of W), score (kScoreRows query rows against kScoreKeys keys, float32 or float16, each
+// score in an order of the set's own that the other rows and keys do not change), kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D
 // a pass of it takes).
 
 // The softmax state of one query row within a unit's segment: its running maximum, the lanes of its running sum of
@@ -22,30 +22,40 @@ struct RowState {
 inline void widen_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim, float* keys,
                        int64_t ahead, bool edges_only) {
   constexpr int64_t W = Ops::kLanes;
-  for (int64_t j = ja / W * W; j < (jb + W - 1) / W * W; ++j) {
-    prefetch_row(block + (ahead + j) * row_stride, dim);
-    if (edges_only && j / W * W >= ja && j / W * W + W <= jb) continue;
-    if (j >= ja && j < jb)
-      Ops::widen(block + j * row_stride, keys + j * dim, dim);
-    else
-      std::fill(keys + j * dim, keys + (j + 1) * dim, 0.f);
+  for (int64_t j = ja; j < jb; ++j) prefetch_row(block + (ahead + j) * row_stride, dim);
+  for (int64_t vector = ja / W * W; vector < jb; vector += W) {
+    if (edges_only && vector >= ja && vector + W <= jb) continue;
+    for (int64_t j = vector; j < vector + W; ++j)
+      if (j >= ja && j < jb)
+        Ops::widen(block + j * row_stride, keys + j * dim, dim);
+      else
+        std::fill(keys + j * dim, keys + (j + 1) * dim, 0.f);
   }
 }
 
 // scores (rows, kBlock) = q (rows, D) . keys^T for the key vectors [k0, k1) of the block: from the widened keys
 // (kBlock, D), or, with `block` (not null), the vectors that [ja, jb) fills from the block's float16 rows
-// (row_stride apart) directly. Every score is Ops::score's fixed order, a row's alone, whatever the tile.
-template <int kDim>
+// (row_stride apart) directly; Ops::score's tiles of kScoreRows rows and kScoreKeys keys. Every score is
+// Ops::score's fixed order, a row's alone, whatever the tile.
+template <int kDim, int R = Ops::kScoreRows>
 inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys, const at::Half* block,
                        int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1, float* scores) {
-  constexpr int64_t W = Ops::kLanes;
+  constexpr int64_t W = Ops::kLanes, kKeys = Ops::kScoreKeys;
   const int64_t d_end = kDim ? kDim : dim;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = k0; k < k1; ++k)
-      Ops::store(scores + r * kBlock + k * W,
-                 block && k * W >= ja && k * W + W <= jb
-                     ? Ops::template score<kDim>(q + r * d_end, block + k * W * row_stride, row_stride, dim)
-                     : Ops::template score<kDim>(q + r * d_end, keys + k * W * d_end, d_end, dim));
+  int64_t r = 0;
+  for (; r + R <= rows; r += R)
+    for (int64_t j = k0 * W; j < k1 * W; j += kKeys) {
+      const int64_t vector = j / W * W;
+      if (block && vector >= ja && vector + W <= jb)
+        Ops::template score<kDim, R>(q + r * d_end, block + j * row_stride, row_stride, dim, scores + r * kBlock + j);
+      else
+        Ops::template score<kDim, R>(q + r * d_end, keys + j * d_end, d_end, dim, scores + r * kBlock + j);
+    }
+  if constexpr (R > 1) {
+    if (r < rows)
+      score_rows<kDim, R - 1>(rows - r, q + r * d_end, dim, keys, block, row_stride, ja, jb, k0, k1,
+                              scores + r * kBlock);
+  }
 }
 
 // state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D), rows `stride` apart,
