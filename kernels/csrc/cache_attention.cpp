@@ -24,10 +24,10 @@
 // Threads split the work only by (KV head, group of rows, segment): no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
-// position (t G + g), in groups of kGroupRows. A unit of work widens each block's keys (row by row, no transpose)
-// once for the whole group, and its values too when the group has more than one value tile; tiles of rows then
-// read them from L1: their scores (a row against W keys at a time, W accumulators), the softmax step, and the
-// values' product (rows x D columns in registers). Segments give a
+// position (t G + g), in groups of kGroupRows. A unit of work with more than kDirectTiles value tiles of rows widens
+// each block's keys and values once for the group (row by row, no transpose); a smaller one (a decode or
+// verification step) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: 4 rows against 4
+// keys per butterfly), the softmax step, and the values' product (rows x D columns in registers). Segments give a
 // 1-row decode its parallelism (flash-decoding). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their
 // width, 64 and 128 compiled for their size, and plain C++ for everything else, picked by isa.h.
 
@@ -55,6 +55,7 @@ constexpr int64_t kBlock = 64;        // keys per online-softmax step, aligned t
 constexpr int64_t kSegment = 2048;    // keys per segment merged at the end, aligned to absolute positions
 constexpr int64_t kGroupRows = 96;    // query rows per unit of work, which share each block's widened K and V
 constexpr int64_t kTileRows = 24;     // rows whose scores and weights are taken together before their values
+constexpr int64_t kDirectTiles = 4;    // value tiles of rows that read the float16 cache directly, not widened
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
