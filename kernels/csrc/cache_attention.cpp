@@ -55,7 +55,7 @@ constexpr int64_t kBlock = 64;        // keys per online-softmax step, aligned t
 constexpr int64_t kSegment = 2048;    // keys per segment merged at the end, aligned to absolute positions
 constexpr int64_t kGroupRows = 96;    // query rows per unit of work, which share each block's widened K and V
 constexpr int64_t kTileRows = 24;     // rows whose scores and weights are taken together before their values
-constexpr int64_t kDirectTiles = 4;    // value tiles of rows that read the float16 cache directly, not widened
+constexpr int64_t kDirectTiles = 1;    // value tiles of rows that read the float16 cache directly, not widened
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 

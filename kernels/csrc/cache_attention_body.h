@@ -149,7 +149,7 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
       // the block kAhead blocks on is asked for while this one is read, a few lines at a time: a decode step
       // streams the cache, and a block is too short for the hardware's prefetchers to run ahead
       const int64_t ahead = std::min(block_start + kAhead * kBlock, p.keys - 1) - block_start;
-      // a group of up to kDirectTiles value tiles (a decode or verification step) reads the float16 keys and
+      // a group of up to kDirectTiles value tiles (a decode step) reads the float16 keys and
       // values directly (but for the keys of vectors the rows read in part); larger ones widen them once for all
       const bool widened = rows > kDirectTiles * Ops::kValueRows;
       const at::Half* k_block = k_head + block_start * p.k_row;
