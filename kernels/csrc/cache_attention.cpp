@@ -13,8 +13,9 @@
 //   (origin + j), never to the view's start or to the batch;
 // - a score is one row's dot product with one key in an order fixed per body: with W lanes, lane l holds the FMA
 //   chain over c = 0 .. D/W-1 of q[W c + l] k[W c + l] (the key read in its own row-major layout), then the lanes
-//   are summed by a fixed tree; W keys go together through a butterfly that runs that tree for each of them and
-//   leaves their scores across the lanes for the softmax, so a key scored with others or alone gives the same bits;
+//   are summed by a fixed tree; W (row, key) pairs go together through a butterfly that runs that tree for each of
+//   them and leaves their scores across the lanes, so a pair scored with any others gives the same bits (no
+//   transpose of the keys: they are read as they lie);
 // - within a segment, an online softmax runs over its blocks in increasing position: per block the row's maximum
 //   (exact, in any order), its weights exp(s - m) (vector_exp.h), their sum added lane-wise to a running vector of
 //   sums, and the output's block sum, the FMA chain over the block's keys in order, added to the rescaled output
