@@ -11,8 +11,11 @@
 // The order of arithmetic of one output element depends only on its query's position and the keys it reads:
 // - keys are cut into blocks of kBlock and segments of kSegment keys, both aligned to absolute positions
 //   (origin + j), never to the view's start or to the batch;
-// - a score is the FMA chain over d = 0 .. D-1 of the scaled query and the key, keys across vector lanes (no
-//   horizontal sums);
+// - a score is one row's dot product with one key in an order fixed per body: with W lanes, lane l holds the FMA
+//   chain over c = 0 .. D/W-1 of q[W c + l] k[W c + l] (the key read in its own row-major layout), then the lanes
+//   are summed by a fixed tree; W (row, key) pairs go together through a butterfly that runs that tree for each of
+//   them and leaves their scores across the lanes, so a pair scored with any others gives the same bits (no
+//   transpose of the keys: they are read as they lie);
 // - within a segment, an online softmax runs over its blocks in increasing position: per block the row's maximum
 //   (exact, in any order), its weights exp(s - m) (vector_exp.h), their sum added lane-wise to a running vector of
 //   sums, and the output's block sum, the FMA chain over the block's keys in order, added to the rescaled output
@@ -22,10 +25,11 @@
 // Threads split the work only by (KV head, group of rows, segment): no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
-// position (t G + g), in groups of kGroupRows. A unit of work widens and transposes each block's keys and widens
-// its values once for the whole group; tiles of a few rows then read them from L1: their scores (rows x 64 keys in
-// registers), the softmax step, and the values' product (rows x D columns in registers). Segments give a 1-row
-// decode its parallelism (flash-decoding). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their
+// position (t G + g), in groups of kGroupRows. A unit of work with more than kDirectTiles value tiles of rows widens
+// each block's keys and values once for the group (row by row, no transpose); a smaller one (a decode or
+// verification step) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: 4 rows against 4
+// keys per butterfly), the softmax step, and the values' product (rows x D columns in registers). Segments give a
+// 1-row decode its parallelism (flash-decoding). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their
 // width, 64 and 128 compiled for their size, and plain C++ for everything else, picked by isa.h.
 
 #include <ATen/ATen.h>
@@ -52,6 +56,7 @@ constexpr int64_t kBlock = 64;        // keys per online-softmax step, aligned t
 constexpr int64_t kSegment = 2048;    // keys per segment merged at the end, aligned to absolute positions
 constexpr int64_t kGroupRows = 96;    // query rows per unit of work, which share each block's widened K and V
 constexpr int64_t kTileRows = 24;     // rows whose scores and weights are taken together before their values
+constexpr int64_t kDirectTiles = 1;    // value tiles of rows that read the float16 cache directly, not widened
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
@@ -112,8 +117,6 @@ namespace {
 
 struct Ops {
   static constexpr int64_t kLanes = 16;
-  static constexpr int kScoreRows = 6;     // x 4 key vectors: 24 accumulators
-  static constexpr int kScoreKeys = 4;
   static constexpr int kValueRows = 6;     // x 4 column vectors: 24 accumulators
   static constexpr int kValueColumns = 4;
   using V = __m512;
@@ -145,57 +148,44 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen16(from + i));
   }
+  // The scores of R <= 4 query rows q (R, D) against 4 keys (rows `stride` apart, float32 or float16) into scores
+  // (R, 4), rows kBlock apart. The pair of row r and key j has lanes l = 0..15 that take p_l = the FMA chain over
+  // c = 0 .. D/16-1 of q_r[16 c + l] k_j[16 c + l], then the fixed tree ((p_l + p_l+8) + (p_l+4 + p_l+12)) for
+  // l < 4, (that_0 + that_2) + (that_1 + that_3). The 16 pairs' accumulators go through a butterfly whose levels
+  // are the tree's levels for all of them at once, and leave the pair in accumulator 4 j + r in lane 4 r + j: the
+  // same bits for a pair whichever rows and keys go with it (the rows past R are zeros that are not stored).
+  static constexpr int kScoreRows = 4;
+  static constexpr int kScoreKeys = 4;
+  template <int kDim, int R, typename T>
+  static void score(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
+    const int64_t d_end = kDim ? kDim : dim;
+    V p[16];
+    for (int i = 0; i < 16; ++i) p[i] = zero();
+    for (int64_t c = 0; c < d_end; c += 16) {
+      V key[4];
+      for (int j = 0; j < 4; ++j) key[j] = load(keys + j * stride + c);
+      for (int r = 0; r < R; ++r) {
+        const V query = load(q + r * d_end + c);
+        for (int j = 0; j < 4; ++j) p[4 * j + r] = fma(query, key[j], p[4 * j + r]);
+      }
+    }
+    V t[8];  // t[i]: halves p_l + p_l+8 of accumulators 2 i, 2 i + 1
+    for (int i = 0; i < 8; ++i)
+      t[i] = add(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44), _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+    V u[4];  // u[i]: quarters p_l + p_l+4 of accumulators 4 i .. 4 i + 3
+    for (int i = 0; i < 4; ++i)
+      u[i] = add(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    V w[2];  // w[i], quarter k: lanes 0, 1 of accumulator 8 i + k, lanes 2, 3 of accumulator 8 i + 4 + k
+    for (int i = 0; i < 2; ++i)
+      w[i] = add(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    const V all = add(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    // lanes 4 r .. 4 r + 3 to scores + r kBlock (no masked stores: slow on some CPUs)
+    _mm_storeu_ps(scores, _mm512_castps512_ps128(all));
+    if constexpr (R > 1) _mm_storeu_ps(scores + kBlock, _mm512_extractf32x4_ps(all, 1));
+    if constexpr (R > 2) _mm_storeu_ps(scores + 2 * kBlock, _mm512_extractf32x4_ps(all, 2));
+    if constexpr (R > 3) _mm_storeu_ps(scores + 3 * kBlock, _mm512_extractf32x4_ps(all, 3));
+  }
 };
-
-// r[i] (row i of a 16 x 16 tile) -> r[c] (column c): unpacks within 128-bit lanes, then a 4 x 4 transpose of
-// the lanes.
-inline void transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4 i + k], lane L: column 4 L + k of rows 4 i .. 4 i + 3
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512 a = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44), b = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xEE);
-    const __m512 c = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44);
-    const __m512 d = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xEE);
-    t[k] = _mm512_shuffle_f32x4(a, c, 0x88);
-    t[4 + k] = _mm512_shuffle_f32x4(a, c, 0xDD);
-    t[8 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
-    t[12 + k] = _mm512_shuffle_f32x4(b, d, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
-// keys_t (D, kBlock) = the block's keys [ja, jb) (rows row_stride apart) widened, for every 16-key group that
-// holds one of them; the group's other keys are 0.
-inline void transpose_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim,
-                           float* keys_t, int64_t ahead) {
-  alignas(64) float rows[16 * kMaxDim];  // the group's keys widened row by row: the cache is read in order
-  for (int64_t g = ja / 16 * 16; g < jb; g += 16) {
-    for (int64_t i = 0; i < 16; ++i) {
-      prefetch_row(block + (ahead + g + i) * row_stride, dim);
-      if (g + i >= ja && g + i < jb)
-        Ops::widen(block + (g + i) * row_stride, rows + i * dim, dim);
-      else
-        std::fill(rows + i * dim, rows + (i + 1) * dim, 0.f);
-    }
-    for (int64_t d = 0; d < dim; d += 16) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(rows + i * dim + d);
-      transpose16(r);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(keys_t + (d + i) * kBlock + g, r[i]);
-    }
-  }
-}
 
 #include "cache_attention_body.h"
 
@@ -212,8 +202,6 @@ namespace {
 
 struct Ops {
   static constexpr int64_t kLanes = 8;
-  static constexpr int kScoreRows = 3;     // x 4 key vectors: 12 accumulators of 16 registers
-  static constexpr int kScoreKeys = 4;
   static constexpr int kValueRows = 3;     // x 4 column vectors: 12 accumulators
   static constexpr int kValueColumns = 4;
   using V = __m256;
@@ -251,44 +239,30 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen8(from + i));
   }
-};
-
-// r[i] (row i of an 8 x 8 tile) -> r[c] (column c).
-inline void transpose8(__m256* r) {
-  __m256 t[8], s[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {  // s[4 i + k], half h: column 4 h + k of rows 4 i .. 4 i + 3
-    s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm256_permute2f128_ps(s[k], s[4 + k], 0x20);
-    r[4 + k] = _mm256_permute2f128_ps(s[k], s[4 + k], 0x31);
-  }
-}
-
-inline void transpose_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim,
-                           float* keys_t, int64_t ahead) {
-  for (int64_t g = ja / 8 * 8; g < jb; g += 8) {
-    for (int64_t i = 0; i < 8; ++i) prefetch_row(block + (ahead + g + i) * row_stride, dim);
-    const bool whole = g >= ja && g + 8 <= jb;
-    for (int64_t d = 0; d < dim; d += 8) {
-      __m256 r[8];
-      if (whole)
-        for (int i = 0; i < 8; ++i) r[i] = Ops::widen8(block + (g + i) * row_stride + d);
-      else
-        for (int i = 0; i < 8; ++i)
-          r[i] = g + i >= ja && g + i < jb ? Ops::widen8(block + (g + i) * row_stride + d) : _mm256_setzero_ps();
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(keys_t + (d + i) * kBlock + g, r[i]);
+  // The scores of R = 1 query row q (D) against 8 keys (rows `stride` apart, float32 or float16) into scores (8). Key j's lanes l = 0..7 take
+  // p_l = the FMA chain over c = 0 .. D/8-1 of q[8 c + l] k_j[8 c + l], then the fixed tree
+  // ((p_0 + p_4) + (p_2 + p_6)) + ((p_1 + p_5) + (p_3 + p_7)). Accumulator 2 i + h holds key 4 h + i, the order
+  // the butterfly's levels leave in lanes 0..7.
+  static constexpr int kScoreRows = 1;
+  static constexpr int kScoreKeys = 8;
+  template <int kDim, int R, typename T>
+  static void score(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
+    const int64_t d_end = kDim ? kDim : dim;
+    V p[8];
+    for (int i = 0; i < 8; ++i) p[i] = zero();
+    for (int64_t c = 0; c < d_end; c += 8) {
+      const V query = load(q + c);
+      for (int i = 0; i < 8; ++i) p[i] = fma(query, load(keys + ((i % 2) * 4 + i / 2) * stride + c), p[i]);
     }
+    V t[4];  // t[i]: halves p_l + p_l+4 of accumulators 2 i, 2 i + 1
+    for (int i = 0; i < 4; ++i)
+      t[i] = add(_mm256_permute2f128_ps(p[2 * i], p[2 * i + 1], 0x20), _mm256_permute2f128_ps(p[2 * i], p[2 * i + 1], 0x31));
+    V u[2];  // u[i], half h: lanes 0, 1 of accumulator 4 i + h, lanes 2, 3 of accumulator 4 i + 2 + h
+    for (int i = 0; i < 2; ++i)
+      u[i] = add(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    store(scores, add(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD)));
   }
-}
+};
 
 #include "cache_attention_body.h"
 
@@ -303,8 +277,6 @@ namespace {
 
 struct Ops {
   static constexpr int64_t kLanes = 1;
-  static constexpr int kScoreRows = 4;
-  static constexpr int kScoreKeys = 4;
   static constexpr int kValueRows = 4;
   static constexpr int kValueColumns = 4;
   using V = float;
@@ -326,15 +298,17 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from[i]);  // exact
   }
-};
-
-inline void transpose_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim,
-                           float* keys_t, int64_t ahead) {
-  for (int64_t j = ja; j < jb; ++j) {
-    prefetch_row(block + (ahead + j) * row_stride, dim);
-    for (int64_t d = 0; d < dim; ++d) keys_t[d * kBlock + j] = static_cast<float>(block[j * row_stride + d]);
+  // The score of R = 1 query row q (D) against one key (D) into scores (1): the FMA chain over d = 0 .. D-1.
+  static constexpr int kScoreRows = 1;
+  static constexpr int kScoreKeys = 1;
+  template <int kDim, int R, typename T>
+  static void score(const float* q, const T* key, int64_t, int64_t dim, float* scores) {
+    const int64_t d_end = kDim ? kDim : dim;
+    float acc = 0.f;
+    for (int64_t d = 0; d < d_end; ++d) acc = std::fma(q[d], load(key + d), acc);
+    *scores = acc;
   }
-}
+};
 
 #include "cache_attention_body.h"
 

@@ -4,9 +4,9 @@
 //
 // Ops gives: kLanes (W), the vector type V, zero, set1, load, store, fma (a b + c, one rounding), add, max, exp,
 // first (lane 0), reduce_add (a fixed order) and reduce_max, hide (-inf outside a range of lanes), widen (n float16
-// to float32, n a multiple of W) and transpose_keys (a block's keys, widened, into (D, kBlock)); kScoreRows and
-// kValueRows (rows of a tile for the scores and for the values), kValueColumns (vectors of D a pass of the values
-// product takes).
+// to float32, n a multiple of W), score (kScoreRows query rows against kScoreKeys keys, float32 or float16, each
+// score in an order of the set's own that the other rows and keys do not change), kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D
+// a pass of it takes).
 
 // The softmax state of one query row within a unit's segment: its running maximum, the lanes of its running sum of
 // exponentials and its unnormalised output (D).
@@ -16,47 +16,45 @@ struct RowState {
   float* out;     // (rows, D)
 };
 
-// scores (rows, kBlock) = q (rows, D) . keys^T, keys transposed (D, kBlock), for the key vectors [k0, k1) of the
-// block: every score is the FMA chain over d = 0 .. D-1 from 0, whatever the tile.
-template <int kDim, int R>
-inline void score_tile(const float* q, int64_t dim, const float* keys_t, int64_t k0, int64_t k1, float* scores) {
-  constexpr int kKeys = Ops::kScoreKeys;
-  const int64_t d_end = kDim ? kDim : dim;
-  for (int64_t k = k0; k < k1; k += kKeys) {
-    const int64_t count = std::min<int64_t>(kKeys, k1 - k);
-    typename Ops::V acc[R][kKeys];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kKeys; ++c) acc[r][c] = Ops::zero();
-    if (count == kKeys) {
-      for (int64_t d = 0; d < d_end; ++d) {
-        typename Ops::V key[kKeys];
-        for (int c = 0; c < kKeys; ++c) key[c] = Ops::load(keys_t + d * kBlock + (k + c) * Ops::kLanes);
-        for (int r = 0; r < R; ++r) {
-          const typename Ops::V query = Ops::set1(q[r * d_end + d]);
-          for (int c = 0; c < kKeys; ++c) acc[r][c] = Ops::fma(query, key[c], acc[r][c]);
-        }
-      }
-    } else {
-      for (int64_t d = 0; d < d_end; ++d) {
-        for (int c = 0; c < count; ++c) {
-          const typename Ops::V key = Ops::load(keys_t + d * kBlock + (k + c) * Ops::kLanes);
-          for (int r = 0; r < R; ++r) acc[r][c] = Ops::fma(Ops::set1(q[r * d_end + d]), key, acc[r][c]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < count; ++c) Ops::store(scores + r * kBlock + (k + c) * Ops::kLanes, acc[r][c]);
+// keys (kBlock, D) = the block's keys [ja, jb) (rows row_stride apart) widened, row by row, for every W-key vector
+// that holds one of them (only the vectors [ja, jb) does not fill, with `edges_only`); the vector's other keys are 0
+// (their scores are hidden). Every key of [ja, jb) is prefetched `ahead` rows on.
+inline void widen_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim, float* keys,
+                       int64_t ahead, bool edges_only) {
+  constexpr int64_t W = Ops::kLanes;
+  for (int64_t j = ja; j < jb; ++j) prefetch_row(block + (ahead + j) * row_stride, dim);
+  for (int64_t vector = ja / W * W; vector < jb; vector += W) {
+    if (edges_only && vector >= ja && vector + W <= jb) continue;
+    for (int64_t j = vector; j < vector + W; ++j)
+      if (j >= ja && j < jb)
+        Ops::widen(block + j * row_stride, keys + j * dim, dim);
+      else
+        std::fill(keys + j * dim, keys + (j + 1) * dim, 0.f);
   }
 }
 
+// scores (rows, kBlock) = q (rows, D) . keys^T for the key vectors [k0, k1) of the block: from the widened keys
+// (kBlock, D), or, with `block` (not null), the vectors that [ja, jb) fills from the block's float16 rows
+// (row_stride apart) directly; Ops::score's tiles of kScoreRows rows and kScoreKeys keys. Every score is
+// Ops::score's fixed order, a row's alone, whatever the tile.
 template <int kDim, int R = Ops::kScoreRows>
-inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys_t, int64_t k0, int64_t k1,
-                       float* scores) {
+inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys, const at::Half* block,
+                       int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1, float* scores) {
+  constexpr int64_t W = Ops::kLanes, kKeys = Ops::kScoreKeys;
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
-  for (; r + R <= rows; r += R) score_tile<kDim, R>(q + r * d_end, dim, keys_t, k0, k1, scores + r * kBlock);
+  for (; r + R <= rows; r += R)
+    for (int64_t j = k0 * W; j < k1 * W; j += kKeys) {
+      const int64_t vector = j / W * W;
+      if (block && vector >= ja && vector + W <= jb)
+        Ops::template score<kDim, R>(q + r * d_end, block + j * row_stride, row_stride, dim, scores + r * kBlock + j);
+      else
+        Ops::template score<kDim, R>(q + r * d_end, keys + j * d_end, d_end, dim, scores + r * kBlock + j);
+    }
   if constexpr (R > 1) {
-    if (r < rows) score_rows<kDim, R - 1>(rows - r, q + r * d_end, dim, keys_t, k0, k1, scores + r * kBlock);
+    if (r < rows)
+      score_rows<kDim, R - 1>(rows - r, q + r * d_end, dim, keys, block, row_stride, ja, jb, k0, k1,
+                              scores + r * kBlock);
   }
 }
 
@@ -120,8 +118,8 @@ template <int kDim>
 void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
   const int64_t dim = kDim ? kDim : p.dim;
   constexpr int64_t W = Ops::kLanes;
-  float* keys_t = scratch;                    // (D, kBlock)
-  float* values = keys_t + dim * kBlock;      // (kBlock, D)
+  float* keys = scratch;                      // (kBlock, D)
+  float* values = keys + kBlock * dim;        // (kBlock, D)
   float* weights = values + kBlock * dim;     // (rows, kBlock)
   float* rescale = weights + rows * kBlock;   // (rows)
   RowState state{rescale + rows, rescale + 2 * rows, rescale + 2 * rows + rows * W};
@@ -151,9 +149,11 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
       // the block kAhead blocks on is asked for while this one is read, a few lines at a time: a decode step
       // streams the cache, and a block is too short for the hardware's prefetchers to run ahead
       const int64_t ahead = std::min(block_start + kAhead * kBlock, p.keys - 1) - block_start;
-      transpose_keys(k_head + block_start * p.k_row, p.k_row, ja, jb, dim, keys_t, ahead);
-      // a group of one value tile reads the float16 values directly; larger ones widen them once for every tile
-      const bool widened = rows > Ops::kValueRows;
+      // a group of up to kDirectTiles value tiles (a decode step) reads the float16 keys and
+      // values directly (but for the keys of vectors the rows read in part); larger ones widen them once for all
+      const bool widened = rows > kDirectTiles * Ops::kValueRows;
+      const at::Half* k_block = k_head + block_start * p.k_row;
+      widen_keys(k_block, p.k_row, ja, jb, dim, keys, ahead, !widened);
       if (widened)
         for (int64_t j = ja; j < jb; ++j) {
           prefetch_row(v_head + (block_start + ahead + j) * p.v_row, dim);
@@ -175,7 +175,8 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
         if (tile_lo > tile_hi) continue;  // no row of the tile reads a key of the block: nothing changes
         const int64_t k0 = tile_lo / W, k1 = tile_hi / W + 1;  // the key vectors the tile reads
         float* tile_weights = weights + t0 * kBlock;
-        score_rows<kDim>(tile, q + t0 * dim, dim, keys_t, k0, k1, tile_weights);
+        score_rows<kDim>(tile, q + t0 * dim, dim, keys, widened ? nullptr : k_block, p.k_row, ja, jb, k0, k1,
+                         tile_weights);
         for (int64_t r = 0; r < tile; ++r) {
           const int64_t row = t0 + r;
           float* s = tile_weights + r * kBlock;
