@@ -383,8 +383,10 @@ class StreamStep(StaticStep):
         """Store k, v (Hkv, T, D) at the step's slots of layer's device buffers (and, offloaded, at its rows of the
         tail) and keep q (Hq, T, D); return the (Hkv, S, D) buffers attention reads, masking past the last new
         slot: an on-chip layer's whole buffers, an offloaded layer's slot of B positions, which first waits for its
-        fetch and takes the tail, and then the next layer's fetch starts into the other slot."""
+        fetch and takes the tail, and then the next layer's fetch starts into the other slot; read widened to q's
+        dtype where the cache keeps another (kv_dtype)."""
         stream, full = self.stream, self.cache
+        k, v = k.to(full.keys.dtype), v.to(full.values.dtype)  # the cache's dtype (kv_dtype)
         if layer < stream.on_chip:
             keys, values = stream.chip_keys[layer], stream.chip_values[layer]
         else:
@@ -401,7 +403,7 @@ class StreamStep(StaticStep):
         keys.index_put_(where, k)
         values.index_put_(where, v)
         self.queries.append(q)
-        return keys, values
+        return keys.to(q.dtype), values.to(q.dtype)
 
     def layer_slots(self, layer: int) -> int:
         """The slots layer's attention reads: an on-chip layer's capacity, an offloaded layer's B."""

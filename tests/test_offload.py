@@ -599,7 +599,7 @@ def test_an_offloaded_step_reads_nothing_from_the_host_and_fetches_its_bucket_at
     full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
     queue = CountingQueue()
     offload_kv(full, torch.device("cpu"), on_chip_layers=1, queue=queue, tail_positions=16, bucket_positions=BUCKET)
-    full.make_static(cfg.num_heads, 8)
+    full.make_static(cfg.num_heads, 8, torch.float32)
     reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
     prompt = torch.tensor(random_prompt(PROMPT, 64, seed=4))
     model(prompt, 0, full, decoding=False)
@@ -660,7 +660,7 @@ def test_a_captured_offloaded_step_replays_its_copies_from_the_host():
     cfg = model.config
     full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32)
     offload_kv(full, torch.device("cuda"), on_chip_layers=1, tail_positions=16, bucket_positions=BUCKET)
-    full.make_static(cfg.num_heads, 8)
+    full.make_static(cfg.num_heads, 8, torch.float32)
     reference = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, torch.float32, "cuda")
     prompt = torch.tensor(random_prompt(PROMPT, 64, seed=4), device="cuda")
     model(prompt, 0, full, decoding=False)
