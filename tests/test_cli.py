@@ -540,8 +540,8 @@ def captured_bench(monkeypatch, tiny) -> list:
     """Records each Bench the bench command makes (which then runs for real on the tiny models)."""
     made = []
 
-    def spy(pipe, config):
-        made.append(Bench(pipe, config))
+    def spy(pipe, config, rates=None):
+        made.append(Bench(pipe, config, rates))
         return made[-1]
 
     monkeypatch.setattr(triforce_cli.cli.bench, "Bench", spy)

@@ -160,7 +160,8 @@ def test_written_folder_loads_beside_its_target_only(target_folder, text_file, t
 
     target = load_model(str(target_folder))
     drafter = load_model(str(out), shared_from=target)
-    assert drafter.model.model.embed_tokens.weight is target.model.model.embed_tokens.weight
+    shared, own = drafter.model.model.embed_tokens, target.model.model.embed_tokens
+    assert shared is own or shared.weight is own.weight  # the table held once (a tiled one is the target's module)
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     with torch.inference_mode():
         expected = distiller.drafter.eval()(ids).logits[0]
