@@ -102,7 +102,8 @@ def test_every_decode_step_compiles_once_for_every_position(kind, new_tokens):
         got = model(tokens, start, fixed, num_logits=new_tokens)
         assert fixed.static_step and not eager.static_step
         assert got.shape == (new_tokens, model.config.vocab_size)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        # inductor's fused reductions round otherwise than the eager kernels: float32 sums of a few hundred terms
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=5e-5)
         assert fixed.length == eager.length
     held = slice(0, eager._write.stop)  # every slot the eager cache wrote, in both caches' own layout
     torch.testing.assert_close(fixed.keys[:, :, held], eager.keys[:, :, held])
