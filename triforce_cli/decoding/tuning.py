@@ -101,9 +101,15 @@ class Tuning:
     @property
     def conditions(self) -> str:
         """When and under what load it was measured, in words."""
-        load = "" if self.load is None else f", load average {self.load:.2f}"
-        others = "" if self.others_share is None else f", other programs {self.others_share:.0%} of the CPU"
-        return f"measured {self.measured}{load}{others}, median repeat within {self.spread:.0%} of the fastest"
+        spread = f", median repeat within {self.spread:.0%} of the fastest"
+        return measured_conditions(self.measured, self.load, self.others_share) + spread
+
+
+def measured_conditions(measured: str, load: float | None, others_share: float | None) -> str:
+    """When a measurement was taken and, where known, the load average and other programs' share of the CPU."""
+    load_text = "" if load is None else f", load average {load:.2f}"
+    others = "" if others_share is None else f", other programs {others_share:.0%} of the CPU"
+    return f"measured {measured}{load_text}{others}"
 
 
 def tuning_enabled() -> bool:

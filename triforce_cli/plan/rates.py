@@ -13,7 +13,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from triforce_cli.decoding.tuning import BUSY_SHARE, MACHINE_RATES_FILE, machine_key, tuning_folder
+from triforce_cli.decoding.tuning import (
+    BUSY_SHARE,
+    MACHINE_RATES_FILE,
+    machine_key,
+    measured_conditions,
+    tuning_folder,
+)
 from triforce_cli.plan.measure import matmul_flops, read_bandwidth
 from triforce_cli.runtime.environment import (
     cpu_description,
@@ -58,9 +64,7 @@ class MachineRates:
 
     @property
     def conditions(self) -> str:
-        load = "" if self.load is None else f", load average {self.load:.2f}"
-        others = "" if self.others_share is None else f", other programs {self.others_share:.0%} of the CPU"
-        return f"measured {self.measured}{load}{others}"
+        return measured_conditions(self.measured, self.load, self.others_share)
 
 
 def rates_path() -> Path:
