@@ -378,6 +378,24 @@ def test_gather_chunks_picks_the_right_tokens():
     assert torch.equal(out[:, :, 0:1].expand(-1, -1, HEAD_DIM), out)
 
 
+def test_gather_chunks_equals_a_gather_of_every_element_into_any_view():
+    """Every layer's and head's chunks at once, from a view longer than its whole chunks, into a strided view."""
+    g = torch.Generator().manual_seed(5)
+    layers, num_kv_heads, chunk, chunks = 3, 2, 4, 6
+    k = torch.randn(layers, num_kv_heads, chunks * chunk + 3, HEAD_DIM, generator=g).half()
+    ids = torch.stack([torch.randperm(chunks, generator=g)[:3].sort().values for _ in range(layers * num_kv_heads)])
+    ids = ids.view(layers, num_kv_heads, 3)
+    positions = (ids[..., None] * chunk + torch.arange(chunk)).flatten(-2)  # (layers, Hkv, 3 * chunk)
+    expected = torch.gather(k, -2, positions[..., None].expand(*positions.shape, HEAD_DIM))
+    buffer = torch.zeros(layers, num_kv_heads, 5 * chunk, HEAD_DIM, dtype=k.dtype)
+    gather_chunks(k, ids, chunk, out=buffer[:, :, chunk : 4 * chunk])
+    assert torch.equal(buffer[:, :, chunk : 4 * chunk], expected)
+    assert not buffer[:, :, :chunk].any() and not buffer[:, :, 4 * chunk :].any()
+    strided = torch.zeros(layers, num_kv_heads, 3 * chunk, 2 * HEAD_DIM, dtype=k.dtype)[..., ::2]
+    gather_chunks(k, ids, chunk, out=strided)
+    assert torch.equal(strided, expected)
+
+
 # --- linear ------------------------------------------------------------------------------------------------------
 
 
