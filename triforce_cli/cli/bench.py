@@ -16,7 +16,7 @@ from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table, qa_tables
 from triforce_cli.cli.settings import engine_config, load_pipeline, sampling_config
 from triforce_cli.corpus import BENCH_DEFAULT, BENCH_PROMPTS, DOCUMENT_QUESTIONS, QA_QUESTIONS, builtin_document
-from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.config import EngineConfig, Mode
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.sampling import SamplingConfig
@@ -32,7 +32,7 @@ BENCH_SETTINGS = {"max_new_tokens": BENCH_DEFAULTS.max_new_tokens, "ignore_eos":
 DEFAULT_CONTEXTS = ",".join(map(str, BENCH_DEFAULTS.contexts))
 DEFAULT_POLICIES = ",".join(BENCH_DEFAULTS.gamma_policies)
 DEFAULT_BUILTIN = ",".join(BENCH_DEFAULT)
-QA_DEFAULT_MODES = ("autoregressive", "triforce", *QA_PEERS)
+QA_DEFAULT_MODES = (Mode.AUTOREGRESSIVE, Mode.TRIFORCE, *QA_PEERS)
 QA_DEFAULT = ("qa-stdlib-b",)  # the qa scenario's document where --builtin is left as it is
 
 

@@ -2,14 +2,15 @@
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.decoding.speculation_length import POLICIES
+from triforce_cli.decoding.speculation_length import GammaPolicy
 from triforce_cli.errors import ConfigError
-from triforce_cli.kernels import CHUNK_SCORES
+from triforce_cli.kernels import CHUNK_SCORES, ChunkScore
 from triforce_cli.runtime.forms import OFFLOAD_CHOICES, OffloadMode
 
-GAMMA_POLICIES = ("auto", *POLICIES)
+GAMMA_POLICIES = tuple(policy.value for policy in GammaPolicy)
 
 DEFAULT_BUDGET = 1024
 
@@ -27,13 +28,22 @@ class Tiers:
         return self.retrieval or self.drafter
 
 
+class Mode(StrEnum):
+    """The tiers a generation runs (EngineConfig.mode): every mode ends in target@full."""
+
+    AUTOREGRESSIVE = "autoregressive"  # target@full alone
+    RETRIEVAL = "retrieval"  # target@retrieval -> target@full
+    STREAMING = "streaming"  # drafter@StreamingLLM -> target@full
+    TRIFORCE = "triforce"  # drafter@StreamingLLM -> target@retrieval -> target@full
+
+
 MODE_TIERS = {
-    "autoregressive": Tiers(retrieval=False, drafter=False),
-    "retrieval": Tiers(retrieval=True, drafter=False),
-    "streaming": Tiers(retrieval=False, drafter=True),
-    "triforce": Tiers(retrieval=True, drafter=True),
+    Mode.AUTOREGRESSIVE: Tiers(retrieval=False, drafter=False),
+    Mode.RETRIEVAL: Tiers(retrieval=True, drafter=False),
+    Mode.STREAMING: Tiers(retrieval=False, drafter=True),
+    Mode.TRIFORCE: Tiers(retrieval=True, drafter=True),
 }
-MODES = tuple(MODE_TIERS)
+MODES = tuple(mode.value for mode in Mode)
 MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs more than it saves
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
@@ -80,22 +90,22 @@ class EngineConfig:
     grows them, the old ones released first, and they never shrink (decoding/sizing.py).
     """
 
-    mode: str = "triforce"
+    mode: Mode = Mode.TRIFORCE
     budget: int | None = None
     chunk_size: int = 16
-    chunk_score: str = "mean"
+    chunk_score: ChunkScore = ChunkScore.MEAN
     sink_tokens: int = 16
     draft_window: int = 496
     gamma1: int = 2
     gamma2: int = 6
-    gamma_policy: str = "auto"
+    gamma_policy: GammaPolicy = GammaPolicy.AUTO
     max_new_tokens: int = 256
     refresh_interval: int = 4
     prefill_chunk: int | None = None  # tokens per prefill forward; None: PREFILL_CHUNK for the target's device
     ngram: bool | None = None
     ngram_max: int = 3
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
-    offload: str = OffloadMode.NONE
+    offload: OffloadMode = OffloadMode.NONE
     on_chip_layers: int = 0
     cache_positions: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -166,12 +176,13 @@ class EngineConfig:
         return self.gamma1 + self.gamma2 + 2
 
     @property
-    def speculation_policy(self) -> str:
+    def speculation_policy(self) -> GammaPolicy:
         """The policy to run: ``auto`` is throughput, but fixed for seeded sampling, whose output must repeat
         exactly; throughput's choices follow the clock."""
-        if self.gamma_policy != "auto":
-            return self.gamma_policy
-        return "fixed" if self.sampling.seed is not None and not self.sampling.greedy else "throughput"
+        if self.gamma_policy != GammaPolicy.AUTO:
+            return GammaPolicy(self.gamma_policy)
+        seeded = self.sampling.seed is not None and not self.sampling.greedy
+        return GammaPolicy.FIXED if seeded else GammaPolicy.THROUGHPUT
 
     @property
     def uses_retrieval(self) -> bool:
