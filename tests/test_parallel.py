@@ -76,7 +76,7 @@ def test_heads_that_do_not_divide_by_the_world_size_are_a_clear_error(tmp_path):
 
 
 def test_torchrun_runs_generate_and_only_rank_0_prints(tmp_path):
-    """The README's command shape: torchrun --nproc-per-node 2 -m triforce_cli generate."""
+    """docs/commands.md's command shape: torchrun --nproc-per-node 2 -m triforce_cli generate."""
     folder = save_word_checkpoint(tmp_path / "words")
     prompt = tmp_path / "p.txt"
     prompt.write_text(" ".join(f"w{i % 31}" for i in range(40)))
