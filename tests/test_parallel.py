@@ -161,7 +161,7 @@ def short_of_memory(rank: int, world: int, folder: str, free: list, offload: str
 
         loaded = tiny()
         apply_tp(loaded.model)
-        config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload=offload, prefill_chunk=16)
+        config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload=offload, prefill_block=16)
         engine = Engine(loaded, config, drafter=loaded)
         prompt = random_prompt(PROMPT, 64, seed=3)
         if allocate_first:
@@ -189,7 +189,7 @@ def test_a_rank_short_of_memory_makes_every_rank_refuse_with_the_same_error(tmp_
 def test_a_rank_short_of_memory_makes_every_rank_prefill_in_its_segments(tmp_path):
     """The full cache offloaded, rank 1 has room for the hidden states of 32 prompt tokens, rank 0 for all 64:
     both prefill in two segments of 32 (the same all-reduces) and give the single process's tokens."""
-    config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload="kv", prefill_chunk=16)
+    config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload="kv", prefill_block=16)
     expected = Engine(tiny(), config, drafter=tiny()).generate(random_prompt(PROMPT, 64, seed=3)).token_ids
     room = 2 * tiny().model.prefill_layerwise_bytes(32)  # the prefill takes half the free memory
     spawn_within(short_of_memory, (2, str(tmp_path), [None, room], "kv", True), 300)
