@@ -13,7 +13,7 @@ from triforce_cli.kernels import chunk_summaries, gather_chunks, half_weights_av
 from triforce_cli.offload import HostQueue, offload_kv
 from triforce_cli.offload.kv import TAIL_POSITIONS
 
-from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import PromptState
@@ -24,7 +24,6 @@ from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.loading import BuildOptions
 
 PROMPT = 64
-MODES = ("autoregressive", "retrieval", "streaming", "triforce")
 
 
 class DeferredQueue(HostQueue):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import full_cache_for, make_model, random_prompt, save_word_checkpoint, small_config
 
+from triforce_cli.decoding.config import MODES
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
@@ -19,7 +20,6 @@ from triforce_cli.runtime.model import MAX_STEP_TOKENS
 from triforce_cli.runtime.parallel import apply_tp
 
 PROMPT = 64
-MODES = ("autoregressive", "retrieval", "streaming", "triforce")
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "seeded": SamplingConfig(temperature=0.8, seed=2)}
 OFFLOADS = ("none", "kv")
 
