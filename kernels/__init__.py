@@ -5,6 +5,7 @@ Every kernel here has a plain-torch reference beside it that the tests compare a
 
 from triforce_cli.kernels.attention import (
     ATTENTION_BACKENDS,
+    AttentionBackend,
     attention,
     attention_backend,
     attention_in_cache,
@@ -24,6 +25,7 @@ from triforce_cli.kernels.linear import (
 from triforce_cli.kernels.retrieval import (
     CHUNK_SCORES,
     SUMMARIES,
+    ChunkScore,
     chunk_mean_keys,
     chunk_summaries,
     gather_chunks,
@@ -36,6 +38,8 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "CHUNK_SCORES",
     "SUMMARIES",
+    "AttentionBackend",
+    "ChunkScore",
     "attention",
     "attention_backend",
     "attention_in_cache",

@@ -15,6 +15,8 @@ starts at or before key 0 nothing changes; otherwise the keys before the first q
 view, which serves one query exactly, and several queries get each its own lower bound (windowed_attention).
 """
 
+from enum import StrEnum
+
 import torch
 import torch.nn.functional as F
 from triforce_cli.kernels import optional
@@ -464,7 +466,15 @@ def attention_in_cache(
     return out.view(num_queries, num_q_heads, head_dim).transpose(0, 1)
 
 
-ATTENTION_BACKENDS = ("flash", "sdpa", "cpu")
+class AttentionBackend(StrEnum):
+    """The kernel families attention() computes with (attention_backend picks one for a device and dtype)."""
+
+    FLASH = "flash"  # FlashAttention: CUDA and a 16-bit dtype, where flash-attn is installed
+    SDPA = "sdpa"  # torch ops, anywhere (torch_attention)
+    CPU = "cpu"  # the CPU kernels below
+
+
+ATTENTION_BACKENDS = tuple(backend.value for backend in AttentionBackend)
 
 
 def attention_backend(

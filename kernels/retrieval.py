@@ -11,12 +11,22 @@ every layer at once.
 """
 
 import itertools
+from enum import StrEnum
 
 import torch
 
 MEAN_KEY_BLOCK = 1024  # chunks averaged at once
-CHUNK_SCORES = ("mean", "bound")
-SUMMARIES = {"mean": 1, "bound": 2}  # keys kept per chunk: the mean; the minimum and the maximum
+
+
+class ChunkScore(StrEnum):
+    """How a retrieval-cache chunk is scored against the current query."""
+
+    MEAN = "mean"  # the query against the chunk's mean key (TriForce)
+    BOUND = "bound"  # an upper bound from the chunk's minimum and maximum keys (Quest)
+
+
+CHUNK_SCORES = tuple(score.value for score in ChunkScore)
+SUMMARIES = {ChunkScore.MEAN: 1, ChunkScore.BOUND: 2}  # keys kept per chunk: the mean; the minimum and the maximum
 SCORE_BLOCK_BYTES = 1 << 28  # float32 copy of summaries that one scoring op makes at most (summary_scores)
 
 

@@ -34,7 +34,7 @@ CHUNK = 16  # prefill chunk: the document is three of them and a bit
 
 @pytest.fixture(scope="module")
 def rows(chat_checkpoint):
-    config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS, prefill_chunk=CHUNK)
+    config = EngineConfig(gamma1=2, gamma2=4, max_new_tokens=NEW_TOKENS, prefill_block=CHUNK)
     pipe = Pipeline.load(LoadOptions(target=str(chat_checkpoint), dtype="float32", device="cpu"), config=config)
     bench = Bench(
         pipe,

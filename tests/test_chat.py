@@ -64,7 +64,7 @@ CLI_ARGS = (
 @pytest.fixture
 def pipe(tiny) -> Pipeline:
     return Pipeline.load(
-        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_chunk=16)
+        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_block=16)
     )  # prefill chunks of 16: the document is several, so prefix reuse keeps some
 
 
@@ -357,7 +357,7 @@ def loaded_session(pipe: Pipeline, transcript: Path) -> tuple[ChatSession, str |
 def test_a_conversation_loaded_with_its_state_prefills_only_the_next_question(pipe, tmp_path):
     transcript, held, expected = saved_conversation(pipe, tmp_path)
     fresh = Pipeline.load(
-        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_chunk=16)
+        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_block=16)
     )  # a new process's: nothing held
     session, refused = loaded_session(fresh, transcript)
     assert refused is None
@@ -370,7 +370,7 @@ def test_a_conversation_loaded_with_its_state_prefills_only_the_next_question(pi
 def test_a_state_saved_with_other_settings_is_refused_in_one_line_and_the_conversation_read_again(pipe, tmp_path):
     transcript, _, expected = saved_conversation(pipe, tmp_path)
     other = Pipeline.load(
-        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_chunk=8)
+        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_block=8)
     )
     session, refused = loaded_session(other, transcript)
     assert refused == f"{state_path(transcript)} was saved for another model or setting"

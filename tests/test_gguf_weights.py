@@ -250,7 +250,7 @@ def check_logits(ref, dense, packed):
 
 
 SETTINGS = {"chunk_size": 8, "budget": 32, "sink_tokens": 4, "draft_window": 16, "gamma1": 2, "gamma2": 6,
-            "max_new_tokens": 60, "prefill_chunk": 16}  # fmt: skip
+            "max_new_tokens": 60, "prefill_block": 16}  # fmt: skip
 
 
 @pytest.mark.parametrize(("seed", "types"), [(0, classic_types), (1, classic_types), (2, q4_k_m_types)])
@@ -276,7 +276,7 @@ def sampled_pairs(target: LoadedModel, drafter: LoadedModel, mode: str, trials: 
     probabilities: no n-gram proposer)."""
     prompt = random_prompt(24, 8, seed=7)
     base = EngineConfig(mode=mode, ngram=False, chunk_size=4, budget=8, sink_tokens=2, draft_window=8, gamma1=2,
-                        gamma2=3, max_new_tokens=4, refresh_interval=1, prefill_chunk=8)  # fmt: skip
+                        gamma2=3, max_new_tokens=4, refresh_interval=1, prefill_block=8)  # fmt: skip
     pairs = []
     for seed in range(trials):
         sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, seed=seed)
@@ -294,12 +294,12 @@ def test_sampled_triforce_has_the_packed_targets_distribution():
     _, _, target = gguf_tiny_model(4, vocab_size=8)
     drafter = make_model(seed=104, num_layers=1, vocab_size=8, initializer_range=0.3, tie_word_embeddings=False)
     prompt = random_prompt(24, 8, seed=7)
-    engine = Engine(target, EngineConfig(mode="autoregressive", prefill_chunk=8))
+    engine = Engine(target, EngineConfig(mode="autoregressive", prefill_block=8))
     state = engine.prefill(prompt)
     probs = torch.zeros(8, 8, dtype=torch.float64)
     first = state.last_logits.double().softmax(-1)[0]
     for a in range(8):
-        step = Engine(target, EngineConfig(mode="autoregressive", prefill_chunk=8)).prefill([*prompt, a])
+        step = Engine(target, EngineConfig(mode="autoregressive", prefill_block=8)).prefill([*prompt, a])
         probs[a] = first[a] * step.last_logits.double().softmax(-1)[0]
     pairs = sampled_pairs(target, drafter.loaded, "triforce", 1200)
     observed = np.zeros((8, 8))
@@ -473,7 +473,7 @@ def test_a_type_not_kept_packed_is_named_and_computed_from_its_dequantized_weigh
     torch.testing.assert_close(modules["model.layers.0.self_attn.o_proj"].weight,
                                dense.model.model.layers[0].self_attn.o_proj.weight, atol=0, rtol=0)  # fmt: skip
     prompt = random_prompt(64, 1000, seed=3)
-    config = EngineConfig(mode="autoregressive", sampling=GREEDY, max_new_tokens=12, prefill_chunk=32)
+    config = EngineConfig(mode="autoregressive", sampling=GREEDY, max_new_tokens=12, prefill_block=32)
     assert Engine(packed, config).generate(prompt).token_ids == Engine(dense, config).generate(prompt).token_ids
 
 

@@ -277,7 +277,7 @@ def test_prefill_chunks_are_timed_on_the_device_clock(monkeypatch):
             return float(end - start)
 
     monkeypatch.setattr(engine_module, "DeviceClock", ForwardClock)
-    config = small_config(mode="autoregressive", max_new_tokens=2, prefill_chunk=16)
+    config = small_config(mode="autoregressive", max_new_tokens=2, prefill_block=16)
     result = Engine(loaded, config).generate(random_prompt(PROMPT, 64, seed=3))
     assert result.stats.prefill_chunk_seconds == [1.0] * (PROMPT // 16)
 

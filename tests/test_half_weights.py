@@ -67,7 +67,7 @@ def test_greedy_speculative_modes_equal_autoregressive_with_half_weights(seed):
     drafter = half_tiny_model(seed + 50, num_layers=1)
     prompt = random_prompt(200, 32, seed=100 + seed)
     settings = {"chunk_size": 8, "budget": 32, "sink_tokens": 4, "draft_window": 16, "gamma1": 2, "gamma2": 6,
-                "max_new_tokens": 60, "prefill_chunk": 16, "sampling": GREEDY}  # fmt: skip
+                "max_new_tokens": 60, "prefill_block": 16, "sampling": GREEDY}  # fmt: skip
     reference = Engine(target, EngineConfig(mode="autoregressive", **settings))
     expected = reference.generate(prompt).token_ids
     assert len(set(expected)) > 5

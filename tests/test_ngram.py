@@ -129,9 +129,9 @@ def test_greedy_ngram_with_a_model_drafter_equals_autoregressive_and_uses_both()
     reference = Engine(model.loaded, EngineConfig(mode="autoregressive", max_new_tokens=60, sampling=greedy))
     expected = reference.generate(prompt).token_ids
     for mode in ("streaming", "triforce"):
-        # prefill_chunk 16 bounds the drafter's writes, so catching up after n-gram drafts takes several forwards
+        # prefill_block 16 bounds the drafter's writes, so catching up after n-gram drafts takes several forwards
         config = EngineConfig(
-            mode=mode, ngram=True, budget=64, chunk_size=8, max_new_tokens=60, prefill_chunk=16, sampling=greedy,
+            mode=mode, ngram=True, budget=64, chunk_size=8, max_new_tokens=60, prefill_block=16, sampling=greedy,
             gamma_policy="fixed",  # the throughput policy follows the clock: on a busy machine it may skip a tier
         )  # fmt: skip
         engine = Engine(model.loaded, config, drafter=drafter.loaded)

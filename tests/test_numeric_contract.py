@@ -52,7 +52,7 @@ def feedings(total: int) -> dict[str, list[tuple[int, int]]]:
 def fed(loaded: LoadedModel, ids: list[int], bounds: list[tuple[int, int]], threads: int):
     """Keys, values (layers, Hkv, P, D) of the engine's full cache and the logits (P, V) at every position after
     feeding ids piece by piece (bounds) on threads, each piece one forward as a prefill chunk or a step runs it."""
-    engine = Engine(loaded, small_config(mode="autoregressive", prefill_chunk=CHUNK, cache_positions=len(ids) + 8))
+    engine = Engine(loaded, small_config(mode="autoregressive", prefill_block=CHUNK, cache_positions=len(ids) + 8))
     full = engine._allocate(len(ids)).full
     tokens = torch.tensor(ids, dtype=torch.long)
     logits = []

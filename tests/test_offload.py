@@ -13,7 +13,7 @@ from triforce_cli.kernels import chunk_summaries, gather_chunks, half_weights_av
 from triforce_cli.offload import HostQueue, offload_kv
 from triforce_cli.offload.kv import TAIL_POSITIONS
 
-from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import PromptState
@@ -24,7 +24,6 @@ from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.loading import BuildOptions
 
 PROMPT = 64
-MODES = ("autoregressive", "retrieval", "streaming", "triforce")
 
 
 class DeferredQueue(HostQueue):
@@ -109,7 +108,7 @@ def streamed_model(resident_layers: int, weights: str = "dense"):
 
 def config(mode: str, sampling: SamplingConfig, **changes) -> EngineConfig:
     """Prefill chunks of 24 tokens: a 64-token prompt is three forwards, the last shorter, or three per layer."""
-    return small_config(mode=mode, sampling=sampling, gamma_policy="fixed", **{"prefill_chunk": 24, **changes})
+    return small_config(mode=mode, sampling=sampling, gamma_policy="fixed", **{"prefill_block": 24, **changes})
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=2)])
@@ -256,8 +255,8 @@ def test_an_offloaded_prefill_moves_each_layer_across_once_and_gives_the_device_
     queues = counting_queues(monkeypatch)
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
     greedy = SamplingConfig(temperature=0)
-    expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk)).prefill(prompt)
-    engine = Engine(model, config("triforce", greedy, prefill_chunk=chunk, offload="kv", on_chip_layers=on_chip_layers))
+    expected = Engine(model, config("triforce", greedy, prefill_block=chunk)).prefill(prompt)
+    engine = Engine(model, config("triforce", greedy, prefill_block=chunk, offload="kv", on_chip_layers=on_chip_layers))
     progress, chunk_seconds = [], []
     state = engine.prefill(prompt, lambda name, done, total: progress.append((done, total)), chunk_seconds.append)
     full = engine._caches.full
@@ -280,8 +279,8 @@ def test_a_prefill_short_of_device_memory_runs_in_segments_each_fetching_the_one
     queues = counting_queues(monkeypatch)
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
     greedy = SamplingConfig(temperature=0)
-    expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk)).prefill(prompt)
-    engine = Engine(model, config("triforce", greedy, prefill_chunk=chunk, offload="kv"))
+    expected = Engine(model, config("triforce", greedy, prefill_block=chunk)).prefill(prompt)
+    engine = Engine(model, config("triforce", greedy, prefill_block=chunk, offload="kv"))
     full = engine._allocate(len(prompt)).full
     room = 2 * model.model.prefill_layerwise_bytes(32)  # the prefill takes half the free memory
     monkeypatch.setattr(engine_module, "available_memory", lambda device: room)
@@ -303,7 +302,7 @@ def test_an_offloaded_prefill_summarises_its_chunks_on_the_device(score, on_chip
     GPU the device's own reductions round them)."""
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
     greedy = SamplingConfig(temperature=0)
-    expected = Engine(model, config("triforce", greedy, prefill_chunk=chunk, chunk_score=score))
+    expected = Engine(model, config("triforce", greedy, prefill_block=chunk, chunk_score=score))
     expected.prefill(prompt)
     expected._caches.retrieval.select_chunks()  # summarising the prompt's chunks from the device cache's keys
     summarised = []  # the storage of the keys of every summary computed
@@ -312,7 +311,7 @@ def test_an_offloaded_prefill_summarises_its_chunks_on_the_device(score, on_chip
         "triforce_cli.cache.retrieval.chunk_summaries",
         lambda keys, size, how: summarised.append(keys.untyped_storage().data_ptr()) or real(keys, size, how),
     )
-    offloaded = config("triforce", greedy, prefill_chunk=chunk, chunk_score=score, offload="kv")
+    offloaded = config("triforce", greedy, prefill_block=chunk, chunk_score=score, offload="kv")
     engine = Engine(model, replace(offloaded, on_chip_layers=on_chip_layers))
     engine.prefill(prompt)
     full, retrieval = engine._caches.full, engine._caches.retrieval

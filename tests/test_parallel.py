@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import full_cache_for, make_model, random_prompt, save_word_checkpoint, small_config
 
+from triforce_cli.decoding.config import MODES
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
@@ -19,7 +20,6 @@ from triforce_cli.runtime.model import MAX_STEP_TOKENS
 from triforce_cli.runtime.parallel import apply_tp
 
 PROMPT = 64
-MODES = ("autoregressive", "retrieval", "streaming", "triforce")
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "seeded": SamplingConfig(temperature=0.8, seed=2)}
 OFFLOADS = ("none", "kv")
 
@@ -76,7 +76,7 @@ def test_heads_that_do_not_divide_by_the_world_size_are_a_clear_error(tmp_path):
 
 
 def test_torchrun_runs_generate_and_only_rank_0_prints(tmp_path):
-    """The README's command shape: torchrun --nproc-per-node 2 -m triforce_cli generate."""
+    """docs/commands.md's command shape: torchrun --nproc-per-node 2 -m triforce_cli generate."""
     folder = save_word_checkpoint(tmp_path / "words")
     prompt = tmp_path / "p.txt"
     prompt.write_text(" ".join(f"w{i % 31}" for i in range(40)))
@@ -161,7 +161,7 @@ def short_of_memory(rank: int, world: int, folder: str, free: list, offload: str
 
         loaded = tiny()
         apply_tp(loaded.model)
-        config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload=offload, prefill_chunk=16)
+        config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload=offload, prefill_block=16)
         engine = Engine(loaded, config, drafter=loaded)
         prompt = random_prompt(PROMPT, 64, seed=3)
         if allocate_first:
@@ -189,7 +189,7 @@ def test_a_rank_short_of_memory_makes_every_rank_refuse_with_the_same_error(tmp_
 def test_a_rank_short_of_memory_makes_every_rank_prefill_in_its_segments(tmp_path):
     """The full cache offloaded, rank 1 has room for the hidden states of 32 prompt tokens, rank 0 for all 64:
     both prefill in two segments of 32 (the same all-reduces) and give the single process's tokens."""
-    config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload="kv", prefill_chunk=16)
+    config = small_config(mode="triforce", sampling=SAMPLINGS["greedy"], offload="kv", prefill_block=16)
     expected = Engine(tiny(), config, drafter=tiny()).generate(random_prompt(PROMPT, 64, seed=3)).token_ids
     room = 2 * tiny().model.prefill_layerwise_bytes(32)  # the prefill takes half the free memory
     spawn_within(short_of_memory, (2, str(tmp_path), [None, room], "kv", True), 300)

@@ -229,7 +229,7 @@ def test_phi3_prefix_reuse_only_under_the_same_set(saved_phi3):
     _, loaded = saved_phi3
     ids = random_prompt(64, VOCAB, seed=8)
     greedy = SamplingConfig(temperature=0)
-    reuse = {"max_new_tokens": 8, "prefill_chunk": 8, "cache_positions": 128}
+    reuse = {"max_new_tokens": 8, "prefill_block": 8, "cache_positions": 128}
     config = EngineConfig(mode="autoregressive", sampling=greedy, ignore_eos=True, **{**SETTINGS, **reuse})
     engine = Engine(loaded, config)
     engine.generate(ids[:32])  # 40 positions: short

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import triforce_cli.plan.measure
 from triforce_cli.cli.app import app
-from triforce_cli.decoding.config import MODE_TIERS, MODES, PREFILL_CHUNK, EngineConfig
+from triforce_cli.decoding.config import MODE_TIERS, MODES, PREFILL_BLOCK, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sizing import RING_LAYERS
 from triforce_cli.decoding.stats import as_record
@@ -184,7 +184,7 @@ class TestMemory:
             drafter = loaded(Transformer.from_hf_config(hf), hf)
         workload = Workload(
             context=15360,
-            engine=EngineConfig(mode=mode, budget=2048, prefill_chunk=PREFILL_CHUNK["cpu"]),
+            engine=EngineConfig(mode=mode, budget=2048, prefill_block=PREFILL_BLOCK["cpu"]),
             acceptance=Acceptance(draft=0.5, retrieval=0.9),
             dtype_bytes=4,
         )
@@ -202,9 +202,9 @@ class TestMemory:
     @pytest.mark.parametrize(("hardware", "device"), [("rtx-4090", "cuda"), ("this-cpu", "cpu")])
     def test_the_drafter_cache_holds_a_prefill_chunk_of_the_planned_device(self, hardware, device):
         """A CPU prefills in chunks of 256 tokens, a GPU in chunks of 4,096, and the drafter's StreamingLLM cache
-        holds its sinks, its window and one chunk (EngineConfig.prefill_chunk_on)."""
+        holds its sinks, its window and one chunk (EngineConfig.prefill_block_on)."""
         payload = plan_json("--model", "SmolLM2-135M", "--hardware", hardware, "--context", "8k")
-        positions = DEFAULTS.sink_tokens + DEFAULTS.draft_window + PREFILL_CHUNK[device]
+        positions = DEFAULTS.sink_tokens + DEFAULTS.draft_window + PREFILL_BLOCK[device]
         expected = kv_bytes(MODELS["SmolLM2-135M"].drafter, positions)
         assert row(payload, "triforce", "none")["memory"]["drafter cache"]["device"] == expected
 
@@ -217,7 +217,7 @@ class TestMemory:
             for dtype in ("float32", "bfloat16")
         }
         kv_size = 2 if device == "cpu" else 4
-        positions = DEFAULTS.sink_tokens + DEFAULTS.draft_window + PREFILL_CHUNK[device]
+        positions = DEFAULTS.sink_tokens + DEFAULTS.draft_window + PREFILL_BLOCK[device]
         drafter = kv_bytes(MODELS["SmolLM2-135M"].drafter, positions, kv_size)
         memory = {dtype: row(payload, "triforce", "none")["memory"] for dtype, payload in payloads.items()}
         assert memory["float32"]["drafter cache"]["device"] == drafter

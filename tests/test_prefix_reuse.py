@@ -28,7 +28,7 @@ def model():
 
 
 def config(mode: str, sampling: SamplingConfig, **changes):
-    return small_config(mode=mode, sampling=sampling, **{"prefill_chunk": CHUNK, "cache_positions": 256, **changes})
+    return small_config(mode=mode, sampling=sampling, **{"prefill_block": CHUNK, "cache_positions": 256, **changes})
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ def test_a_prompt_that_differs_early_keeps_what_it_shares(model):
     assert engine.generate(changed).stats.reused_tokens == 0
     assert OTHER[0] != changed[40]
     assert engine.generate(changed[:40] + OTHER).stats.reused_tokens == 40
-    other_chunking = engine.reconfigured(config("retrieval", greedy, prefill_chunk=8), None)
+    other_chunking = engine.reconfigured(config("retrieval", greedy, prefill_block=8), None)
     assert other_chunking.generate(changed[:40] + QUESTION).stats.reused_tokens == 40  # the same bits in any chunk
 
 
@@ -180,7 +180,7 @@ def test_without_the_numeric_contract_a_different_chunking_keeps_nothing(model, 
     changed = [DOCUMENT[0] + 1, *DOCUMENT[1:]]
     assert engine.generate(changed).stats.reused_tokens == 0
     assert engine.generate(changed[:40] + OTHER).stats.reused_tokens == 32  # two shared whole chunks
-    other_chunking = engine.reconfigured(config("retrieval", greedy, prefill_chunk=8), None)
+    other_chunking = engine.reconfigured(config("retrieval", greedy, prefill_block=8), None)
     assert other_chunking.generate(changed[:40] + QUESTION).stats.reused_tokens == 0
 
 

@@ -56,7 +56,7 @@ def config(**changes) -> EngineConfig:
         "draft_window": 24,
         "sink_tokens": 4,
         "max_new_tokens": NEW_TOKENS,
-        "prefill_chunk": 16,
+        "prefill_block": 16,
     }
     return EngineConfig(**{**settings, **changes})
 

@@ -315,7 +315,7 @@ def test_streaming_cache_leaves_what_a_windowed_drafter_cannot_see_out_of_its_vi
 # ------------------------------------------------------------------ a full cache that keeps only the window
 # Mistral windows every layer alike: its full cache keeps W + slack slots, dropping positions no later query reads.
 
-WINDOW_KEPT = {**SETTINGS, "prefill_chunk": 8}  # the slack (sizing.full_slots) then lies well under the prompt
+WINDOW_KEPT = {**SETTINGS, "prefill_block": 8}  # the slack (sizing.full_slots) then lies well under the prompt
 ALIGN = 4
 
 
@@ -476,8 +476,8 @@ def test_full_cache_bytes_are_the_window_and_a_slack(tmp_path):
 
 
 # the drafter records its decode steps (up to 4 tokens); its catch-up writes, up to the prefill chunk, run eager
-@pytest.mark.parametrize("fixed_shape, prefill_chunk", [(False, 8), (True, 32)], ids=["eager", "fixed-shape"])
-def test_every_mode_is_greedy_equal_on_a_cache_keeping_the_window(tmp_path, fixed_shape, prefill_chunk):
+@pytest.mark.parametrize("fixed_shape, prefill_block", [(False, 8), (True, 32)], ids=["eager", "fixed-shape"])
+def test_every_mode_is_greedy_equal_on_a_cache_keeping_the_window(tmp_path, fixed_shape, prefill_block):
     """Every mode gives transformers' greedy tokens for a prompt several windows long, with a full cache that holds
     fewer positions than the prompt and moves many times; self-speculation fills its drafter cache from it."""
     loaded, ref = saved_mistral(tmp_path)
@@ -489,7 +489,7 @@ def test_every_mode_is_greedy_equal_on_a_cache_keeping_the_window(tmp_path, fixe
     with torch.no_grad():
         reference = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     for mode in ("autoregressive", "retrieval", "streaming", "triforce"):
-        settings = {**WINDOW_KEPT, "prefill_chunk": prefill_chunk}
+        settings = {**WINDOW_KEPT, "prefill_block": prefill_block}
         engine = Engine(loaded, EngineConfig(mode=mode, sampling=greedy, ngram=False, **settings))
         result = engine.generate(ids)
         assert result.token_ids == reference, mode
@@ -534,7 +534,7 @@ def test_saved_prefill_holds_the_window_and_serves_the_fresh_tokens(tmp_path):
     greedy = SamplingConfig(temperature=0)
     state = Engine(loaded, EngineConfig(mode="autoregressive", **WINDOW_KEPT)).prefill(ids)
     assert 0 < state.first_position and state.keys.shape[2] == len(ids) - state.first_position < WINDOW + 20
-    cache = PromptCache(tmp_path / "prompts", loaded, prefill_chunk=WINDOW_KEPT["prefill_chunk"])
+    cache = PromptCache(tmp_path / "prompts", loaded, prefill_chunk=WINDOW_KEPT["prefill_block"])
     cache.save(state, ids)
     loaded_state = cache.load(ids)
     assert loaded_state is not None and loaded_state.first_position == state.first_position

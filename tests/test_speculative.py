@@ -50,7 +50,7 @@ def engine_config(mode: str = "triforce", **overrides) -> EngineConfig:
         "gamma2": 6,
         "max_new_tokens": NEW_TOKENS,
         "refresh_interval": 1,
-        "prefill_chunk": 16,  # also bounds the drafter's step slots, so its small window really evicts
+        "prefill_block": 16,  # also bounds the drafter's step slots, so its small window really evicts
         "sampling": GREEDY,
         "ngram": False,  # the model drafter alone; tests of the n-gram ask for it
     }
@@ -306,7 +306,7 @@ def test_callbacks_report_prefill_and_origins(tiny_target):
     clone = make_model(seed=0, peak=2.0, name="drafter", initializer_range=0.3, tie_word_embeddings=False)
     prefill: list[tuple[str, int, int]] = []
     origins: list[str] = []
-    config = sampled("triforce", prefill_chunk=64, budget=PROMPT_TOKENS, draft_window=PROMPT_TOKENS + NEW_TOKENS)
+    config = sampled("triforce", prefill_block=64, budget=PROMPT_TOKENS, draft_window=PROMPT_TOKENS + NEW_TOKENS)
     engine = Engine(tiny_target.loaded, config, drafter=clone.loaded)
     result = engine.generate(
         prompt_for(0), on_prefill=lambda *a: prefill.append(a), on_tokens=lambda t, o: origins.extend(o)
@@ -428,7 +428,7 @@ def pipeline_pairs(mode: str, trials: int, gamma_policy: str = "auto", ngram: bo
         gamma2=3,
         max_new_tokens=4,  # the first round wants 3 tokens: the full tier asks for 2, the middle tier drafts 1
         refresh_interval=1,
-        prefill_chunk=8,
+        prefill_block=8,
         sampling=TEMPERATURE_1,
     )
     target, drafter = target8().loaded, drafter8().loaded

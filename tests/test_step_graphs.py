@@ -35,7 +35,7 @@ def use_steps(pipe: Pipeline, mode: StepMode) -> None:
 def chat_pipes(tiny):
     """Two pipelines of the tiny chat model (triforce, greedy, prefill chunks of 32, so that a document of several
     chunks keeps some for the next prompt): the first stays eager."""
-    config = small_config(max_new_tokens=12, sampling=GREEDY, prefill_chunk=32)
+    config = small_config(max_new_tokens=12, sampling=GREEDY, prefill_block=32)
     return [Pipeline.load(LoadOptions(target="chat"), config=config) for _ in range(2)]
 
 

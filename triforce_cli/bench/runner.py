@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from triforce_cli.bench.forward_costs import ForwardCost, measure_forward_costs
 from triforce_cli.bench.llama_cpp import LLAMA_CPP_PEER, LlamaCppPeer, llama_cpp_available
 from triforce_cli.bench.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate
-from triforce_cli.decoding.config import MODE_TIERS, EngineConfig, Tiers
+from triforce_cli.decoding.config import MODE_TIERS, MODES, EngineConfig, Mode, Tiers
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import PromptState
@@ -38,7 +38,7 @@ class BenchMode:
     """One of our modes as the bench spells it: an engine mode, its n-gram setting, and whether the engine gets the
     pipeline's model drafter."""
 
-    engine_mode: str
+    engine_mode: Mode
     ngram: bool | None  # EngineConfig.ngram; None leaves the pipeline's
     model_drafter: bool
 
@@ -53,18 +53,19 @@ class BenchMode:
 
 
 OUR_MODES = {
-    "autoregressive": BenchMode("autoregressive", ngram=None, model_drafter=False),
-    "retrieval": BenchMode("retrieval", ngram=None, model_drafter=False),
-    "streaming": BenchMode("streaming", ngram=False, model_drafter=True),
-    "triforce": BenchMode("triforce", ngram=False, model_drafter=True),
+    # every engine mode under its own name, a drafter tier drafting with the model drafter alone
+    **{
+        mode.value: BenchMode(mode, ngram=False if tiers.drafter else None, model_drafter=tiers.drafter)
+        for mode, tiers in MODE_TIERS.items()
+    },
     # "ngram" drafts with the n-gram proposer alone; the *-ngram modes with it first, and with the drafter where it
     # finds nothing
-    "ngram": BenchMode("streaming", ngram=True, model_drafter=False),
-    "streaming-ngram": BenchMode("streaming", ngram=True, model_drafter=True),
-    "triforce-ngram": BenchMode("triforce", ngram=True, model_drafter=True),
+    "ngram": BenchMode(Mode.STREAMING, ngram=True, model_drafter=False),
+    "streaming-ngram": BenchMode(Mode.STREAMING, ngram=True, model_drafter=True),
+    "triforce-ngram": BenchMode(Mode.TRIFORCE, ngram=True, model_drafter=True),
 }
 ALL_MODES = (*OUR_MODES, *HF_PEERS, LLAMA_CPP_PEER)
-DEFAULT_MODES = ("autoregressive", "retrieval", "streaming", "triforce", "ngram", "triforce-ngram", "hf", "hf-lookup")
+DEFAULT_MODES = (*MODES, "ngram", "triforce-ngram", "hf", "hf-lookup")
 RETRIEVAL_MODES = tuple(name for name, mode in OUR_MODES.items() if mode.tiers.retrieval)
 # swept over gamma policies: the modes whose target@full verifies drafts
 SPECULATIVE_MODES = tuple(name for name, mode in OUR_MODES.items() if mode.tiers.speculative)

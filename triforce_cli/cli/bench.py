@@ -5,62 +5,143 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+import typer
 
 from triforce_cli.bench.qa import QA_PEERS, QABench, qa_modes
 from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_qa_results, write_results
-from triforce_cli.bench.runner import Bench, BenchConfig, default_modes
+from triforce_cli.bench.runner import ALL_MODES, Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table, qa_tables
 from triforce_cli.cli.settings import engine_config, load_pipeline, sampling_config
 from triforce_cli.corpus import BENCH_DEFAULT, BENCH_PROMPTS, DOCUMENT_QUESTIONS, QA_QUESTIONS, builtin_document
-from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.config import GAMMA_POLICIES, Mode
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.prompt_state import check_writable
-from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.plan.rates import machine_rates
 from triforce_cli.runtime.environment import machine_description
 from triforce_cli.runtime.prompts import cut_document, cut_prompt, read_prompt
 
-DEFAULTS = EngineConfig()
 BENCH_DEFAULTS = BenchConfig()
-SAMPLING_DEFAULTS = SamplingConfig()
-BENCH_SETTINGS = {"max_new_tokens": BENCH_DEFAULTS.max_new_tokens, "ignore_eos": BENCH_DEFAULTS.ignore_eos}
+BENCH_SEED = 0  # a sampled bench (--temperature above 0) repeats exactly
+MAX_REPEATS = 100
 DEFAULT_CONTEXTS = ",".join(map(str, BENCH_DEFAULTS.contexts))
 DEFAULT_POLICIES = ",".join(BENCH_DEFAULTS.gamma_policies)
 DEFAULT_BUILTIN = ",".join(BENCH_DEFAULT)
-QA_DEFAULT_MODES = ("autoregressive", "triforce", *QA_PEERS)
+QA_DEFAULT_MODES = (Mode.AUTOREGRESSIVE, Mode.TRIFORCE, *QA_PEERS)
 QA_DEFAULT = ("qa-stdlib-b",)  # the qa scenario's document where --builtin is left as it is
 
 
-@o.takes("refresh_interval", *o.MACHINE, "prompt_cache", after="gamma_policy")
-@o.takes(*o.SAMPLING, *o.MODELS, *o.DRAFTING, after="warmup", temperature=0.0, seed=0)
-@o.takes("chunk_score", "max_new_tokens", "ignore_eos", after="chunk_size", **BENCH_SETTINGS)
+def budgets(value: str | tuple) -> tuple[int | None, ...]:
+    """Parser of 'auto' (min(1024, prompt), as None) or comma-separated token counts."""
+    return (None,) if value == "auto" else o.token_counts(value)
+
+
+# Sweeps: comma-separated lists
+BENCH_MODE_CHOICES = ("default", *ALL_MODES)
+Modes = o.some_of(
+    "--modes", BENCH_MODE_CHOICES, "MODE", "Our modes and the peers to time: " + ", ".join(BENCH_MODE_CHOICES) + "."
+)
+Contexts = Annotated[
+    tuple, typer.Option("--context", parser=o.token_counts, metavar="TOKENS,...", help="Context lengths, e.g. 2k,32k.")
+]
+BudgetSweep = Annotated[
+    tuple, typer.Option("--budget", parser=budgets, metavar="auto|TOKENS,...", help="Retrieval budgets to sweep.")
+]
+ChunkSizeSweep = Annotated[
+    tuple, typer.Option("--chunk-size", parser=o.token_counts, metavar="TOKENS,...", help="Chunk sizes to sweep.")
+]
+GammaPolicySweep = o.some_of("--gamma-policy", GAMMA_POLICIES, "POLICY", "Speculation-length policies to sweep.")
+ForwardCosts = Annotated[
+    tuple | None,
+    typer.Option(
+        parser=o.token_counts, metavar="T,...", help="Also time one target forward of T tokens, e.g. 1,2,4,8."
+    ),
+]
+
+# Runs
+PromptFiles = Annotated[
+    list[Path] | None,
+    typer.Option("--prompt-file", "-p", metavar="FILE", help="Prompt file; repeat for several."),
+]
+CONTINUED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is None)
+ASKED = ", ".join(name for name, prompt in BENCH_PROMPTS.items() if prompt.request is not None)
+Builtin = Annotated[
+    tuple,
+    typer.Option(
+        parser=o.names_of(tuple(BENCH_PROMPTS)),
+        metavar="NAME,...",
+        help=f"Built-in prompts when no file is given: documents continued ({CONTINUED}) and chat turns "
+        f"asking about a document ({ASKED}; they need a chat template). Files are continued. qa: the prompts' "
+        "documents [default: qa-stdlib-b's].",
+    ),
+]
+Repeats = Annotated[int, typer.Option(min=1, max=MAX_REPEATS, metavar="N", help="Timed runs of every mode.")]
+Warmup = Annotated[int, typer.Option(min=0, max=MAX_REPEATS, metavar="N", help="Untimed runs of every mode first.")]
+Scenario = Annotated[
+    Literal["decode", "qa"],
+    typer.Option(
+        metavar="decode|qa",
+        help="decode: per-token latency of each prompt; qa: one document, questions asked in turn as a chat, "
+        "the time to each answer.",
+    ),
+]
+Questions = Annotated[
+    Path | None,
+    typer.Option(metavar="FILE", help="qa: the questions, one per line [default: built-in ones]."),
+]
+ResultsFile = Annotated[Path | None, typer.Option(metavar="FILE", help="Write the results to a .json or .csv file.")]
+PlotFile = Annotated[Path | None, typer.Option(metavar="FILE", help="Write a PNG of latency against context length.")]
+
+
 def bench(
-    prompt_file: o.BenchPromptFiles = None,
-    builtin: o.BenchBuiltin = DEFAULT_BUILTIN,
-    context: o.Contexts = DEFAULT_CONTEXTS,
-    modes: o.BenchModes = "default",
-    budget: o.BudgetSweep = "auto",
-    chunk_size: o.ChunkSizeSweep = str(DEFAULTS.chunk_size),
-    repeats: o.Repeats = BENCH_DEFAULTS.repeats,
-    warmup: o.Warmup = BENCH_DEFAULTS.warmup,
-    gamma_policy: o.GammaPolicySweep = DEFAULT_POLICIES,
-    forward_costs: o.ForwardCosts = None,
-    scenario: o.Scenario = "decode",
-    questions: o.Questions = None,
-    out: o.ResultsFile = None,
-    plot: o.PlotFile = None,
-    **settings,
+    prompt_file: PromptFiles = None,
+    builtin: Builtin = DEFAULT_BUILTIN,
+    context: Contexts = DEFAULT_CONTEXTS,
+    modes: Modes = "default",
+    budget: BudgetSweep = "auto",
+    chunk_size: ChunkSizeSweep = str(o.ENGINE_DEFAULTS.chunk_size),
+    chunk_score: o.ChunkScore = o.ENGINE_DEFAULTS.chunk_score,
+    max_new_tokens: o.MaxNewTokens = BENCH_DEFAULTS.max_new_tokens,
+    ignore_eos: o.IgnoreEos = BENCH_DEFAULTS.ignore_eos,
+    repeats: Repeats = BENCH_DEFAULTS.repeats,
+    warmup: Warmup = BENCH_DEFAULTS.warmup,
+    temperature: o.Temperature = 0.0,  # greedy, as BenchConfig's sampling
+    top_p: o.TopP = o.SAMPLING_DEFAULTS.top_p,
+    top_k: o.TopK = o.SAMPLING_DEFAULTS.top_k,
+    seed: o.Seed = BENCH_SEED,
+    target: o.Target = o.LOAD_DEFAULTS.target,
+    draft: o.Draft = o.LOAD_DEFAULTS.draft,
+    draft_window: o.DraftWindow = o.ENGINE_DEFAULTS.draft_window,
+    sink_tokens: o.SinkTokens = o.ENGINE_DEFAULTS.sink_tokens,
+    gamma1: o.Gamma1 = o.ENGINE_DEFAULTS.gamma1,
+    gamma2: o.Gamma2 = o.ENGINE_DEFAULTS.gamma2,
+    gamma_policy: GammaPolicySweep = DEFAULT_POLICIES,
+    refresh_interval: o.RefreshInterval = o.ENGINE_DEFAULTS.refresh_interval,
+    dtype: o.Dtype = o.LOAD_DEFAULTS.dtype,
+    device: o.Device = o.LOAD_DEFAULTS.device,
+    threads: o.Threads = o.LOAD_DEFAULTS.threads,
+    weights: o.Weights = o.LOAD_DEFAULTS.weights,
+    attention: o.Attention = o.LOAD_DEFAULTS.attention,
+    steps: o.Steps = o.LOAD_DEFAULTS.steps,
+    compile_steps: o.Compile = None,
+    offload: o.Offload = o.ENGINE_DEFAULTS.offload,
+    on_chip_layers: o.OnChipLayers = o.ENGINE_DEFAULTS.on_chip_layers,
+    context_window: o.ContextWindow = o.LOAD_DEFAULTS.context_window,
+    prompt_cache: o.PromptCache = None,
+    forward_costs: ForwardCosts = None,
+    scenario: Scenario = "decode",
+    questions: Questions = None,
+    out: ResultsFile = None,
+    plot: PlotFile = None,
 ) -> None:
     """Per-token latency of every mode and the peers, and the seconds to the first token and to the answer."""
-    max_new_tokens, ignore_eos, prompt_cache = (
-        settings[name] for name in ("max_new_tokens", "ignore_eos", "prompt_cache")
-    )
-    with command_console(settings["threads"]) as err:
+    settings = locals()  # cli/settings.py picks the library's settings from them by name
+    with command_console(threads) as err:
         sampling = sampling_config(settings)
         config = BenchConfig(
             modes=tuple(m for m in modes if m != "default"),
@@ -95,7 +176,7 @@ def bench(
                 document: builtin_document(document) for document in {BENCH_PROMPTS[n].document for n in builtin}
             }
             prompts = {name: (documents[BENCH_PROMPTS[name].document], BENCH_PROMPTS[name].request) for name in builtin}
-        per_run = ("ignore_eos",)  # BenchConfig's, like the sweeps, which are the command's own parameters
+        per_run = ("budget", "chunk_size", "gamma_policy", "ignore_eos")  # BenchConfig's: swept, or set per run
         pipe = load_pipeline(settings, engine_config(settings, skip=per_run), lambda message: print_note(err, message))
         if "default" in modes:
             defaults = default_modes(pipe.target)

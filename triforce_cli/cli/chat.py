@@ -16,7 +16,9 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.console import Console
 from rich.text import Text
 
@@ -51,12 +53,52 @@ BLOCK = '"""'  # opens and closes a question of several lines
 HISTORY_LENGTH = 1000  # lines of the terminal history kept across sessions
 
 
-@o.takes(*o.MODELS, *o.ENGINE, "max_new_tokens", *o.SAMPLING, *o.MACHINE, "prompt_cache", after="system")
-def chat(prompt_file: o.DocumentFile, system: o.SystemPrompt = None, **settings) -> None:
+DocumentFile = Annotated[
+    str, typer.Option("--prompt-file", "-p", metavar="FILE", help="Text file of the document to ask about.")
+]
+SystemPrompt = Annotated[
+    str | None,
+    typer.Option(metavar="TEXT", help="A system prompt opening the conversation.", show_default=False),
+]
+
+
+def chat(
+    prompt_file: DocumentFile,
+    system: SystemPrompt = None,
+    target: o.Target = o.LOAD_DEFAULTS.target,
+    draft: o.Draft = o.LOAD_DEFAULTS.draft,
+    mode: o.Mode = o.ENGINE_DEFAULTS.mode,
+    budget: o.Budget = o.ENGINE_DEFAULTS.budget,
+    chunk_size: o.ChunkSize = o.ENGINE_DEFAULTS.chunk_size,
+    chunk_score: o.ChunkScore = o.ENGINE_DEFAULTS.chunk_score,
+    draft_window: o.DraftWindow = o.ENGINE_DEFAULTS.draft_window,
+    sink_tokens: o.SinkTokens = o.ENGINE_DEFAULTS.sink_tokens,
+    gamma1: o.Gamma1 = o.ENGINE_DEFAULTS.gamma1,
+    gamma2: o.Gamma2 = o.ENGINE_DEFAULTS.gamma2,
+    gamma_policy: o.GammaPolicy = o.ENGINE_DEFAULTS.gamma_policy,
+    ngram: o.Ngram = o.ENGINE_DEFAULTS.ngram,
+    refresh_interval: o.RefreshInterval = o.ENGINE_DEFAULTS.refresh_interval,
+    max_new_tokens: o.MaxNewTokens = o.ENGINE_DEFAULTS.max_new_tokens,
+    temperature: o.Temperature = o.SAMPLING_DEFAULTS.temperature,
+    top_p: o.TopP = o.SAMPLING_DEFAULTS.top_p,
+    top_k: o.TopK = o.SAMPLING_DEFAULTS.top_k,
+    seed: o.Seed = o.SAMPLING_DEFAULTS.seed,
+    dtype: o.Dtype = o.LOAD_DEFAULTS.dtype,
+    device: o.Device = o.LOAD_DEFAULTS.device,
+    threads: o.Threads = o.LOAD_DEFAULTS.threads,
+    weights: o.Weights = o.LOAD_DEFAULTS.weights,
+    attention: o.Attention = o.LOAD_DEFAULTS.attention,
+    steps: o.Steps = o.LOAD_DEFAULTS.steps,
+    compile_steps: o.Compile = None,
+    offload: o.Offload = o.ENGINE_DEFAULTS.offload,
+    on_chip_layers: o.OnChipLayers = o.ENGINE_DEFAULTS.on_chip_layers,
+    context_window: o.ContextWindow = o.LOAD_DEFAULTS.context_window,
+    prompt_cache: o.PromptCache = None,
+) -> None:
     """Ask questions about a (long) document; each answer is the target's own, after the whole conversation."""
-    prompt_cache = settings["prompt_cache"]
+    settings = locals()  # cli/settings.py picks the library's settings from them by name
     out = StdoutConsole(highlight=False)
-    with command_console(settings["threads"]) as err:
+    with command_console(threads) as err:
         config = engine_config(settings)
         if prompt_file == "-":
             raise PromptError("chat reads its questions from standard input: give the document as a file")

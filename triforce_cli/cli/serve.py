@@ -14,6 +14,60 @@ from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.store import parse_size
 
+Host = Annotated[str, typer.Option(metavar="ADDRESS", help="Address to listen on; 0.0.0.0 serves other machines too.")]
+Port = Annotated[int, typer.Option(min=0, max=65535, metavar="PORT", help="TCP port to listen on.")]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        envvar="TRIFORCE_API_KEY",
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on every route but /health.",
+        show_default=False,
+    ),
+]
+QueueSize = Annotated[
+    int, typer.Option(min=1, max=4096, metavar="N", help="Requests that may wait for the model; more get 503.")
+]
+ServedModelName = Annotated[
+    str | None, typer.Option(metavar="NAME", help="The model id clients send [default: the target's name].")
+]
+MaxTokensLimit = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        metavar="N",
+        help="The most new tokens one request may ask for; more is a 400 [default: what the context holds].",
+        show_default=False,
+    ),
+]
+RequestTimeout = Annotated[
+    float | None,
+    typer.Option(
+        min=0.001,
+        metavar="SECONDS",
+        help="A request still waiting or generating after this long ends with a 504 [default: none].",
+        show_default=False,
+    ),
+]
+MaxBodyBytes = Annotated[
+    int, typer.Option(min=1024, metavar="BYTES", help="The largest request body accepted; larger ones get 413.")
+]
+CorsOrigin = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="ORIGIN",
+        help="A browser origin allowed to call the API (CORS), e.g. http://localhost:3000; '*' for any; repeatable.",
+        show_default=False,
+    ),
+]
+ShutdownGrace = Annotated[
+    float,
+    typer.Option(
+        min=0,
+        metavar="SECONDS",
+        help="On SIGINT/SIGTERM, how long the running request may go on before it is cancelled.",
+    ),
+]
 PrefixMemory = Annotated[
     str,
     typer.Option(
@@ -53,27 +107,54 @@ def graceful_server(app, grace: float, **config):
     return Graceful(uvicorn.Config(app, timeout_graceful_shutdown=grace + 5, log_config=logs, **config))
 
 
-@o.takes(*o.MODELS, *o.ENGINE, "max_new_tokens", *o.SAMPLING, *o.MACHINE, "prompt_cache", after="served_model_name")
 def serve(
-    host: o.Host = "127.0.0.1",
-    port: o.Port = 8000,
-    api_key: o.ApiKey = None,
-    queue_size: o.QueueSize = 16,
-    served_model_name: o.ServedModelName = None,
-    max_tokens_limit: o.MaxTokensLimit = None,
-    request_timeout: o.RequestTimeout = None,
-    max_body_bytes: o.MaxBodyBytes = 16 * 2**20,
-    cors_origin: o.CorsOrigin = None,
-    shutdown_grace: o.ShutdownGrace = 30.0,
+    host: Host = "127.0.0.1",
+    port: Port = 8000,
+    api_key: ApiKey = None,
+    queue_size: QueueSize = 16,
+    served_model_name: ServedModelName = None,
+    target: o.Target = o.LOAD_DEFAULTS.target,
+    draft: o.Draft = o.LOAD_DEFAULTS.draft,
+    mode: o.Mode = o.ENGINE_DEFAULTS.mode,
+    budget: o.Budget = o.ENGINE_DEFAULTS.budget,
+    chunk_size: o.ChunkSize = o.ENGINE_DEFAULTS.chunk_size,
+    chunk_score: o.ChunkScore = o.ENGINE_DEFAULTS.chunk_score,
+    draft_window: o.DraftWindow = o.ENGINE_DEFAULTS.draft_window,
+    sink_tokens: o.SinkTokens = o.ENGINE_DEFAULTS.sink_tokens,
+    gamma1: o.Gamma1 = o.ENGINE_DEFAULTS.gamma1,
+    gamma2: o.Gamma2 = o.ENGINE_DEFAULTS.gamma2,
+    gamma_policy: o.GammaPolicy = o.ENGINE_DEFAULTS.gamma_policy,
+    ngram: o.Ngram = o.ENGINE_DEFAULTS.ngram,
+    refresh_interval: o.RefreshInterval = o.ENGINE_DEFAULTS.refresh_interval,
+    max_new_tokens: o.MaxNewTokens = o.ENGINE_DEFAULTS.max_new_tokens,
+    temperature: o.Temperature = o.SAMPLING_DEFAULTS.temperature,
+    top_p: o.TopP = o.SAMPLING_DEFAULTS.top_p,
+    top_k: o.TopK = o.SAMPLING_DEFAULTS.top_k,
+    seed: o.Seed = o.SAMPLING_DEFAULTS.seed,
+    dtype: o.Dtype = o.LOAD_DEFAULTS.dtype,
+    device: o.Device = o.LOAD_DEFAULTS.device,
+    threads: o.Threads = o.LOAD_DEFAULTS.threads,
+    weights: o.Weights = o.LOAD_DEFAULTS.weights,
+    attention: o.Attention = o.LOAD_DEFAULTS.attention,
+    steps: o.Steps = o.LOAD_DEFAULTS.steps,
+    compile_steps: o.Compile = None,
+    offload: o.Offload = o.ENGINE_DEFAULTS.offload,
+    on_chip_layers: o.OnChipLayers = o.ENGINE_DEFAULTS.on_chip_layers,
+    context_window: o.ContextWindow = o.LOAD_DEFAULTS.context_window,
+    prompt_cache: o.PromptCache = None,
+    max_tokens_limit: MaxTokensLimit = None,
+    request_timeout: RequestTimeout = None,
+    max_body_bytes: MaxBodyBytes = 16 * 2**20,
+    cors_origin: CorsOrigin = None,
+    shutdown_grace: ShutdownGrace = 30.0,
     prefix_memory: PrefixMemory = "2GiB",
-    **settings,
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
+    settings = locals()  # cli/settings.py picks the library's settings from them by name
     # imported here: the web stack loads only for this command
     from triforce_cli.serve.app import create_app
 
-    prompt_cache = settings["prompt_cache"]
-    with command_console(settings["threads"]) as err:
+    with command_console(threads) as err:
         config = engine_config(settings)
         try:
             prefix_bytes = parse_size(prefix_memory)

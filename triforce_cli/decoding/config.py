@@ -2,14 +2,15 @@
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.decoding.speculation_length import POLICIES
+from triforce_cli.decoding.speculation_length import GammaPolicy
 from triforce_cli.errors import ConfigError
-from triforce_cli.kernels import CHUNK_SCORES
+from triforce_cli.kernels import CHUNK_SCORES, ChunkScore
 from triforce_cli.runtime.forms import OFFLOAD_CHOICES, OffloadMode
 
-GAMMA_POLICIES = ("auto", *POLICIES)
+GAMMA_POLICIES = tuple(policy.value for policy in GammaPolicy)
 
 DEFAULT_BUDGET = 1024
 
@@ -27,26 +28,36 @@ class Tiers:
         return self.retrieval or self.drafter
 
 
+class Mode(StrEnum):
+    """The tiers a generation runs (EngineConfig.mode): every mode ends in target@full."""
+
+    AUTOREGRESSIVE = "autoregressive"  # target@full alone
+    RETRIEVAL = "retrieval"  # target@retrieval -> target@full
+    STREAMING = "streaming"  # drafter@StreamingLLM -> target@full
+    TRIFORCE = "triforce"  # drafter@StreamingLLM -> target@retrieval -> target@full
+
+
 MODE_TIERS = {
-    "autoregressive": Tiers(retrieval=False, drafter=False),
-    "retrieval": Tiers(retrieval=True, drafter=False),
-    "streaming": Tiers(retrieval=False, drafter=True),
-    "triforce": Tiers(retrieval=True, drafter=True),
+    Mode.AUTOREGRESSIVE: Tiers(retrieval=False, drafter=False),
+    Mode.RETRIEVAL: Tiers(retrieval=True, drafter=False),
+    Mode.STREAMING: Tiers(retrieval=False, drafter=True),
+    Mode.TRIFORCE: Tiers(retrieval=True, drafter=True),
 }
-MODES = tuple(MODE_TIERS)
+MODES = tuple(mode.value for mode in Mode)
 MAX_GAMMA = 64  # drafts per verification: far past where verifying them costs more than it saves
 MAX_REFRESH_INTERVAL = 256  # full verifications between chunk selections: the retrieval cache keeps their tokens
 MAX_DRAFT_CACHE = 1 << 20  # positions of the drafter's StreamingLLM cache (sinks + window)
-# Prompt tokens per prefill forward, by device. On the CPU, the chunk at which a prompt prefilled fastest with SDPA's
-# attention, and close to the fastest with the extension's chunk attention, which cache_attention
-# (kernels.attention) replaced; see docs/performance.md. On a GPU, 4,096: a chunk's attention is a few fused
+# Prompt tokens per prefill forward (a prefill block; not the retrieval cache's chunks, EngineConfig.chunk_size), by
+# device. On the CPU, the block at which a prompt prefilled fastest with SDPA's attention, and close to the fastest
+# with the extension's chunk attention, which cache_attention (kernels.attention) replaced; see
+# docs/performance.md. On a GPU, 4,096: a block's attention is a few fused
 # kernel calls whatever the context (FlashAttention, or the sdpa backend's torch_attention), whose tiles of 128
 # query rows then number Hkv * G*T / 128 = 1,024 for an 8B model's 32 query heads, enough to fill every SM of an
 # H100 (512 tokens gave 128 for its 132), and 128K tokens take 32 forwards rather than 256, each paying the
 # layers' launches once. Its activations, about 0.5 GiB for an 8B model in bfloat16 (logits of the last row only),
-# are an item of the memory plan (decoding.sizing.prefill_activation_bytes); prefix reuse keeps whole chunks
+# are an item of the memory plan (decoding.sizing.prefill_activation_bytes); prefix reuse keeps whole blocks
 # where a position's bits depend on the forward's shape (outside the numeric contract: Engine.exact_positions).
-PREFILL_CHUNK = {"cpu": 256, "cuda": 4096}
+PREFILL_BLOCK = {"cpu": 256, "cuda": 4096}
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class EngineConfig:
     mode: ``autoregressive`` (target@full only), ``retrieval`` (target@retrieval -> target@full), ``streaming``
     (drafter@StreamingLLM -> target@full) or ``triforce`` (all three tiers).
     budget: tokens of prompt chunks the retrieval cache keeps; None picks min(1024, the prompt's whole chunks).
+    chunk_size: tokens per retrieval chunk, the unit the retrieval cache scores and keeps (``--chunk-size``).
     chunk_score: how the retrieval cache scores chunks against the query: ``mean`` (its mean key, TriForce's) or
     ``bound`` (Quest's bound from its minimum and maximum keys; kernels/retrieval.py).
     gamma1: drafter tokens per verification by the tier above it; gamma2: tokens target@full verifies per pass
@@ -68,6 +80,8 @@ class EngineConfig:
     own (the middle tier skipped where it does not pay); ``fixed`` and ``heuristic`` keep all three tiers.
     refresh_interval: full verifications between two chunk selections of the retrieval cache; a selection that
         falls due while the full tier drafts straight from the drafter waits until the retrieval tier drafts again.
+    prefill_block: prompt tokens per prefill forward (a prefill block, apart from the retrieval chunks); None:
+        PREFILL_BLOCK's for the target's device.
     ngram: draft with the training-free n-gram proposer: alone, or first with the model drafter drafting where it
     finds no continuation (speculative.FallbackProposer); None (the default) puts it first wherever a model
     drafter is given, and leaves it out otherwise (Engine.uses_ngram). ngram_max is the longest suffix it matches.
@@ -80,22 +94,22 @@ class EngineConfig:
     grows them, the old ones released first, and they never shrink (decoding/sizing.py).
     """
 
-    mode: str = "triforce"
+    mode: Mode = Mode.TRIFORCE
     budget: int | None = None
     chunk_size: int = 16
-    chunk_score: str = "mean"
+    chunk_score: ChunkScore = ChunkScore.MEAN
     sink_tokens: int = 16
     draft_window: int = 496
     gamma1: int = 2
     gamma2: int = 6
-    gamma_policy: str = "auto"
+    gamma_policy: GammaPolicy = GammaPolicy.AUTO
     max_new_tokens: int = 256
     refresh_interval: int = 4
-    prefill_chunk: int | None = None  # tokens per prefill forward; None: PREFILL_CHUNK for the target's device
+    prefill_block: int | None = None  # tokens per prefill forward; None: PREFILL_BLOCK for the target's device
     ngram: bool | None = None
     ngram_max: int = 3
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
-    offload: str = OffloadMode.NONE
+    offload: OffloadMode = OffloadMode.NONE
     on_chip_layers: int = 0
     cache_positions: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -139,7 +153,7 @@ class EngineConfig:
                 self.sink_tokens + self.draft_window <= MAX_DRAFT_CACHE,
                 f"sink tokens + draft window must not exceed {MAX_DRAFT_CACHE} positions",
             ),
-            (self.prefill_chunk is None or self.prefill_chunk > 0, "prefill chunk must be positive"),
+            (self.prefill_block is None or self.prefill_block > 0, "prefill block must be positive"),
             (self.ngram_max > 0, "n-gram length must be positive"),
             (
                 self.offload in OFFLOAD_CHOICES,
@@ -156,9 +170,9 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(message)
 
-    def prefill_chunk_on(self, device_type: str) -> int:
-        """Tokens per prefill forward on a device of this type ('cpu', 'cuda'): prefill_chunk, else PREFILL_CHUNK's."""
-        return self.prefill_chunk or PREFILL_CHUNK.get(device_type, PREFILL_CHUNK["cuda"])
+    def prefill_block_on(self, device_type: str) -> int:
+        """Tokens per prefill forward on a device of this type ('cpu', 'cuda'): prefill_block, else PREFILL_BLOCK's."""
+        return self.prefill_block or PREFILL_BLOCK.get(device_type, PREFILL_BLOCK["cuda"])
 
     @property
     def speculation_depth(self) -> int:
@@ -166,12 +180,13 @@ class EngineConfig:
         return self.gamma1 + self.gamma2 + 2
 
     @property
-    def speculation_policy(self) -> str:
+    def speculation_policy(self) -> GammaPolicy:
         """The policy to run: ``auto`` is throughput, but fixed for seeded sampling, whose output must repeat
         exactly; throughput's choices follow the clock."""
-        if self.gamma_policy != "auto":
-            return self.gamma_policy
-        return "fixed" if self.sampling.seed is not None and not self.sampling.greedy else "throughput"
+        if self.gamma_policy != GammaPolicy.AUTO:
+            return GammaPolicy(self.gamma_policy)
+        seeded = self.sampling.seed is not None and not self.sampling.greedy
+        return GammaPolicy.FIXED if seeded else GammaPolicy.THROUGHPUT
 
     @property
     def uses_retrieval(self) -> bool:

@@ -278,8 +278,8 @@ class Engine:
 
     @property
     def prefill_chunk(self) -> int:
-        """Prompt tokens per prefill forward on the target's device (EngineConfig.prefill_chunk_on)."""
-        return self.config.prefill_chunk_on(self.target.device.type)
+        """Prompt tokens per prefill forward on the target's device (EngineConfig.prefill_block_on)."""
+        return self.config.prefill_block_on(self.target.device.type)
 
     @property
     def offloaded(self) -> bool:

@@ -148,7 +148,7 @@ def full_slots(config: EngineConfig, positions: int, window: int | None, spare: 
     Such a cache moves about W positions per slack positions written, and holds any number of positions."""
     if window is None:
         return positions
-    longest = max(config.prefill_chunk_on(device_type), spare)
+    longest = max(config.prefill_block_on(device_type), spare)
     return min(positions, window + longest + config.chunk_size)
 
 
@@ -187,7 +187,7 @@ def capacities(
     if config.uses_retrieval:
         budget = config.budget_for(positions - spare - config.max_new_tokens)  # the longest prompt the cache takes
         recent = config.chunk_size + config.refresh_interval * (config.gamma2 + 1) + spare
-    draft_step = max(config.prefill_chunk_on(device_type), spare) if model_drafter else 0
+    draft_step = max(config.prefill_block_on(device_type), spare) if model_drafter else 0
     streaming = config.sink_tokens + config.draft_window + draft_step if model_drafter else 0
     return Capacities(full, budget, recent, draft_step, streaming)
 

@@ -36,8 +36,19 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
 """
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-POLICIES = ("fixed", "heuristic", "throughput")
+
+class GammaPolicy(StrEnum):
+    """How speculation lengths are chosen (EngineConfig.gamma_policy)."""
+
+    AUTO = "auto"  # throughput, but fixed for seeded sampling (EngineConfig.speculation_policy)
+    FIXED = "fixed"  # gamma1 and gamma2 as given
+    HEURISTIC = "heuristic"  # +2 after a verification that accepted every draft, -1 after one that did not
+    THROUGHPUT = "throughput"  # the length of the most expected tokens per second
+
+
+POLICIES = (GammaPolicy.FIXED, GammaPolicy.HEURISTIC, GammaPolicy.THROUGHPUT)  # what AUTO resolves among
 SMOOTHING = 0.3  # weight of the newest measurement in the running verification costs
 MEMORY = 0.9  # weight a draft source keeps for its earlier drafts at each of its verifications
 SHORTCUT_RETRY = 8  # verifications between two tries of the draft source not in use

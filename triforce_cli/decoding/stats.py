@@ -5,9 +5,19 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar
 
 from triforce_cli.decoding.speculative import AcceptanceStats, TierCosts
+
+
+class StopReason(StrEnum):
+    """Why a generation ended (GenerationStats.stop_reason)."""
+
+    MAX_NEW_TOKENS = "max_new_tokens"  # it wrote as many tokens as it was allowed
+    EOS = "eos"  # the model wrote an end-of-sequence token
+    INTERRUPTED = "interrupted"  # Ctrl-C (interrupts.py)
+    CANCELLED = "cancelled"  # the caller's should_stop: a server's client gone, a stop string written
 
 
 def summary_of(values: str, reduce: Callable[[list[float]], float]) -> property:
@@ -52,7 +62,7 @@ class GenerationStats:
     round_tokens: list[int] = field(default_factory=list)  # tokens that step committed
     acceptance: list[AcceptanceStats] = field(default_factory=list)
     tier_costs: list[TierCosts] = field(default_factory=list)  # each adaptive tier's measured costs and decisions
-    stop_reason: str = "max_new_tokens"  # or "eos", "interrupted", "cancelled" (Engine.generate's should_stop)
+    stop_reason: StopReason = StopReason.MAX_NEW_TOKENS
     prompt_cached: bool = False  # the prompt's KV cache was restored instead of prefilled
     reused_tokens: int = 0  # prompt positions kept from the previous prompt's prefill (a shared prefix)
 

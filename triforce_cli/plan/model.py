@@ -163,7 +163,7 @@ class Hardware:
     all_reduce_s: bytes/s between them and the fixed seconds of one all-reduce. cuda_graphs: whether decode steps
     replay as CUDA graphs (the tool's default on CUDA), which doubles the caches' headroom (decoding.sizing).
     gpu: whether a device is a GPU, which holds a CUDA context and an allocator's slack (gpu_items) and prefills in the
-    GPU's chunks (EngineConfig.prefill_chunk_on), which the drafter's cache holds.
+    GPU's chunks (EngineConfig.prefill_block_on), which the drafter's cache holds.
     """
 
     name: str
@@ -475,7 +475,7 @@ def memory_items(
         MemoryItem("target weights", round(target.weight_bytes(workload.target_weights)), 0),
         MemoryItem("drafter weights", drafter.parameters * size * copies if tiers.drafter else 0, 0),
         *caches,
-        activation_item(target, engine.prefill_chunk_on(device_type), size),
+        activation_item(target, engine.prefill_block_on(device_type), size),
     ]
     if hardware.gpu:
         setup = {"target": target, "drafter": drafter, "hardware": hardware, "workload": workload}
