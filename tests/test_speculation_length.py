@@ -305,14 +305,15 @@ def test_fixed_policy_never_moves():
     assert length.current == 3
 
 
-def test_auto_is_throughput_except_for_seeded_sampling():
+def test_auto_is_costed_seeded_or_not():
     def resolved(policy="auto", **sampling):
         return EngineConfig(gamma_policy=policy, sampling=SamplingConfig(**sampling)).speculation_policy
 
-    assert resolved(temperature=0.6) == "throughput"
-    assert resolved(temperature=0.6, seed=3) == "fixed"  # a seeded sampled run must repeat exactly
-    assert resolved(temperature=0, seed=3) == "throughput"  # greedy output does not depend on the lengths
+    assert resolved(temperature=0.6) == "costed"
+    assert resolved(temperature=0.6, seed=3) == "costed"  # its choices follow no clock: a seeded run repeats
+    assert resolved(temperature=0, seed=3) == "costed"
     assert resolved("heuristic", temperature=0.6, seed=3) == "heuristic"
+    assert resolved("throughput", temperature=0.6) == "throughput"
 
 
 def test_unknown_policy_is_refused():

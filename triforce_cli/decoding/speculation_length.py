@@ -37,12 +37,20 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
 
 from dataclasses import dataclass, field
 
-POLICIES = ("fixed", "heuristic", "throughput")
+POLICIES = ("fixed", "heuristic", "throughput", "costed")
+SOURCE_POLICIES = ("throughput", "costed")  # the policies that may draft from a tier's shortcut and take own steps
 SMOOTHING = 0.3  # weight of the newest measurement in the running verification costs
 MEMORY = 0.9  # weight a draft source keeps for its earlier drafts at each of its verifications
 SHORTCUT_RETRY = 8  # verifications between two tries of the draft source not in use
 DRAFT_RETRY = 8  # own steps (length 0) before drafting is tried again
 MAX_DRAFT_RETRY = 64  # the longest wait, after retries that kept losing
+# costed policy
+PRIOR_DRAFTS = 2  # judged drafts the prior acceptance weighs as, beside the source's own (DraftSource)
+PRIOR_ACCEPTANCE = {"retrieval": 0.85}  # by the source's name: the target on the retrieval cache agrees with itself
+DEFAULT_PRIOR = 0.4  # a drafter model, the n-gram proposer
+DRAFT_MARGIN = 1.05  # drafting must promise this many times the tokens per second of own steps
+PROBE_WAIT = 4  # own steps before the first probe of drafting after it lost; doubled after each probe that loses
+MAX_PROBE_WAIT = 64
 
 
 def heuristic_length(current: int, all_accepted: bool, ceiling: int) -> int:
@@ -103,6 +111,45 @@ def choose_source(rates: dict[bool, float], since_retry: int) -> tuple[bool, int
     return faster, since_retry
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """What a tier's steps cost, fixed before decoding: the costed policy's prices (decoding/step_costs.py predicts
+    them), in seconds.
+
+    forward[n - 1] is a forward of n tokens on the tier's cache, n = 1..ceiling + 1: an own step is forward[0], a
+    verification of s drafts forward[s]. proposer and shortcut are the seconds per token drafted from each source.
+    """
+
+    forward: tuple[float, ...]
+    proposer: float
+    shortcut: float = 0.0
+
+    @property
+    def own(self) -> float:
+        return self.forward[0]
+
+    def verify(self, drafts: int) -> float:
+        return self.forward[min(drafts, len(self.forward) - 1)]
+
+    def draft(self, shortcut: bool) -> float:
+        return self.shortcut if shortcut else self.proposer
+
+
+def prior_acceptance(source: str) -> float:
+    """The acceptance the costed policy assumes of drafts from a source (a Proposer's name) before it has any."""
+    return PRIOR_ACCEPTANCE.get(source, DEFAULT_PRIOR)
+
+
+def costed_option(acceptance: float, costs: StepCosts, shortcut: bool, ceiling: int) -> tuple[float, int]:
+    """(tokens per second, length) of the best length in 1..ceiling for drafts from one source at this
+    acceptance, every cost as priced."""
+    rates = [
+        (expected_tokens(acceptance, n) / (n * costs.draft(shortcut) + costs.verify(n)), n)
+        for n in range(1, ceiling + 1)
+    ]
+    return max(rates, key=lambda rate_length: rate_length[0])
+
+
 @dataclass
 class DraftSource:
     """Acceptance and cost per draft of one way of drafting for a tier.
@@ -135,6 +182,10 @@ class DraftSource:
         self.accepted = MEMORY * self.accepted + accepted
         self.seconds = MEMORY * self.seconds + draft_seconds
 
+    def estimate(self, prior: float) -> float:
+        """The acceptance with PRIOR_DRAFTS judged drafts at the prior rate counted beside this source's own."""
+        return (self.accepted + PRIOR_DRAFTS * prior) / (self.judged + PRIOR_DRAFTS)
+
 
 @dataclass
 class SpeculationLength:
@@ -156,6 +207,11 @@ class SpeculationLength:
     resume: tuple[int, bool] = field(init=False, default=(1, False))  # (length, use_shortcut) a retry drafts with
     dropped: int = field(init=False, default=0)  # times the policy chose length 0 after drafting
     own_steps_taken: int = field(init=False, default=0)
+    costs: StepCosts | None = field(init=False, default=None)  # costed policy: set by price()
+    priors: dict[bool, float] = field(init=False, default_factory=dict)  # costed: prior acceptance by source
+    probing: bool = field(init=False, default=False)  # costed: the current drafts are a probe while own steps win
+    probe_wait: int = field(init=False, default=PROBE_WAIT)  # costed: own steps before the next probe
+    probe_shortcut: bool = field(init=False, default=False)  # costed: the source of the last probe
 
     @property
     def drafting(self) -> bool:
@@ -184,13 +240,21 @@ class SpeculationLength:
             averages.record(drafted, accepted, draft_seconds)
             self.verify_seconds[drafted] = _smooth(self.verify_seconds.get(drafted), verify_seconds)
             self._choose(drafted)
+        elif self.policy == "costed" and self.costs is not None:
+            averages = self.shortcut_averages if self.use_shortcut else self.proposer_averages
+            averages.record(drafted, accepted, 0.0)
+            self._plan()
 
     def record_own_step(self, seconds: float) -> None:
         """Account for one step in which the tier sampled its own token (length 0) and took `seconds`; once
         own_steps_left is spent, the next step retries drafting."""
-        self.verify_seconds[0] = _smooth(self.verify_seconds.get(0), seconds)
         self.own_steps_taken += 1
         self.own_steps_left -= 1
+        if self.policy == "costed":
+            if self.own_steps_left <= 0:
+                self._probe()
+            return
+        self.verify_seconds[0] = _smooth(self.verify_seconds.get(0), seconds)
         if self.own_steps_left <= 0:
             self.current, self.use_shortcut = self.resume
             self.retrying = self.dropped > 0  # not after the one step that measured them first
@@ -199,6 +263,64 @@ class SpeculationLength:
                     self.shortcut_averages = DraftSource()
                 else:
                     self.proposer_averages = DraftSource()
+
+    def price(self, costs: StepCosts, priors: dict[bool, float]) -> None:
+        """Give the costed policy its costs and the prior acceptance of each source (True: the shortcut), and
+        choose the first step from them: drafting where the priors promise it pays, else a probe of it."""
+        self.costs, self.priors = costs, priors
+        self.verify_seconds = {n: costs.forward[n] for n in range(len(costs.forward))}  # what TierCosts reports
+        self._probe()
+
+    def _options(self) -> dict[bool, tuple[float, int]]:
+        """(tokens per second, length) of the best length of each source, at its estimated acceptance."""
+        sources = {False: self.proposer_averages}
+        if self.has_shortcut:
+            sources[True] = self.shortcut_averages
+        return {
+            shortcut: costed_option(source.estimate(self.priors[shortcut]), self.costs, shortcut, self.ceiling)
+            for shortcut, source in sources.items()
+        }
+
+    def _draft_if_it_pays(self) -> bool:
+        """Draft with the best source and length where that promises DRAFT_MARGIN times the tokens per second of
+        own steps (or where the tier has none); return whether it does. The source not in use drafts every
+        SHORTCUT_RETRY-th verification (choose_source), so its estimate follows the text too."""
+        options = self._options()
+        best = max(rate for rate, _ in options.values())
+        if self.own_steps and best < DRAFT_MARGIN / self.costs.own:
+            return False
+        if self.has_shortcut:
+            rates = {shortcut: rate for shortcut, (rate, _) in options.items()}
+            self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
+        self.current = options[self.use_shortcut][1]
+        self.probing = False
+        self.probe_wait = PROBE_WAIT
+        return True
+
+    def _plan(self) -> None:
+        """After a verification under the costed policy: keep drafting where it pays, else own steps, for
+        PROBE_WAIT of them after drafting that stopped paying and twice as many as last time after a probe."""
+        probed = self.probing
+        if self._draft_if_it_pays():
+            return
+        if probed:
+            self.probe_wait = min(MAX_PROBE_WAIT, 2 * self.probe_wait)
+        self.own_steps_left = self.probe_wait
+        self.dropped += 1
+        self.probing = False
+        self.current = 0
+
+    def _probe(self) -> None:
+        """Draft where it pays; else draft once all the same, a probe, to learn whether drafting pays now: from
+        the source not probed last time (where there are two; the shortcut, which costs less, first), at its best
+        length."""
+        if self._draft_if_it_pays():
+            return
+        if self.has_shortcut:
+            self.probe_shortcut = not self.probe_shortcut
+        self.use_shortcut = self.has_shortcut and self.probe_shortcut
+        self.current = self._options()[self.use_shortcut][1]
+        self.probing = True
 
     def _choose(self, drafted: int) -> None:
         untried = [n for n in range(drafted - 1, 0, -1) if n not in self.verify_seconds]  # shorter than the last
