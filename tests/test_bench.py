@@ -306,10 +306,10 @@ def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
 
 
 def test_auto_policy_is_resolved_for_the_bench_sampling():
-    greedy = BenchConfig(modes=("triforce",), gamma_policies=("auto", "throughput"))
-    assert triforce_cli.bench.runner._resolved_policies(greedy) == ("throughput",)
+    greedy = BenchConfig(modes=("triforce",), gamma_policies=("auto", "costed", "throughput"))
+    assert triforce_cli.bench.runner._resolved_policies(greedy) == ("costed", "throughput")
     seeded = replace(greedy, sampling=SamplingConfig(temperature=0.6, seed=0))
-    assert triforce_cli.bench.runner._resolved_policies(seeded) == ("fixed", "throughput")
+    assert triforce_cli.bench.runner._resolved_policies(seeded) == ("costed", "throughput")
 
 
 def test_forward_costs_time_each_token_count_on_both_caches(pipe):
