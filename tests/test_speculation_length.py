@@ -496,7 +496,9 @@ def test_costed_starts_drafting_where_the_prior_says_it_pays():
     """The retrieval tier's prior (the target agreeing with itself on part of its cache) and forwards that cost
     little more for more tokens: the first step drafts long, no probe needed."""
     length = SpeculationLength("costed", ceiling=6, own_steps=True)
-    length.price(StepCosts((1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3), proposer=0.3), {False: prior_acceptance("retrieval")})
+    length.price(
+        StepCosts((1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3), proposer=0.3), {False: prior_acceptance("retrieval")}
+    )
     assert length.current > 1
     length.record(length.current, length.current, 0.0, 0.0)
     assert length.current > 1  # it keeps drafting

@@ -42,8 +42,8 @@ from triforce_cli.decoding.sizing import (
 )
 from triforce_cli.decoding.speculation_length import SOURCE_POLICIES
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier, TokenSequence
-from triforce_cli.decoding.step_costs import price_tiers
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
+from triforce_cli.decoding.step_costs import price_tiers
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.offload import offload_kv
 from triforce_cli.runtime.environment import available_memory, torch_threads

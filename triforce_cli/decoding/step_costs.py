@@ -31,17 +31,21 @@ from triforce_cli.runtime.model import Transformer, weight_bytes
 
 @dataclass(frozen=True)
 class MachineBalance:
-    """What the prices divide by: bytes/s read, float32 FLOP/s, and seconds of fixed cost per layer and forward."""
+    """What the prices divide by: bytes/s read, float32 FLOP/s, seconds of fixed cost per layer and forward, and
+    bytes/s from host memory to the device, over which an offloaded full cache streams its keys and values."""
 
     read_bandwidth: float
     flops: float
     layer_overhead_s: float
+    transfer_bandwidth: float
 
 
 LAYER_OVERHEAD_S = {"cpu": 60e-6, "cuda": 15e-6}  # the planner's eager and CUDA-graph figures (plan/presets.py)
+PCIE_BANDWIDTH = 25e9  # the planner's PCIe 4.0 x16 with pinned memory (plan/presets.py)
 NOMINAL = {
-    "cpu": MachineBalance(30e9, 186e9, LAYER_OVERHEAD_S["cpu"]),  # a 2-core EPYC's kept rates
-    "cuda": MachineBalance(2e12, 300e12, LAYER_OVERHEAD_S["cuda"]),  # a data-centre GPU: bytes, not arithmetic
+    "cpu": MachineBalance(30e9, 186e9, LAYER_OVERHEAD_S["cpu"], 30e9),  # a 2-core EPYC's kept rates
+    # a data-centre GPU: a forward costs its bytes, its arithmetic hardly
+    "cuda": MachineBalance(2e12, 300e12, LAYER_OVERHEAD_S["cuda"], PCIE_BANDWIDTH),
 }
 
 
@@ -53,7 +57,7 @@ def machine_balance(device_type: str) -> MachineBalance:
 
         rates = remembered_rates()
         if rates is not None:
-            return MachineBalance(rates.read_bandwidth, rates.flops, LAYER_OVERHEAD_S["cpu"])
+            return MachineBalance(rates.read_bandwidth, rates.flops, LAYER_OVERHEAD_S["cpu"], rates.read_bandwidth)
     return NOMINAL.get(device_type, NOMINAL["cuda"])
 
 
@@ -81,14 +85,18 @@ def attended_positions(cache: KVCache) -> int:
 
 
 def forward_seconds(model: Transformer, cache: KVCache, tokens: int, balance: MachineBalance) -> float:
-    """The price of a forward of `tokens` tokens on cache (the module docstring's formula)."""
+    """The price of a forward of `tokens` tokens on cache (the module docstring's formula); an offloaded full
+    cache's keys and values cross to the device meanwhile, and the longer of the two is the price."""
     cfg = model.config
     positions = attended_positions(cache)
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * positions * cache.keys.element_size()
     read_bytes = weight_bytes(model.model.layers, model.model.norm, model.lm_head) + kv_bytes
     attention_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * positions * tokens
     flops = 2 * linear_weights(model) * tokens + attention_flops
-    return cfg.num_layers * balance.layer_overhead_s + read_bytes / balance.read_bandwidth + flops / balance.flops
+    compute = read_bytes / balance.read_bandwidth + flops / balance.flops
+    if isinstance(cache, FullCache) and cache.stream is not None:
+        compute = max(compute, kv_bytes / balance.transfer_bandwidth)
+    return cfg.num_layers * balance.layer_overhead_s + compute
 
 
 def draft_seconds(proposer: Proposer | None, balance: MachineBalance) -> float:
