@@ -641,3 +641,10 @@ def test_costed_drafts_sometimes_accepted_stay_exact():
     tokens, top = scripted_decode(right=lambda i: i % 3 != 2)
     assert tokens == scripted_decode(None)[0]
     assert 0 < top.stats.accepted < top.stats.drafted
+
+
+def test_costed_drops_are_noted_with_their_prices():
+    _, top = scripted_decode(right=lambda i: False)
+    costs = top.costs()
+    assert costs.priced and costs.drops >= 1 and costs.step_ms[0] == 1000 * SCRIPTED_PRICES.own
+    assert "priced 1000.0 ms a token" in costs.note and "1 drafts 1200.0 ms" in costs.note

@@ -160,6 +160,7 @@ class TierCosts:
     step_ms: dict[int, float]
     own_steps: int = 0  # steps where the tier drafted nothing and sampled itself (tiers below it dropped)
     drops: int = 0  # times the policy dropped drafting because own steps yielded more tokens per second
+    priced: bool = False  # step_ms are prices fixed before decoding (costed policy), not measured
 
     DERIVED: ClassVar[tuple[str, ...]] = ("note",)  # written by stats.as_record beside the fields
 
@@ -170,6 +171,12 @@ class TierCosts:
             return None
         drafting = {n: ms for n, ms in self.step_ms.items() if n}
         costs = ", ".join(f"{n} drafts {ms:.1f} ms" for n, ms in sorted(drafting.items()))
+        if self.priced:
+            return (
+                f"{self.tier}: drafting dropped {self.drops}x, {self.own_steps} steps without it: own steps (priced"
+                f" {self.step_ms[0]:.1f} ms a token) promised more tokens per second than verifying drafts at the"
+                f" acceptance seen ({costs})"
+            )
         return (
             f"{self.tier}: drafting dropped {self.drops}x, {self.own_steps} steps without it: own steps"
             f" ({self.step_ms[0]:.1f} ms a token) yielded more tokens per second than verifying drafts ({costs})"
@@ -277,7 +284,7 @@ class ModelTier:
         """What this tier's policy measured and decided so far."""
         length = self.length
         step_ms = {n: round(1000 * seconds, 3) for n, seconds in sorted(length.verify_seconds.items())}
-        return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped)
+        return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped, priced=length.costs is not None)
 
     def step(self, sequence: TokenSequence, limit: int | None = None) -> Proposal:
         """One round of this tier after sequence: its next tokens, exactly distributed as its own model on its own
