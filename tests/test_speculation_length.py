@@ -578,3 +578,10 @@ def test_greedy_with_ngram_and_costed_lengths_equals_autoregressive(monkeypatch)
     drafting_pays(monkeypatch)
     engine = Engine(rich_model(0).loaded, engine_config("triforce", ngram=True, gamma_policy="costed"))
     assert engine.generate(prompt_for(0)).token_ids == list(autoregressive_tokens(0))
+
+
+def test_costed_retries_the_other_source_with_one_draft_while_drafting_pays():
+    steps = feed_costed(costed(SLOPE, draft=0.01, shortcut=0.5), 40, accepts=lambda n, i: n)
+    retries = [(i, n) for i, (n, shortcut) in enumerate(steps) if shortcut]
+    assert [i for i, _ in retries] == list(range(SHORTCUT_RETRY - 1, 40, SHORTCUT_RETRY))
+    assert all(n == 1 for _, n in retries) and all(n == 4 for n, shortcut in steps[4:] if not shortcut)

@@ -49,7 +49,9 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   PROBE_WAIT again after one that did; with a shortcut the probes take turns between the two sources, the
   shortcut first. Where drafting never pays, a 64-token answer holds four probes of one draft, about a sixtieth
   of its cost on a CPU; where it pays from the priors (long contexts, whose full forwards cost most), the first
-  step drafts.
+  step drafts. With a shortcut, the source that promises less drafts one token every SHORTCUT_RETRY-th
+  verification while drafting pays, so that its estimate follows the text. (A tier not priced drafts its ceiling,
+  as under fixed.)
 
   Every choice follows the prices, fixed before decoding, and the acceptance counts, never the clock, so a seeded
   sampled run repeats its tokens exactly from run to run and gets the same protection as any other. The prices
@@ -159,7 +161,7 @@ class StepCosts:
         return len(self.forward) - 1
 
     def verify(self, drafts: int) -> float:
-        return self.forward[min(drafts, len(self.forward) - 1)]
+        return self.forward[min(drafts, self.ceiling)]
 
     def draft(self, shortcut: bool) -> float:
         return self.shortcut if shortcut else self.proposer
@@ -332,16 +334,18 @@ class SpeculationLength:
 
     def _draft_if_it_pays(self) -> bool:
         """Draft with the best source and length where that promises DRAFT_MARGIN times the tokens per second of
-        own steps (or where the tier has none); return whether it does. The source not in use drafts every
-        SHORTCUT_RETRY-th verification (choose_source), so its estimate follows the text too."""
+        own steps (or where the tier has none); return whether it does. The source not in use drafts one token
+        every SHORTCUT_RETRY-th verification (choose_source), so that its estimate follows the text too."""
         options = self._options()
         best = max(rate for rate, _ in options.values())
         if self.own_steps and best < DRAFT_MARGIN / self.costs.own:
             return False
+        self.current = max(options.values())[1]
         if self.has_shortcut:
             rates = {shortcut: rate for shortcut, (rate, _) in options.items()}
             self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
-        self.current = options[self.use_shortcut][1]
+            if self.since_retry == 0:
+                self.current = 1
         self.probe_wait = PROBE_WAIT
         return True
 
