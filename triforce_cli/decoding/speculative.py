@@ -174,8 +174,8 @@ class TierCosts:
         if self.priced:
             return (
                 f"{self.tier}: drafting dropped {self.drops}x, {self.own_steps} steps without it: own steps (priced"
-                f" {self.step_ms[0]:.1f} ms a token) promised more tokens per second than verifying drafts at the"
-                f" acceptance seen ({costs})"
+                f" {self.step_ms[0]:.1f} ms a token) promised more tokens per second, at the acceptance seen, than"
+                f" verifying drafts ({costs})"
             )
         return (
             f"{self.tier}: drafting dropped {self.drops}x, {self.own_steps} steps without it: own steps"
