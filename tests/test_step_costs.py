@@ -1,6 +1,8 @@
 """The prices of the costed speculation-length policy: forwards priced from bytes, FLOPs and the machine's rates."""
 
+import dataclasses
 import itertools
+import json
 import math
 
 import torch
@@ -9,7 +11,8 @@ from triforce_cli.cache import RetrievalCache, StreamingCache
 
 from triforce_cli.decoding import step_costs
 from triforce_cli.decoding.step_costs import NOMINAL, MachineBalance, forward_seconds, linear_weights, machine_balance
-from triforce_cli.plan.rates import MachineRates
+from triforce_cli.decoding.tuning import machine_key
+from triforce_cli.plan.rates import MachineRates, rates_path
 from triforce_cli.runtime.model import weight_bytes
 
 READ_ONLY = MachineBalance(read_bandwidth=1e9, flops=math.inf, layer_overhead_s=0.0, transfer_bandwidth=1e9)
@@ -50,15 +53,17 @@ def test_the_lower_tiers_cost_less_than_the_full_cache():
     assert forward_seconds(model, streaming, 1, balance) < forward_seconds(model, retrieval, 1, balance) < full_price
 
 
-def test_the_kept_rates_price_the_cpu_else_nominal_figures(monkeypatch):
-    from triforce_cli.plan import rates
-
-    kept = MachineRates("Test CPU", "key", 5e9, 7e10, 2, "now", None, None)
-    monkeypatch.setattr(rates, "remembered_rates", lambda: kept)
+def test_the_rates_plan_keeps_price_the_cpu_else_nominal_figures(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path))
+    assert machine_balance("cpu") == NOMINAL["cpu"]  # none kept
+    kept = MachineRates("Test CPU", machine_key(), 5e9, 7e10, 2, "now", None, None)
+    rates_path().parent.mkdir(parents=True, exist_ok=True)
+    rates_path().write_text(json.dumps(dataclasses.asdict(kept)))  # as plan.rates.machine_rates keeps them
     balance = machine_balance("cpu")
     assert (balance.read_bandwidth, balance.flops) == (5e9, 7e10)
     assert machine_balance("cuda") == NOMINAL["cuda"]  # the CPU's rates are no GPU's
-    monkeypatch.setattr(rates, "remembered_rates", lambda: None)
+    another = dataclasses.replace(kept, machine="another machine")
+    rates_path().write_text(json.dumps(dataclasses.asdict(another)))
     assert machine_balance("cpu") == NOMINAL["cpu"]
 
 

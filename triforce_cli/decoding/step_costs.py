@@ -20,6 +20,7 @@ closely, but differently in every run). Rates measured again (`triforce cache cl
 much such a run drafts, never the distribution of its tokens.
 """
 
+import json
 from dataclasses import dataclass
 
 from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache
@@ -49,16 +50,28 @@ NOMINAL = {
 }
 
 
+def kept_rates() -> tuple[float, float] | None:
+    """(read bandwidth, float32 FLOP/s) of this machine as plan/rates.py keeps them beside the measured set-ups, or
+    None where none are kept for this machine (or the record cannot be read)."""
+    # imported here: decoding.tuning imports the engine, which imports this module
+    from triforce_cli.decoding.tuning import MACHINE_RATES_FILE, machine_key, tuning_folder
+
+    try:
+        kept = json.loads((tuning_folder() / MACHINE_RATES_FILE).read_text())
+        if kept["machine"] == machine_key():
+            return float(kept["read_bandwidth"]), float(kept["flops"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
 def machine_balance(device_type: str) -> MachineBalance:
     """The kept rates of this machine for a CPU, else NOMINAL's for the device type."""
-    if device_type == "cpu":
-        # imported here: plan.rates reads decoding.tuning's folder, and decoding.tuning imports the engine
-        from triforce_cli.plan.rates import remembered_rates
-
-        rates = remembered_rates()
-        if rates is not None:
-            return MachineBalance(rates.read_bandwidth, rates.flops, LAYER_OVERHEAD_S["cpu"], rates.read_bandwidth)
-    return NOMINAL.get(device_type, NOMINAL["cuda"])
+    rates = kept_rates() if device_type == "cpu" else None
+    if rates is None:
+        return NOMINAL.get(device_type, NOMINAL["cuda"])
+    read_bandwidth, flops = rates
+    return MachineBalance(read_bandwidth, flops, LAYER_OVERHEAD_S["cpu"], read_bandwidth)
 
 
 def linear_weights(model: Transformer) -> int:
