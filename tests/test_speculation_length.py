@@ -585,3 +585,14 @@ def test_costed_retries_the_other_source_with_one_draft_while_drafting_pays():
     retries = [(i, n) for i, (n, shortcut) in enumerate(steps) if shortcut]
     assert [i for i, _ in retries] == list(range(SHORTCUT_RETRY - 1, 40, SHORTCUT_RETRY))
     assert all(n == 1 for _, n in retries) and all(n == 4 for n, shortcut in steps[4:] if not shortcut)
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_pipeline_is_exact_under_the_costed_policy(monkeypatch, pays):
+    """Seeded runs at temperature 1 under the default policy: as priced here (own steps at the top and middle
+    tiers, probes), and priced so that every tier drafts; the first two tokens follow the target's distribution."""
+    if pays:
+        drafting_pays(monkeypatch)
+    pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="auto")
+    first, second = target_joint()
+    assert joint_chi_square(pairs, first, second) > P_THRESHOLD
