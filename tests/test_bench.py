@@ -103,13 +103,13 @@ def test_every_mode_and_transformers_peer_matches_greedy_autoregressive(pipe):
     assert all(row.median_ms > 0 and row.context == CONTEXT for row in rows)
     assert by_mode["autoregressive"].acceptance == []
     tiers = [(a["proposer"], a["verifier"]) for a in by_mode["triforce"].acceptance]
-    # the throughput policy (bench's default) also tries the drafter's tokens against the target directly
+    # the costed policy (bench's default) also weighs the drafter's tokens against the target directly
     assert tiers == [("retrieval", "target"), ("drafter", "retrieval"), ("drafter", "target")]
     # this pipeline has no separate drafter, so the *-ngram modes draft with the n-gram alone (test_ngram.py has
     # the n-gram before a model drafter)
     assert [(a["proposer"], a["verifier"]) for a in by_mode["streaming-ngram"].acceptance] == [("ngram", "target")]
     assert by_mode["triforce"].budget == 16 and by_mode["triforce"].chunk_size == 4
-    # the throughput policy's measured step costs come with each adaptive tier, as generate --json gives them
+    # the costed policy's priced step costs come with each adaptive tier, as generate --json gives them
     assert by_mode["autoregressive"].tier_costs == []
     costs = {c["tier"]: c for c in by_mode["triforce"].tier_costs}
     assert "target" in costs and all(ms > 0 for ms in costs["target"]["step_ms"].values())
@@ -306,10 +306,10 @@ def test_gamma_policies_sweep_the_speculative_modes_only(pipe):
 
 
 def test_auto_policy_is_resolved_for_the_bench_sampling():
-    greedy = BenchConfig(modes=("triforce",), gamma_policies=("auto", "throughput"))
-    assert triforce_cli.bench.runner._resolved_policies(greedy) == ("throughput",)
+    greedy = BenchConfig(modes=("triforce",), gamma_policies=("auto", "costed", "throughput"))
+    assert triforce_cli.bench.runner._resolved_policies(greedy) == ("costed", "throughput")
     seeded = replace(greedy, sampling=SamplingConfig(temperature=0.6, seed=0))
-    assert triforce_cli.bench.runner._resolved_policies(seeded) == ("fixed", "throughput")
+    assert triforce_cli.bench.runner._resolved_policies(seeded) == ("costed", "throughput")
 
 
 def test_forward_costs_time_each_token_count_on_both_caches(pipe):

@@ -197,8 +197,9 @@ def test_draft_vocabulary_restricts_proposals_and_greedy_output_stays_exact(targ
     )
     expected = reference.generate_ids(prompt).token_ids
     for mode in ("triforce", "streaming"):
+        # fixed lengths: every tier drafts, the restricted drafter included, whatever a policy would choose
         config = EngineConfig(mode=mode, sampling=greedy, max_new_tokens=24, budget=32, chunk_size=8, draft_window=16,
-                              sink_tokens=4, ngram=False)  # fmt: skip
+                              sink_tokens=4, ngram=False, gamma_policy="fixed")  # fmt: skip
         pipe = Pipeline.load(LoadOptions(target=str(target_folder), draft=str(out)), config=config)
         result = pipe.generate_ids(prompt)
         assert result.token_ids == expected, mode

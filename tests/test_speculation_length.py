@@ -19,20 +19,26 @@ from test_speculative import (
     prompt_for,
     target_joint,
 )
-from triforce_cli.cache import RetrievalCache
+from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 
-from triforce_cli.decoding import speculative
+from triforce_cli.decoding import speculative, step_costs
+from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculation_length import (
+    DEFAULT_PRIOR,
     DRAFT_RETRY,
     MAX_DRAFT_RETRY,
+    MAX_PROBE_WAIT,
+    PROBE_WAIT,
     SHORTCUT_RETRY,
     DraftSource,
     SpeculationLength,
+    StepCosts,
     expected_tokens,
     heuristic_length,
+    prior_acceptance,
     throughput_length,
     verification_cost,
 )
@@ -305,14 +311,15 @@ def test_fixed_policy_never_moves():
     assert length.current == 3
 
 
-def test_auto_is_throughput_except_for_seeded_sampling():
+def test_auto_is_costed_seeded_or_not():
     def resolved(policy="auto", **sampling):
         return EngineConfig(gamma_policy=policy, sampling=SamplingConfig(**sampling)).speculation_policy
 
-    assert resolved(temperature=0.6) == "throughput"
-    assert resolved(temperature=0.6, seed=3) == "fixed"  # a seeded sampled run must repeat exactly
-    assert resolved(temperature=0, seed=3) == "throughput"  # greedy output does not depend on the lengths
+    assert resolved(temperature=0.6) == "costed"
+    assert resolved(temperature=0.6, seed=3) == "costed"  # its choices follow no clock: a seeded run repeats
+    assert resolved(temperature=0, seed=3) == "costed"
     assert resolved("heuristic", temperature=0.6, seed=3) == "heuristic"
+    assert resolved("throughput", temperature=0.6) == "throughput"
 
 
 def test_unknown_policy_is_refused():
@@ -403,3 +410,189 @@ def test_own_steps_are_tried_again_after_the_text_changes():
 def test_without_own_steps_the_length_never_drops_to_zero():
     length = SpeculationLength("throughput", ceiling=3)
     assert 0 not in feed(length, 50, accepted=False, draft_seconds=0.1, own_seconds=0.01)
+
+
+# --- costed: prices fixed before decoding, acceptance counts learnt -------------------------------------------------
+
+
+def costed(forward: tuple[float, ...], draft: float = 0.01, shortcut: float | None = None) -> SpeculationLength:
+    """A costed top tier (own steps allowed) with ceiling len(forward) - 1, priced at forward (seconds of a forward
+    of 1, 2, ... tokens) and `draft` seconds a drafted token; a shortcut priced where given."""
+    has_shortcut = shortcut is not None
+    length = SpeculationLength("costed", ceiling=len(forward) - 1, has_shortcut=has_shortcut, own_steps=True)
+    priors = {False: DEFAULT_PRIOR, True: DEFAULT_PRIOR} if has_shortcut else {False: DEFAULT_PRIOR}
+    length.price(StepCosts(forward, draft, shortcut or 0.0), priors)
+    return length
+
+
+def feed_costed(length: SpeculationLength, rounds: int, accepts, seconds=lambda: 1.0) -> list[tuple[int, bool]]:
+    """Run `rounds` steps; accepts(drafted, round) gives how many drafts a verification accepts, seconds() what
+    every step is said to take. Returns (length, source) of each step, (0, False) for an own step."""
+    steps = []
+    for i in range(rounds):
+        n, shortcut = length.current, length.use_shortcut
+        if n == 0:
+            steps.append((0, False))
+            length.record_own_step(seconds())
+        else:
+            steps.append((n, shortcut))
+            length.record(n, accepts(n, i), seconds(), seconds())
+    return steps
+
+
+VERIFY_EACH_TOKEN = (1.0, 2.0, 3.0, 4.0, 5.0)  # verifying s drafts costs s + 1 plain steps: drafting never pays
+FLAT = (1.0,) * 5  # verifying any number of drafts costs one plain step
+SLOPE = (1.0, 1.2, 1.4, 1.6, 1.8)  # each verified token adds a fifth of a plain step, as on a CPU
+
+
+def test_costed_drafting_that_can_never_pay_is_probed_ever_less_often():
+    """Every draft accepted, but each verified token costs a plain step: in 200 steps drafting is probed at the
+    first, then after 4, 8, 16, 32, 64 and 64 own steps; one draft a probe."""
+    steps = feed_costed(costed(VERIFY_EACH_TOKEN), 200, accepts=lambda n, i: n)
+    probes = [i for i, (n, _) in enumerate(steps) if n]
+    assert probes == [0, 5, 14, 31, 64, 129, 194]
+    assert all(steps[i][0] == 1 for i in probes)
+
+
+def test_costed_drafts_that_are_never_accepted_are_probed_ever_less_often():
+    steps = feed_costed(costed(SLOPE), 200, accepts=lambda n, i: 0)
+    assert sum(1 for n, _ in steps if n) <= 7
+
+
+def test_costed_drafting_that_always_pays_drafts_every_step_at_the_ceiling():
+    steps = feed_costed(costed(FLAT), 200, accepts=lambda n, i: n)
+    assert all(n == 4 for n, _ in steps)
+
+
+def test_costed_drafting_resumes_soon_after_the_text_turns_repetitive():
+    """Nothing accepted for 100 steps, then everything: a probe within one longest wait, which pays for itself, so
+    the next comes after PROBE_WAIT own steps, and drafting stays from then on, up to the ceiling."""
+    steps = feed_costed(costed(SLOPE), 200, accepts=lambda n, i: 0 if i < 100 else n)
+    first = next(i for i in range(100, 200) if steps[i][0])
+    assert first <= 100 + MAX_PROBE_WAIT
+    assert all(n for n, _ in steps[first + PROBE_WAIT + 1 :]) and steps[-1][0] == 4
+
+
+def test_costed_drafting_that_stops_paying_is_dropped_after_a_few_verifications():
+    """Everything accepted for 20 steps, then nothing: the estimate forgets by drafts, so own steps come within
+    about a dozen verifications, each shorter than the last, and then only probes draft."""
+    steps = feed_costed(costed(SLOPE), 60, accepts=lambda n, i: n if i < 20 else 0)
+    assert all(n for n, _ in steps[:20])
+    dropped = next(i for i in range(20, 60) if steps[i][0] == 0)
+    lengths = [n for n, _ in steps[20:dropped]]
+    assert dropped <= 35 and lengths == sorted(lengths, reverse=True)
+    assert sum(1 for n, _ in steps[dropped:] if n) <= 3
+
+
+def test_costed_probes_take_turns_between_the_sources():
+    """Neither source's drafts accepted: the first step drafts from the shortcut, which the prior says pays as it
+    drafts cheaper; after it, probes alternate between the shortcut and the proposer, one draft each."""
+    steps = feed_costed(costed(SLOPE, draft=0.5, shortcut=0.01), 100, accepts=lambda n, i: 0)
+    drafting = [(n, shortcut) for n, shortcut in steps if n]
+    assert drafting == [(1, True), (1, True), (1, False), (1, True), (1, False)]
+
+
+def test_costed_starts_drafting_where_the_prior_says_it_pays():
+    """The retrieval tier's prior (the target agreeing with itself on part of its cache) and forwards that cost
+    little more for more tokens: the first step drafts long, no probe needed."""
+    length = SpeculationLength("costed", ceiling=6, own_steps=True)
+    length.price(
+        StepCosts((1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3), proposer=0.3), {False: prior_acceptance("retrieval")}
+    )
+    assert length.current > 1
+    length.record(length.current, length.current, 0.0, 0.0)
+    assert length.current > 1  # it keeps drafting
+    plain = SpeculationLength("costed", ceiling=6, own_steps=True)
+    plain.price(StepCosts((1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2), proposer=0.6), {False: prior_acceptance("drafter")})
+    assert plain.current == 1  # a drafter at 60% of a step: a probe of one draft first
+    plain.record(1, 1, 0.0, 0.0)
+    assert plain.current == 0  # one accepted draft does not make it pay: own steps
+
+
+def test_costed_choices_follow_acceptance_not_the_clock():
+    """The same acceptances with every time reported at random: the same lengths and sources, step for step."""
+    rng = random.Random(0)
+    outcomes = [rng.random() < 0.5 for _ in range(300)]
+
+    def accepts(n, i):
+        return n if outcomes[i] else 0
+
+    traces = [
+        feed_costed(costed(SLOPE, draft=0.2, shortcut=0.05), 300, accepts, seconds=random.Random(seed).random)
+        for seed in (1, 2)
+    ]
+    assert traces[0] == traces[1]
+    assert len({n for n, _ in traces[0]}) > 2  # the trace moves: own steps and more than one length
+
+
+def seeded_tokens(monkeypatch, policy: str, clock_seed: int, mode: str = "triforce") -> tuple[list[int], list]:
+    """A seeded run at temperature 1 with every time the clock gives random (drawn from clock_seed): its tokens and
+    acceptance statistics."""
+    rng = random.Random(clock_seed)
+    monkeypatch.setattr(DeviceClock, "mark", lambda self: rng.random())
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, seed=7)
+    config = engine_config(mode, sampling=sampling, gamma_policy=policy, **COMBOS["b32-r3-g3x4"])
+    result = Engine(rich_model(0).loaded, config).generate(prompt_for(0))
+    return result.token_ids, result.stats.acceptance
+
+
+@pytest.mark.parametrize("mode", ["streaming", "triforce"])
+def test_a_seeded_sampled_run_repeats_whatever_the_clock(monkeypatch, mode):
+    first, acceptance = seeded_tokens(monkeypatch, "auto", clock_seed=1, mode=mode)
+    second, _ = seeded_tokens(monkeypatch, "auto", clock_seed=2, mode=mode)
+    assert first == second
+    assert acceptance[0].verifications > 0  # the runs drafted: their choices had something to follow
+
+
+def test_the_seeded_run_check_sees_a_policy_that_follows_the_clock(monkeypatch):
+    """Guard for the test above: under throughput, the same random clocks change the tokens."""
+    first, _ = seeded_tokens(monkeypatch, "throughput", clock_seed=1)
+    second, _ = seeded_tokens(monkeypatch, "throughput", clock_seed=2)
+    assert first != second
+
+
+def drafting_pays(monkeypatch) -> None:
+    """Price a forward at 1 s on the full cache, 0.1 s on the retrieval cache and 1 ms on the drafter's, whatever
+    its tokens: verifying more costs nothing more, so drafting pays at every tier from the priors on."""
+    prices = {FullCache: 1.0, RetrievalCache: 0.1, StreamingCache: 1e-3}
+    monkeypatch.setattr(step_costs, "forward_seconds", lambda model, cache, tokens, balance: prices[type(cache)])
+
+
+@pytest.mark.parametrize("pays", [False, True])
+@pytest.mark.parametrize("mode", ["retrieval", "streaming", "triforce"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_with_costed_lengths_equals_autoregressive(monkeypatch, seed, mode, pays):
+    """As priced for this machine (the tiny models' forwards cost about the same whatever they read: drafting
+    hardly pays), and priced so that it always pays, where every tier drafts."""
+    if pays:
+        drafting_pays(monkeypatch)
+    engine = Engine(rich_model(seed).loaded, engine_config(mode, gamma_policy="costed", **COMBOS["b32-r3-g3x4"]))
+    result = engine.generate(prompt_for(seed))
+    assert result.token_ids == list(autoregressive_tokens(seed))
+    if pays:
+        for stats in result.stats.acceptance:
+            assert stats.verifications > 0 and stats.mean_drafted > 1, stats
+
+
+def test_greedy_with_ngram_and_costed_lengths_equals_autoregressive(monkeypatch):
+    drafting_pays(monkeypatch)
+    engine = Engine(rich_model(0).loaded, engine_config("triforce", ngram=True, gamma_policy="costed"))
+    assert engine.generate(prompt_for(0)).token_ids == list(autoregressive_tokens(0))
+
+
+def test_costed_retries_the_other_source_with_one_draft_while_drafting_pays():
+    steps = feed_costed(costed(SLOPE, draft=0.01, shortcut=0.5), 40, accepts=lambda n, i: n)
+    retries = [(i, n) for i, (n, shortcut) in enumerate(steps) if shortcut]
+    assert [i for i, _ in retries] == list(range(SHORTCUT_RETRY - 1, 40, SHORTCUT_RETRY))
+    assert all(n == 1 for _, n in retries) and all(n == 4 for n, shortcut in steps[4:] if not shortcut)
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_pipeline_is_exact_under_the_costed_policy(monkeypatch, pays):
+    """Seeded runs at temperature 1 under the default policy: as priced here (own steps at the top and middle
+    tiers, probes), and priced so that every tier drafts; the first two tokens follow the target's distribution."""
+    if pays:
+        drafting_pays(monkeypatch)
+    pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="auto")
+    first, second = target_joint()
+    assert joint_chi_square(pairs, first, second) > P_THRESHOLD

@@ -8,6 +8,8 @@ for the whole pipeline and for the middle tier alone (against its own model-with
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from helpers import (
     F16_KV_TOLERANCE,
     StubTokenizer,
     fixed_drafts_at_least,
+    full_cache_for,
     make_model,
     random_prompt,
     reference_logits,
@@ -29,7 +32,8 @@ from triforce_cli.decoding import speculative
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities
-from triforce_cli.decoding.speculative import ModelTier, Tier, TokenSequence
+from triforce_cli.decoding.speculation_length import StepCosts
+from triforce_cli.decoding.speculative import ModelTier, Proposal, Tier, TokenSequence
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.runtime.loading import LoadedModel
@@ -191,7 +195,7 @@ def sampled(mode: str, seed: int = 0, **overrides) -> EngineConfig:
 
 @pytest.mark.parametrize("mode", ["autoregressive", "retrieval", "streaming", "triforce"])
 def test_stats_are_consistent(mode, tiny_target, tiny_drafter):
-    cfg = sampled(mode, gamma1=3, gamma2=5)
+    cfg = sampled(mode, gamma1=3, gamma2=5, gamma_policy="fixed")  # every tier drafts its gamma
     result = Engine(tiny_target.loaded, cfg, drafter=tiny_drafter.loaded).generate(prompt_for(0))
     stats = result.stats
     assert len(result.token_ids) == stats.new_tokens == NEW_TOKENS
@@ -415,7 +419,8 @@ def target_joint() -> tuple[torch.Tensor, torch.Tensor]:
     return first, second
 
 
-def pipeline_pairs(mode: str, trials: int, gamma_policy: str = "auto", ngram: bool = False) -> list[tuple[int, int]]:
+def pipeline_pairs(mode: str, trials: int, gamma_policy: str = "fixed", ngram: bool = False) -> list[tuple[int, int]]:
+    """The first two tokens of `trials` seeded runs; fixed lengths by default, so that every tier drafts."""
     base = EngineConfig(
         gamma_policy=gamma_policy,
         mode=mode,
@@ -550,3 +555,96 @@ def test_own_steps_of_the_top_tier_are_exact(monkeypatch):
     pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="throughput")
     first, second = target_joint()
     assert joint_chi_square(pairs, first, second) > P_THRESHOLD
+
+
+# --- the costed policy on a scripted proposer: drafts never, always or sometimes accepted --------------------------
+
+SCRIPTED_TOKENS = 80
+SCRIPTED_PRICES = StepCosts((1.0, 1.2, 1.4, 1.6, 1.8), proposer=0.0)  # a CPU's slope; free drafts (as an n-gram's)
+
+
+@dataclass
+class ScriptedProposer:
+    """Drafts the target's greedy continuation, known beforehand, where right(i) says (i: the index of the token in
+    the continuation), and the token after it in the vocabulary elsewhere; one-hot draft probabilities, so greedy
+    verification accepts exactly the right ones."""
+
+    prompt_length: int
+    greedy: list[int]
+    right: Callable[[int], bool]
+    vocab_size: int
+    name: str = "scripted"
+
+    def propose(self, sequence: TokenSequence, n: int) -> Proposal:
+        first = len(sequence) - self.prompt_length
+        continuation = self.greedy[first : first + n]
+        tokens = [t if self.right(first + i) else (t + 1) % self.vocab_size for i, t in enumerate(continuation)]
+        ids = torch.tensor(tokens, dtype=torch.long)
+        probs = torch.nn.functional.one_hot(ids, self.vocab_size).float()
+        return Proposal(ids, probs, [self.name] * len(tokens), tokens)
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+def scripted_decode(right: Callable[[int], bool] | None) -> tuple[list[int], ModelTier]:
+    """SCRIPTED_TOKENS greedy tokens of target@full after prompt_for(0): drafted by a ScriptedProposer under the
+    costed policy at SCRIPTED_PRICES, or (right None) each sampled from its own forward; and the top tier."""
+    model = rich_model(0).model
+    prompt = prompt_for(0)
+    reference = None if right is None else scripted_decode(None)[0]
+    cache = full_cache_for(model, capacity=len(prompt) + 2 * SCRIPTED_TOKENS)
+    first = int(model(torch.tensor(prompt), 0, cache).argmax(dim=-1)[-1])
+    proposer = None
+    if right is not None:
+        greedy = reference + [0] * SCRIPTED_PRICES.ceiling  # a last pass may draft past the end
+        proposer = ScriptedProposer(len(prompt), greedy, right, model.config.vocab_size)
+    top = ModelTier(
+        name=Tier.TARGET,
+        model=model,
+        cache=cache,
+        sampling=GREEDY,
+        generator=torch.Generator().manual_seed(0),
+        proposer=proposer,
+        gamma=SCRIPTED_PRICES.ceiling,
+        gamma_policy="costed",
+        own_steps=True,
+    )
+    if proposer is not None:
+        top.price(SCRIPTED_PRICES)
+    generated = [first]
+    sequence = TokenSequence.of([*prompt, first], "cpu", len(prompt) + 2 * SCRIPTED_TOKENS)
+    while len(generated) < SCRIPTED_TOKENS:
+        tokens = top.step(sequence, limit=SCRIPTED_TOKENS - len(generated))
+        sequence.append(tokens.ids, tokens.tokens)
+        generated += tokens.tokens
+    return generated, top
+
+
+def test_costed_drafts_never_accepted_are_only_probed():
+    tokens, top = scripted_decode(right=lambda i: False)
+    assert tokens == scripted_decode(None)[0]
+    # free drafts: the prior says the first two passes pay; then probes after 4, 8, 16 and 32 own steps
+    assert top.stats.verifications == top.stats.drafted == 6 and top.stats.accepted == 0
+    assert top.length.own_steps_taken >= SCRIPTED_TOKENS - 10
+
+
+def test_costed_drafts_always_accepted_are_drafted_at_every_step():
+    tokens, top = scripted_decode(right=lambda i: True)
+    assert tokens == scripted_decode(None)[0]
+    assert top.length.own_steps_taken == 0 and top.stats.accepted == top.stats.drafted
+    assert top.stats.mean_drafted > 3  # the ceiling (4) but for the first passes and the last
+
+
+def test_costed_drafts_sometimes_accepted_stay_exact():
+    """Two drafts in three right: drafting pays at short lengths; the tokens are the target's own."""
+    tokens, top = scripted_decode(right=lambda i: i % 3 != 2)
+    assert tokens == scripted_decode(None)[0]
+    assert 0 < top.stats.accepted < top.stats.drafted
+
+
+def test_costed_drops_are_noted_with_their_prices():
+    _, top = scripted_decode(right=lambda i: False)
+    costs = top.costs()
+    assert costs.priced and costs.drops >= 1 and costs.step_ms[0] == 1000 * SCRIPTED_PRICES.own
+    assert "priced 1000.0 ms a token" in costs.note and "1 drafts 1200.0 ms" in costs.note

@@ -20,6 +20,7 @@ import torch
 from triforce_cli.cache import FullCache, KVCache, RetrievalCache, kv_dtype
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.stats import summary_of
+from triforce_cli.decoding.step_costs import linear_weights
 from triforce_cli.plan.rates import MachineRates
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer, weight_bytes
@@ -121,15 +122,10 @@ def forward_floor(model: Transformer, cache: KVCache, start: int, tokens: int, r
     windows = [cfg.sliding_window(layer) if cache.slots_are_positions else None for layer in range(cfg.num_layers)]
     reads = [attended(view, tokens, w) for view, w in zip(view_lengths(cache, start, tokens), windows, strict=True)]
     positions, pairs = sum(p for p, _ in reads), sum(k for _, k in reads)
-    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    attention_weights = cfg.hidden_size * qkv_rows + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-    layer_weights = attention_weights + 3 * cfg.hidden_size * cfg.intermediate_size
-    output_rows = cfg.vocab_size if model.output_ids is None else len(model.output_ids)
-    linear_weights = cfg.num_layers * layer_weights + output_rows * cfg.hidden_size
     return ForwardFloor(
         weight_bytes=forward_weight_bytes(model, tokens),
         kv_bytes=2 * cfg.num_kv_heads * cfg.head_dim * positions * cache.keys.element_size(),
-        linear_flops=2 * tokens * linear_weights,
+        linear_flops=2 * tokens * linear_weights(model),
         attention_flops=4 * cfg.num_heads * cfg.head_dim * pairs,
         read_bandwidth=rates.read_bandwidth,
         flops_rate=rates.flops,

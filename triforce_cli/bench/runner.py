@@ -88,7 +88,7 @@ class BenchConfig:
     warmup: int = 1  # untimed runs of every mode before the first repeat
     budgets: tuple[int | None, ...] = (None,)
     chunk_sizes: tuple[int, ...] = (16,)
-    gamma_policies: tuple[str, ...] = ("throughput",)  # what generate runs by default (no --seed)
+    gamma_policies: tuple[str, ...] = ("costed",)  # what generate runs by default, seeded or not
     forward_tokens: tuple[int, ...] = ()  # also time single forwards of these many tokens (forward_costs.py)
     prompt_cache: Path | None = None  # folder of saved prefills (prompt_state.py): reused, or written on a miss
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0))

@@ -74,10 +74,11 @@ class EngineConfig:
     in ``triforce`` and ``retrieval`` modes. The retrieval tier drafts fewer than gamma1 where target@full wants
     fewer tokens than gamma1 + 1.
     gamma_policy: ``fixed`` gammas, or adapted after every verification (``heuristic``: +2/-1;
-    ``throughput``: most expected tokens per second), with gamma1/gamma2 as ceilings (speculation_length.py);
-    ``auto`` is throughput, except for seeded sampling (see speculation_policy). Under throughput, target@full
-    in ``triforce`` mode also chooses, by the same measure, between the retrieval tier's tokens and the drafter's
-    own (the middle tier skipped where it does not pay); ``fixed`` and ``heuristic`` keep all three tiers.
+    ``throughput``: most expected tokens per second, timed; ``costed``: the same from prices fixed before decoding,
+    plain steps unless drafting promises more), with gamma1/gamma2 as ceilings (speculation_length.py); ``auto``
+    is costed (see speculation_policy). Under throughput and costed, target@full in ``triforce`` mode also
+    chooses, by the same measure, between the retrieval tier's tokens and the drafter's own (the middle tier
+    skipped where it does not pay); ``fixed`` and ``heuristic`` keep all three tiers.
     refresh_interval: full verifications between two chunk selections of the retrieval cache; a selection that
         falls due while the full tier drafts straight from the drafter waits until the retrieval tier drafts again.
     prefill_block: prompt tokens per prefill forward (a prefill block, apart from the retrieval chunks); None:
@@ -181,12 +182,9 @@ class EngineConfig:
 
     @property
     def speculation_policy(self) -> GammaPolicy:
-        """The policy to run: ``auto`` is throughput, but fixed for seeded sampling, whose output must repeat
-        exactly; throughput's choices follow the clock."""
-        if self.gamma_policy != GammaPolicy.AUTO:
-            return GammaPolicy(self.gamma_policy)
-        seeded = self.sampling.seed is not None and not self.sampling.greedy
-        return GammaPolicy.FIXED if seeded else GammaPolicy.THROUGHPUT
+        """The policy to run: ``auto`` is costed, seeded or not: its choices follow prices fixed before decoding and
+        the acceptance counts, so a seeded sampled run repeats exactly (throughput's follow the clock)."""
+        return GammaPolicy.COSTED if self.gamma_policy == GammaPolicy.AUTO else GammaPolicy(self.gamma_policy)
 
     @property
     def uses_retrieval(self) -> bool:

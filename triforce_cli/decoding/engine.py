@@ -40,8 +40,10 @@ from triforce_cli.decoding.sizing import (
     memory_advice,
     staged_item,
 )
+from triforce_cli.decoding.speculation_length import SOURCE_POLICIES
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier, TokenSequence
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
+from triforce_cli.decoding.step_costs import price_tiers
 from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.offload import offload_kv
 from triforce_cli.runtime.environment import available_memory, torch_threads
@@ -538,7 +540,7 @@ class Engine:
             # the throughput policy may skip the middle tier where verifying at it does not pay
             # (speculation_length.py); only a model drafter, which always drafts, makes a shortcut (an n-gram alone
             # often finds nothing)
-            gamma, shortcut = cfg.gamma2, drafter if policy == "throughput" and self.uses_model_drafter else None
+            gamma, shortcut = cfg.gamma2, drafter if policy in SOURCE_POLICIES and self.uses_model_drafter else None
         return ModelTier(
             name=Tier.TARGET,
             model=target,
@@ -843,6 +845,7 @@ class Engine:
             stats.compile_seconds += self._warm_up(caches, prefilled=True)
             # 3. loop: rounds of the top tier
             top = self._build_tiers(caches, generator)
+            price_tiers(top)  # the costed policy's prices, fixed before its first step
             chain = self._tier_chain(top)
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
             stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]

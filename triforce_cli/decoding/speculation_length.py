@@ -33,6 +33,32 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   policy spends finding that out. Drafting is retried after DRAFT_RETRY own steps, and after twice as many each
   time a retry loses (up to MAX_DRAFT_RETRY), so a stretch of text where drafts pay again is found; a retry
   judges drafting by its own drafts, not by averages from before the text moved on.
+- ``costed`` (the default, ``auto``): the same expected-tokens-per-second choice, from costs known before the first
+  step instead of timed as it goes. Throughput learns what a verification of s drafts costs by verifying s drafts,
+  every s once, longest first: on a CPU, where 6 tokens cost about 2.3 forwards of 1, that exploration alone
+  costs several plain steps, paid within the answer, and more where drafting does not pay. Here every tier's
+  forwards are priced once, before decoding (StepCosts, from decoding/step_costs.py: a forward of n tokens on the
+  tier's cache, predicted from the model, the cache and the machine's kept rates), and only the acceptance is
+  learnt: per source, counts of judged and accepted drafts that forget by drafts (AcceptanceCounts), beside a
+  prior (PRIOR_ACCEPTANCE: the retrieval tier, the target on part of its own cache, 0.85; a drafter or the n-gram
+  proposer, DEFAULT_PRIOR) weighing PRIOR_DRAFTS drafts. The tier drafts with the source and length of the most
+  expected tokens per second wherever that promises DRAFT_MARGIN times the rate of its own steps; every tier with
+  a proposer may take own steps (the middle tier then samples from the retrieval cache, the drafter idle). Where
+  own steps win, drafting is probed, at its best length (one draft, as a rule), at the first step and then after
+  PROBE_WAIT own steps, twice as many after each probe that did not pay for itself (up to MAX_PROBE_WAIT), and
+  PROBE_WAIT again after one that did; with a shortcut the probes take turns between the two sources, the
+  shortcut first. Where drafting never pays, a 64-token answer holds four probes of one draft, about a sixtieth
+  of its cost on a CPU; where it pays from the priors (long contexts, whose full forwards cost most), the first
+  step drafts. With a shortcut, the source that promises less drafts one token every SHORTCUT_RETRY-th
+  verification while drafting pays, so that its estimate follows the text. (A tier not priced drafts its ceiling,
+  as under fixed.)
+
+  Every choice follows the prices, fixed before decoding, and the acceptance counts, never the clock, so a seeded
+  sampled run repeats its tokens exactly from run to run and gets the same protection as any other. The prices
+  are predicted rather than timed after the prefill: timed forwards would price more closely, but differently in
+  every run (rounding them coarsely would still flip a choice wherever a cost lies near a boundary), and timing
+  every length would cost more than a short answer can lose. The prediction errs towards verification costing
+  more, so towards plain steps (step_costs.py says by how much).
 """
 
 from dataclasses import dataclass, field
@@ -42,18 +68,28 @@ from enum import StrEnum
 class GammaPolicy(StrEnum):
     """How speculation lengths are chosen (EngineConfig.gamma_policy)."""
 
-    AUTO = "auto"  # throughput, but fixed for seeded sampling (EngineConfig.speculation_policy)
+    AUTO = "auto"  # costed, seeded or not (EngineConfig.speculation_policy)
     FIXED = "fixed"  # gamma1 and gamma2 as given
     HEURISTIC = "heuristic"  # +2 after a verification that accepted every draft, -1 after one that did not
-    THROUGHPUT = "throughput"  # the length of the most expected tokens per second
+    THROUGHPUT = "throughput"  # the length of the most expected tokens per second, costs timed as it goes
+    COSTED = "costed"  # the same from prices fixed before decoding, plain steps unless drafting pays
 
 
-POLICIES = (GammaPolicy.FIXED, GammaPolicy.HEURISTIC, GammaPolicy.THROUGHPUT)  # what AUTO resolves among
+POLICIES = (GammaPolicy.FIXED, GammaPolicy.HEURISTIC, GammaPolicy.THROUGHPUT, GammaPolicy.COSTED)  # AUTO resolved
+SOURCE_POLICIES = (GammaPolicy.THROUGHPUT, GammaPolicy.COSTED)  # may draft from a tier's shortcut, take own steps
 SMOOTHING = 0.3  # weight of the newest measurement in the running verification costs
 MEMORY = 0.9  # weight a draft source keeps for its earlier drafts at each of its verifications
 SHORTCUT_RETRY = 8  # verifications between two tries of the draft source not in use
 DRAFT_RETRY = 8  # own steps (length 0) before drafting is tried again
 MAX_DRAFT_RETRY = 64  # the longest wait, after retries that kept losing
+# costed policy
+PRIOR_DRAFTS = 2  # judged drafts the prior acceptance weighs as, beside the source's own (AcceptanceCounts)
+DRAFT_MEMORY = 0.88  # weight a judged draft keeps at each newer one: the estimate remembers about 8 drafts
+PRIOR_ACCEPTANCE = {"retrieval": 0.85}  # by the source's name: the target on the retrieval cache agrees with itself
+DEFAULT_PRIOR = 0.4  # a drafter model, the n-gram proposer
+DRAFT_MARGIN = 1.05  # drafting must promise this many times the tokens per second of own steps
+PROBE_WAIT = 4  # own steps before the first probe of drafting after it lost; doubled after each probe that loses
+MAX_PROBE_WAIT = 64
 
 
 def heuristic_length(current: int, all_accepted: bool, ceiling: int) -> int:
@@ -114,6 +150,50 @@ def choose_source(rates: dict[bool, float], since_retry: int) -> tuple[bool, int
     return faster, since_retry
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """What a tier's steps cost, fixed before decoding: the costed policy's prices (decoding/step_costs.py predicts
+    them), in seconds.
+
+    forward[n - 1] is a forward of n tokens on the tier's cache, n = 1..ceiling + 1: an own step is forward[0], a
+    verification of s drafts forward[s]. proposer and shortcut are the seconds per token drafted from each source.
+    """
+
+    forward: tuple[float, ...]
+    proposer: float
+    shortcut: float = 0.0
+
+    @property
+    def own(self) -> float:
+        return self.forward[0]
+
+    @property
+    def ceiling(self) -> int:
+        """The most drafts a verification priced here may hold."""
+        return len(self.forward) - 1
+
+    def verify(self, drafts: int) -> float:
+        return self.forward[min(drafts, self.ceiling)]
+
+    def draft(self, shortcut: bool) -> float:
+        return self.shortcut if shortcut else self.proposer
+
+
+def prior_acceptance(source: str) -> float:
+    """The acceptance the costed policy assumes of drafts from a source (a Proposer's name) before it has any."""
+    return PRIOR_ACCEPTANCE.get(source, DEFAULT_PRIOR)
+
+
+def costed_option(acceptance: float, costs: StepCosts, shortcut: bool, ceiling: int) -> tuple[float, int]:
+    """(tokens per second, length) of the best length in 1..ceiling for drafts from one source at this
+    acceptance, every cost as priced."""
+    rates = [
+        (expected_tokens(acceptance, n) / (n * costs.draft(shortcut) + costs.verify(n)), n)
+        for n in range(1, ceiling + 1)
+    ]
+    return max(rates, key=lambda rate_length: rate_length[0])
+
+
 @dataclass
 class DraftSource:
     """Acceptance and cost per draft of one way of drafting for a tier.
@@ -148,6 +228,27 @@ class DraftSource:
 
 
 @dataclass
+class AcceptanceCounts:
+    """The costed policy's acceptance of one source: judged and accepted drafts (as DraftSource counts them), each
+    earlier draft's weight multiplied by DRAFT_MEMORY at every newly judged draft, so that the estimate forgets by
+    drafts, not verifications: after long accepted runs, a few rejections in a row tell that the text moved on."""
+
+    judged: float = 0.0
+    accepted: float = 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        judged = accepted + (accepted < drafted)
+        fade = DRAFT_MEMORY**judged
+        # the accepted drafts come first, the rejected one (if any) last
+        self.accepted = fade * self.accepted + sum(DRAFT_MEMORY ** (judged - 1 - i) for i in range(accepted))
+        self.judged = fade * self.judged + sum(DRAFT_MEMORY**i for i in range(judged))
+
+    def estimate(self, prior: float) -> float:
+        """The acceptance with PRIOR_DRAFTS judged drafts at the prior rate counted beside the source's own."""
+        return (self.accepted + PRIOR_DRAFTS * prior) / (self.judged + PRIOR_DRAFTS)
+
+
+@dataclass
 class SpeculationLength:
     """A tier's current speculation length, its draft source, and what its policy has measured so far."""
 
@@ -167,6 +268,12 @@ class SpeculationLength:
     resume: tuple[int, bool] = field(init=False, default=(1, False))  # (length, use_shortcut) a retry drafts with
     dropped: int = field(init=False, default=0)  # times the policy chose length 0 after drafting
     own_steps_taken: int = field(init=False, default=0)
+    costs: StepCosts | None = field(init=False, default=None)  # costed policy: set by price()
+    proposer_counts: AcceptanceCounts = field(init=False, default_factory=AcceptanceCounts)  # costed
+    shortcut_counts: AcceptanceCounts = field(init=False, default_factory=AcceptanceCounts)  # costed
+    priors: dict[bool, float] = field(init=False, default_factory=dict)  # costed: prior acceptance by source
+    probe_wait: int = field(init=False, default=PROBE_WAIT)  # costed: own steps after the next drafting that loses
+    probe_shortcut: bool = field(init=False, default=False)  # costed: the source of the last probe
 
     @property
     def drafting(self) -> bool:
@@ -195,13 +302,21 @@ class SpeculationLength:
             averages.record(drafted, accepted, draft_seconds)
             self.verify_seconds[drafted] = _smooth(self.verify_seconds.get(drafted), verify_seconds)
             self._choose(drafted)
+        elif self.policy == "costed" and self.costs is not None:
+            counts = self.shortcut_counts if self.use_shortcut else self.proposer_counts
+            counts.record(drafted, accepted)
+            self._plan(drafted, accepted)
 
     def record_own_step(self, seconds: float) -> None:
         """Account for one step in which the tier sampled its own token (length 0) and took `seconds`; once
         own_steps_left is spent, the next step retries drafting."""
-        self.verify_seconds[0] = _smooth(self.verify_seconds.get(0), seconds)
         self.own_steps_taken += 1
         self.own_steps_left -= 1
+        if self.policy == "costed":
+            if self.own_steps_left <= 0:
+                self._probe()
+            return
+        self.verify_seconds[0] = _smooth(self.verify_seconds.get(0), seconds)
         if self.own_steps_left <= 0:
             self.current, self.use_shortcut = self.resume
             self.retrying = self.dropped > 0  # not after the one step that measured them first
@@ -210,6 +325,68 @@ class SpeculationLength:
                     self.shortcut_averages = DraftSource()
                 else:
                     self.proposer_averages = DraftSource()
+
+    def price(self, costs: StepCosts, priors: dict[bool, float]) -> None:
+        """Give the costed policy its costs and the prior acceptance of each source (True: the shortcut), and
+        choose the first step from them: drafting where the priors promise it pays, else a probe of it."""
+        self.costs, self.priors = costs, priors
+        self.since_retry = 0  # the sources' estimates start from priors: no retry owed yet
+        self.verify_seconds = {n: costs.forward[n] for n in range(len(costs.forward))}  # what TierCosts reports
+        self._probe()
+
+    def _options(self) -> dict[bool, tuple[float, int]]:
+        """(tokens per second, length) of the best length of each source, at its estimated acceptance."""
+        sources = {False: self.proposer_counts}
+        if self.has_shortcut:
+            sources[True] = self.shortcut_counts
+        return {
+            shortcut: costed_option(source.estimate(self.priors[shortcut]), self.costs, shortcut, self.ceiling)
+            for shortcut, source in sources.items()
+        }
+
+    def _draft_if_it_pays(self) -> bool:
+        """Draft with the best source and length where that promises DRAFT_MARGIN times the tokens per second of
+        own steps (or where the tier has none); return whether it does. The source not in use drafts one token
+        every SHORTCUT_RETRY-th verification (choose_source), so that its estimate follows the text too."""
+        options = self._options()
+        best = max(rate for rate, _ in options.values())
+        if self.own_steps and best < DRAFT_MARGIN / self.costs.own:
+            return False
+        self.current = max(options.values())[1]
+        if self.has_shortcut:
+            rates = {shortcut: rate for shortcut, (rate, _) in options.items()}
+            self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
+            if self.since_retry == 0:
+                self.current = 1
+        self.probe_wait = PROBE_WAIT
+        return True
+
+    def _plan(self, drafted: int, accepted: int) -> None:
+        """After a verification under the costed policy: keep drafting where it pays, else take own steps before the
+        next probe: PROBE_WAIT of them after drafting that paid for itself (its tokens cost no more than own steps
+        would have), twice as many each time after drafting that did not (up to MAX_PROBE_WAIT)."""
+        if self._draft_if_it_pays():
+            return
+        seconds = drafted * self.costs.draft(self.use_shortcut) + self.costs.verify(drafted)
+        paid = seconds <= (accepted + 1) * self.costs.own
+        if paid:
+            self.probe_wait = PROBE_WAIT
+        self.own_steps_left = self.probe_wait
+        if not paid:
+            self.probe_wait = min(MAX_PROBE_WAIT, 2 * self.probe_wait)
+        self.dropped += 1
+        self.current = 0
+
+    def _probe(self) -> None:
+        """Draft where it pays; else draft once all the same, a probe, to learn whether drafting pays now: from
+        the source not probed last time (where there are two; the shortcut, which costs less, first), at its best
+        length."""
+        if self._draft_if_it_pays():
+            return
+        if self.has_shortcut:
+            self.probe_shortcut = not self.probe_shortcut
+        self.use_shortcut = self.has_shortcut and self.probe_shortcut
+        self.current = self._options()[self.use_shortcut][1]
 
     def _choose(self, drafted: int) -> None:
         untried = [n for n in range(drafted - 1, 0, -1) if n not in self.verify_seconds]  # shorter than the last

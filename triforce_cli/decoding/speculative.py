@@ -20,7 +20,7 @@ import torch
 from triforce_cli.cache import KVCache
 from triforce_cli.decoding.clock import DeviceClock, Mark
 from triforce_cli.decoding.sampling import SamplingConfig, probabilities, sample, verify_draft
-from triforce_cli.decoding.speculation_length import SpeculationLength
+from triforce_cli.decoding.speculation_length import SpeculationLength, StepCosts, prior_acceptance
 from triforce_cli.runtime.model import Transformer
 from triforce_cli.runtime.parallel import from_rank_zero
 
@@ -156,9 +156,11 @@ class TierCosts:
     """What a tier's speculation-length policy measured and decided in one generation."""
 
     tier: str
-    step_ms: dict[int, float]  # a step's cost by drafts verified, latest running average; 0: an own step
+    # a step's cost by drafts verified, latest running average (throughput) or as priced (costed); 0: an own step
+    step_ms: dict[int, float]
     own_steps: int = 0  # steps where the tier drafted nothing and sampled itself (tiers below it dropped)
     drops: int = 0  # times the policy dropped drafting because own steps yielded more tokens per second
+    priced: bool = False  # step_ms are prices fixed before decoding (costed policy), not measured
 
     DERIVED: ClassVar[tuple[str, ...]] = ("note",)  # written by stats.as_record beside the fields
 
@@ -169,6 +171,12 @@ class TierCosts:
             return None
         drafting = {n: ms for n, ms in self.step_ms.items() if n}
         costs = ", ".join(f"{n} drafts {ms:.1f} ms" for n, ms in sorted(drafting.items()))
+        if self.priced:
+            return (
+                f"{self.tier}: drafting dropped {self.drops}x, {self.own_steps} steps without it: own steps (priced"
+                f" {self.step_ms[0]:.1f} ms a token) promised more tokens per second, at the acceptance seen, than"
+                f" verifying drafts ({costs})"
+            )
         return (
             f"{self.tier}: drafting dropped {self.drops}x, {self.own_steps} steps without it: own steps"
             f" ({self.step_ms[0]:.1f} ms a token) yielded more tokens per second than verifying drafts ({costs})"
@@ -233,7 +241,9 @@ class ModelTier:
     gamma: int = 1  # drafts asked per verification, fewer where fewer are wanted; the ceiling if adaptive
     gamma_policy: str = "fixed"  # see speculation_length.py
     shortcut: Proposer | None = None  # the proposer's own proposer, drafting here directly when that pays more
-    own_steps: bool = False  # the policy may drop drafting for the tier's own steps (top tier, throughput policy)
+    # the policy may drop drafting for the tier's own steps: the top tier under throughput, every tier that has a
+    # proposer under costed
+    own_steps: bool = False
     # the retrieval tier: steps of the tier above between two selections of its chunks (EngineConfig.refresh_interval)
     refresh_interval: int | None = None
     stats: AcceptanceStats | None = None
@@ -253,8 +263,17 @@ class ModelTier:
             self.gamma_policy,
             self.gamma,
             has_shortcut=self.shortcut is not None,
-            own_steps=self.own_steps and self.proposer is not None and self.gamma_policy == "throughput",
+            own_steps=self.proposer is not None
+            and (self.gamma_policy == "costed" or self.own_steps and self.gamma_policy == "throughput"),
         )
+
+    def price(self, costs: StepCosts) -> None:
+        """Give the costed policy this tier's costs (decoding/step_costs.py); its priors follow the sources'
+        names."""
+        priors = {False: prior_acceptance(self.proposer.name)}
+        if self.shortcut is not None:
+            priors[True] = prior_acceptance(self.shortcut.name)
+        self.length.price(costs, priors)
 
     @property
     def uses_shortcut_next(self) -> bool:
@@ -265,7 +284,7 @@ class ModelTier:
         """What this tier's policy measured and decided so far."""
         length = self.length
         step_ms = {n: round(1000 * seconds, 3) for n, seconds in sorted(length.verify_seconds.items())}
-        return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped)
+        return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped, priced=length.costs is not None)
 
     def step(self, sequence: TokenSequence, limit: int | None = None) -> Proposal:
         """One round of this tier after sequence: its next tokens, exactly distributed as its own model on its own

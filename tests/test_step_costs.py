@@ -1,0 +1,78 @@
+"""The prices of the costed speculation-length policy: forwards priced from bytes, FLOPs and the machine's rates."""
+
+import dataclasses
+import itertools
+import json
+import math
+
+import torch
+from helpers import full_cache_for, rich_model
+from triforce_cli.cache import RetrievalCache, StreamingCache
+
+from triforce_cli.decoding import step_costs
+from triforce_cli.decoding.step_costs import NOMINAL, MachineBalance, forward_seconds, linear_weights, machine_balance
+from triforce_cli.decoding.tuning import machine_key
+from triforce_cli.plan.rates import MachineRates, rates_path
+from triforce_cli.runtime.model import weight_bytes
+
+READ_ONLY = MachineBalance(read_bandwidth=1e9, flops=math.inf, layer_overhead_s=0.0, transfer_bandwidth=1e9)
+
+
+def prefilled(length: int):
+    model = rich_model(0).model
+    cache = full_cache_for(model, capacity=length + 16)
+    model(torch.randint(0, 32, (length,)), 0, cache)
+    return model, cache
+
+
+def test_a_read_bound_forward_costs_its_weights_and_the_keys_it_reads():
+    model, full = prefilled(200)
+    cfg = model.config
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 200 * full.keys.element_size()
+    weights = weight_bytes(model.model.layers, model.model.norm, model.lm_head)
+    assert forward_seconds(model, full, 1, READ_ONLY) == (weights + kv) / 1e9
+    assert forward_seconds(model, full, 5, READ_ONLY) == forward_seconds(model, full, 1, READ_ONLY)
+
+
+def test_each_verified_token_adds_its_arithmetic():
+    model, full = prefilled(200)
+    balance = MachineBalance(read_bandwidth=1e9, flops=1e9, layer_overhead_s=1e-4, transfer_bandwidth=1e9)
+    prices = [forward_seconds(model, full, n, balance) for n in range(1, 6)]
+    cfg = model.config
+    per_token = (2 * linear_weights(model) + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 200) / 1e9
+    assert all(math.isclose(b - a, per_token) for a, b in itertools.pairwise(prices))
+
+
+def test_the_lower_tiers_cost_less_than_the_full_cache():
+    model, full = prefilled(200)
+    retrieval = RetrievalCache(full, budget=32, chunk_size=8, recent_capacity=16)
+    cfg = model.config
+    streaming = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 16, 8, full.keys.dtype)
+    balance = NOMINAL["cpu"]
+    full_price = forward_seconds(model, full, 1, balance)
+    assert forward_seconds(model, streaming, 1, balance) < forward_seconds(model, retrieval, 1, balance) < full_price
+
+
+def test_the_rates_plan_keeps_price_the_cpu_else_nominal_figures(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path))
+    assert machine_balance("cpu") == NOMINAL["cpu"]  # none kept
+    kept = MachineRates("Test CPU", machine_key(), 5e9, 7e10, 2, "now", None, None)
+    rates_path().parent.mkdir(parents=True, exist_ok=True)
+    rates_path().write_text(json.dumps(dataclasses.asdict(kept)))  # as plan.rates.machine_rates keeps them
+    balance = machine_balance("cpu")
+    assert (balance.read_bandwidth, balance.flops) == (5e9, 7e10)
+    assert machine_balance("cuda") == NOMINAL["cuda"]  # the CPU's rates are no GPU's
+    another = dataclasses.replace(kept, machine="another machine")
+    rates_path().write_text(json.dumps(dataclasses.asdict(another)))
+    assert machine_balance("cpu") == NOMINAL["cpu"]
+
+
+def test_an_offloaded_full_cache_costs_at_least_its_transfer(monkeypatch):
+    model, full = prefilled(200)
+    slow_link = MachineBalance(read_bandwidth=1e12, flops=1e15, layer_overhead_s=0.0, transfer_bandwidth=1e6)
+    on_chip = forward_seconds(model, full, 1, slow_link)
+    monkeypatch.setattr(full, "stream", object())  # offloaded: its keys and values stream from host memory
+    cfg = model.config
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 200 * full.keys.element_size()
+    assert forward_seconds(model, full, 1, slow_link) == kv / 1e6 > on_chip
+    assert step_costs.attended_positions(full) == 200

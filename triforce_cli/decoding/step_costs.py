@@ -1,0 +1,136 @@
+"""What each tier's forwards cost, predicted before decoding from the model, the cache and the machine's rates: the
+prices the ``costed`` speculation-length policy weighs (speculation_length.py).
+
+A forward of T tokens attending to P cached positions is priced as
+
+    layers * LAYER_OVERHEAD_S + (weight bytes + key and value bytes of P positions) / read bandwidth
+        + (2 * linear weights * T + 4 * heads * head_dim * P * T * layers) / arithmetic rate
+
+the floor terms of `triforce bench --forward-costs` (bench/forward_costs.py) added rather than the larger taken: on
+the CPU a verification's extra rows cost their arithmetic on top of the weights' read. With the rates kept on a
+2-core EPYC this gives, at 7,168 positions, a 2-, 6- and 8-token forward 1.27x, 2.36x and 2.90x a 1-token one,
+where `--forward-costs` measured 1.19x, 2.34x and 2.84x: the prices err towards verification costing more, so
+towards plain steps. The retrieval tier's 1-token forward is priced at 0.54 of a full one (measured 0.64).
+
+The rates are those `triforce bench` and `triforce info` keep for this machine (plan/rates.py), read, never measured
+here; without them, NOMINAL's for the device type. They are fixed before decoding and the same from run to run on
+one machine, so a seeded sampled run, whose every choice of the costed policy follows these prices and the
+acceptance counts alone, repeats its tokens exactly (timing the forwards after the prefill would price them more
+closely, but differently in every run). Rates measured again (`triforce cache clear --measurements`) may change how
+much such a run drafts, never the distribution of its tokens.
+"""
+
+import json
+from dataclasses import dataclass
+
+from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache
+from triforce_cli.decoding.ngram import NGramProposer
+from triforce_cli.decoding.speculation_length import StepCosts
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposer
+from triforce_cli.runtime.model import Transformer, weight_bytes
+
+
+@dataclass(frozen=True)
+class MachineBalance:
+    """What the prices divide by: bytes/s read, float32 FLOP/s, seconds of fixed cost per layer and forward, and
+    bytes/s from host memory to the device, over which an offloaded full cache streams its keys and values."""
+
+    read_bandwidth: float
+    flops: float
+    layer_overhead_s: float
+    transfer_bandwidth: float
+
+
+LAYER_OVERHEAD_S = {"cpu": 60e-6, "cuda": 15e-6}  # the planner's eager and CUDA-graph figures (plan/presets.py)
+PCIE_BANDWIDTH = 25e9  # the planner's PCIe 4.0 x16 with pinned memory (plan/presets.py)
+NOMINAL = {
+    "cpu": MachineBalance(30e9, 186e9, LAYER_OVERHEAD_S["cpu"], 30e9),  # a 2-core EPYC's kept rates
+    # a data-centre GPU: a forward costs its bytes, its arithmetic hardly
+    "cuda": MachineBalance(2e12, 300e12, LAYER_OVERHEAD_S["cuda"], PCIE_BANDWIDTH),
+}
+
+
+def kept_rates() -> tuple[float, float] | None:
+    """(read bandwidth, float32 FLOP/s) of this machine as plan/rates.py keeps them beside the measured set-ups, or
+    None where none are kept for this machine (or the record cannot be read)."""
+    # imported here: decoding.tuning imports the engine, which imports this module
+    from triforce_cli.decoding.tuning import MACHINE_RATES_FILE, machine_key, tuning_folder
+
+    try:
+        kept = json.loads((tuning_folder() / MACHINE_RATES_FILE).read_text())
+        if kept["machine"] == machine_key():
+            return float(kept["read_bandwidth"]), float(kept["flops"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def machine_balance(device_type: str) -> MachineBalance:
+    """The kept rates of this machine for a CPU, else NOMINAL's for the device type."""
+    rates = kept_rates() if device_type == "cpu" else None
+    if rates is None:
+        return NOMINAL.get(device_type, NOMINAL["cuda"])
+    read_bandwidth, flops = rates
+    return MachineBalance(read_bandwidth, flops, LAYER_OVERHEAD_S["cpu"], read_bandwidth)
+
+
+def linear_weights(model: Transformer) -> int:
+    """Weights of every linear a forward multiplies each token by: the layers' projections and the output layer
+    (its rows for the tokens it computes logits for)."""
+    cfg = model.config
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    attention = cfg.hidden_size * qkv_rows + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+    layer = attention + 3 * cfg.hidden_size * cfg.intermediate_size
+    output_rows = cfg.vocab_size if model.output_ids is None else len(model.output_ids)
+    return cfg.num_layers * layer + output_rows * cfg.hidden_size
+
+
+def attended_positions(cache: KVCache) -> int:
+    """Cached positions a forward on cache reads, as it is after the prefill: the whole prompt, the retrieval
+    budget, the StreamingLLM sinks and window."""
+    if isinstance(cache, RetrievalCache):
+        return cache.budget
+    if isinstance(cache, StreamingCache):
+        return cache.sink_tokens + cache.window
+    if isinstance(cache, FullCache):
+        return cache.length
+    raise TypeError(f"no attended positions for a {type(cache).__name__}")
+
+
+def forward_seconds(model: Transformer, cache: KVCache, tokens: int, balance: MachineBalance) -> float:
+    """The price of a forward of `tokens` tokens on cache (the module docstring's formula); an offloaded full
+    cache's keys and values cross to the device meanwhile, and the longer of the two is the price."""
+    cfg = model.config
+    positions = attended_positions(cache)
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * positions * cache.keys.element_size()
+    read_bytes = weight_bytes(model.model.layers, model.model.norm, model.lm_head) + kv_bytes
+    attention_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * positions * tokens
+    flops = 2 * linear_weights(model) * tokens + attention_flops
+    compute = read_bytes / balance.read_bandwidth + flops / balance.flops
+    if isinstance(cache, FullCache) and cache.stream is not None:
+        compute = max(compute, kv_bytes / balance.transfer_bandwidth)
+    return cfg.num_layers * balance.layer_overhead_s + compute
+
+
+def draft_seconds(proposer: Proposer | None, balance: MachineBalance) -> float:
+    """The price of one token drafted by proposer: a model tier's 1-token forward (its own step, though it may
+    draft for less), nothing for the n-gram lookup, the fallback's where the n-gram drafts first."""
+    if isinstance(proposer, ModelTier):
+        return forward_seconds(proposer.model, proposer.cache, 1, balance)
+    if isinstance(proposer, FallbackProposer):
+        return max(draft_seconds(proposer.first, balance), draft_seconds(proposer.fallback, balance))
+    if isinstance(proposer, NGramProposer) or proposer is None:
+        return 0.0
+    raise TypeError(f"no price for drafts of a {type(proposer).__name__}")
+
+
+def price_tiers(top: ModelTier) -> None:
+    """Price every tier under the costed policy from top down, before its first step (ModelTier.price)."""
+    balance = machine_balance(top.model.device.type)
+    tier: Proposer | None = top
+    while isinstance(tier, ModelTier):
+        if tier.proposer is not None and tier.length.policy == "costed":
+            forward = tuple(forward_seconds(tier.model, tier.cache, n, balance) for n in range(1, tier.gamma + 2))
+            costs = StepCosts(forward, draft_seconds(tier.proposer, balance), draft_seconds(tier.shortcut, balance))
+            tier.price(costs)
+        tier = tier.proposer
