@@ -153,7 +153,7 @@ class RetrievalCache(SlotCache):
     def summarise_layer(self, layer: int, keys: torch.Tensor, length: int) -> None:
         """Summarise layer's complete chunks before length not summarised yet from keys (Hkv, >= length, D), the
         layer's keys on this cache's device with positions [0, length) at their slots, as a layer-wise prefill of
-        the full cache leaves them (Engine._prefill_layerwise); after the last layer, count them summarised.
+        the full cache leaves them (offload.prefill_layerwise); after the last layer, count them summarised.
 
         A ValueError where the full cache dropped its first positions (FullCache.window): no offloaded cache does.
         """

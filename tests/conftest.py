@@ -23,6 +23,7 @@ from helpers import (
 from triforce_cli.kernels.native import cpu_isa
 
 import triforce_cli.decoding.pipeline
+import triforce_cli.decoding.setup
 from triforce_cli.runtime.loading import Checkpoint, LoadedModel
 from triforce_cli.runtime.native import kernel_error
 
@@ -78,6 +79,7 @@ def tiny(monkeypatch, tiny_models) -> dict:
         tensor_parallel=False,
         offload_weights=False,
         resident_layers=0,
+        checkpoint=None,
     ):
         calls.append(
             SimpleNamespace(
@@ -93,7 +95,7 @@ def tiny(monkeypatch, tiny_models) -> dict:
 
     monkeypatch.setattr(triforce_cli.decoding.pipeline, "load_model", fake_load_model)
     monkeypatch.setattr(  # no files behind the specs: none is a GGUF checkpoint
-        triforce_cli.decoding.pipeline, "resolve_checkpoint", lambda spec, status=None: Checkpoint(spec, Path(), [])
+        triforce_cli.decoding.setup, "resolve_checkpoint", lambda spec, status=None: Checkpoint(spec, Path(), [])
     )
     # The embedded default's shipped drafter is not one of the tiny models: without --draft the target drafts.
     monkeypatch.setattr(triforce_cli.decoding.pipeline, "EMBEDDED_DRAFTER", Path("/nonexistent/drafter"))

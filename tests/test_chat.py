@@ -89,7 +89,7 @@ def answered(question: str, prompt_ids: list[int], answer_ids: list[int], tokeni
 
 
 def test_each_prompt_extends_the_one_before_and_is_the_whole_conversation(pipe):
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     session.prefill()
     for question in QUESTIONS:
         session.ask(question)
@@ -117,14 +117,14 @@ def test_each_prompt_extends_the_one_before_and_is_the_whole_conversation(pipe):
 def test_greedy_answers_are_the_targets_on_the_whole_conversation(pipe):
     """Each answer of a triforce session is what autoregressive greedy decoding of the target writes after the same
     ids; and the conversation matters: a question asked after others is answered otherwise than asked first."""
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     session.prefill()
     results = [session.ask(question) for question in QUESTIONS]
     assert any(a.accepted < a.drafted for result in results for a in result.stats.acceptance)  # drafts rejected too
     pipe.reconfigure(mode="autoregressive")
     for turn in session.turns:
         assert turn.result.token_ids == pipe.generate_ids(turn.prompt_ids).token_ids
-    asked_first = pipe.chat(DOCUMENT).ask(QUESTIONS[1])
+    asked_first = ChatSession(pipe, DOCUMENT).ask(QUESTIONS[1])
     assert asked_first.token_ids != results[1].token_ids
 
 
@@ -143,7 +143,7 @@ def test_each_turn_prefills_only_what_is_new_and_answers_as_a_fresh_engine(pipe,
         return real(tokens, start, cache, num_logits=num_logits, decoding=decoding)
 
     monkeypatch.setattr(model, "forward", forward)
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     session.prefill()
     counts = []
     for question in QUESTIONS:
@@ -165,7 +165,7 @@ def test_each_turn_prefills_only_what_is_new_and_answers_as_a_fresh_engine(pipe,
 
 
 def test_reset_goes_back_to_the_document_alone(pipe):
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     first = session.ask(QUESTIONS[0])
     session.ask(QUESTIONS[1])
     session.reset()
@@ -176,7 +176,7 @@ def test_reset_goes_back_to_the_document_alone(pipe):
 
 
 def test_a_question_that_does_not_fit_leaves_the_conversation_as_it_was(pipe):
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     session.ask(QUESTIONS[0])
     with pytest.raises(PromptError, match="the 512-token context leaves no room for an answer"):
         session.ask(TOO_LONG)
@@ -189,7 +189,7 @@ def test_a_question_that_does_not_fit_leaves_the_conversation_as_it_was(pipe):
 
 
 def test_an_interrupted_answer_is_kept_as_far_as_it_got(pipe):
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     streamed = []
 
     def stop_at_three(tokens, origins):
@@ -205,7 +205,7 @@ def test_an_interrupted_answer_is_kept_as_far_as_it_got(pipe):
 
 
 def test_a_question_interrupted_before_its_first_token_is_left_out(pipe):
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
 
     def stop(name, done, total):
         raise KeyboardInterrupt
@@ -217,9 +217,9 @@ def test_a_question_interrupted_before_its_first_token_is_left_out(pipe):
 
 def test_a_tokenizer_without_chat_template_or_an_empty_document_cannot_chat(tiny):
     with pytest.raises(PromptError, match="needs a chat template, and this model's tokenizer has none"):
-        Pipeline.load(LoadOptions(target="tiny")).chat(DOCUMENT)
+        ChatSession(Pipeline.load(LoadOptions(target="tiny")), DOCUMENT)
     with pytest.raises(PromptError, match="the document is empty"):
-        Pipeline.load(LoadOptions(target="chat")).chat(" \n ")
+        ChatSession(Pipeline.load(LoadOptions(target="chat")), " \n ")
 
 
 def test_a_template_that_rewrites_earlier_turns_gets_its_whole_rendering():
@@ -253,7 +253,7 @@ def document(tmp_path) -> Path:
 
 
 def answers_of(pipe: Pipeline, questions) -> list[str]:
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     return [session.ask(question).text for question in questions]
 
 
@@ -287,10 +287,10 @@ def test_the_documents_prefill_is_kept_in_the_prompt_cache_for_the_next_chat(pip
 
 
 def test_a_restored_document_is_kept_for_the_first_question(pipe, tmp_path):
-    saving = pipe.chat(DOCUMENT)
+    saving = ChatSession(pipe, DOCUMENT)
     assert saving.prefill(prompt_cache=tmp_path) is False
     expected = saving.ask(QUESTIONS[0])
-    restoring = pipe.chat(DOCUMENT)
+    restoring = ChatSession(pipe, DOCUMENT)
     assert restoring.prefill(prompt_cache=tmp_path) is True
     answer = restoring.ask(QUESTIONS[0])
     assert answer.stats.reused_tokens == len(restoring.conversation.document_prefix_ids)
@@ -308,7 +308,7 @@ def test_reset_save_and_stats(pipe, document, tmp_path):
     assert before.read_text() == f"user: {QUESTIONS[0]}\n\nassistant: {first}\n\n"
     assert after.read_text() == f"user: {QUESTIONS[1]}\n\nassistant: {second}\n\n"
     prompt = conversation_ids(pipe.target.tokenizer, [QUESTIONS[1]], [])
-    prefix = pipe.chat(DOCUMENT).conversation.document_prefix_ids
+    prefix = ChatSession(pipe, DOCUMENT).conversation.document_prefix_ids
     stats = flat(result.stderr)
     assert f"last prompt: {len(prompt)} tokens, {len(prefix)} of them read just before" in stats
     for shown in ("per-token latency", "prompt tokens", "acceptance per tier", "retrieval → target"):
@@ -335,7 +335,7 @@ def test_what_cannot_be_done_inside_the_session_is_one_line_and_the_session_goes
 def saved_conversation(pipe: Pipeline, folder: Path) -> tuple[Path, list[int], list[int]]:
     """Two questions answered and saved with their state (transcript and state files in folder); the transcript's
     path, the ids the engine held when it was saved, and the greedy answer to the third question after them."""
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     session.prefill()
     for asked in QUESTIONS[:2]:
         session.ask(asked)
@@ -349,7 +349,7 @@ def saved_conversation(pipe: Pipeline, folder: Path) -> tuple[Path, list[int], l
 
 def loaded_session(pipe: Pipeline, transcript: Path) -> tuple[ChatSession, str | None]:
     """A new session on pipe that takes up transcript and its state, nothing prefilled; why the state was refused."""
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     session.load(transcript_turns(transcript.read_text(encoding="utf-8")))
     return session, session.load_state(state_path(transcript))
 
@@ -514,7 +514,7 @@ def test_at_a_real_terminal_a_question_is_answered_and_kept_in_the_history(tmp_p
     document = tmp_path / "words.txt"
     document.write_text(" ".join(f"w{i % 31}" for i in range(60)))
     config = EngineConfig(max_new_tokens=4, sampling=GREEDY)
-    session = Pipeline.load(LoadOptions(target=str(folder)), config=config).chat(document.read_text())
+    session = ChatSession(Pipeline.load(LoadOptions(target=str(folder)), config=config), document.read_text())
     expected, pasted = session.ask(QUESTIONS[0]).text, session.ask("w7 w8\nw9").text
     command = [sys.executable, "-m", "triforce_cli", "chat", "-p", str(document), "--target", str(folder)]
     command += ["--max-new-tokens", "4", "--temperature", "0"]
@@ -615,7 +615,7 @@ def test_a_scripted_chat_on_the_embedded_model_answers_as_the_target_does(tmp_pa
     assert all(answer.strip() for answer in answers)
     assert result.stdout == "".join(f"{answer}\n" for answer in answers)
     config = EngineConfig(mode="autoregressive", max_new_tokens=16, sampling=GREEDY)
-    session = Pipeline.load(config=config).chat(document.read_text())
+    session = ChatSession(Pipeline.load(config=config), document.read_text())
     assert [session.ask(question).text for question in questions] == answers
 
 
@@ -626,7 +626,7 @@ def test_a_system_prompt_opens_every_prompt(pipe):
     first = session.ask(QUESTIONS[0])
     assert session.turns[0].prompt_ids == conversation_ids(tokenizer, [QUESTIONS[0]], [], system="w3 w4")
     assert first.token_ids == pipe.generate_ids(session.turns[0].prompt_ids).token_ids
-    assert session.turns[0].prompt_ids != pipe.chat(DOCUMENT).prompt_ids(QUESTIONS[0])
+    assert session.turns[0].prompt_ids != ChatSession(pipe, DOCUMENT).prompt_ids(QUESTIONS[0])
     session.ask(QUESTIONS[1])
     second = conversation_ids(tokenizer, list(QUESTIONS[:2]), [first.text], system="w3 w4")
     assert session.turns[1].prompt_ids == second
@@ -645,7 +645,7 @@ def test_a_template_that_refuses_a_system_prompt_says_so():
 
 
 def test_an_answer_is_capped_to_what_the_context_still_holds(pipe):
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     prompt = session.prompt_ids("w2")
     question = " ".join(["w2"] * (512 - len(prompt) - 4 + 1))  # leaves 4 positions
     result = session.ask(question)
@@ -657,7 +657,7 @@ def test_an_answer_is_capped_to_what_the_context_still_holds(pipe):
 
 
 def test_retry_asks_the_latest_question_again_in_place_of_its_answer(pipe):
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     first = session.ask(QUESTIONS[0])
     second = session.ask(QUESTIONS[1])
     again = session.retry()
@@ -666,17 +666,17 @@ def test_retry_asks_the_latest_question_again_in_place_of_its_answer(pipe):
     assert session.turns[1].prompt_ids[: len(session.turns[0].prompt_ids)] == session.turns[0].prompt_ids
     assert session.transcript[:2] == [("user", QUESTIONS[0]), ("assistant", first.text)]
     with pytest.raises(PromptError, match="no question"):
-        pipe.chat(DOCUMENT).retry()
+        ChatSession(pipe, DOCUMENT).retry()
 
 
 def test_a_saved_conversation_is_loaded_and_goes_on_as_it_would_have(pipe):
-    session = pipe.chat(DOCUMENT)
+    session = ChatSession(pipe, DOCUMENT)
     for question in QUESTIONS[:2]:
         session.ask(question)
     saved = transcript_text(session.transcript)
     assert transcript_turns(saved) == session.transcript
     third = session.ask(QUESTIONS[2])
-    loaded = pipe.chat(DOCUMENT)
+    loaded = ChatSession(pipe, DOCUMENT)
     loaded.load(transcript_turns(saved))
     assert loaded.transcript == session.transcript[:4]
     assert loaded.prompt_ids(QUESTIONS[2]) == session.turns[2].prompt_ids

@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
 from triforce_cli.decoding import engine as engine_module
+from triforce_cli.decoding import sizing
 from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -750,9 +751,7 @@ class TestMemory:
         assert engine.cache_bytes(PROMPT) == allocated
 
     def test_caches_that_cannot_fit_are_one_clear_error_before_allocating(self, small, monkeypatch):
-        import triforce_cli.decoding.engine as engine_module
-
-        monkeypatch.setattr(engine_module, "available_memory", lambda device: 1000)
+        monkeypatch.setattr(sizing, "available_memory", lambda device: 1000)
         engine = Engine(small, self.CONFIG)
         with pytest.raises(ConfigError, match=r"need [\d.]+ KiB on cpu, which has 1000 B free: use a shorter prompt"):
             engine.generate(list(range(PROMPT)))

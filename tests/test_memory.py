@@ -190,7 +190,7 @@ def test_the_planners_memory_is_what_the_engine_allocates_for_llama_8b_at_128k(m
     fake tensors: the weights of both models, then every cache. Allocating the caches runs no forward: the prefill's
     activations and hidden states are planned apart (test_a_prefill_chunk_peaks_within_its_planned_activations,
     test_the_planned_prefill_hidden_states_are_what_the_layerwise_prefill_holds)."""
-    monkeypatch.setattr("triforce_cli.decoding.engine.available_memory", lambda device: None)  # no real GPU to ask
+    monkeypatch.setattr("triforce_cli.decoding.sizing.available_memory", lambda device: None)  # no real GPU to ask
     rows = {
         (r["mode"], r["offload"]): r
         for r in plan_rows("--model", "Llama-3.1-8B", "--hardware", "rtx-4090", "--context", "128k")

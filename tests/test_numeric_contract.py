@@ -4,7 +4,7 @@ token by token (as one-token decode steps feed it) and fed in random pieces of 1
 drafts feed it), with 1 thread and with 2, leave bit-identical keys, values and logits in the full cache the engine
 builds.
 
-This is what makes reuse exact (Engine.exact_positions, _Held.reusable): a later prompt keeps the positions a decode
+This is what makes reuse exact (Engine.exact_positions, Held.reusable): a later prompt keeps the positions a decode
 step computed and prefills only what is new, and still gets the tokens a fresh prefill gives.
 
 Checked on a tiny random dense model and, where it is installed, on the embedded GGUF model with its block weights.

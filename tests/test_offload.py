@@ -13,6 +13,7 @@ from triforce_cli.kernels import chunk_summaries, gather_chunks, half_weights_av
 from triforce_cli.offload import HostQueue, offload_kv
 from triforce_cli.offload.kv import TAIL_POSITIONS
 
+from triforce_cli.decoding import cache_pool, sizing
 from triforce_cli.decoding.config import MODES, EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
@@ -475,9 +476,7 @@ def test_the_memory_plan_puts_the_full_cache_in_host_memory():
 
 
 def test_offloaded_caches_that_cannot_fit_the_host_are_one_clear_error(monkeypatch):
-    import triforce_cli.decoding.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: 10_000 if device.type == "cpu" else None)
+    monkeypatch.setattr(sizing, "available_memory", lambda device: 10_000 if device.type == "cpu" else None)
     engine = Engine(loaded_model(), config("triforce", SamplingConfig(), offload="kv"))
     with pytest.raises(ConfigError, match=r"on cpu, which has 9.8 KiB free"):
         engine.generate(random_prompt(PROMPT, 64, seed=3))
@@ -537,11 +536,9 @@ def recorded_engine(mode: str, steps: StepMode, monkeypatch, **changes) -> tuple
     """An engine of loaded_model() offloading its full cache with one layer on chip, its steps taken as steps say
     ('compiled' by aot_eager), length buckets of BUCKET positions, a tail of 16 positions and deferred copies; and
     its greedy tokens after a 64-token prompt, 40 of them (positions 64-104: three buckets, the tail flushed)."""
-    import triforce_cli.decoding.engine as engine_module
-
     monkeypatch.setattr("triforce_cli.offload.kv.BUCKET_POSITIONS", BUCKET)
     monkeypatch.setattr("triforce_cli.offload.kv.queue_for", lambda device: DeferredQueue())
-    monkeypatch.setattr(engine_module, "offload_kv", partial(offload_kv, tail_positions=16))
+    monkeypatch.setattr(cache_pool, "offload_kv", partial(offload_kv, tail_positions=16))
     model = loaded_model()
     if steps != StepMode.EAGER:
         model.model.use_steps(steps, backend="aot_eager")

@@ -1,5 +1,5 @@
 """A prompt that starts with ids the full cache holds keeps those positions and prefills only the rest (Engine.generate,
-_Held): under the numeric contract (Engine.exact_positions: a float32 target on the CPU, eager steps) everything
+cache_pool.Held): under the numeric contract (Engine.exact_positions: a float32 target on the CPU, eager steps) everything
 the cache holds, the last prompt and the answer decoded after it, up to any position; elsewhere only the whole
 prefill chunks of the last prompt. The kept positions hold what a fresh prefill writes, bit for bit, so every mode's
 output is the fresh engine's, token for token, greedy and seeded.

@@ -11,6 +11,7 @@ import torch
 from helpers import full_cache_for, make_model, random_prompt, small_config
 from triforce_cli.kernels.attention import SPLIT_SLOTS, slot_splits
 
+from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline
@@ -45,9 +46,9 @@ def test_a_chat_keeps_its_document_through_the_warm_up(chat_pipes, mode):
     before the first question records its steps past the kept positions, and the answers are the eager ones."""
     eager, fixed = chat_pipes
     use_steps(fixed, mode)
-    expected = eager.chat(DOCUMENT)
+    expected = ChatSession(eager, DOCUMENT)
     expected.prefill()
-    session = fixed.chat(DOCUMENT)
+    session = ChatSession(fixed, DOCUMENT)
     session.prefill()
     for question in QUESTIONS:
         answer = session.ask(question)
@@ -61,10 +62,10 @@ def test_a_restored_prefill_is_kept_through_the_warm_up(chat_pipes, mode, tmp_pa
     """A --prompt-cache hit restores the document, and the first question keeps it: its answer is the eager one."""
     eager, fixed = chat_pipes
     use_steps(fixed, mode)
-    saving = eager.chat(DOCUMENT)
+    saving = ChatSession(eager, DOCUMENT)
     assert saving.prefill(prompt_cache=tmp_path) is False
     expected = saving.ask(QUESTIONS[0])
-    restoring = fixed.chat(DOCUMENT)
+    restoring = ChatSession(fixed, DOCUMENT)
     assert restoring.prefill(prompt_cache=tmp_path) is True
     answer = restoring.ask(QUESTIONS[0])
     assert answer.stats.reused_tokens > 0

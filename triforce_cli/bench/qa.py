@@ -112,7 +112,7 @@ class QABench:
 
     def _ours(self, mode: str, document: str, questions: tuple[str, ...]) -> list[Answer]:
         pipe = self.bench.pipe
-        engine = self.bench.engine_for(mode, cache_positions=pipe.target.model.config.max_position_embeddings)
+        engine = self.bench.engine_for(mode, cache_positions=pipe.context_tokens)
         session = ChatSession(replace(pipe, engine=engine, status=None), document)
         started = time.perf_counter()
         session.prefill()

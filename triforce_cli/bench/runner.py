@@ -23,7 +23,7 @@ from triforce_cli.bench.llama_cpp import LLAMA_CPP_PEER, LlamaCppPeer, llama_cpp
 from triforce_cli.bench.peers import HF_PEERS, PROMPT_LOOKUP_TOKENS, TimedRun, hf_generate
 from triforce_cli.decoding.config import MODE_TIERS, MODES, EngineConfig, Mode, Tiers
 from triforce_cli.decoding.engine import Engine
-from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.pipeline import Pipeline, prefill_or_restore
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import GenerationResult, as_record, summary_of
@@ -340,15 +340,9 @@ class Bench:
 
     def _prompt_state(self, prompt_ids: list[int]) -> tuple[PromptState, bool]:
         """The prefilled prompt, and whether it came from the prompt cache (a miss prefills and saves it there)."""
-        if self.config.prompt_cache is None:
-            return self.engine_for().prefill(prompt_ids), False
-        cache = self.pipe.prompt_cache(self.config.prompt_cache, self.base_config.max_new_tokens)
-        state = cache.load(prompt_ids)
-        if state is not None:
-            return state, True
-        state = self.engine_for().prefill(prompt_ids)
-        cache.save(state, prompt_ids)
-        return state, False
+        folder = self.config.prompt_cache
+        cache = None if folder is None else self.pipe.prompt_cache(folder, self.base_config.max_new_tokens)
+        return prefill_or_restore(self.engine_for(), prompt_ids, cache, restore=False)
 
     def _rows(
         self, prompt: str, context: int, variants: list[_Variant], prefill_seconds: float, cached: bool

@@ -1,7 +1,7 @@
 """A chat about one long document: questions asked one after another, each answered by the pipeline after the
 whole conversation so far, as the target's chat template renders it.
 
-    session = pipe.chat(Path("report.txt").read_text())
+    session = ChatSession(pipe, Path("report.txt").read_text())
     session.prefill()                     # the document read once, before the first question
     print(session.ask("Who wrote it?").text)
     print(session.ask("When?").text)      # after the first question and its answer
@@ -29,20 +29,17 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
 from triforce_cli.decoding.engine import PrefillCallback, TokenCallback
+from triforce_cli.decoding.pipeline import Pipeline, prefill_or_restore
 from triforce_cli.decoding.prompt_state import PromptCache, StaleEntry
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import PromptError, TriforceError
 from triforce_cli.runtime.prompts import DOCUMENT_PLACEHOLDER, around_document, document_question
-
-if TYPE_CHECKING:
-    from triforce_cli.decoding.pipeline import Pipeline
 
 SYSTEM = "system"
 USER = "user"
@@ -130,7 +127,7 @@ def shared_length(first: list[int], second: list[int]) -> int:
 
 
 class ChatSession:
-    """A conversation about one document with a loaded pipeline (module docstring); made by Pipeline.chat.
+    """A conversation about one document with a loaded pipeline (module docstring).
 
     Attributes:
         pipeline: generates every answer, with its settings at the time (mode, sampling, max_new_tokens).
@@ -140,7 +137,7 @@ class ChatSession:
         last_turn: the latest question asked and its generation, answered or not; None before the first.
     """
 
-    def __init__(self, pipeline: "Pipeline", document: str, system: str | None = None):
+    def __init__(self, pipeline: Pipeline, document: str, system: str | None = None):
         """A session about document, nothing prefilled yet; the document is checked to fit with room for an answer.
 
         Args:
@@ -152,7 +149,8 @@ class ChatSession:
                 refuses it: a PromptError with its message).
 
         Unless the pipeline's config sizes the caches already (EngineConfig.cache_positions), they are sized for the
-        target's whole context, as Pipeline.chat says why.
+        target's whole context (Pipeline.size_for_whole_context): each next question reuses the conversation's keys
+        and values, which a full cache grown for a longer prompt would lose.
         """
         document = document.strip()
         if not document:
@@ -163,8 +161,7 @@ class ChatSession:
         except TemplateError as error:
             raise PromptError(f"the model's chat template refuses the conversation: {error}") from None
         pipeline.engine.check_prompt(self.conversation.document_prefix_ids)
-        if pipeline.config.cache_positions is None:  # a full cache grown for a longer prompt would keep nothing
-            pipeline.reconfigure(cache_positions=self.context_tokens)
+        pipeline.size_for_whole_context()
         self.turns: list[ChatTurn] = []
         self.last_turn: ChatTurn | None = None
         self._read_ids: list[int] = []  # what the engine read last: the prefilled document, or a prompt and answer
@@ -192,17 +189,10 @@ class ChatSession:
             Whether the document came from prompt_cache.
         """
         ids = self.conversation.document_prefix_ids
-        engine = self.pipeline.engine
         cache = None if prompt_cache is None else self.pipeline.prompt_cache(prompt_cache)
-        saved = None if cache is None else cache.load(ids)
-        if saved is not None:
-            engine.restore(saved)
-        elif cache is None:
-            engine.prefill(ids, on_prefill, capture=False)
-        else:
-            cache.save(engine.prefill(ids, on_prefill), ids)
+        _, restored = prefill_or_restore(self.pipeline.engine, ids, cache, on_prefill)
         self._read_ids = ids
-        return saved is not None
+        return restored
 
     def prompt_ids(self, question: str) -> list[int]:
         """The token ids the next ask(question) generates after: the whole conversation and the question."""
@@ -256,7 +246,7 @@ class ChatSession:
     @property
     def context_tokens(self) -> int:
         """The target's context: the most tokens a conversation and its next answer may hold."""
-        return self.pipeline.target.model.config.max_position_embeddings
+        return self.pipeline.context_tokens
 
     @property
     def used_tokens(self) -> int:
@@ -309,7 +299,7 @@ class ChatSession:
         conversation state is written and checked with; path's folder is only read or written there."""
         engine = self.pipeline.engine
         return PromptCache(
-            path.parent, self.pipeline.target, None, engine.prefill_chunk, self.pipeline.config.max_new_tokens
+            path.parent, self.pipeline.target, None, engine.prefill_block, self.pipeline.config.max_new_tokens
         )
 
     def save_state(self, path: Path) -> bool:

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 
-from triforce_cli.decoding.chat import ChatSession
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, StopCheck, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, PromptState, check_writable
-from triforce_cli.decoding.setup import LoadOptions, apply_setup, current_machine, resolve_setup
+from triforce_cli.decoding.setup import LoadOptions, apply_setup, choose_setup
 from triforce_cli.decoding.stats import GenerationResult
-from triforce_cli.decoding.tuning import Tuning, fastest_configuration, slower_than_measured
+from triforce_cli.decoding.tuning import Tuning, slower_than_measured
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, EMBEDDED_NAME
 from triforce_cli.runtime.loading import (
@@ -28,9 +27,7 @@ from triforce_cli.runtime.loading import (
     StatusCallback,
     embedding_digest,
     load_model,
-    resolve_checkpoint,
 )
-from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.parallel import init_parallel, world_size
 from triforce_cli.runtime.prompts import encode_prompt
 
@@ -74,26 +71,17 @@ class Pipeline:
         """Load the target and drafter that options name (decoding.setup.LoadOptions; None: every default, the
         embedded target and its drafter, see drafter_spec); config defaults to EngineConfig().
 
-        Every choice is made first, in one place (setup.resolve_setup, from options, the machine and, where it
+        Every choice is made first, in one place (setup.choose_setup, from options, the machine and, where it
         decides something, the target's checkpoint; with options.tune, the configuration measured fastest); then
         the target loads, then the drafter, each in the Setup's form, and each is finished by setup.apply_setup.
         """
         options = options or LoadOptions()
         config = config or EngineConfig()
-        machine = current_machine()
-        setup = resolve_setup(options, machine, offload=config.offload)
+        chosen = choose_setup(options, config.offload, status)
+        setup = chosen.setup
         init_parallel(setup.device)  # torchrun: join the process group, this rank on setup.device
-        tuning = None
-        if setup.reads_checkpoint:
-            checkpoint = resolve_checkpoint(options.target, status)
-            if checkpoint.gguf is not None:
-                machine = replace(machine, gguf_kernels=kernel_error() is None)  # builds the extension once
-            setup = resolve_setup(options, machine, checkpoint, config.offload)
-            if setup.tune:
-                tuning = fastest_configuration(options.target, checkpoint, status)
-                setup = resolve_setup(options, machine, checkpoint, config.offload, tuning.choice)
-                if setup.decode_threads is not None:
-                    torch.set_num_threads(setup.decode_threads)
+        if setup.decode_threads is not None:
+            torch.set_num_threads(setup.decode_threads)
         target_model = load_model(
             options.target,
             setup.dtype,
@@ -104,6 +92,7 @@ class Pipeline:
             tensor_parallel=setup.tensor_parallel,  # the drafter stays whole on every rank
             offload_weights=setup.offload_weights,
             resident_layers=config.on_chip_layers,
+            checkpoint=chosen.checkpoint,  # resolved once, where the set-up read it
         )
         draft = drafter_spec(target_model, options.draft)
         drafter = None
@@ -121,7 +110,7 @@ class Pipeline:
             if loaded is not None:
                 apply_setup(loaded.model, setup)
         engine = Engine(target_model, config, drafter, setup.prefill_threads)
-        return cls(target_model, drafter, engine, status, tuning)
+        return cls(target_model, drafter, engine, status, chosen.tuning)
 
     @property
     def config(self) -> EngineConfig:
@@ -134,24 +123,17 @@ class Pipeline:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt, chat)
 
-    def chat(self, document: str) -> ChatSession:
-        """A chat about document (decoding/chat.py): each question answered after the whole conversation so far, as
-        the target's chat template renders it, the document's token ids the same in every prompt.
+    @property
+    def context_tokens(self) -> int:
+        """The target's context: the most tokens a prompt and its answer may hold."""
+        return self.target.model.config.max_position_embeddings
 
-        Args:
-            document: the text the questions are about.
-        Returns:
-            The session, nothing prefilled yet (ChatSession.prefill reads the document). A PromptError where the
-            target's tokenizer has no chat template or the document leaves no room for an answer.
-
-        Unless the config sizes the caches already (EngineConfig.cache_positions), they are sized for the target's
-        whole context, allocated once: a full cache grown for a longer prompt would lose the conversation's keys and
-        values, which each next question reuses (prefix reuse).
-        """
-        chat = ChatSession(self, document)
+    def size_for_whole_context(self) -> None:
+        """Unless the config sizes the caches already (EngineConfig.cache_positions), size them for the target's
+        whole context, allocated once: a full cache grown for a longer prompt would lose what it holds, which the
+        next prompt that shares a prefix with it reuses (a chat's conversation, a server's last request)."""
         if self.config.cache_positions is None:
-            self.reconfigure(cache_positions=self.target.model.config.max_position_embeddings)
-        return chat
+            self.reconfigure(cache_positions=self.context_tokens)
 
     def prompt_cache(self, folder: Path, new_tokens: int | None = None) -> PromptCache:
         """The saved prefills of this target in folder, checked writable before any prefill, for runs of new_tokens
@@ -160,7 +142,7 @@ class Pipeline:
             raise ConfigError("--prompt-cache holds whole prefills: run it without torchrun")
         check_writable(folder)
         new_tokens = self.engine.config.max_new_tokens if new_tokens is None else new_tokens
-        return PromptCache(folder, self.target, self.status, self.engine.prefill_chunk, new_tokens)
+        return PromptCache(folder, self.target, self.status, self.engine.prefill_block, new_tokens)
 
     def generate_ids(
         self,
@@ -217,3 +199,36 @@ class Pipeline:
         prompt_cache: Path | None = None,
     ) -> GenerationResult:
         return self.generate_ids(self.encode(prompt, chat), on_prefill, on_tokens, prompt_cache)
+
+
+def prefill_or_restore(
+    engine: Engine,
+    prompt_ids: list[int],
+    cache: PromptCache | None = None,
+    on_prefill: PrefillCallback | None = None,
+    *,
+    restore: bool = True,
+) -> tuple[PromptState | None, bool]:
+    """Load the saved prefill of prompt_ids from cache, or prefill them and save it there.
+
+    Args:
+        engine: prefills, and restores a saved prefill where restore is set.
+        prompt_ids: the prompt's token ids.
+        cache: the saved prefills (Pipeline.prompt_cache), or None: prefill.
+        on_prefill: receives (model name, tokens done, tokens total) as the prefill goes on.
+        restore: leave the prefill in the engine's full cache, for the next prompt that starts with prompt_ids
+            (prefix reuse: a chat's document); False: return it for Engine.generate(prompt_state=...), which puts
+            it there itself (a benchmark's runs of one prompt).
+    Returns:
+        The prefilled state (None where restore is set and nothing is saved: it is not copied), and whether it came
+        from cache.
+    """
+    saved = None if cache is None else cache.load(prompt_ids)
+    if saved is not None:
+        if restore:
+            engine.restore(saved)
+        return saved, True
+    state = engine.prefill(prompt_ids, on_prefill, capture=cache is not None or not restore)
+    if cache is not None:
+        cache.save(state, prompt_ids)
+    return state, False

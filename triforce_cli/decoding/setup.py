@@ -2,22 +2,24 @@
 
 resolve_setup turns the first two, and where it matters the target's checkpoint, into a Setup without reading
 anything itself: every choice of device, dtype, attention kernels, weight form, step mode and threads, and
-every combination that cannot run, is decided there. current_machine reads the machine once; Pipeline.load loads
-the models as the Setup says and apply_setup finishes each.
+every combination that cannot run, is decided there. choose_setup is the one place that reads what the choice
+depends on (the machine, once; the checkpoint, once; the measured fastest configuration) and resolves the Setup
+with it; Pipeline.load loads the models as the Setup says and apply_setup finishes each.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from triforce_cli.decoding.tuning import Choice, tuning_enabled
+from triforce_cli.decoding.tuning import Choice, Tuning, fastest_configuration, tuning_enabled
 from triforce_cli.errors import ConfigError
 from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.kernels import optional as optional_kernels
 from triforce_cli.runtime.environment import physical_cores
 from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, StepMode, WeightForm
-from triforce_cli.runtime.loading import Checkpoint, resolve_steps, resolve_weights
+from triforce_cli.runtime.loading import Checkpoint, StatusCallback, resolve_checkpoint, resolve_steps, resolve_weights
 from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.parallel import pending_group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -263,6 +265,44 @@ def resolve_setup(
         decode_threads=decode_threads,
         prefill_threads=machine.physical_cores if options.threads is None and device.type == "cpu" else None,
     )
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A load's set-up with what it was chosen from: the target's checkpoint where it decided something (None
+    otherwise: load_model resolves it), and the measurement of the fastest configuration where that chose."""
+
+    setup: Setup
+    checkpoint: Checkpoint | None = None
+    tuning: Tuning | None = None
+
+
+def choose_setup(options: LoadOptions, offload: str = OffloadMode.NONE, status: StatusCallback | None = None) -> Chosen:
+    """The set-up of a load, every choice made here, in three stages of resolve_setup, each run only where the one
+    before asks for it: from options and the machine alone (which also checks every setting before anything is
+    read); again with the target's checkpoint where it decides something (Setup.reads_checkpoint: a GGUF file may
+    become gguf weights); again with the measured fastest configuration where it chooses (Setup.tune; measured
+    the first time, decoding.tuning.fastest_configuration).
+
+    Args:
+        options: what is asked for.
+        offload: EngineConfig.offload.
+        status: receives one-line notes (a GGUF file converted, a measurement taken).
+    Returns:
+        The Setup, with the checkpoint it read (for load_model, so that it is resolved once) and the tuning.
+    """
+    machine = current_machine()
+    setup = resolve_setup(options, machine, offload=offload)
+    if not setup.reads_checkpoint:
+        return Chosen(setup)
+    checkpoint = resolve_checkpoint(options.target, status)
+    if checkpoint.gguf is not None:
+        machine = replace(machine, gguf_kernels=kernel_error() is None)  # builds the extension once
+    setup = resolve_setup(options, machine, checkpoint, offload)
+    if not setup.tune:
+        return Chosen(setup, checkpoint)
+    tuning = fastest_configuration(options.target, checkpoint, status)
+    return Chosen(resolve_setup(options, machine, checkpoint, offload, tuning.choice), checkpoint, tuning)
 
 
 def apply_setup(model: Transformer, setup: Setup) -> None:

@@ -6,7 +6,10 @@ plan` predicts are the same functions' results. Weights are each caller's own: t
 holds, the planner the parameters of a shape. The caches' elements take kv_dtype_bytes each: half the model's on the
 CPU in float32 (cache.kv_dtype).
 
-Sizing policy (Engine, docs/architecture.md): the caches are allocated once and kept across generations. The full
+The memory plan of one engine's generation (memory_plan, from its CacheSpec), and the check that what an allocation
+builds fits the machine (check_memory), are here too.
+
+Sizing policy (Engine, decoding/cache_pool.py, docs/architecture.md): the caches are allocated once and kept across generations. The full
 cache holds max(prompt + new tokens, EngineConfig.cache_positions) positions plus one step's headroom (for a
 target whose every layer has the same sliding window, at most that window and a slack: full_slots), and never
 shrinks: a cache already held that is large enough is kept, a longer prompt grows it (the old one released first).
@@ -22,10 +25,16 @@ import torch
 
 from triforce_cli.cache import kv_dtype
 from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.errors import ConfigError
 from triforce_cli.kernels import SUMMARIES
 from triforce_cli.kernels.attention import SPLIT_SLOTS
 from triforce_cli.offload.kv import TAIL_POSITIONS
-from triforce_cli.runtime.model import MAX_STEP_TOKENS
+from triforce_cli.runtime.environment import available_memory
+from triforce_cli.runtime.forms import OffloadMode
+from triforce_cli.runtime.loading import LoadedModel
+from triforce_cli.runtime.model import MAX_STEP_TOKENS, Transformer, weight_bytes
+from triforce_cli.runtime.parallel import least
+from triforce_cli.runtime.store import human_size
 
 RING_LAYERS = 2  # layers of keys and values an offloaded forward stages on the device (offload/kv.py's ring)
 
@@ -289,3 +298,133 @@ def staged_item(target: KVShape, caps: Capacities, dtype_bytes: int, on_chip: in
     layers = staged_layers(target.num_layers, on_chip)
     tail = kv_bytes(target, min(TAIL_POSITIONS, caps.full), dtype_bytes)
     return MemoryItem("on-chip layers and ring", layers * kv_layer_bytes(target, caps.full, dtype_bytes) + tail, tail)
+
+
+@dataclass(frozen=True, eq=False)
+class CacheSpec:
+    """What an engine's caches are built and sized from: its target, the model drafting on a StreamingLLM cache
+    and its settings. The derived properties read the models when asked (a model's step mode may change).
+
+    Attributes:
+        target: the loaded target.
+        drafter: the model of the drafter tier (the target itself for self-speculation).
+        config: the engine's settings.
+        model_drafter: whether a model drafts on a StreamingLLM cache (Engine.uses_model_drafter).
+    """
+
+    target: LoadedModel
+    drafter: Transformer
+    config: EngineConfig
+    model_drafter: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the target runs its decode steps as fixed-shape steps, recorded or compiled (Transformer.use_steps),
+        on caches made static."""
+        return self.target.model.fixed_step is not None
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the full KV cache lives in host memory (EngineConfig.offload kv or kv+weights). `offload` kv with
+        every layer on chip offloads nothing: the cache is then the device's alone, as without offload (no host
+        storage to write back to, fixed-shape steps)."""
+        cfg = self.config
+        if cfg.offload == OffloadMode.KV and cfg.on_chip_layers >= self.target.model.config.num_layers:
+            return False
+        return cfg.offload != OffloadMode.NONE
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window every layer of the target shares, the only positions its full cache keeps (FullCache's
+        window); None where the cache keeps every position: a target with layers of other windows or none, or a
+        cache offloaded to host memory, whose streaming and layer-wise prefill take every position."""
+        return None if self.offloaded else self.target.model.config.shared_window
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of every cache of the engine's models (cache.kv_dtype): float16 for a float32 target on the
+        CPU, else the target's dtype."""
+        return kv_dtype(self.target.device, self.target.dtype)
+
+    @property
+    def prefill_block(self) -> int:
+        """Prompt tokens per prefill forward on the target's device (EngineConfig.prefill_block_on)."""
+        return self.config.prefill_block_on(self.target.device.type)
+
+    def capacities(self, prompt_tokens: int, held: int = 0) -> Capacities:
+        """The positions of each cache for a generation after prompt_tokens (capacities), a full cache of `held`
+        slots kept where it is large enough."""
+        return capacities(
+            self.config,
+            prompt_tokens,
+            compiled=self.compiled,
+            device_type=self.target.device.type,
+            model_drafter=self.model_drafter,
+            held=held,
+            window=self.window,
+        )
+
+
+def weight_items(spec: CacheSpec) -> list[MemoryItem]:
+    """The weights' items of the memory plan: all on the device, or, streamed, the layers from on_chip_layers on
+    in host memory and two of them at a time on the device."""
+    model = spec.target.model
+    stream = model.weight_stream
+    if stream is None:
+        return [MemoryItem("weights", weight_bytes(model, spec.drafter), 0)]
+    fixed = (model.model.embed_tokens, model.model.norm, model.lm_head)  # never streamed
+    resident = weight_bytes(*fixed, spec.drafter) + stream.first * stream.layer_bytes
+    streamed = (len(stream.layers) - stream.first) * stream.layer_bytes
+    return [
+        MemoryItem("weights", resident, 0),
+        MemoryItem("streamed weights", 0, streamed),
+        MemoryItem("weight ring", stream.device_bytes, 0),
+    ]
+
+
+def memory_plan(spec: CacheSpec, caps: Capacities) -> MemoryPlan:
+    """What a generation with caps holds, and where, before anything is allocated: the models' weights, and the
+    caches as cache_items sizes them (the full, retrieval and StreamingLLM caches, the compiled steps' queries
+    and, offloaded, the device's on-chip layers and ring), and one prefill forward's activations
+    (prefill_activation_bytes)."""
+    target, itemsize, kv_itemsize = spec.target.model.config, spec.target.dtype.itemsize, spec.kv_dtype.itemsize
+    items = weight_items(spec)
+    items += cache_items(
+        spec.config,
+        caps,
+        target,
+        spec.drafter.config,
+        itemsize,
+        kv_itemsize,
+        compiled=spec.compiled,
+        offloaded=spec.offloaded,
+    )
+    if spec.offloaded:
+        items.append(staged_item(target, caps, kv_itemsize, spec.config.on_chip_layers))
+    items.append(activation_item(target, spec.prefill_block, itemsize))
+    held = tuple(item for item in items if item.device_bytes or item.host_bytes)
+    return MemoryPlan(str(spec.device), held)
+
+
+def check_memory(spec: CacheSpec, prompt_tokens: int, needed: tuple[int, int]) -> None:
+    """A ConfigError with the figures, before any allocation, where the (device, host) bytes an allocation for a
+    generation after prompt_tokens adds (the caches it builds, less those it releases first) cannot fit the device
+    (or, the full cache offloaded, the host). The weights and the caches it keeps are there already.
+
+    Under tensor parallelism every rank checks against the least free memory of any rank (parallel.least): a
+    rank that refused alone would leave the others waiting in the prefill's all-reduces."""
+    device = spec.device
+    for where, bytes_needed, advice in (
+        (device, needed[0], memory_advice(device_type=device.type, offloaded=spec.offloaded)),
+        (torch.device("cpu"), needed[1], HOST_ADVICE),
+    ):
+        free = least(available_memory(where), device)
+        if bytes_needed > 0 and free is not None and bytes_needed > free:
+            raise ConfigError(
+                f"the KV caches for {prompt_tokens} prompt tokens and {spec.config.max_new_tokens} new ones need"
+                f" {human_size(bytes_needed)} on {where}, which has {human_size(free)} free: {advice}"
+            )

@@ -56,7 +56,7 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     prefill_chunk_seconds: list[float] = field(default_factory=list)  # the target's, per prefill chunk
-    compile_seconds: float = 0.0  # compiling decode steps (Engine._warm_up), in neither prefill nor decode time
+    compile_seconds: float = 0.0  # compiling decode steps (decoding/warm_up.py), in neither prefill nor decode time
     decode_seconds: float = 0.0
     round_seconds: list[float] = field(default_factory=list)  # one entry per step of the top tier
     round_tokens: list[int] = field(default_factory=list)  # tokens that step committed

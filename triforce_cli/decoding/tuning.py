@@ -251,7 +251,7 @@ def measure(spec: str | None, checkpoint: Checkpoint) -> Tuning:
     prefill_ms: dict[str, list[float]] = {}
     try:
         for weights in weight_forms(checkpoint):
-            loaded = load_model(spec, weights=weights)
+            loaded = load_model(spec, weights=weights, checkpoint=checkpoint)
             generator = torch.Generator().manual_seed(0)
             cfg = loaded.model.config
             length = min(PROMPT_TOKENS, cfg.max_position_embeddings - NEW_TOKENS)

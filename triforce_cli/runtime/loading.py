@@ -516,9 +516,12 @@ def load_model(
     tensor_parallel: bool = False,
     offload_weights: bool = False,
     resident_layers: int = 0,
+    checkpoint: Checkpoint | None = None,
 ) -> LoadedModel:
     """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config: its tensors are read
     into host memory and transformed there, once, before they cross to the device (build_model).
+
+    checkpoint: spec's checkpoint where it is resolved already (resolve_checkpoint), else None: resolved here.
 
     shared_from: the target, when loading a drafter; a drafter written by `triforce distill` borrows its
     embedding and output layer (see borrow_shared_weights).
@@ -532,7 +535,7 @@ def load_model(
 
     tensor_parallel, offload_weights, resident_layers: see BuildOptions.
     """
-    checkpoint = resolve_checkpoint(spec, status)
+    checkpoint = checkpoint or resolve_checkpoint(spec, status)
     name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files
     check_weight_format(weights, checkpoint, dtype, device)
     if torch.device(device).type == "cpu":

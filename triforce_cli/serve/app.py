@@ -249,9 +249,8 @@ def create_app(
     Returns:
         The FastAPI application, for uvicorn to serve.
     """
-    context = pipeline.target.model.config.max_position_embeddings
-    if pipeline.config.cache_positions is None:
-        pipeline.reconfigure(cache_positions=context)
+    context = pipeline.context_tokens
+    pipeline.size_for_whole_context()
     metrics = Metrics()
     worker = Worker(
         pipeline=pipeline,

@@ -1,7 +1,7 @@
 """Several prefix states kept by `triforce serve`, so that requests from several clients, or a chat client's title,
 tag and follow-up requests between a user's questions, do not make the next question read its document again.
 
-The engine's full cache holds one state: what the last generation left (prefix reuse, Engine's `_Held`). After each
+The engine's full cache holds one state: what the last generation left (prefix reuse, the cache pool's `Held`). After each
 generation the worker copies it to host memory (Engine.held_state: every held position under the numeric contract,
 else only those a prefill computed, the engine's rules for what a later prompt may keep). Before the next one, the
 state sharing the longest prefix with the prompt is put back in the full cache (Engine.restore) where it shares more

@@ -1,4 +1,4 @@
-"""The engine allocates its caches once and keeps them across prompts (decoding/sizing.py's policy).
+"""The engine allocates its caches once and keeps them across prompts (decoding/cache_pool.py, sizes from sizing.py).
 
 - Compiled steps compile once per padded length and cache kind for any number of prompts, before the first prefill
   (compile_seconds), and the caches are built once, with the greedy tokens of eager steps.
@@ -17,7 +17,7 @@ from helpers import make_model, random_prompt, small_config
 from torch._dynamo.testing import CompileCounterWithBackend
 from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 
-import triforce_cli.decoding.engine as engine_module
+from triforce_cli.decoding import sizing
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.errors import ConfigError
@@ -127,7 +127,7 @@ def test_the_memory_check_asks_for_what_growing_adds(monkeypatch):
         engine.generate(random_prompt(64, 64, seed=1))
     needed = cache_tensor_bytes(longer) - cache_tensor_bytes(engines[0])
     for engine, free in zip(engines, (needed, needed - 1), strict=True):
-        monkeypatch.setattr(engine_module, "available_memory", lambda device, free=free: free)
+        monkeypatch.setattr(sizing, "available_memory", lambda device, free=free: free)
         old = engine._caches.full
         if free == needed:
             engine.generate(random_prompt(96, 64, seed=2))
