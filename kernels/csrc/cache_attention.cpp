@@ -60,16 +60,6 @@ constexpr int64_t kDirectTiles = 1;    // value tiles of rows that read the floa
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-constexpr int64_t kAhead = 2;         // blocks between the one read and the one prefetched
-
-// prefetcht1 (into L2) of the lines of n elements from `at` (an address past the cache's end is fine: prefetches never
-// fault); in assembly, which the optimiser keeps (it dropped __builtin_prefetch from the unit's loop)
-template <typename T>
-inline void prefetch_row(const T* at, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64 / sizeof(T))
-    asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(at + i)));
-}
-
 inline int64_t floor_to(int64_t x, int64_t step) { return x / step * step; }  // x >= 0
 inline int64_t segment_of(int64_t position) { return position / kSegment; }
 
@@ -148,42 +138,81 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen16(from + i));
   }
-  // The scores of R <= 4 query rows q (R, D) against 4 keys (rows `stride` apart, float32 or float16) into scores
-  // (R, 4), rows kBlock apart. The pair of row r and key j has lanes l = 0..15 that take p_l = the FMA chain over
-  // c = 0 .. D/16-1 of q_r[16 c + l] k_j[16 c + l], then the fixed tree ((p_l + p_l+8) + (p_l+4 + p_l+12)) for
-  // l < 4, (that_0 + that_2) + (that_1 + that_3). The 16 pairs' accumulators go through a butterfly whose levels
-  // are the tree's levels for all of them at once, and leave the pair in accumulator 4 j + r in lane 4 r + j: the
-  // same bits for a pair whichever rows and keys go with it (the rows past R are zeros that are not stored).
-  static constexpr int kScoreRows = 4;
-  static constexpr int kScoreKeys = 4;
-  template <int kDim, int R, typename T>
-  static void score(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
+  // Scores take one vector of 16 keys at a time, in 4 groups of 4: group g holds keys 4 g .. 4 g + 3, key 4 g + i
+  // in lanes 4 i .. 4 i + 3, which hold its columns d = 4 m + l (l = 0..3) of quad m of D. Lane l of a pair (row r,
+  // key j) takes p_l = the FMA chain over m = 0 .. D/4-1 of q_r[4 m + l] k_j[4 m + l] (quad m of the row broadcast
+  // to every group's lanes), then (p_0 + p_1) + (p_2 + p_3): two levels of in-lane shuffles over a row's 4 groups
+  // and one permutation leave key j's score in lane j. A pair's order depends on nothing else: the same bits for it
+  // whichever rows and keys go with it, packed or read directly.
+  static constexpr int kScoreRows = 6;  // x 4 groups: 24 accumulators
+  // k[i] (16 columns of key i) to k[m] = quad m of keys 0..3: a 4 x 4 transpose of 128-bit blocks
+  static void transpose_quads(V k[4]) {
+    const V t0 = _mm512_shuffle_f32x4(k[0], k[1], 0x44), t1 = _mm512_shuffle_f32x4(k[0], k[1], 0xEE);
+    const V t2 = _mm512_shuffle_f32x4(k[2], k[3], 0x44), t3 = _mm512_shuffle_f32x4(k[2], k[3], 0xEE);
+    k[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+    k[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+    k[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+    k[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+  }
+  // quad m of a row in every group's lanes
+  static V quad(const float* at) { return _mm512_broadcast_f32x4(_mm_loadu_ps(at)); }
+  // groups 0..3 of a row's p_l to its 16 scores: (p_0 + p_1) + (p_2 + p_3) of key 4 g + i lands in lane 4 i + g,
+  // and the permutation puts it in lane 4 g + i
+  static V sum_quads(const V a[4]) {
+    const V x = add(_mm512_shuffle_ps(a[0], a[1], 0x88), _mm512_shuffle_ps(a[0], a[1], 0xDD));
+    const V y = add(_mm512_shuffle_ps(a[2], a[3], 0x88), _mm512_shuffle_ps(a[2], a[3], 0xDD));
+    const V s = add(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+  }
+  // 16 keys (rows `stride` apart) to packed (16 D): quad m of group g at (4 m + g) 16
+  static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
+    for (int g = 0; g < 4; ++g)
+      for (int64_t c = 0; c < dim; c += 16) {
+        V k[4];
+        for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
+        transpose_quads(k);
+        for (int m = 0; m < 4; ++m) store(packed + ((c / 4 + m) * 4 + g) * 16, k[m]);
+      }
+  }
+  // The scores of R query rows q (R, D) against 16 packed keys into scores (R, 16), rows kBlock apart.
+  template <int kDim, int R>
+  static void score(const float* q, const float* packed, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
-    V p[16];
-    for (int i = 0; i < 16; ++i) p[i] = zero();
-    for (int64_t c = 0; c < d_end; c += 16) {
+    V acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < 4; ++g) acc[r][g] = zero();
+    for (int64_t d = 0; d < d_end; d += 4) {
       V key[4];
-      for (int j = 0; j < 4; ++j) key[j] = load(keys + j * stride + c);
+      for (int g = 0; g < 4; ++g) key[g] = load(packed + (d + g) * 16);
       for (int r = 0; r < R; ++r) {
-        const V query = load(q + r * d_end + c);
-        for (int j = 0; j < 4; ++j) p[4 * j + r] = fma(query, key[j], p[4 * j + r]);
+        const V query = quad(q + r * d_end + d);
+        for (int g = 0; g < 4; ++g) acc[r][g] = fma(query, key[g], acc[r][g]);
       }
     }
-    V t[8];  // t[i]: halves p_l + p_l+8 of accumulators 2 i, 2 i + 1
-    for (int i = 0; i < 8; ++i)
-      t[i] = add(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44), _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
-    V u[4];  // u[i]: quarters p_l + p_l+4 of accumulators 4 i .. 4 i + 3
-    for (int i = 0; i < 4; ++i)
-      u[i] = add(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    V w[2];  // w[i], quarter k: lanes 0, 1 of accumulator 8 i + k, lanes 2, 3 of accumulator 8 i + 4 + k
-    for (int i = 0; i < 2; ++i)
-      w[i] = add(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
-    const V all = add(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
-    // lanes 4 r .. 4 r + 3 to scores + r kBlock (no masked stores: slow on some CPUs)
-    _mm_storeu_ps(scores, _mm512_castps512_ps128(all));
-    if constexpr (R > 1) _mm_storeu_ps(scores + kBlock, _mm512_extractf32x4_ps(all, 1));
-    if constexpr (R > 2) _mm_storeu_ps(scores + 2 * kBlock, _mm512_extractf32x4_ps(all, 2));
-    if constexpr (R > 3) _mm_storeu_ps(scores + 3 * kBlock, _mm512_extractf32x4_ps(all, 3));
+    for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(acc[r]));
+  }
+  // A decode step's rows copied for score_direct: quad m of a row in every group's lanes, at 16 m
+  static constexpr int64_t kQueryCopies = 4;
+  static void copy_query(const float* q, int64_t dim, float* copies) {
+    for (int64_t d = 0; d < dim; d += 4) store(copies + 4 * d, quad(q + d));
+  }
+  // The same scores of 16 float16 keys read as they lie (rows `stride` apart), 4 rows after 4 (the order a stream
+  // of the cache is read in best), packed in registers on the way; the rows as copy_query leaves them, 4 D apart.
+  template <int kDim, int R>
+  static void score_direct(const float* copies, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
+    const int64_t d_end = kDim ? kDim : dim;
+    V acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < 4; ++g) acc[r][g] = zero();
+    for (int g = 0; g < 4; ++g)
+      for (int64_t c = 0; c < d_end; c += 16) {
+        V k[4];
+        for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
+        transpose_quads(k);
+        for (int m = 0; m < 4; ++m)
+          for (int r = 0; r < R; ++r) acc[r][g] = fma(load(copies + r * 4 * d_end + 4 * c + 16 * m), k[m], acc[r][g]);
+      }
+    for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(acc[r]));
   }
 };
 
@@ -244,9 +273,8 @@ struct Ops {
   // ((p_0 + p_4) + (p_2 + p_6)) + ((p_1 + p_5) + (p_3 + p_7)). Accumulator 2 i + h holds key 4 h + i, the order
   // the butterfly's levels leave in lanes 0..7.
   static constexpr int kScoreRows = 1;
-  static constexpr int kScoreKeys = 8;
   template <int kDim, int R, typename T>
-  static void score(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
+  static void score_keys(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
     V p[8];
     for (int i = 0; i < 8; ++i) p[i] = zero();
@@ -261,6 +289,21 @@ struct Ops {
     for (int i = 0; i < 2; ++i)
       u[i] = add(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
     store(scores, add(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD)));
+  }
+  // Packed keys are the widened rows, one after the other; their scores and the direct ones are score_keys', the
+  // direct ones' rows as they are.
+  static constexpr int64_t kQueryCopies = 1;
+  static void copy_query(const float* q, int64_t dim, float* copies) { std::copy(q, q + dim, copies); }
+  static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
+    for (int64_t j = 0; j < kLanes; ++j) widen(keys + j * stride, packed + j * dim, dim);
+  }
+  template <int kDim, int R>
+  static void score(const float* q, const float* packed, int64_t dim, float* scores) {
+    score_keys<kDim, R>(q, packed, dim, dim, scores);
+  }
+  template <int kDim, int R>
+  static void score_direct(const float* q, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
+    score_keys<kDim, R>(q, keys, stride, dim, scores);
   }
 };
 
@@ -300,13 +343,27 @@ struct Ops {
   }
   // The score of R = 1 query row q (D) against one key (D) into scores (1): the FMA chain over d = 0 .. D-1.
   static constexpr int kScoreRows = 1;
-  static constexpr int kScoreKeys = 1;
   template <int kDim, int R, typename T>
-  static void score(const float* q, const T* key, int64_t, int64_t dim, float* scores) {
+  static void score_keys(const float* q, const T* key, int64_t, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
     float acc = 0.f;
     for (int64_t d = 0; d < d_end; ++d) acc = std::fma(q[d], load(key + d), acc);
     *scores = acc;
+  }
+  // Packed keys are the widened rows, one after the other; their scores and the direct ones are score_keys', the
+  // direct ones' rows as they are.
+  static constexpr int64_t kQueryCopies = 1;
+  static void copy_query(const float* q, int64_t dim, float* copies) { std::copy(q, q + dim, copies); }
+  static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
+    for (int64_t j = 0; j < kLanes; ++j) widen(keys + j * stride, packed + j * dim, dim);
+  }
+  template <int kDim, int R>
+  static void score(const float* q, const float* packed, int64_t dim, float* scores) {
+    score_keys<kDim, R>(q, packed, dim, dim, scores);
+  }
+  template <int kDim, int R>
+  static void score_direct(const float* q, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
+    score_keys<kDim, R>(q, keys, stride, dim, scores);
   }
 };
 

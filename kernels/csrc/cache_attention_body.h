@@ -16,45 +16,49 @@ struct RowState {
   float* out;     // (rows, D)
 };
 
-// keys (kBlock, D) = the block's keys [ja, jb) (rows row_stride apart) widened, row by row, for every W-key vector
-// that holds one of them (only the vectors [ja, jb) does not fill, with `edges_only`); the vector's other keys are 0
-// (their scores are hidden). Every key of [ja, jb) is prefetched `ahead` rows on.
-inline void widen_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim, float* keys,
-                       int64_t ahead, bool edges_only) {
+// keys (kBlock, D): the block's key vectors (W keys each) that hold one of its keys [ja, jb) (rows row_stride
+// apart), packed (Ops::pack_keys) at keys + vector D; only the vectors [ja, jb) does not fill, with `edges_only`.
+// A vector's keys outside [ja, jb) are 0 (their scores are hidden).
+inline void pack_block_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim,
+                            float* keys, bool edges_only) {
   constexpr int64_t W = Ops::kLanes;
-  for (int64_t j = ja; j < jb; ++j) prefetch_row(block + (ahead + j) * row_stride, dim);
   for (int64_t vector = ja / W * W; vector < jb; vector += W) {
-    if (edges_only && vector >= ja && vector + W <= jb) continue;
-    for (int64_t j = vector; j < vector + W; ++j)
-      if (j >= ja && j < jb)
-        Ops::widen(block + j * row_stride, keys + j * dim, dim);
-      else
-        std::fill(keys + j * dim, keys + (j + 1) * dim, 0.f);
+    if (vector >= ja && vector + W <= jb) {
+      if (!edges_only) Ops::pack_keys(block + vector * row_stride, row_stride, dim, keys + vector * dim);
+      continue;
+    }
+    at::Half edge[W * kMaxDim];  // W > 1: a vector body, dim <= kMaxDim
+    for (int64_t j = 0; j < W; ++j) {
+      const bool read = vector + j >= ja && vector + j < jb;
+      for (int64_t d = 0; d < dim; ++d) edge[j * dim + d] = read ? block[(vector + j) * row_stride + d] : at::Half(0.f);
+    }
+    Ops::pack_keys(edge, dim, dim, keys + vector * dim);
   }
 }
 
-// scores (rows, kBlock) = q (rows, D) . keys^T for the key vectors [k0, k1) of the block: from the widened keys
-// (kBlock, D), or, with `block` (not null), the vectors that [ja, jb) fills from the block's float16 rows
-// (row_stride apart) directly; Ops::score's tiles of kScoreRows rows and kScoreKeys keys. Every score is
-// Ops::score's fixed order, a row's alone, whatever the tile.
+// scores (rows, kBlock) = q (rows, D) . keys^T for the key vectors [k0, k1) of the block: from the packed keys, or,
+// with `block` (not null), the vectors that [ja, jb) fills from the block's float16 rows (row_stride apart)
+// directly, with the rows' copies (Ops::copy_query, kQueryCopies D apart); tiles of Ops::kScoreRows rows against
+// one vector. Every score is Ops::score's fixed order, a row's alone, whatever the tile.
 template <int kDim, int R = Ops::kScoreRows>
-inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys, const at::Half* block,
-                       int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1, float* scores) {
-  constexpr int64_t W = Ops::kLanes, kKeys = Ops::kScoreKeys;
+inline void score_rows(int64_t rows, const float* q, const float* copies, int64_t dim, const float* keys,
+                       const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1,
+                       float* scores) {
+  constexpr int64_t W = Ops::kLanes;
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    for (int64_t j = k0 * W; j < k1 * W; j += kKeys) {
-      const int64_t vector = j / W * W;
+    for (int64_t vector = k0 * W; vector < k1 * W; vector += W) {
       if (block && vector >= ja && vector + W <= jb)
-        Ops::template score<kDim, R>(q + r * d_end, block + j * row_stride, row_stride, dim, scores + r * kBlock + j);
+        Ops::template score_direct<kDim, R>(copies + r * Ops::kQueryCopies * d_end, block + vector * row_stride,
+                                            row_stride, dim, scores + r * kBlock + vector);
       else
-        Ops::template score<kDim, R>(q + r * d_end, keys + j * d_end, d_end, dim, scores + r * kBlock + j);
+        Ops::template score<kDim, R>(q + r * d_end, keys + vector * d_end, dim, scores + r * kBlock + vector);
     }
   if constexpr (R > 1) {
     if (r < rows)
-      score_rows<kDim, R - 1>(rows - r, q + r * d_end, dim, keys, block, row_stride, ja, jb, k0, k1,
-                              scores + r * kBlock);
+      score_rows<kDim, R - 1>(rows - r, q + r * d_end, copies + r * Ops::kQueryCopies * d_end, dim, keys, block,
+                              row_stride, ja, jb, k0, k1, scores + r * kBlock);
   }
 }
 
@@ -63,7 +67,7 @@ inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* k
 // order from 0, then added to the rescaled old value in one FMA.
 template <int kDim, int R, typename T>
 inline void value_tile(const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0, int64_t j1,
-                       const float* rescale, float* out, int64_t ahead) {
+                       const float* rescale, float* out) {
   constexpr int kColumns = Ops::kValueColumns;
   const int64_t d_end = kDim ? kDim : dim;
   for (int64_t column = 0; column < d_end; column += kColumns * Ops::kLanes) {
@@ -73,7 +77,6 @@ inline void value_tile(const float* weights, const T* values, int64_t stride, in
       for (int c = 0; c < kColumns; ++c) acc[r][c] = Ops::zero();
     if (count == kColumns) {
       for (int64_t j = j0; j < j1; ++j) {
-        if (ahead) prefetch_row(values + j * stride + column + ahead, kColumns * Ops::kLanes);
         typename Ops::V value[kColumns];
         for (int c = 0; c < kColumns; ++c) value[c] = Ops::load(values + j * stride + column + c * Ops::kLanes);
         for (int r = 0; r < R; ++r) {
@@ -97,18 +100,17 @@ inline void value_tile(const float* weights, const T* values, int64_t stride, in
   }
 }
 
-// ahead: an offset (elements) of values to prefetch, row by row, while they are read; 0: none.
 template <int kDim, typename T, int R = Ops::kValueRows>
 inline void value_rows(int64_t rows, const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0,
-                       int64_t j1, const float* rescale, float* out, int64_t ahead = 0) {
+                       int64_t j1, const float* rescale, float* out) {
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end, ahead);
+    value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end);
   if constexpr (R > 1) {
     if (r < rows)
       value_rows<kDim, T, R - 1>(rows - r, weights + r * kBlock, values, stride, dim, j0, j1, rescale + r,
-                                 out + r * d_end, ahead);
+                                 out + r * d_end);
   }
 }
 
@@ -123,6 +125,7 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   float* weights = values + kBlock * dim;     // (rows, kBlock)
   float* rescale = weights + rows * kBlock;   // (rows)
   RowState state{rescale + rows, rescale + 2 * rows, rescale + 2 * rows + rows * W};
+  float* copies = state.out + rows * dim;     // (rows, kQueryCopies D), for a group that reads K directly
   std::fill(state.max, state.max + rows, kMinusInf);
   std::fill(state.total, state.total + rows * W, 0.f);
   std::fill(state.out, state.out + rows * dim, 0.f);
@@ -140,23 +143,21 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   const float* q = p.q + (head * p.rows + row0) * dim;
   const at::Half* k_head = p.k + head * p.k_head;
   const at::Half* v_head = p.v + head * p.v_head;
+  // a group of up to kDirectTiles value tiles (a decode step) reads the float16 keys and values directly (but for
+  // the keys of vectors the rows read in part); larger ones widen them once for all
+  const bool widened = rows > kDirectTiles * Ops::kValueRows;
+  if (!widened)
+    for (int64_t r = 0; r < rows; ++r) Ops::copy_query(q + r * dim, dim, copies + r * Ops::kQueryCopies * dim);
   if (first <= last) {
     for (int64_t block_start = floor_to(p.origin + first, kBlock) - p.origin; block_start <= last;
          block_start += kBlock) {
       // the block's keys that are read, [ja, jb) as block lanes
       const int64_t ja = std::max(block_start, first) - block_start;
       const int64_t jb = std::min(block_start + kBlock, last + 1) - block_start;
-      // the block kAhead blocks on is asked for while this one is read, a few lines at a time: a decode step
-      // streams the cache, and a block is too short for the hardware's prefetchers to run ahead
-      const int64_t ahead = std::min(block_start + kAhead * kBlock, p.keys - 1) - block_start;
-      // a group of up to kDirectTiles value tiles (a decode step) reads the float16 keys and
-      // values directly (but for the keys of vectors the rows read in part); larger ones widen them once for all
-      const bool widened = rows > kDirectTiles * Ops::kValueRows;
       const at::Half* k_block = k_head + block_start * p.k_row;
-      widen_keys(k_block, p.k_row, ja, jb, dim, keys, ahead, !widened);
+      pack_block_keys(k_block, p.k_row, ja, jb, dim, keys, !widened);
       if (widened)
         for (int64_t j = ja; j < jb; ++j) {
-          prefetch_row(v_head + (block_start + ahead + j) * p.v_row, dim);
           Ops::widen(v_head + (block_start + j) * p.v_row, values + j * dim, dim);
         }
       for (int64_t t0 = 0; t0 < rows; t0 += kTileRows) {
@@ -175,15 +176,18 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
         if (tile_lo > tile_hi) continue;  // no row of the tile reads a key of the block: nothing changes
         const int64_t k0 = tile_lo / W, k1 = tile_hi / W + 1;  // the key vectors the tile reads
         float* tile_weights = weights + t0 * kBlock;
-        score_rows<kDim>(tile, q + t0 * dim, dim, keys, widened ? nullptr : k_block, p.k_row, ja, jb, k0, k1,
-                         tile_weights);
+        score_rows<kDim>(tile, q + t0 * dim, copies + t0 * Ops::kQueryCopies * dim, dim, keys,
+                         widened ? nullptr : k_block, p.k_row, ja, jb, k0, k1, tile_weights);
         for (int64_t r = 0; r < tile; ++r) {
           const int64_t row = t0 + r;
           float* s = tile_weights + r * kBlock;
           typename Ops::V top = Ops::set1(kMinusInf);
           for (int64_t k = k0; k < k1; ++k) {
-            const typename Ops::V score = Ops::hide(Ops::load(s + k * W), k * W, lo[r], hi[r]);
-            Ops::store(s + k * W, score);
+            typename Ops::V score = Ops::load(s + k * W);
+            if (k * W < lo[r] || k * W + W - 1 > hi[r]) {  // a vector the row reads in part or not at all
+              score = Ops::hide(score, k * W, lo[r], hi[r]);
+              Ops::store(s + k * W, score);
+            }
             top = Ops::max(top, score);
           }
           const float old_max = state.max[row];
@@ -196,7 +200,8 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
             Ops::store(s + k * W, w);
             block_total = Ops::add(block_total, w);
           }
-          rescale[row] = Ops::first(Ops::exp(Ops::set1(old_max - shift)));
+          // exp(0) is 1 exactly: an unchanged maximum needs no exp
+          rescale[row] = old_max == new_max && shift == new_max ? 1.f : Ops::first(Ops::exp(Ops::set1(old_max - shift)));
           state.max[row] = new_max;
           float* total = state.total + row * W;
           Ops::store(total, Ops::fma(Ops::load(total), Ops::set1(rescale[row]), block_total));
@@ -206,7 +211,7 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
                            state.out + t0 * dim);
         else
           value_rows<kDim>(tile, tile_weights, v_head + block_start * p.v_row, p.v_row, dim, tile_lo, tile_hi + 1,
-                           rescale + t0, state.out + t0 * dim, ahead * p.v_row);
+                           rescale + t0, state.out + t0 * dim);
       }
     }
   }
@@ -219,7 +224,8 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
 }
 
 inline int64_t unit_scratch(int64_t dim) {
-  return 2 * dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim);
+  return 2 * dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim) +
+         kDirectTiles * Ops::kValueRows * Ops::kQueryCopies * dim;
 }
 
 // Row r of KV head `head`: its segments' partials merged in segment order into out (D): with M the largest
