@@ -11,13 +11,16 @@
 // The order of arithmetic of one output element depends only on its query's position and the keys it reads:
 // - keys are cut into blocks of kBlock and segments of kSegment keys, both aligned to absolute positions
 //   (origin + j), never to the view's start or to the batch;
-// - a score is one row's dot product with one key in an order fixed per body: with W lanes, lane l holds the FMA
-//   chain over c = 0 .. D/W-1 of q[W c + l] k[W c + l] (the key read in its own row-major layout), then the lanes
-//   are summed by a fixed tree; W (row, key) pairs go together through a butterfly that runs that tree for each of
-//   them and leaves their scores across the lanes, so a pair scored with any others gives the same bits (no
-//   transpose of the keys: they are read as they lie);
+// - a score is one row's dot product with one key in an order fixed per body, the same for a pair (row, key)
+//   whichever rows and keys are scored with it. AVX-512: lane l of 4 takes the FMA chain over m = 0 .. D/4-1 of
+//   q[4 m + l] k[4 m + l], then (p_0 + p_1) + (p_2 + p_3); 16 keys go together in 4 groups of 4 (one key a 128-bit
+//   lane, its quads of columns transposed into place once per block for many rows, in registers for a decode
+//   step), so a row's 16 scores need two levels of in-lane shuffles and no butterfly. AVX2 and plain: with W lanes,
+//   lane l holds the FMA chain over c = 0 .. D/W-1 of q[W c + l] k[W c + l] (the key read in its own row-major
+//   layout), then a fixed tree, which a butterfly runs for W keys at once;
 // - within a segment, an online softmax runs over its blocks in increasing position: per block the row's maximum
-//   (exact, in any order), its weights exp(s - m) (vector_exp.h), their sum added lane-wise to a running vector of
+//   (exact, in any order), its weights 2^(s - m) (vector_exp.h; scores in base 2, the queries scaled by log2(e)
+//   beforehand), their sum added lane-wise to a running vector of
 //   sums, and the output's block sum, the FMA chain over the block's keys in order, added to the rescaled output
 //   in one FMA. Keys a row does not read get weight 0 exactly, which leaves every sum as it was, so a row gives the
 //   same bits whichever other rows share its tiles;
@@ -25,12 +28,15 @@
 // Threads split the work only by (KV head, group of rows, segment): no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
-// position (t G + g), in groups of kGroupRows. A unit of work with more than kDirectTiles value tiles of rows widens
-// each block's keys and values once for the group (row by row, no transpose); a smaller one (a decode or
-// verification step) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: 4 rows against 4
-// keys per butterfly), the softmax step, and the values' product (rows x D columns in registers). Segments give a
-// 1-row decode its parallelism (flash-decoding). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their
-// width, 64 and 128 compiled for their size, and plain C++ for everything else, picked by isa.h.
+// position (t G + g), in groups of kGroupRows. A unit of work with more than kDirectTiles value tiles of rows packs
+// each block's keys (Ops::pack_keys) and widens its values once for the group; a smaller one (a decode or
+// verification step) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: up to 6 rows
+// against 16 keys), the softmax step, and the values' product (rows x D columns in registers). Segments give a
+// 1-row decode its parallelism (flash-decoding). The cache is read in increasing address, key row after key row,
+// and left to the hardware's prefetchers: software prefetches of the next blocks stalled a decode step (its
+// prefetch instructions waited for free miss buffers), which streams the cache at close to the memory's bandwidth
+// without them. Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled for
+// their size, and plain C++ for everything else, picked by isa.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -84,16 +90,15 @@ struct Body {
   int64_t (*scratch)(int64_t dim);
 };
 
-// exp as vector_exp.h computes it, one float at a time: the same clamp, rounding, polynomial and scaling.
-inline float exp_scalar(float x) {
+// 2^x as vector_exp.h computes it, one float at a time: the same clamp, rounding, polynomial and scaling.
+inline float exp2_scalar(float x) {
   using namespace triforce_cpu;
-  const float clamped = std::max(std::min(x, kExpHigh), kExpLow);
-  const float n = std::nearbyint(clamped * kLog2e);
-  const float r = std::fma(-n, kLn2Low, std::fma(-n, kLn2High, clamped));
-  float p = std::fma(kExpPoly[0], r, kExpPoly[1]);
-  for (int i = 2; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
-  p = std::fma(p, r * r, r + 1.0f);
-  return x < kExpLow ? 0.f : std::ldexp(p, int(n));
+  const float clamped = std::max(x, kExp2Low);
+  const float n = std::nearbyint(clamped);
+  const float f = clamped - n;
+  float p = std::fma(kExp2Poly[6], f, kExp2Poly[5]);
+  for (int i = 4; i >= 0; --i) p = std::fma(p, f, kExp2Poly[i]);
+  return std::ldexp(p, int(n));
 }
 
 }  // namespace
@@ -120,7 +125,7 @@ struct Ops {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static V exp(V x) { return triforce_cpu::exp512(x); }
+  static V exp2(V x) { return triforce_cpu::exp2_512(x); }
   static float first(V x) { return _mm512_cvtss_f32(x); }
   static float reduce_add(V x) { return _mm512_reduce_add_ps(x); }
   static float reduce_max(V x) { return _mm512_reduce_max_ps(x); }
@@ -244,7 +249,7 @@ struct Ops {
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  static V exp(V x) { return triforce_cpu::exp256(x); }
+  static V exp2(V x) { return triforce_cpu::exp2_256(x); }
   static float first(V x) { return _mm256_cvtss_f32(x); }
   static float reduce_add(V x) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
     const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -333,7 +338,7 @@ struct Ops {
   static V sub(V a, V b) { return a - b; }
   static V div(V a, V b) { return a / b; }
   static V max(V a, V b) { return std::max(a, b); }
-  static V exp(V x) { return exp_scalar(x); }
+  static V exp2(V x) { return exp2_scalar(x); }
   static float first(V x) { return x; }
   static float reduce_add(V x) { return x; }
   static float reduce_max(V x) { return x; }
@@ -403,9 +408,10 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(origin >= 0, "origin: an absolute position, >= 0");
   const int64_t group = q_heads / kv_heads, rows = group * queries;
 
-  // (Hkv, T, G, D) scaled queries: row r = t G + g of KV head h is query t of head h G + g
+  // (Hkv, T, G, D) queries scaled by scale log2(e), for scores in base 2: row r = t G + g of KV head h is query t
+  // of head h G + g
   const at::Tensor scaled =
-      q.mul(float(scale)).view({kv_heads, group, queries, dim}).transpose(1, 2).contiguous();
+      q.mul(float(scale * 1.4426950408889634)).view({kv_heads, group, queries, dim}).transpose(1, 2).contiguous();
   Problem p{scaled.data_ptr<float>(), k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, group, queries, keys, dim, origin, window, 0, 0, nullptr};

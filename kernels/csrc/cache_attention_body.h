@@ -2,11 +2,13 @@
 // set, each time inside a namespace that defines `Ops` (the vector operations and the tile sizes of that set) and
 // under that set's `#pragma GCC target`. No includes here: cache_attention.cpp includes everything first.
 //
-// Ops gives: kLanes (W), the vector type V, zero, set1, load, store, fma (a b + c, one rounding), add, max, exp,
+// Ops gives: kLanes (W), the vector type V, zero, set1, load, store, fma (a b + c, one rounding), add, max, exp2,
 // first (lane 0), reduce_add (a fixed order) and reduce_max, hide (-inf outside a range of lanes), widen (n float16
-// to float32, n a multiple of W), score (kScoreRows query rows against kScoreKeys keys, float32 or float16, each
-// score in an order of the set's own that the other rows and keys do not change), kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D
-// a pass of it takes).
+// to float32, n a multiple of W); for the scores, each in an order of the set's own that the other rows and keys do
+// not change: pack_keys (W float16 keys to the set's layout), score (kScoreRows query rows against W packed keys),
+// score_direct (the same scores of W float16 keys read as they lie, from the rows as copy_query leaves them,
+// kQueryCopies D floats a row); kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D a
+// pass of it takes).
 
 // The softmax state of one query row within a unit's segment: its running maximum, the lanes of its running sum of
 // exponentials and its unnormalised output (D).
@@ -196,12 +198,13 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
           const typename Ops::V shift_v = Ops::set1(shift);
           typename Ops::V block_total = Ops::zero();
           for (int64_t k = k0; k < k1; ++k) {
-            const typename Ops::V w = Ops::exp(Ops::sub(Ops::load(s + k * W), shift_v));
+            const typename Ops::V w = Ops::exp2(Ops::sub(Ops::load(s + k * W), shift_v));
             Ops::store(s + k * W, w);
             block_total = Ops::add(block_total, w);
           }
-          // exp(0) is 1 exactly: an unchanged maximum needs no exp
-          rescale[row] = old_max == new_max && shift == new_max ? 1.f : Ops::first(Ops::exp(Ops::set1(old_max - shift)));
+          // 2^0 is 1 exactly: an unchanged maximum needs no exp2
+          rescale[row] =
+              old_max == new_max && shift == new_max ? 1.f : Ops::first(Ops::exp2(Ops::set1(old_max - shift)));
           state.max[row] = new_max;
           float* total = state.total + row * W;
           Ops::store(total, Ops::fma(Ops::load(total), Ops::set1(rescale[row]), block_total));
@@ -229,7 +232,7 @@ inline int64_t unit_scratch(int64_t dim) {
 }
 
 // Row r of KV head `head`: its segments' partials merged in segment order into out (D): with M the largest
-// maximum, out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s.
+// maximum, out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s (base-2 scores).
 template <int kDim>
 void combine_row(const Problem& p, int64_t head, int64_t r, float* out) {
   const int64_t dim = kDim ? kDim : p.dim;
@@ -240,7 +243,7 @@ void combine_row(const Problem& p, int64_t head, int64_t r, float* out) {
   for (int64_t d = 0; d < dim; d += Ops::kLanes) Ops::store(out + d, Ops::zero());
   for (int64_t s = first; s <= last; ++s) {
     const float* partial = p.partial(head, s, r);
-    const float factor = Ops::first(Ops::exp(Ops::set1(partial[0] - top)));
+    const float factor = Ops::first(Ops::exp2(Ops::set1(partial[0] - top)));
     total = std::fma(factor, partial[1], total);
     const typename Ops::V f = Ops::set1(factor);
     for (int64_t d = 0; d < dim; d += Ops::kLanes)
