@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -65,6 +66,13 @@ constexpr int64_t kTileRows = 24;     // rows whose scores and weights are taken
 constexpr int64_t kDirectTiles = 1;    // value tiles of rows that read the float16 cache directly, not widened
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// prefetcht1 of the lines of n elements from `at`; in assembly, which the optimiser keeps
+template <typename T>
+inline void prefetch_row(const T* at, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(T))
+    asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(at + i)));
+}
 
 inline int64_t floor_to(int64_t x, int64_t step) { return x / step * step; }  // x >= 0
 inline int64_t segment_of(int64_t position) { return position / kSegment; }

@@ -64,12 +64,20 @@ inline void score_rows(int64_t rows, const float* q, const float* copies, int64_
   }
 }
 
+// Rows to prefetch while the values are read, one a key: a unit of many rows works on a block long enough for the
+// hardware's prefetchers to stop running ahead, so its first value tile asks for the next block's keys and values
+// (none: k null)
+struct Ahead {
+  const at::Half *k = nullptr, *v = nullptr;
+  int64_t k_row = 0, v_row = 0;
+};
+
 // state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D), rows `stride` apart,
 // float32 or float16 (widened as they are read): each output element's block sum is the FMA chain over the keys in
 // order from 0, then added to the rescaled old value in one FMA.
 template <int kDim, int R, typename T>
 inline void value_tile(const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0, int64_t j1,
-                       const float* rescale, float* out) {
+                       const float* rescale, float* out, const Ahead& ahead) {
   constexpr int kColumns = Ops::kValueColumns;
   const int64_t d_end = kDim ? kDim : dim;
   for (int64_t column = 0; column < d_end; column += kColumns * Ops::kLanes) {
@@ -79,6 +87,11 @@ inline void value_tile(const float* weights, const T* values, int64_t stride, in
       for (int c = 0; c < kColumns; ++c) acc[r][c] = Ops::zero();
     if (count == kColumns) {
       for (int64_t j = j0; j < j1; ++j) {
+        if constexpr (std::is_same_v<T, float>)  // widened values: a unit of many rows
+          if (ahead.k && column == 0) {
+            prefetch_row(ahead.k + j * ahead.k_row, d_end);
+            prefetch_row(ahead.v + j * ahead.v_row, d_end);
+          }
         typename Ops::V value[kColumns];
         for (int c = 0; c < kColumns; ++c) value[c] = Ops::load(values + j * stride + column + c * Ops::kLanes);
         for (int r = 0; r < R; ++r) {
@@ -104,22 +117,25 @@ inline void value_tile(const float* weights, const T* values, int64_t stride, in
 
 template <int kDim, typename T, int R = Ops::kValueRows>
 inline void value_rows(int64_t rows, const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0,
-                       int64_t j1, const float* rescale, float* out) {
+                       int64_t j1, const float* rescale, float* out, const Ahead& ahead = Ahead{}) {
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end);
+    value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end,
+                        r == 0 ? ahead : Ahead{});
   if constexpr (R > 1) {
     if (r < rows)
       value_rows<kDim, T, R - 1>(rows - r, weights + r * kBlock, values, stride, dim, j0, j1, rescale + r,
-                                 out + r * d_end);
+                                 out + r * d_end, r == 0 ? ahead : Ahead{});
   }
 }
 
 // One unit of work: the rows [row0, row0 + rows) of KV head `head` against the keys of segment `segment`, online
 // softmax over its blocks in increasing position; the rows' (maximum, sum, output) go to the problem's partials.
-template <int kDim>
-void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
+// kWidened: the keys packed and the values widened once for many rows, else read as float16 directly (a function
+// of its own, so that a decode step's loop is compiled as if the other did not exist).
+template <int kDim, bool kWidened>
+void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
   const int64_t dim = kDim ? kDim : p.dim;
   constexpr int64_t W = Ops::kLanes;
   float* keys = scratch;                      // (kBlock, D)
@@ -145,10 +161,8 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   const float* q = p.q + (head * p.rows + row0) * dim;
   const at::Half* k_head = p.k + head * p.k_head;
   const at::Half* v_head = p.v + head * p.v_head;
-  // a group of up to kDirectTiles value tiles (a decode step) reads the float16 keys and values directly (but for
-  // the keys of vectors the rows read in part); larger ones widen them once for all
-  const bool widened = rows > kDirectTiles * Ops::kValueRows;
-  if (!widened)
+  constexpr bool widened = kWidened;
+  if constexpr (!widened)
     for (int64_t r = 0; r < rows; ++r) Ops::copy_query(q + r * dim, dim, copies + r * Ops::kQueryCopies * dim);
   if (first <= last) {
     for (int64_t block_start = floor_to(p.origin + first, kBlock) - p.origin; block_start <= last;
@@ -157,8 +171,9 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
       const int64_t ja = std::max(block_start, first) - block_start;
       const int64_t jb = std::min(block_start + kBlock, last + 1) - block_start;
       const at::Half* k_block = k_head + block_start * p.k_row;
+      const int64_t next = std::max<int64_t>(0, std::min(block_start + kBlock, p.keys - kBlock));  // the block after
       pack_block_keys(k_block, p.k_row, ja, jb, dim, keys, !widened);
-      if (widened)
+      if constexpr (widened)
         for (int64_t j = ja; j < jb; ++j) {
           Ops::widen(v_head + (block_start + j) * p.v_row, values + j * dim, dim);
         }
@@ -209,9 +224,11 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
           float* total = state.total + row * W;
           Ops::store(total, Ops::fma(Ops::load(total), Ops::set1(rescale[row]), block_total));
         }
-        if (widened)
+        if constexpr (widened)
           value_rows<kDim>(tile, tile_weights, values, dim, dim, tile_lo, tile_hi + 1, rescale + t0,
-                           state.out + t0 * dim);
+                           state.out + t0 * dim,
+                           t0 == 0 ? Ahead{k_head + next * p.k_row, v_head + next * p.v_row, p.k_row, p.v_row}
+                                   : Ahead{});
         else
           value_rows<kDim>(tile, tile_weights, v_head + block_start * p.v_row, p.v_row, dim, tile_lo, tile_hi + 1,
                            rescale + t0, state.out + t0 * dim);
@@ -224,6 +241,16 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
     partial[1] = Ops::reduce_add(Ops::load(state.total + r * W));
     std::copy(state.out + r * dim, state.out + (r + 1) * dim, partial + 2);
   }
+}
+
+// A group of up to kDirectTiles value tiles (a decode or verification step) reads the float16 keys and values
+// directly (but for the keys of vectors the rows read in part); larger ones pack and widen them once for all.
+template <int kDim>
+void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
+  if (rows > kDirectTiles * Ops::kValueRows)
+    attend_rows<kDim, true>(p, head, row0, rows, segment, scratch);
+  else
+    attend_rows<kDim, false>(p, head, row0, rows, segment, scratch);
 }
 
 inline int64_t unit_scratch(int64_t dim) {
