@@ -32,11 +32,12 @@
 // each block's keys (Ops::pack_keys) and widens its values once for the group; a smaller one (a decode or
 // verification step) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: up to 6 rows
 // against 16 keys), the softmax step, and the values' product (rows x D columns in registers). Segments give a
-// 1-row decode its parallelism (flash-decoding). The cache is read in increasing address, key row after key row,
-// and left to the hardware's prefetchers: software prefetches of the next blocks stalled a decode step (its
-// prefetch instructions waited for free miss buffers), which streams the cache at close to the memory's bandwidth
-// without them. Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled for
-// their size, and plain C++ for everything else, picked by isa.h.
+// 1-row decode its parallelism (flash-decoding). A decode step reads the cache in increasing address, four key rows
+// after four, and leaves it to the hardware's prefetchers (software prefetches of whole blocks stalled it: their
+// instructions waited for free miss buffers); a unit of many rows works on a block long enough for those to stop,
+// so its first value tile asks for the next block's rows, one key a step. Three bodies: AVX-512 and AVX2 (F16C) for
+// D a multiple of their width, 64 and 128 compiled for their size, and plain C++ for everything else, picked by
+// isa.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,7 +68,7 @@ constexpr int64_t kDirectTiles = 1;    // value tiles of rows that read the floa
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// prefetcht1 of the lines of n elements from `at`; in assembly, which the optimiser keeps
+// prefetcht1 (into L2) of the lines of n elements from `at`; in assembly, which the optimiser keeps
 template <typename T>
 inline void prefetch_row(const T* at, int64_t n) {
   for (int64_t i = 0; i < n; i += 64 / sizeof(T))
