@@ -11,13 +11,16 @@
 // The order of arithmetic of one output element depends only on its query's position and the keys it reads:
 // - keys are cut into blocks of kBlock and segments of kSegment keys, both aligned to absolute positions
 //   (origin + j), never to the view's start or to the batch;
-// - a score is one row's dot product with one key in an order fixed per body: with W lanes, lane l holds the FMA
-//   chain over c = 0 .. D/W-1 of q[W c + l] k[W c + l] (the key read in its own row-major layout), then the lanes
-//   are summed by a fixed tree; W (row, key) pairs go together through a butterfly that runs that tree for each of
-//   them and leaves their scores across the lanes, so a pair scored with any others gives the same bits (no
-//   transpose of the keys: they are read as they lie);
+// - a score is one row's dot product with one key in an order fixed per body, the same for a pair (row, key)
+//   whichever rows and keys are scored with it. AVX-512: lane l of 4 takes the FMA chain over m = 0 .. D/4-1 of
+//   q[4 m + l] k[4 m + l], then (p_0 + p_1) + (p_2 + p_3); 16 keys go together in 4 groups of 4 (one key a 128-bit
+//   lane, its quads of columns transposed into place once per block for many rows, in registers for a decode
+//   step), so a row's 16 scores need two levels of in-lane shuffles and no butterfly. AVX2 and plain: with W lanes,
+//   lane l holds the FMA chain over c = 0 .. D/W-1 of q[W c + l] k[W c + l] (the key read in its own row-major
+//   layout), then a fixed tree, which a butterfly runs for W keys at once;
 // - within a segment, an online softmax runs over its blocks in increasing position: per block the row's maximum
-//   (exact, in any order), its weights exp(s - m) (vector_exp.h), their sum added lane-wise to a running vector of
+//   (exact, in any order), its weights 2^(s - m) (vector_exp.h; scores in base 2, the queries scaled by log2(e)
+//   beforehand), their sum added lane-wise to a running vector of
 //   sums, and the output's block sum, the FMA chain over the block's keys in order, added to the rescaled output
 //   in one FMA. Keys a row does not read get weight 0 exactly, which leaves every sum as it was, so a row gives the
 //   same bits whichever other rows share its tiles;
@@ -25,12 +28,16 @@
 // Threads split the work only by (KV head, group of rows, segment): no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
-// position (t G + g), in groups of kGroupRows. A unit of work with more than kDirectTiles value tiles of rows widens
-// each block's keys and values once for the group (row by row, no transpose); a smaller one (a decode or
-// verification step) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: 4 rows against 4
-// keys per butterfly), the softmax step, and the values' product (rows x D columns in registers). Segments give a
-// 1-row decode its parallelism (flash-decoding). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their
-// width, 64 and 128 compiled for their size, and plain C++ for everything else, picked by isa.h.
+// position (t G + g), in groups of kGroupRows. A unit of work with more than kDirectTiles value tiles of rows packs
+// each block's keys (Ops::pack_keys) and widens its values once for the group; a smaller one (a decode or
+// verification step) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: up to 6 rows
+// against 16 keys), the softmax step, and the values' product (rows x D columns in registers). Segments give a
+// 1-row decode its parallelism (flash-decoding). A decode step reads the cache in increasing address, four key rows
+// after four, and leaves it to the hardware's prefetchers (software prefetches of whole blocks stalled it: their
+// instructions waited for free miss buffers); a unit of many rows works on a block long enough for those to stop,
+// so its first value tile asks for the next block's rows, one key a step. Three bodies: AVX-512 and AVX2 (F16C) for
+// D a multiple of their width, 64 and 128 compiled for their size, and plain C++ for everything else, picked by
+// isa.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -42,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -60,10 +68,7 @@ constexpr int64_t kDirectTiles = 1;    // value tiles of rows that read the floa
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-constexpr int64_t kAhead = 2;         // blocks between the one read and the one prefetched
-
-// prefetcht1 (into L2) of the lines of n elements from `at` (an address past the cache's end is fine: prefetches never
-// fault); in assembly, which the optimiser keeps (it dropped __builtin_prefetch from the unit's loop)
+// prefetcht1 (into L2) of the lines of n elements from `at`; in assembly, which the optimiser keeps
 template <typename T>
 inline void prefetch_row(const T* at, int64_t n) {
   for (int64_t i = 0; i < n; i += 64 / sizeof(T))
@@ -94,16 +99,15 @@ struct Body {
   int64_t (*scratch)(int64_t dim);
 };
 
-// exp as vector_exp.h computes it, one float at a time: the same clamp, rounding, polynomial and scaling.
-inline float exp_scalar(float x) {
+// 2^x as vector_exp.h computes it, one float at a time: the same clamp, rounding, polynomial and scaling.
+inline float exp2_scalar(float x) {
   using namespace triforce_cpu;
-  const float clamped = std::max(std::min(x, kExpHigh), kExpLow);
-  const float n = std::nearbyint(clamped * kLog2e);
-  const float r = std::fma(-n, kLn2Low, std::fma(-n, kLn2High, clamped));
-  float p = std::fma(kExpPoly[0], r, kExpPoly[1]);
-  for (int i = 2; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
-  p = std::fma(p, r * r, r + 1.0f);
-  return x < kExpLow ? 0.f : std::ldexp(p, int(n));
+  const float clamped = std::max(x, kExp2Low);
+  const float n = std::nearbyint(clamped);
+  const float f = clamped - n;
+  float p = std::fma(kExp2Poly[6], f, kExp2Poly[5]);
+  for (int i = 4; i >= 0; --i) p = std::fma(p, f, kExp2Poly[i]);
+  return std::ldexp(p, int(n));
 }
 
 }  // namespace
@@ -130,7 +134,7 @@ struct Ops {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static V exp(V x) { return triforce_cpu::exp512(x); }
+  static V exp2(V x) { return triforce_cpu::exp2_512(x); }
   static float first(V x) { return _mm512_cvtss_f32(x); }
   static float reduce_add(V x) { return _mm512_reduce_add_ps(x); }
   static float reduce_max(V x) { return _mm512_reduce_max_ps(x); }
@@ -148,42 +152,81 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen16(from + i));
   }
-  // The scores of R <= 4 query rows q (R, D) against 4 keys (rows `stride` apart, float32 or float16) into scores
-  // (R, 4), rows kBlock apart. The pair of row r and key j has lanes l = 0..15 that take p_l = the FMA chain over
-  // c = 0 .. D/16-1 of q_r[16 c + l] k_j[16 c + l], then the fixed tree ((p_l + p_l+8) + (p_l+4 + p_l+12)) for
-  // l < 4, (that_0 + that_2) + (that_1 + that_3). The 16 pairs' accumulators go through a butterfly whose levels
-  // are the tree's levels for all of them at once, and leave the pair in accumulator 4 j + r in lane 4 r + j: the
-  // same bits for a pair whichever rows and keys go with it (the rows past R are zeros that are not stored).
-  static constexpr int kScoreRows = 4;
-  static constexpr int kScoreKeys = 4;
-  template <int kDim, int R, typename T>
-  static void score(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
+  // Scores take one vector of 16 keys at a time, in 4 groups of 4: group g holds keys 4 g .. 4 g + 3, key 4 g + i
+  // in lanes 4 i .. 4 i + 3, which hold its columns d = 4 m + l (l = 0..3) of quad m of D. Lane l of a pair (row r,
+  // key j) takes p_l = the FMA chain over m = 0 .. D/4-1 of q_r[4 m + l] k_j[4 m + l] (quad m of the row broadcast
+  // to every group's lanes), then (p_0 + p_1) + (p_2 + p_3): two levels of in-lane shuffles over a row's 4 groups
+  // and one permutation leave key j's score in lane j. A pair's order depends on nothing else: the same bits for it
+  // whichever rows and keys go with it, packed or read directly.
+  static constexpr int kScoreRows = 6;  // x 4 groups: 24 accumulators
+  // k[i] (16 columns of key i) to k[m] = quad m of keys 0..3: a 4 x 4 transpose of 128-bit blocks
+  static void transpose_quads(V k[4]) {
+    const V t0 = _mm512_shuffle_f32x4(k[0], k[1], 0x44), t1 = _mm512_shuffle_f32x4(k[0], k[1], 0xEE);
+    const V t2 = _mm512_shuffle_f32x4(k[2], k[3], 0x44), t3 = _mm512_shuffle_f32x4(k[2], k[3], 0xEE);
+    k[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+    k[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+    k[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+    k[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+  }
+  // quad m of a row in every group's lanes
+  static V quad(const float* at) { return _mm512_broadcast_f32x4(_mm_loadu_ps(at)); }
+  // groups 0..3 of a row's p_l to its 16 scores: (p_0 + p_1) + (p_2 + p_3) of key 4 g + i lands in lane 4 i + g,
+  // and the permutation puts it in lane 4 g + i
+  static V sum_quads(const V a[4]) {
+    const V x = add(_mm512_shuffle_ps(a[0], a[1], 0x88), _mm512_shuffle_ps(a[0], a[1], 0xDD));
+    const V y = add(_mm512_shuffle_ps(a[2], a[3], 0x88), _mm512_shuffle_ps(a[2], a[3], 0xDD));
+    const V s = add(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+  }
+  // 16 keys (rows `stride` apart) to packed (16 D): quad m of group g at (4 m + g) 16
+  static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
+    for (int g = 0; g < 4; ++g)
+      for (int64_t c = 0; c < dim; c += 16) {
+        V k[4];
+        for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
+        transpose_quads(k);
+        for (int m = 0; m < 4; ++m) store(packed + ((c / 4 + m) * 4 + g) * 16, k[m]);
+      }
+  }
+  // The scores of R query rows q (R, D) against 16 packed keys into scores (R, 16), rows kBlock apart.
+  template <int kDim, int R>
+  static void score(const float* q, const float* packed, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
-    V p[16];
-    for (int i = 0; i < 16; ++i) p[i] = zero();
-    for (int64_t c = 0; c < d_end; c += 16) {
+    V acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < 4; ++g) acc[r][g] = zero();
+    for (int64_t d = 0; d < d_end; d += 4) {
       V key[4];
-      for (int j = 0; j < 4; ++j) key[j] = load(keys + j * stride + c);
+      for (int g = 0; g < 4; ++g) key[g] = load(packed + (d + g) * 16);
       for (int r = 0; r < R; ++r) {
-        const V query = load(q + r * d_end + c);
-        for (int j = 0; j < 4; ++j) p[4 * j + r] = fma(query, key[j], p[4 * j + r]);
+        const V query = quad(q + r * d_end + d);
+        for (int g = 0; g < 4; ++g) acc[r][g] = fma(query, key[g], acc[r][g]);
       }
     }
-    V t[8];  // t[i]: halves p_l + p_l+8 of accumulators 2 i, 2 i + 1
-    for (int i = 0; i < 8; ++i)
-      t[i] = add(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44), _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
-    V u[4];  // u[i]: quarters p_l + p_l+4 of accumulators 4 i .. 4 i + 3
-    for (int i = 0; i < 4; ++i)
-      u[i] = add(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    V w[2];  // w[i], quarter k: lanes 0, 1 of accumulator 8 i + k, lanes 2, 3 of accumulator 8 i + 4 + k
-    for (int i = 0; i < 2; ++i)
-      w[i] = add(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
-    const V all = add(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
-    // lanes 4 r .. 4 r + 3 to scores + r kBlock (no masked stores: slow on some CPUs)
-    _mm_storeu_ps(scores, _mm512_castps512_ps128(all));
-    if constexpr (R > 1) _mm_storeu_ps(scores + kBlock, _mm512_extractf32x4_ps(all, 1));
-    if constexpr (R > 2) _mm_storeu_ps(scores + 2 * kBlock, _mm512_extractf32x4_ps(all, 2));
-    if constexpr (R > 3) _mm_storeu_ps(scores + 3 * kBlock, _mm512_extractf32x4_ps(all, 3));
+    for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(acc[r]));
+  }
+  // A decode step's rows copied for score_direct: quad m of a row in every group's lanes, at 16 m
+  static constexpr int64_t kQueryCopies = 4;
+  static void copy_query(const float* q, int64_t dim, float* copies) {
+    for (int64_t d = 0; d < dim; d += 4) store(copies + 4 * d, quad(q + d));
+  }
+  // The same scores of 16 float16 keys read as they lie (rows `stride` apart), 4 rows after 4 (the order a stream
+  // of the cache is read in best), packed in registers on the way; the rows as copy_query leaves them, 4 D apart.
+  template <int kDim, int R>
+  static void score_direct(const float* copies, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
+    const int64_t d_end = kDim ? kDim : dim;
+    V acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < 4; ++g) acc[r][g] = zero();
+    for (int g = 0; g < 4; ++g)
+      for (int64_t c = 0; c < d_end; c += 16) {
+        V k[4];
+        for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
+        transpose_quads(k);
+        for (int m = 0; m < 4; ++m)
+          for (int r = 0; r < R; ++r) acc[r][g] = fma(load(copies + r * 4 * d_end + 4 * c + 16 * m), k[m], acc[r][g]);
+      }
+    for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(acc[r]));
   }
 };
 
@@ -215,7 +258,7 @@ struct Ops {
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  static V exp(V x) { return triforce_cpu::exp256(x); }
+  static V exp2(V x) { return triforce_cpu::exp2_256(x); }
   static float first(V x) { return _mm256_cvtss_f32(x); }
   static float reduce_add(V x) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
     const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -244,9 +287,8 @@ struct Ops {
   // ((p_0 + p_4) + (p_2 + p_6)) + ((p_1 + p_5) + (p_3 + p_7)). Accumulator 2 i + h holds key 4 h + i, the order
   // the butterfly's levels leave in lanes 0..7.
   static constexpr int kScoreRows = 1;
-  static constexpr int kScoreKeys = 8;
   template <int kDim, int R, typename T>
-  static void score(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
+  static void score_keys(const float* q, const T* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
     V p[8];
     for (int i = 0; i < 8; ++i) p[i] = zero();
@@ -261,6 +303,21 @@ struct Ops {
     for (int i = 0; i < 2; ++i)
       u[i] = add(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
     store(scores, add(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD)));
+  }
+  // Packed keys are the widened rows, one after the other; their scores and the direct ones are score_keys', the
+  // direct ones' rows as they are.
+  static constexpr int64_t kQueryCopies = 1;
+  static void copy_query(const float* q, int64_t dim, float* copies) { std::copy(q, q + dim, copies); }
+  static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
+    for (int64_t j = 0; j < kLanes; ++j) widen(keys + j * stride, packed + j * dim, dim);
+  }
+  template <int kDim, int R>
+  static void score(const float* q, const float* packed, int64_t dim, float* scores) {
+    score_keys<kDim, R>(q, packed, dim, dim, scores);
+  }
+  template <int kDim, int R>
+  static void score_direct(const float* q, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
+    score_keys<kDim, R>(q, keys, stride, dim, scores);
   }
 };
 
@@ -290,7 +347,7 @@ struct Ops {
   static V sub(V a, V b) { return a - b; }
   static V div(V a, V b) { return a / b; }
   static V max(V a, V b) { return std::max(a, b); }
-  static V exp(V x) { return exp_scalar(x); }
+  static V exp2(V x) { return exp2_scalar(x); }
   static float first(V x) { return x; }
   static float reduce_add(V x) { return x; }
   static float reduce_max(V x) { return x; }
@@ -300,13 +357,27 @@ struct Ops {
   }
   // The score of R = 1 query row q (D) against one key (D) into scores (1): the FMA chain over d = 0 .. D-1.
   static constexpr int kScoreRows = 1;
-  static constexpr int kScoreKeys = 1;
   template <int kDim, int R, typename T>
-  static void score(const float* q, const T* key, int64_t, int64_t dim, float* scores) {
+  static void score_keys(const float* q, const T* key, int64_t, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
     float acc = 0.f;
     for (int64_t d = 0; d < d_end; ++d) acc = std::fma(q[d], load(key + d), acc);
     *scores = acc;
+  }
+  // Packed keys are the widened rows, one after the other; their scores and the direct ones are score_keys', the
+  // direct ones' rows as they are.
+  static constexpr int64_t kQueryCopies = 1;
+  static void copy_query(const float* q, int64_t dim, float* copies) { std::copy(q, q + dim, copies); }
+  static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
+    for (int64_t j = 0; j < kLanes; ++j) widen(keys + j * stride, packed + j * dim, dim);
+  }
+  template <int kDim, int R>
+  static void score(const float* q, const float* packed, int64_t dim, float* scores) {
+    score_keys<kDim, R>(q, packed, dim, dim, scores);
+  }
+  template <int kDim, int R>
+  static void score_direct(const float* q, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
+    score_keys<kDim, R>(q, keys, stride, dim, scores);
   }
 };
 
@@ -346,9 +417,10 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(origin >= 0, "origin: an absolute position, >= 0");
   const int64_t group = q_heads / kv_heads, rows = group * queries;
 
-  // (Hkv, T, G, D) scaled queries: row r = t G + g of KV head h is query t of head h G + g
+  // (Hkv, T, G, D) queries scaled by scale log2(e), for scores in base 2: row r = t G + g of KV head h is query t
+  // of head h G + g
   const at::Tensor scaled =
-      q.mul(float(scale)).view({kv_heads, group, queries, dim}).transpose(1, 2).contiguous();
+      q.mul(float(scale * 1.4426950408889634)).view({kv_heads, group, queries, dim}).transpose(1, 2).contiguous();
   Problem p{scaled.data_ptr<float>(), k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, group, queries, keys, dim, origin, window, 0, 0, nullptr};

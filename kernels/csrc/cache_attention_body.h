@@ -2,11 +2,13 @@
 // set, each time inside a namespace that defines `Ops` (the vector operations and the tile sizes of that set) and
 // under that set's `#pragma GCC target`. No includes here: cache_attention.cpp includes everything first.
 //
-// Ops gives: kLanes (W), the vector type V, zero, set1, load, store, fma (a b + c, one rounding), add, max, exp,
+// Ops gives: kLanes (W), the vector type V, zero, set1, load, store, fma (a b + c, one rounding), add, max, exp2,
 // first (lane 0), reduce_add (a fixed order) and reduce_max, hide (-inf outside a range of lanes), widen (n float16
-// to float32, n a multiple of W), score (kScoreRows query rows against kScoreKeys keys, float32 or float16, each
-// score in an order of the set's own that the other rows and keys do not change), kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D
-// a pass of it takes).
+// to float32, n a multiple of W); for the scores, each in an order of the set's own that the other rows and keys do
+// not change: pack_keys (W float16 keys to the set's layout), score (kScoreRows query rows against W packed keys),
+// score_direct (the same scores of W float16 keys read as they lie, from the rows as copy_query leaves them,
+// kQueryCopies D floats a row); kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D a
+// pass of it takes).
 
 // The softmax state of one query row within a unit's segment: its running maximum, the lanes of its running sum of
 // exponentials and its unnormalised output (D).
@@ -16,54 +18,66 @@ struct RowState {
   float* out;     // (rows, D)
 };
 
-// keys (kBlock, D) = the block's keys [ja, jb) (rows row_stride apart) widened, row by row, for every W-key vector
-// that holds one of them (only the vectors [ja, jb) does not fill, with `edges_only`); the vector's other keys are 0
-// (their scores are hidden). Every key of [ja, jb) is prefetched `ahead` rows on.
-inline void widen_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim, float* keys,
-                       int64_t ahead, bool edges_only) {
+// keys (kBlock, D): the block's key vectors (W keys each) that hold one of its keys [ja, jb) (rows row_stride
+// apart), packed (Ops::pack_keys) at keys + vector D; only the vectors [ja, jb) does not fill, with `edges_only`.
+// A vector's keys outside [ja, jb) are 0 (their scores are hidden).
+inline void pack_block_keys(const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t dim,
+                            float* keys, bool edges_only) {
   constexpr int64_t W = Ops::kLanes;
-  for (int64_t j = ja; j < jb; ++j) prefetch_row(block + (ahead + j) * row_stride, dim);
   for (int64_t vector = ja / W * W; vector < jb; vector += W) {
-    if (edges_only && vector >= ja && vector + W <= jb) continue;
-    for (int64_t j = vector; j < vector + W; ++j)
-      if (j >= ja && j < jb)
-        Ops::widen(block + j * row_stride, keys + j * dim, dim);
-      else
-        std::fill(keys + j * dim, keys + (j + 1) * dim, 0.f);
+    if (vector >= ja && vector + W <= jb) {
+      if (!edges_only) Ops::pack_keys(block + vector * row_stride, row_stride, dim, keys + vector * dim);
+      continue;
+    }
+    at::Half edge[W * kMaxDim];  // W > 1: a vector body, dim <= kMaxDim
+    for (int64_t j = 0; j < W; ++j) {
+      const bool read = vector + j >= ja && vector + j < jb;
+      for (int64_t d = 0; d < dim; ++d) edge[j * dim + d] = read ? block[(vector + j) * row_stride + d] : at::Half(0.f);
+    }
+    Ops::pack_keys(edge, dim, dim, keys + vector * dim);
   }
 }
 
-// scores (rows, kBlock) = q (rows, D) . keys^T for the key vectors [k0, k1) of the block: from the widened keys
-// (kBlock, D), or, with `block` (not null), the vectors that [ja, jb) fills from the block's float16 rows
-// (row_stride apart) directly; Ops::score's tiles of kScoreRows rows and kScoreKeys keys. Every score is
-// Ops::score's fixed order, a row's alone, whatever the tile.
+// scores (rows, kBlock) = q (rows, D) . keys^T for the key vectors [k0, k1) of the block: from the packed keys, or,
+// with `block` (not null), the vectors that [ja, jb) fills from the block's float16 rows (row_stride apart)
+// directly, with the rows' copies (Ops::copy_query, kQueryCopies D apart); tiles of Ops::kScoreRows rows against
+// one vector. Every score is Ops::score's fixed order, a row's alone, whatever the tile.
 template <int kDim, int R = Ops::kScoreRows>
-inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys, const at::Half* block,
-                       int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1, float* scores) {
-  constexpr int64_t W = Ops::kLanes, kKeys = Ops::kScoreKeys;
+inline void score_rows(int64_t rows, const float* q, const float* copies, int64_t dim, const float* keys,
+                       const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1,
+                       float* scores) {
+  constexpr int64_t W = Ops::kLanes;
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    for (int64_t j = k0 * W; j < k1 * W; j += kKeys) {
-      const int64_t vector = j / W * W;
+    for (int64_t vector = k0 * W; vector < k1 * W; vector += W) {
       if (block && vector >= ja && vector + W <= jb)
-        Ops::template score<kDim, R>(q + r * d_end, block + j * row_stride, row_stride, dim, scores + r * kBlock + j);
+        Ops::template score_direct<kDim, R>(copies + r * Ops::kQueryCopies * d_end, block + vector * row_stride,
+                                            row_stride, dim, scores + r * kBlock + vector);
       else
-        Ops::template score<kDim, R>(q + r * d_end, keys + j * d_end, d_end, dim, scores + r * kBlock + j);
+        Ops::template score<kDim, R>(q + r * d_end, keys + vector * d_end, dim, scores + r * kBlock + vector);
     }
   if constexpr (R > 1) {
     if (r < rows)
-      score_rows<kDim, R - 1>(rows - r, q + r * d_end, dim, keys, block, row_stride, ja, jb, k0, k1,
-                              scores + r * kBlock);
+      score_rows<kDim, R - 1>(rows - r, q + r * d_end, copies + r * Ops::kQueryCopies * d_end, dim, keys, block,
+                              row_stride, ja, jb, k0, k1, scores + r * kBlock);
   }
 }
+
+// Rows to prefetch while the values are read, one a key: a unit of many rows works on a block long enough for the
+// hardware's prefetchers to stop running ahead, so its first value tile asks for the next block's keys and values
+// (none: k null)
+struct Ahead {
+  const at::Half *k = nullptr, *v = nullptr;
+  int64_t k_row = 0, v_row = 0;
+};
 
 // state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D), rows `stride` apart,
 // float32 or float16 (widened as they are read): each output element's block sum is the FMA chain over the keys in
 // order from 0, then added to the rescaled old value in one FMA.
 template <int kDim, int R, typename T>
 inline void value_tile(const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0, int64_t j1,
-                       const float* rescale, float* out, int64_t ahead) {
+                       const float* rescale, float* out, const Ahead& ahead) {
   constexpr int kColumns = Ops::kValueColumns;
   const int64_t d_end = kDim ? kDim : dim;
   for (int64_t column = 0; column < d_end; column += kColumns * Ops::kLanes) {
@@ -73,7 +87,11 @@ inline void value_tile(const float* weights, const T* values, int64_t stride, in
       for (int c = 0; c < kColumns; ++c) acc[r][c] = Ops::zero();
     if (count == kColumns) {
       for (int64_t j = j0; j < j1; ++j) {
-        if (ahead) prefetch_row(values + j * stride + column + ahead, kColumns * Ops::kLanes);
+        if constexpr (std::is_same_v<T, float>)  // widened values: a unit of many rows
+          if (ahead.k && column == 0) {
+            prefetch_row(ahead.k + j * ahead.k_row, d_end);
+            prefetch_row(ahead.v + j * ahead.v_row, d_end);
+          }
         typename Ops::V value[kColumns];
         for (int c = 0; c < kColumns; ++c) value[c] = Ops::load(values + j * stride + column + c * Ops::kLanes);
         for (int r = 0; r < R; ++r) {
@@ -97,25 +115,27 @@ inline void value_tile(const float* weights, const T* values, int64_t stride, in
   }
 }
 
-// ahead: an offset (elements) of values to prefetch, row by row, while they are read; 0: none.
 template <int kDim, typename T, int R = Ops::kValueRows>
 inline void value_rows(int64_t rows, const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0,
-                       int64_t j1, const float* rescale, float* out, int64_t ahead = 0) {
+                       int64_t j1, const float* rescale, float* out, const Ahead& ahead = Ahead{}) {
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end, ahead);
+    value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end,
+                        r == 0 ? ahead : Ahead{});
   if constexpr (R > 1) {
     if (r < rows)
       value_rows<kDim, T, R - 1>(rows - r, weights + r * kBlock, values, stride, dim, j0, j1, rescale + r,
-                                 out + r * d_end, ahead);
+                                 out + r * d_end, r == 0 ? ahead : Ahead{});
   }
 }
 
 // One unit of work: the rows [row0, row0 + rows) of KV head `head` against the keys of segment `segment`, online
 // softmax over its blocks in increasing position; the rows' (maximum, sum, output) go to the problem's partials.
-template <int kDim>
-void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
+// kWidened: the keys packed and the values widened once for many rows, else read as float16 directly (a function
+// of its own, so that a decode step's loop is compiled as if the other did not exist).
+template <int kDim, bool kWidened>
+void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
   const int64_t dim = kDim ? kDim : p.dim;
   constexpr int64_t W = Ops::kLanes;
   float* keys = scratch;                      // (kBlock, D)
@@ -123,6 +143,7 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   float* weights = values + kBlock * dim;     // (rows, kBlock)
   float* rescale = weights + rows * kBlock;   // (rows)
   RowState state{rescale + rows, rescale + 2 * rows, rescale + 2 * rows + rows * W};
+  float* copies = state.out + rows * dim;     // (rows, kQueryCopies D), for a group that reads K directly
   std::fill(state.max, state.max + rows, kMinusInf);
   std::fill(state.total, state.total + rows * W, 0.f);
   std::fill(state.out, state.out + rows * dim, 0.f);
@@ -140,23 +161,20 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   const float* q = p.q + (head * p.rows + row0) * dim;
   const at::Half* k_head = p.k + head * p.k_head;
   const at::Half* v_head = p.v + head * p.v_head;
+  constexpr bool widened = kWidened;
+  if constexpr (!widened)
+    for (int64_t r = 0; r < rows; ++r) Ops::copy_query(q + r * dim, dim, copies + r * Ops::kQueryCopies * dim);
   if (first <= last) {
     for (int64_t block_start = floor_to(p.origin + first, kBlock) - p.origin; block_start <= last;
          block_start += kBlock) {
       // the block's keys that are read, [ja, jb) as block lanes
       const int64_t ja = std::max(block_start, first) - block_start;
       const int64_t jb = std::min(block_start + kBlock, last + 1) - block_start;
-      // the block kAhead blocks on is asked for while this one is read, a few lines at a time: a decode step
-      // streams the cache, and a block is too short for the hardware's prefetchers to run ahead
-      const int64_t ahead = std::min(block_start + kAhead * kBlock, p.keys - 1) - block_start;
-      // a group of up to kDirectTiles value tiles (a decode step) reads the float16 keys and
-      // values directly (but for the keys of vectors the rows read in part); larger ones widen them once for all
-      const bool widened = rows > kDirectTiles * Ops::kValueRows;
       const at::Half* k_block = k_head + block_start * p.k_row;
-      widen_keys(k_block, p.k_row, ja, jb, dim, keys, ahead, !widened);
-      if (widened)
+      const int64_t next = std::max<int64_t>(0, std::min(block_start + kBlock, p.keys - kBlock));  // the block after
+      pack_block_keys(k_block, p.k_row, ja, jb, dim, keys, !widened);
+      if constexpr (widened)
         for (int64_t j = ja; j < jb; ++j) {
-          prefetch_row(v_head + (block_start + ahead + j) * p.v_row, dim);
           Ops::widen(v_head + (block_start + j) * p.v_row, values + j * dim, dim);
         }
       for (int64_t t0 = 0; t0 < rows; t0 += kTileRows) {
@@ -175,15 +193,18 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
         if (tile_lo > tile_hi) continue;  // no row of the tile reads a key of the block: nothing changes
         const int64_t k0 = tile_lo / W, k1 = tile_hi / W + 1;  // the key vectors the tile reads
         float* tile_weights = weights + t0 * kBlock;
-        score_rows<kDim>(tile, q + t0 * dim, dim, keys, widened ? nullptr : k_block, p.k_row, ja, jb, k0, k1,
-                         tile_weights);
+        score_rows<kDim>(tile, q + t0 * dim, copies + t0 * Ops::kQueryCopies * dim, dim, keys,
+                         widened ? nullptr : k_block, p.k_row, ja, jb, k0, k1, tile_weights);
         for (int64_t r = 0; r < tile; ++r) {
           const int64_t row = t0 + r;
           float* s = tile_weights + r * kBlock;
           typename Ops::V top = Ops::set1(kMinusInf);
           for (int64_t k = k0; k < k1; ++k) {
-            const typename Ops::V score = Ops::hide(Ops::load(s + k * W), k * W, lo[r], hi[r]);
-            Ops::store(s + k * W, score);
+            typename Ops::V score = Ops::load(s + k * W);
+            if (k * W < lo[r] || k * W + W - 1 > hi[r]) {  // a vector the row reads in part or not at all
+              score = Ops::hide(score, k * W, lo[r], hi[r]);
+              Ops::store(s + k * W, score);
+            }
             top = Ops::max(top, score);
           }
           const float old_max = state.max[row];
@@ -192,21 +213,25 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
           const typename Ops::V shift_v = Ops::set1(shift);
           typename Ops::V block_total = Ops::zero();
           for (int64_t k = k0; k < k1; ++k) {
-            const typename Ops::V w = Ops::exp(Ops::sub(Ops::load(s + k * W), shift_v));
+            const typename Ops::V w = Ops::exp2(Ops::sub(Ops::load(s + k * W), shift_v));
             Ops::store(s + k * W, w);
             block_total = Ops::add(block_total, w);
           }
-          rescale[row] = Ops::first(Ops::exp(Ops::set1(old_max - shift)));
+          // 2^0 is 1 exactly: an unchanged maximum needs no exp2
+          rescale[row] =
+              old_max == new_max && shift == new_max ? 1.f : Ops::first(Ops::exp2(Ops::set1(old_max - shift)));
           state.max[row] = new_max;
           float* total = state.total + row * W;
           Ops::store(total, Ops::fma(Ops::load(total), Ops::set1(rescale[row]), block_total));
         }
-        if (widened)
+        if constexpr (widened)
           value_rows<kDim>(tile, tile_weights, values, dim, dim, tile_lo, tile_hi + 1, rescale + t0,
-                           state.out + t0 * dim);
+                           state.out + t0 * dim,
+                           t0 == 0 ? Ahead{k_head + next * p.k_row, v_head + next * p.v_row, p.k_row, p.v_row}
+                                   : Ahead{});
         else
           value_rows<kDim>(tile, tile_weights, v_head + block_start * p.v_row, p.v_row, dim, tile_lo, tile_hi + 1,
-                           rescale + t0, state.out + t0 * dim, ahead * p.v_row);
+                           rescale + t0, state.out + t0 * dim);
       }
     }
   }
@@ -218,12 +243,23 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   }
 }
 
+// A group of up to kDirectTiles value tiles (a decode or verification step) reads the float16 keys and values
+// directly (but for the keys of vectors the rows read in part); larger ones pack and widen them once for all.
+template <int kDim>
+void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
+  if (rows > kDirectTiles * Ops::kValueRows)
+    attend_rows<kDim, true>(p, head, row0, rows, segment, scratch);
+  else
+    attend_rows<kDim, false>(p, head, row0, rows, segment, scratch);
+}
+
 inline int64_t unit_scratch(int64_t dim) {
-  return 2 * dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim);
+  return 2 * dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim) +
+         kDirectTiles * Ops::kValueRows * Ops::kQueryCopies * dim;
 }
 
 // Row r of KV head `head`: its segments' partials merged in segment order into out (D): with M the largest
-// maximum, out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s.
+// maximum, out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s (base-2 scores).
 template <int kDim>
 void combine_row(const Problem& p, int64_t head, int64_t r, float* out) {
   const int64_t dim = kDim ? kDim : p.dim;
@@ -234,7 +270,7 @@ void combine_row(const Problem& p, int64_t head, int64_t r, float* out) {
   for (int64_t d = 0; d < dim; d += Ops::kLanes) Ops::store(out + d, Ops::zero());
   for (int64_t s = first; s <= last; ++s) {
     const float* partial = p.partial(head, s, r);
-    const float factor = Ops::first(Ops::exp(Ops::set1(partial[0] - top)));
+    const float factor = Ops::first(Ops::exp2(Ops::set1(partial[0] - top)));
     total = std::fma(factor, partial[1], total);
     const typename Ops::V f = Ops::set1(factor);
     for (int64_t d = 0; d < dim; d += Ops::kLanes)
