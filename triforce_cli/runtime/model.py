@@ -283,13 +283,16 @@ class LayerOperands:
     """What the CPU step ops read of a decoder layer (DecoderLayer.step_operands): its norms' weights, its projections'
     operands (kernels.step.Projection) and the modules they were read from."""
 
-    modules: tuple[nn.Module, ...]  # the layer's linears and norms, whose replacement makes these stale
+    modules: tuple[nn.Module | None, ...]  # the layer's linears and norms, whose replacement makes these stale
+    attention: "Attention"
     input_norm: torch.Tensor
+    input_eps: float
     qkv: Projection
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o_proj: Projection
     post_norm: torch.Tensor
+    post_eps: float
     gate_up: Projection
     down: Projection
 
@@ -364,17 +367,19 @@ class DecoderLayer(nn.Module):
         self._operands: LayerOperands | None = None
         self._operands_of: tuple[nn.Module, ...] = ()
 
-    def _modules_read(self) -> tuple[nn.Module, ...]:
-        attn, mlp = self.self_attn, self.mlp
+    def _modules_read(self) -> tuple[nn.Module | None, ...]:
+        """The linears and norms step_operands reads, looked up in the modules' own tables (a step asks per layer)."""
+        layer = self._modules
+        attn, mlp = layer["self_attn"]._modules, layer["mlp"]._modules
         return (
-            attn.qkv_proj,
-            attn.o_proj,
-            mlp.gate_up_proj,
-            mlp.down_proj,
-            self.input_layernorm,
-            self.post_attention_layernorm,
-            attn.q_norm,
-            attn.k_norm,
+            attn["qkv_proj"],
+            attn["o_proj"],
+            mlp["gate_up_proj"],
+            mlp["down_proj"],
+            layer["input_layernorm"],
+            layer["post_attention_layernorm"],
+            attn.get("q_norm"),
+            attn.get("k_norm"),
         )
 
     def step_operands(self) -> LayerOperands | None:
@@ -395,12 +400,15 @@ class DecoderLayer(nn.Module):
             return None
         return LayerOperands(
             modules,
+            self.self_attn,
             input_norm.weight,
+            input_norm.eps,
             projections[0],
             None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,
             projections[1],
             post_norm.weight,
+            post_norm.eps,
             projections[2],
             projections[3],
         )
@@ -445,10 +453,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """forward() of one eager forward on the CPU in float32 through the CPU step ops (kernels.step): the layer's
         first half in one call, the cache's update, attention, the second half in one call."""
-        attn = self.self_attn
-        eps = self.input_layernorm.eps
+        attn = operands.attention
         q, k, v = attention_input(
-            x, operands.input_norm, eps, operands.qkv, rotation, attn.num_heads, attn.num_kv_heads,
+            x, operands.input_norm, operands.input_eps, operands.qkv, rotation, attn.num_heads, attn.num_kv_heads,
             operands.q_norm, operands.k_norm,
         )  # fmt: skip
         keys, values = cache.update(attn.layer, q, k, v)  # (Hkv, L, D)
@@ -458,9 +465,8 @@ class DecoderLayer(nn.Module):
         else:
             out = attention(q, keys, values, attn.scale, attn.backend, window, cache.origin)  # (Hq, T, D)
         return layer_output(
-            x, out, operands.o_proj, operands.post_norm, self.post_attention_layernorm.eps, operands.gate_up,
-            operands.down,
-        )  # fmt: skip
+            x, out, operands.o_proj, operands.post_norm, operands.post_eps, operands.gate_up, operands.down
+        )
 
 
 class Backbone(nn.Module):
