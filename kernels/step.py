@@ -96,7 +96,9 @@ def rotary_heads_reference(
     split = qkv.view(qkv.shape[0], heads, -1).transpose(0, 1)  # (H, T, D)
     front = split[:rotated]
     if q_norm is not None:
-        front = torch.cat([rms_norm_reference(front[:q_heads], q_norm, eps), rms_norm_reference(front[q_heads:], k_norm, eps)])
+        front = torch.cat(
+            [rms_norm_reference(front[:q_heads], q_norm, eps), rms_norm_reference(front[q_heads:], k_norm, eps)]
+        )
     halves = front.unflatten(-1, (1, 2, front.shape[-1] // 2))  # (rotated, T, 1, 2, D/2)
     turned = (halves * rotation).sum(dim=-2).flatten(-2)  # (rotated, T, D)
     return torch.cat([turned, split[rotated:]])

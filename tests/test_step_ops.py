@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import ROWS, assert_rows_alone, make_model, tiled
 from torch.utils._python_dispatch import TorchDispatchMode
-
 from triforce_cli.cache import FullCache
 from triforce_cli.kernels import pack_tiles, pad_bias
 from triforce_cli.kernels.gguf import LANES, PackedBlocks, blocks_linear
+from triforce_cli.kernels.linear import tiled_linear
 from triforce_cli.kernels.step import (
     Projection,
     attention_input,
@@ -27,7 +27,7 @@ from triforce_cli.kernels.step import (
     silu_mul,
     silu_mul_reference,
 )
-from triforce_cli.kernels.linear import tiled_linear
+
 from triforce_cli.runtime.model import DecoderLayer
 from triforce_cli.runtime.native import kernel_error
 
@@ -164,8 +164,10 @@ def layer_inputs(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def norm_weights(seed: int) -> tuple[torch.Tensor, ...]:
     g = generator(seed)
-    return torch.randn(LAYER["hidden"], generator=g), torch.randn(LAYER["dim"], generator=g), torch.randn(
-        LAYER["dim"], generator=g
+    return (
+        torch.randn(LAYER["hidden"], generator=g),
+        torch.randn(LAYER["dim"], generator=g),
+        torch.randn(LAYER["dim"], generator=g),
     )
 
 

@@ -24,6 +24,7 @@ from triforce_cli.runtime.tiled_weights import TiledLinear
 
 needs_kernels = pytest.mark.skipif(kernel_error() is not None, reason=str(kernel_error()))
 
+
 def weight_and_bias(out_features: int, in_features: int, with_bias: bool, seed: int):
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5

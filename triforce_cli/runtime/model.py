@@ -447,7 +447,6 @@ class DecoderLayer(nn.Module):
             x[rows] = self.forward(x[rows], rotation[rows], cache)
         return x
 
-
     def step_forward(
         self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache | LayerwiseWrite, operands: LayerOperands
     ) -> torch.Tensor:
