@@ -9,6 +9,7 @@ output embedding so distributions are far from uniform (drafts then get both acc
 
 import copy
 import functools
+import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -405,3 +406,37 @@ def llama_cpp_q4_k_m(name: str) -> str:
     if name == "token_embd":
         return "Q8_0"
     return "Q6_K" if name.endswith(("attn_v", "ffn_down")) else "Q4_K"
+
+
+ROWS = 300  # batches of 1 to ROWS rows
+
+
+def split_points(total: int, seed: int) -> list[tuple[int, int]]:
+    """Batches (start, rows) covering [0, total): the lengths of the few-row plans (1 to 9), a prefill chunk's 256
+    and all of them, then random cuts of every length."""
+    rng = random.Random(seed)
+    batches = [(rng.randrange(total - rows + 1), rows) for rows in (*range(1, 10), 256, total)]
+    start = 0
+    while start < total:
+        rows = rng.choice((1, 2, 3, 5, 8, rng.randint(1, total - start)))
+        rows = min(rows, total - start)
+        batches.append((start, rows))
+        start += rows
+    return batches
+
+
+def assert_rows_alone(op, x: torch.Tensor, seed: int, row_dim: int = 0) -> None:
+    """op(batch)'s row i equals op(row i alone, a tensor of its own) bit for bit for every batch of split_points,
+    on one thread and on two."""
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            alone = [op(x.narrow(row_dim, i, 1).clone()) for i in range(x.shape[row_dim])]
+            for start, rows in split_points(x.shape[row_dim], seed):
+                out = op(x.narrow(row_dim, start, rows))
+                for i in range(rows):
+                    row = out.narrow(row_dim, i, 1)
+                    assert torch.equal(row, alone[start + i]), f"row {start + i} of a batch of {rows}, {count} threads"
+    finally:
+        torch.set_num_threads(threads)

@@ -40,7 +40,7 @@ from triforce_cli.runtime.model import (
     replace_checkpoint_linears,
 )
 from triforce_cli.runtime.native import kernel_error
-from triforce_cli.runtime.tiled_weights import TiledLinear
+from triforce_cli.runtime.tiled_weights import TiledLinear, tiled_weights_apply, use_tiled_weights
 
 SEQ = 96
 ATOL = 1e-5
@@ -338,19 +338,22 @@ def test_load_model_with_scaled_rope(tmp_path, rope):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_load_model_gives_the_logits_of_the_checkpoint_copied_into_the_model(tmp_path, dtype):
     """Transformed in host memory before crossing to the device, the weights compute exactly the logits of the
-    checkpoint's tensors copied into a model built whole (helpers.wrap), and so do they with layers 1 on streamed
-    from host memory (--offload kv+weights)."""
+    checkpoint's tensors copied into a model built whole (helpers.wrap) in the same weight form: tiled for float32
+    on the CPU (whose layers run the CPU step ops), dense with layers 1 on streamed from host memory
+    (--offload kv+weights)."""
     folder = tmp_path / "ckpt"
     ref = save_checkpoint(folder, seed=3, num_layers=3, tie_word_embeddings=False)
     copied = wrap(ref, ref.config).model
     for param in copied.parameters():
         param.data = param.data.to(dtype)
     ids = random_prompt(SEQ, 31, seed=4)
-    expected = our_logits(copied, ids)
-    assert torch.equal(our_logits(load_model(str(folder), dtype=dtype).model, ids), expected)
+    dense = our_logits(copied, ids)
+    if tiled_weights_apply(torch.device("cpu"), dtype):
+        use_tiled_weights(copied)
+    assert torch.equal(our_logits(load_model(str(folder), dtype=dtype).model, ids), our_logits(copied, ids))
     streamed = load_model(str(folder), dtype=dtype, offload_weights=True, resident_layers=1).model
     assert sorted(streamed.weight_stream.host) == [1, 2]
-    assert torch.equal(our_logits(streamed, ids), expected)
+    assert torch.equal(our_logits(streamed, ids), dense)
 
 
 def test_load_model_from_single_safetensors_file(tmp_path):

@@ -2,12 +2,10 @@
 order of arithmetic: row i of a batch of n is the same bits as row i alone, whatever n, where the batch starts and
 how many threads run (issue 46's numeric contract); and the tiled product is a float32 product of the weights."""
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import load_tiny, make_model
+from helpers import ROWS, assert_rows_alone, load_tiny, make_model
 from torch import nn
 from triforce_cli.kernels import (
     linear_reference,
@@ -25,39 +23,6 @@ from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.tiled_weights import TiledLinear
 
 needs_kernels = pytest.mark.skipif(kernel_error() is not None, reason=str(kernel_error()))
-
-ROWS = 300  # batches of 1 to ROWS rows
-
-
-def split_points(total: int, seed: int) -> list[tuple[int, int]]:
-    """Batches (start, rows) covering [0, total): the lengths of the few-row plans (1 to 9), a prefill chunk's 256
-    and all of them, then random cuts of every length."""
-    rng = random.Random(seed)
-    batches = [(rng.randrange(total - rows + 1), rows) for rows in (*range(1, 10), 256, total)]
-    start = 0
-    while start < total:
-        rows = rng.choice((1, 2, 3, 5, 8, rng.randint(1, total - start)))
-        rows = min(rows, total - start)
-        batches.append((start, rows))
-        start += rows
-    return batches
-
-
-def assert_rows_alone(op, x: torch.Tensor, seed: int, row_dim: int = 0) -> None:
-    """op(batch)'s row i equals op(row i alone, a tensor of its own) bit for bit for every batch of split_points,
-    on one thread and on two."""
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            alone = [op(x.narrow(row_dim, i, 1).clone()) for i in range(x.shape[row_dim])]
-            for start, rows in split_points(x.shape[row_dim], seed):
-                out = op(x.narrow(row_dim, start, rows))
-                for i in range(rows):
-                    row = out.narrow(row_dim, i, 1)
-                    assert torch.equal(row, alone[start + i]), f"row {start + i} of a batch of {rows}, {count} threads"
-    finally:
-        torch.set_num_threads(threads)
 
 
 def weight_and_bias(out_features: int, in_features: int, with_bias: bool, seed: int):

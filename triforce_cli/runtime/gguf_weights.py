@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from triforce_cli.kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, pack_blocks
+from triforce_cli.kernels.step import Projection
 from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkpoint_linears
 from triforce_cli.runtime.store import content_identity, write_atomically
 
@@ -53,6 +54,12 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return blocks_linear(x, self.packed)
+
+    def projection(self) -> Projection | None:
+        """The blocks as the CPU step ops take them (kernels.step), None off the CPU."""
+        if self.q.device.type != "cpu":
+            return None
+        return Projection([self.q, self.d, self.m], [self.out_features])
 
 
 class GGUFEmbedding(nn.Module):

@@ -20,6 +20,11 @@ runs over the cache's whole buffers with a mask (kernels.attention_in_cache), so
 serves every position: on CUDA a CUDA graph (runtime/graphs.py), of the eager step (StepMode 'graphs') or of its
 inductor compilation ('compiled'). Prefill chunks and steps on caches not made static stay eager.
 
+A float32 model on the CPU whose linears are tiled or GGUF blocks runs every eager forward's layers through the CPU
+step ops (kernels.step: DecoderLayer.step_forward): a layer's norm, projection and RoPE in one call, the cache's
+update and attention, then the rest of the layer in one call, each row computed in one order of arithmetic (the
+numeric contract). Fixed-shape steps, other devices and dtypes, and dense linears run torch's ops.
+
 prefill_layerwise() runs a prompt layer by layer instead of chunk by chunk (for a full cache in host memory, whose
 every forward streams every layer's prefix to the device): the same forwards of the same chunks, in another order.
 """
@@ -35,6 +40,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite, StaticStep
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear
+from triforce_cli.kernels.attention import cache_attention
+from triforce_cli.kernels.step import Projection, attention_input, layer_output, step_ops_available
 from triforce_cli.offload.weights import WeightStream
 from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.graphs import StepGraphs
@@ -258,6 +265,37 @@ class ConcatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
+    def projection(self) -> Projection | None:
+        """The parts' operands side by side for the CPU step ops, None where a part has none."""
+        parts = [projection_of(part) for part in self.parts]
+        return None if None in parts else Projection.side_by_side(parts)
+
+
+def projection_of(module: nn.Module) -> Projection | None:
+    """The operands of a linear computed by the CPU extension's products (tiles or GGUF blocks in host memory: their
+    modules' projection()), for the CPU step ops; None for any other."""
+    projection = getattr(module, "projection", None)
+    return projection() if projection is not None else None
+
+
+@dataclass(frozen=True)
+class LayerOperands:
+    """What the CPU step ops read of a decoder layer (DecoderLayer.step_operands): its norms' weights, its projections'
+    operands (kernels.step.Projection) and the modules they were read from."""
+
+    modules: tuple[nn.Module | None, ...]  # the layer's linears and norms, whose replacement makes these stale
+    attention: "Attention"
+    input_norm: torch.Tensor
+    input_eps: float
+    qkv: Projection
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: Projection
+    post_norm: torch.Tensor
+    post_eps: float
+    gate_up: Projection
+    down: Projection
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -324,6 +362,64 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # step_operands' answer and the modules it was read from; dropped when tensors move or load (_apply,
+        # _load_from_state_dict), read anew when a module is replaced
+        self._operands: LayerOperands | None = None
+        self._operands_of: tuple[nn.Module, ...] = ()
+
+    def _modules_read(self) -> tuple[nn.Module | None, ...]:
+        """The linears and norms step_operands reads, looked up in the modules' own tables (a step asks per layer)."""
+        layer = self._modules
+        attn, mlp = layer["self_attn"]._modules, layer["mlp"]._modules
+        return (
+            attn["qkv_proj"],
+            attn["o_proj"],
+            mlp["gate_up_proj"],
+            mlp["down_proj"],
+            layer["input_layernorm"],
+            layer["post_attention_layernorm"],
+            attn.get("q_norm"),
+            attn.get("k_norm"),
+        )
+
+    def step_operands(self) -> LayerOperands | None:
+        """The layer's operands for the CPU step ops (kernels.step), or None where they do not compute it: a linear
+        outside the extension's products (dense, on another device), a norm weight not float32 on the CPU, or an
+        extension without the step ops. Read once and kept while the same modules are in place."""
+        modules = self._modules_read()
+        if modules != self._operands_of:
+            self._operands, self._operands_of = self._read_operands(modules), modules
+        return self._operands
+
+    def _read_operands(self, modules: tuple[nn.Module, ...]) -> LayerOperands | None:
+        qkv, o_proj, gate_up, down, input_norm, post_norm, q_norm, k_norm = modules
+        projections = [projection_of(module) for module in (qkv, o_proj, gate_up, down)]
+        norms = [norm.weight for norm in (input_norm, post_norm, q_norm, k_norm) if norm is not None]
+        cpu_float32 = all(w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() for w in norms)
+        if None in projections or not cpu_float32 or not step_ops_available():
+            return None
+        return LayerOperands(
+            modules,
+            self.self_attn,
+            input_norm.weight,
+            input_norm.eps,
+            projections[0],
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            projections[1],
+            post_norm.weight,
+            post_norm.eps,
+            projections[2],
+            projections[3],
+        )
+
+    def _apply(self, fn, recurse=True):
+        self._operands_of = ()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._operands_of = ()
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def forward(
         self,
@@ -340,12 +436,36 @@ class DecoderLayer(nn.Module):
         pass over it (offload/weights.py streams the layer's weights in one).
         """
         if chunk is None:
+            on_step_ops = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            operands = self.step_operands() if on_step_ops and not cache.static_step else None
+            if operands is not None:
+                return self.step_forward(x, rotation, cache, operands)
             x = x + self.self_attn(self.input_layernorm(x), rotation, cache)
             return x + self.mlp(self.post_attention_layernorm(x))
         for first in range(0, x.shape[0], chunk):
             rows = slice(first, first + chunk)
             x[rows] = self.forward(x[rows], rotation[rows], cache)
         return x
+
+    def step_forward(
+        self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache | LayerwiseWrite, operands: LayerOperands
+    ) -> torch.Tensor:
+        """forward() of one eager forward on the CPU in float32 through the CPU step ops (kernels.step): the layer's
+        first half in one call, the cache's update, attention, the second half in one call."""
+        attn = operands.attention
+        q, k, v = attention_input(
+            x, operands.input_norm, operands.input_eps, operands.qkv, rotation, attn.num_heads, attn.num_kv_heads,
+            operands.q_norm, operands.k_norm,
+        )  # fmt: skip
+        keys, values = cache.update(attn.layer, q, k, v)  # (Hkv, L, D)
+        window = attn.window if cache.slots_are_positions else None
+        if keys.dtype == torch.float16 and attn.backend in (None, "cpu"):  # what attention() runs for these
+            out = cache_attention(q, keys, values, attn.scale, cache.origin, window)
+        else:
+            out = attention(q, keys, values, attn.scale, attn.backend, window, cache.origin)  # (Hq, T, D)
+        return layer_output(
+            x, out, operands.o_proj, operands.post_norm, operands.post_eps, operands.gate_up, operands.down
+        )
 
 
 class Backbone(nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 
 from triforce_cli.kernels import pack_tiles, pad_bias, tiled_linear, tiled_linear_available, unpack_tiles
 from triforce_cli.kernels.linear import LANES
+from triforce_cli.kernels.step import Projection
 from triforce_cli.runtime.model import Transformer
 
 
@@ -47,6 +48,12 @@ class TiledLinear(nn.Module):
             return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
         bias = None if self.bias is None else self.bias[: self.out_features].to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype), bias)
+
+    def projection(self) -> Projection | None:
+        """The tiles and bias as the CPU step ops take them (kernels.step), None off the CPU."""
+        if self.tiles.device.type != "cpu":
+            return None
+        return Projection([self.tiles, None, self.bias], [self.out_features])
 
 
 def tiled_weights_apply(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,0 +1,363 @@
+// The small ops of a decoder layer on float32 activations (RMSNorm, RoPE, SiLU(gate) * up, the residual adds), and
+// two ops that run a layer's halves around the cache write in one call each, so that a decode step makes a handful
+// of calls per layer instead of dozens of torch ops (kernels/step.py, runtime/model.py's DecoderLayer):
+//   attention_input: RMSNorm, the fused q/k/v projection, (Qwen3: an RMSNorm over each query and key head) and RoPE
+//     -> q (Hq, T, D), k, v (Hkv, T, D) float32, for the cache's update;
+//   layer_output: the attention output's projection and residual add, RMSNorm, the fused gate/up projection,
+//     SiLU(gate) * up, the down projection and residual add -> the layer's output (T, C).
+// The projections run the extension's own products (blocks_linear, dense_linear: gguf_blocks.cpp, dense_linear.cpp)
+// through the dispatcher; a projection given in parts (GGUF blocks of different kinds) runs each and puts their
+// outputs side by side.
+//
+// Every op computes each row in one order of arithmetic whatever the number of rows T and the number of threads (the
+// threads split rows, or rows x heads, and never a row's reduction), so that a position gets the same bits in a
+// decode step, a verification and a prefill chunk:
+// - RMSNorm: the sum of squares of a row (AVX-512: 16 lanes, AVX2: 8 lanes, each an FMA chain over the row, the tail
+//   read masked into the same lanes, then the lanes summed in a fixed order; plain: one sum in order), then
+//   r = 1 / sqrt(sum / n + eps) and out = (x * r) * w, one rounding each;
+// - RoPE (Llama's half-split layout, as runtime/model.py's rotate): out_i = x_0 * R[i][0] + x_1 * R[i][1] for the
+//   rotation R = [[cos, -sin], [sin, cos]], two rounded products and their sum;
+// - SiLU(g) * u = (g / (1 + exp(-g))) * u, exp that of vector_exp.h (the plain body: its steps in scalar code);
+// - the residual adds: one rounding each.
+// Each ISA body (isa.h) has its order; elementwise steps give the same bits in every body, the sums of squares and
+// exp may differ between bodies (never within one).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "isa.h"
+#include "vector_exp.h"
+
+namespace {
+
+using triforce_cpu::chosen_isa;
+using triforce_cpu::Isa;
+using triforce_cpu::kExpHigh;
+using triforce_cpu::kExpLow;
+using triforce_cpu::kExpPoly;
+using triforce_cpu::kLn2High;
+using triforce_cpu::kLn2Low;
+using triforce_cpu::kLog2e;
+
+constexpr int64_t kParallelElements = 32768;  // elements a thread takes at least: a decode step's rows stay on one
+
+int64_t grain_for(int64_t elements_per_unit) {
+  return std::max<int64_t>(1, kParallelElements / std::max<int64_t>(1, elements_per_unit));
+}
+
+// ---- sums of squares, one order per body
+
+float squares_plain(const float* x, int64_t n) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
+__attribute__((target("avx512f"))) float squares_avx512(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  // lanes summed pairwise in a fixed order: 8 + 8, 4 + 4, 2 + 2, 1 + 1
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(four, _mm_shuffle_ps(four, four, 1)));
+}
+
+__attribute__((target("avx2,fma"))) __m256i tail_mask8(int64_t count) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(count, 8))), lanes);
+}
+
+__attribute__((target("avx2,fma"))) float squares_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = n - i >= 8 ? _mm256_loadu_ps(x + i) : _mm256_maskload_ps(x + i, tail_mask8(n - i));
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(four, _mm_shuffle_ps(four, four, 1)));
+}
+
+float squares(const float* x, int64_t n) {
+  switch (chosen_isa()) {
+    case Isa::avx512: return squares_avx512(x, n);
+    case Isa::avx2: return squares_avx2(x, n);
+    default: return squares_plain(x, n);
+  }
+}
+
+// out (n) = RMSNorm of the row x (n) scaled by w (n); out may be x.
+void rms_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+  const float scale = 1.0f / std::sqrt(squares(x, n) / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * scale) * w[i];
+}
+
+// ---- SiLU(gate) * up, one body per ISA
+
+// exp's steps of vector_exp.h in scalar code
+float exp_plain(float x) {
+  const float clamped = std::max(std::min(x, kExpHigh), kExpLow);
+  const float n = std::nearbyint(clamped * kLog2e);
+  const float r = std::fma(-n, kLn2Low, std::fma(-n, kLn2High, clamped));
+  float p = std::fma(kExpPoly[0], r, kExpPoly[1]);
+  p = std::fma(p, r, kExpPoly[2]);
+  p = std::fma(p, r, kExpPoly[3]);
+  p = std::fma(p, r, kExpPoly[4]);
+  p = std::fma(p, r, kExpPoly[5]);
+  p = std::fma(p, r * r, r + 1.0f);
+  return x < kExpLow ? 0.0f : std::ldexp(p, int(n));
+}
+
+void silu_mul_plain(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = (gate[i] / (1.0f + exp_plain(-gate[i]))) * up[i];
+}
+
+__attribute__((target("avx512f"))) void silu_mul_avx512(const float* gate, const float* up, int64_t n, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
+    const __m512 e = triforce_cpu::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(out + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
+  }
+}
+
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* gate, const float* up, int64_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i mask = tail_mask8(n - i);
+    const __m256 g = _mm256_maskload_ps(gate + i, mask);
+    const __m256 e = triforce_cpu::exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    _mm256_maskstore_ps(out + i, mask, _mm256_mul_ps(silu, _mm256_maskload_ps(up + i, mask)));
+  }
+}
+
+void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
+  switch (chosen_isa()) {
+    case Isa::avx512: return silu_mul_avx512(gate, up, n, out);
+    case Isa::avx2: return silu_mul_avx2(gate, up, n, out);
+    default: return silu_mul_plain(gate, up, n, out);
+  }
+}
+
+// ---- checks and the ops on whole tensors
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat, name,
+              ": a float32 CPU tensor (rows, features)");
+}
+
+void check_weight(const at::Tensor& w, int64_t n, const char* name) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
+                  w.is_contiguous(),
+              name, ": a contiguous float32 CPU tensor of ", n, " values");
+}
+
+// x (T, C) -> (T, C): each row's RMSNorm scaled by weight (C,).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_weight(weight, x.size(1), "weight");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1);
+  at::Tensor out = at::empty_like(xc);
+  const float *in = xc.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rms_row(in + t * n, w, float(eps), n, o + t * n);
+  });
+  return out;
+}
+
+// gate_up (T, 2I), each row [gate | up] -> (T, I): SiLU(gate) * up.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns, gate then up");
+  const at::Tensor gu = gate_up.contiguous();
+  const int64_t rows = gu.size(0), width = gu.size(1), n = width / 2;
+  at::Tensor out = at::empty({rows, n}, gu.options());
+  const float* in = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_for(width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(in + t * width, in + t * width + n, n, o + t * n);
+  });
+  return out;
+}
+
+// qkv (T, H * D), each row's heads [q heads | k heads | v heads] -> (H, T, D): the first `rotated` heads rotated by
+// rotation (T, 2, 2, D/2), the rest copied; with q_norm (D,) and k_norm (D,), the first q_heads heads normalised by
+// q_norm and the next rotated - q_heads by k_norm before their rotation.
+at::Tensor rotary_heads(const at::Tensor& qkv, const at::Tensor& rotation, int64_t heads, int64_t rotated,
+                        int64_t q_heads, const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm, double eps) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(heads >= 1 && qkv.size(1) % heads == 0 && 0 <= q_heads && q_heads <= rotated && rotated <= heads,
+              "qkv: heads of one width, q_heads <= rotated <= heads");
+  const int64_t rows = qkv.size(0), dim = qkv.size(1) / heads, half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0, "qkv: an even head dim");
+  TORCH_CHECK(rotation.device().is_cpu() && rotation.scalar_type() == at::kFloat && rotation.dim() == 4 &&
+                  rotation.size(0) == rows && rotation.size(1) == 2 && rotation.size(2) == 2 &&
+                  rotation.size(3) == half,
+              "rotation: float32 (T, 2, 2, D/2)");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm, k_norm: both or neither");
+  if (q_norm.has_value()) {
+    check_weight(*q_norm, dim, "q_norm");
+    check_weight(*k_norm, dim, "k_norm");
+  }
+  const at::Tensor xc = qkv.contiguous(), rc = rotation.contiguous();
+  at::Tensor out = at::empty({heads, rows, dim}, xc.options());
+  const float *in = xc.data_ptr<float>(), *rot = rc.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  const float epsilon = float(eps);
+  at::parallel_for(0, rows * heads, grain_for(dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(qn ? dim : 0);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t t = unit / heads, h = unit % heads;
+      const float* x = in + (t * heads + h) * dim;
+      float* y = o + (h * rows + t) * dim;
+      if (h >= rotated) {
+        std::copy(x, x + dim, y);
+        continue;
+      }
+      if (qn) {
+        rms_row(x, h < q_heads ? qn : kn, epsilon, dim, normed.data());
+        x = normed.data();
+      }
+      const float* r = rot + t * 2 * dim;  // [R00 | R01 | R10 | R11], D/2 each
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = x[i], x1 = x[half + i];
+        y[i] = x0 * r[i] + x1 * r[half + i];
+        y[half + i] = x0 * r[2 * half + i] + x1 * r[3 * half + i];
+      }
+    }
+  });
+  return out;
+}
+
+// a (T, C) += b (T, C), a contiguous: a = b + a elementwise, one rounding each.
+void add_into(at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor bc = b.contiguous();
+  float* out = a.data_ptr<float>();
+  const float* in = bc.data_ptr<float>();
+  const int64_t n = a.numel();
+  at::parallel_for(0, n, kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = in[i] + out[i];
+  });
+}
+
+// ---- projections through the extension's products
+
+using BlocksSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&);
+using DenseSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+
+const c10::TypedOperatorHandle<BlocksSignature>& blocks_linear_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("triforce_cpu::blocks_linear", "").typed<BlocksSignature>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<DenseSignature>& dense_linear_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("triforce_cpu::dense_linear", "").typed<DenseSignature>();
+  return op;
+}
+
+// x (T, K) -> (T, sum of features): the projection given as parts, three operands each (kernels/step.py's
+// linear_operands): GGUF blocks (q, d, m or None) or tiles (tiles, None, bias or None), each part's first
+// features[p] outputs side by side. Contiguous, and a tensor of its own.
+at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& parts, at::IntArrayRef features) {
+  TORCH_CHECK(!features.empty() && parts.size() == 3 * features.size(),
+              "a projection: three operands for each of its parts");
+  std::vector<at::Tensor> outs;
+  for (size_t p = 0; p < features.size(); ++p) {
+    const std::optional<at::Tensor> first = parts.get(3 * p), second = parts.get(3 * p + 1),
+                                    third = parts.get(3 * p + 2);
+    TORCH_CHECK(first.has_value(), "a projection's part: its weight first");
+    at::Tensor out;
+    if (first->dim() == 4) {
+      TORCH_CHECK(second.has_value(), "GGUF blocks: q, d and m or None");
+      out = blocks_linear_op().call(x, *first, *second, third);
+    } else {
+      out = dense_linear_op().call(x, *first, third);
+    }
+    TORCH_CHECK(features[p] <= out.size(1), "a projection's part: at most its padded outputs");
+    outs.push_back(out.size(1) == features[p] ? out : out.narrow(1, 0, features[p]));
+  }
+  if (outs.size() == 1) return outs[0].is_contiguous() ? outs[0] : outs[0].contiguous();
+  return at::cat(outs, 1);
+}
+
+// The first half of a decoder layer: x (T, C) -> q (Hq, T, D), k, v (Hkv, T, D) float32, see the top of the file.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_input(
+    const at::Tensor& x, const at::Tensor& norm_weight, double eps, const c10::List<std::optional<at::Tensor>>& qkv,
+    at::IntArrayRef qkv_features, const at::Tensor& rotation, int64_t q_heads, int64_t kv_heads,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm) {
+  const at::Tensor projected = project(rms_norm(x, norm_weight, eps), qkv, qkv_features);  // (T, (Hq + 2 Hkv) D)
+  const int64_t heads = q_heads + 2 * kv_heads;
+  const at::Tensor out = rotary_heads(projected, rotation, heads, q_heads + kv_heads, q_heads, q_norm, k_norm, eps);
+  return {out.narrow(0, 0, q_heads), out.narrow(0, q_heads, kv_heads), out.narrow(0, q_heads + kv_heads, kv_heads)};
+}
+
+// The second half: x (T, C) and the attention output attended (Hq, T, D) -> the layer's output (T, C).
+at::Tensor layer_output(const at::Tensor& x, const at::Tensor& attended,
+                        const c10::List<std::optional<at::Tensor>>& o_proj, at::IntArrayRef o_features,
+                        const at::Tensor& norm_weight, double eps, const c10::List<std::optional<at::Tensor>>& gate_up,
+                        at::IntArrayRef gate_up_features, const c10::List<std::optional<at::Tensor>>& down,
+                        at::IntArrayRef down_features) {
+  check_rows(x, "x");
+  TORCH_CHECK(attended.dim() == 3 && attended.size(1) == x.size(0), "attended: (Hq, T, D) for x's T rows");
+  const at::Tensor heads = attended.transpose(0, 1).reshape({x.size(0), -1});  // (T, Hq D)
+  at::Tensor mixed = project(heads, o_proj, o_features);                       // (T, C)
+  TORCH_CHECK(mixed.sizes() == x.sizes(), "o_proj: x's width");
+  add_into(mixed, x);
+  at::Tensor out = project(silu_mul(project(rms_norm(mixed, norm_weight, eps), gate_up, gate_up_features)), down,
+                           down_features);
+  TORCH_CHECK(out.sizes() == x.sizes(), "down: x's width");
+  add_into(out, mixed);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  lib.def("silu_mul(Tensor gate_up) -> Tensor");
+  lib.def(
+      "rotary_heads(Tensor qkv, Tensor rotation, int heads, int rotated, int q_heads, Tensor? q_norm, "
+      "Tensor? k_norm, float eps) -> Tensor");
+  lib.def(
+      "attention_input(Tensor x, Tensor norm_weight, float eps, Tensor?[] qkv, int[] qkv_features, "
+      "Tensor rotation, int q_heads, int kv_heads, Tensor? q_norm, Tensor? k_norm) -> (Tensor, Tensor, Tensor)");
+  lib.def(
+      "layer_output(Tensor x, Tensor attended, Tensor?[] o_proj, int[] o_features, Tensor norm_weight, float eps, "
+      "Tensor?[] gate_up, int[] gate_up_features, Tensor?[] down, int[] down_features) -> Tensor");
+}
+
+// CPU kernels, so that each op is one dispatch whatever it calls inside
+TORCH_LIBRARY_IMPL(triforce_cpu, CPU, lib) {
+  lib.impl("rms_norm", &rms_norm);
+  lib.impl("silu_mul", &silu_mul);
+  lib.impl("rotary_heads", &rotary_heads);
+  lib.impl("attention_input", &attention_input);
+  lib.impl("layer_output", &layer_output);
+}

@@ -1,0 +1,159 @@
+"""A decoder layer's ops on the CPU's float32 activations in the extension (csrc/step_ops.cpp): RMSNorm, RoPE,
+SiLU(gate) * up, and a layer's two halves around the cache write in one call each (attention_input, layer_output).
+
+A decode step of a float32 model with tiled or GGUF linears (runtime/model.py's DecoderLayer) then makes a few calls
+per layer, where torch's ops made dozens, each with its fixed cost: the norms' pow/mean/rsqrt/multiplies, RoPE's
+products and sum, the slices, the SiLU and its product, the residual adds. Each op computes a row in one order of
+arithmetic whatever rows come with it and however many threads run, as the products and the attention kernel do,
+so a position keeps the same bits in a decode step, a verification and a prefill chunk. The bits may differ from
+torch's (its norm's and SiLU's vectorised reductions and exp): every position of the path is computed by these.
+
+A projection is handed over as its operands (Projection): for each part (one, but for GGUF blocks of different kinds
+side by side) three tensors, GGUF blocks (q, d, m or None: kernels.gguf.PackedBlocks) or tiles (tiles, None, bias
+or None: kernels.linear.pack_tiles, pad_bias), and the part's own output features.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A linear's operands for the step ops: operands, three per part; features, each part's outputs."""
+
+    operands: list[torch.Tensor | None]
+    features: list[int]
+
+    @staticmethod
+    def side_by_side(parts: "list[Projection]") -> "Projection":
+        """One projection computing parts' outputs side by side."""
+        return Projection([t for part in parts for t in part.operands], [n for part in parts for n in part.features])
+
+
+def step_ops_available() -> bool:
+    """Whether the extension holding these ops is loaded (kernels.native.load_native)."""
+    return hasattr(torch.ops.triforce_cpu, "layer_output")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of x (T, C) float32 divided by its root mean square (plus eps under the root), times weight (C,)."""
+    return torch.ops.triforce_cpu.rms_norm(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) float32, each row [gate | up] -> SiLU(gate) * up (T, I)."""
+    return torch.ops.triforce_cpu.silu_mul(gate_up)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_heads(
+    qkv: torch.Tensor,
+    rotation: torch.Tensor,
+    heads: int,
+    rotated: int,
+    q_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """The heads of qkv laid out head-major, the first rotated ones by RoPE.
+
+    Args:
+        qkv: (T, H * D) float32, each row the heads side by side (queries, keys, values).
+        rotation: (T, 2, 2, D/2) float32, [[cos, -sin], [sin, cos]] per row (Transformer.rotary).
+        heads: H.
+        rotated: the first heads to rotate (queries and keys).
+        q_heads: the first of them normalised by q_norm, the rest of the rotated ones by k_norm (Qwen3), if given.
+        q_norm, k_norm: (D,) RMSNorm weights, or None (both or neither).
+        eps: the norms' epsilon.
+    Returns:
+        (H, T, D) float32, contiguous.
+    """
+    return torch.ops.triforce_cpu.rotary_heads(qkv, rotation, heads, rotated, q_heads, q_norm, k_norm, eps)
+
+
+def rotary_heads_reference(
+    qkv: torch.Tensor,
+    rotation: torch.Tensor,
+    heads: int,
+    rotated: int,
+    q_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """Plain torch: the rotation as runtime/model.py's rotate computes it, half i = sum over j of x_j * R[i][j]."""
+    split = qkv.view(qkv.shape[0], heads, -1).transpose(0, 1)  # (H, T, D)
+    front = split[:rotated]
+    if q_norm is not None:
+        front = torch.cat(
+            [rms_norm_reference(front[:q_heads], q_norm, eps), rms_norm_reference(front[q_heads:], k_norm, eps)]
+        )
+    halves = front.unflatten(-1, (1, 2, front.shape[-1] // 2))  # (rotated, T, 1, 2, D/2)
+    turned = (halves * rotation).sum(dim=-2).flatten(-2)  # (rotated, T, D)
+    return torch.cat([turned, split[rotated:]])
+
+
+def attention_input(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv: Projection,
+    rotation: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's first half: x (T, C) float32 normed (norm_weight, eps), projected (qkv: queries, keys, values
+    stacked), queries and keys rotated by rotation (T, 2, 2, D/2), each head normed first where q_norm and k_norm
+    (Qwen3) are given.
+
+    Returns:
+        q (Hq, T, D), k and v (Hkv, T, D), float32, each contiguous.
+    """
+    return torch.ops.triforce_cpu.attention_input(
+        x, norm_weight, eps, qkv.operands, qkv.features, rotation, q_heads, kv_heads, q_norm, k_norm
+    )
+
+
+def layer_output(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o_proj: Projection,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up: Projection,
+    down: Projection,
+) -> torch.Tensor:
+    """A layer's second half: h = x + o_proj(attended as (T, Hq * D)), then h + down(SiLU(gate) * up) for gate, up
+    = gate_up(RMSNorm(h)) (norm_weight, eps).
+
+    Args:
+        x: (T, C) float32, the layer's input.
+        attended: (Hq, T, D) float32, the attention output.
+    Returns:
+        (T, C) float32.
+    """
+    return torch.ops.triforce_cpu.layer_output(
+        x,
+        attended,
+        o_proj.operands,
+        o_proj.features,
+        norm_weight,
+        eps,
+        gate_up.operands,
+        gate_up.features,
+        down.operands,
+        down.features,
+    )

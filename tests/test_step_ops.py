@@ -1,0 +1,281 @@
+"""The CPU step ops (kernels.step, csrc/step_ops.cpp): RMSNorm, RoPE, SiLU(gate) * up and a decoder layer's two
+halves in one call each.
+
+Each body the CPU can run must give torch's result to float32 rounding, and a row's result must be the same bits
+in a batch of any size, wherever the batch starts, on 1 thread or 2 (the numeric contract, issue 46). A model with
+tiled or GGUF linears on the CPU runs its eager forwards through them, with a handful of dispatches per layer.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from helpers import ROWS, assert_rows_alone, make_model, tiled
+from torch.utils._python_dispatch import TorchDispatchMode
+from triforce_cli.cache import FullCache
+from triforce_cli.kernels import pack_tiles, pad_bias
+from triforce_cli.kernels.gguf import LANES, PackedBlocks, blocks_linear
+from triforce_cli.kernels.linear import tiled_linear
+from triforce_cli.kernels.step import (
+    Projection,
+    attention_input,
+    layer_output,
+    rms_norm,
+    rms_norm_reference,
+    rotary_heads,
+    rotary_heads_reference,
+    silu_mul,
+    silu_mul_reference,
+)
+
+from triforce_cli.runtime.model import DecoderLayer
+from triforce_cli.runtime.native import kernel_error
+
+KERNEL_ERROR = kernel_error()
+
+pytestmark = pytest.mark.skipif(KERNEL_ERROR is not None, reason=f"no CPU kernels here: {KERNEL_ERROR}")
+
+EPS = 1e-5
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("hidden", [8, 20, 64, 100, 576])  # under a vector, tails of 16 and 8 lanes, whole vectors
+def test_rms_norm_is_torchs_to_float32_rounding(body, hidden):
+    x = torch.randn(7, hidden, generator=generator(hidden)) * 3
+    weight = torch.randn(hidden, generator=generator(hidden + 1))
+    torch.testing.assert_close(rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("hidden", [20, 576])
+def test_a_row_of_rms_norm_is_the_same_bits_in_any_batch(body, hidden):
+    x = torch.randn(ROWS, hidden, generator=generator(hidden)) * 3
+    weight = torch.randn(hidden, generator=generator(hidden + 1))
+    assert_rows_alone(lambda rows: rms_norm(rows, weight, EPS), x, seed=hidden)
+
+
+@pytest.mark.parametrize("width", [6, 26, 1536])  # gate and up of 3, 13 and 768: tails of 16 and 8 lanes
+def test_the_gated_product_is_torchs_to_float32_rounding(body, width):
+    gate_up = torch.randn(9, 2 * width, generator=generator(width)) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamped ends
+    torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up), rtol=2e-6, atol=1e-6)
+
+
+def test_a_row_of_the_gated_product_is_the_same_bits_in_any_batch(body):
+    gate_up = torch.randn(ROWS, 2 * 1000, generator=generator(3)) * 4
+    assert_rows_alone(silu_mul, gate_up, seed=3)
+
+
+ROTARY_SHAPES = [(15, 12, 9, 64), (8, 6, 4, 8), (4, 3, 2, 128)]  # (H, rotated, q heads, D)
+
+
+@pytest.mark.parametrize(("heads", "rotated", "q_heads", "dim"), ROTARY_SHAPES)
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "qk-norm"])
+def test_rotary_heads_are_the_models_rotation(body, heads, rotated, q_heads, dim, normed):
+    g = generator(dim)
+    qkv = torch.randn(11, heads * dim, generator=g)
+    rotation = torch.randn(11, 2, 2, dim // 2, generator=g)
+    norms = (torch.randn(dim, generator=g), torch.randn(dim, generator=g)) if normed else (None, None)
+    out = rotary_heads(qkv, rotation, heads, rotated, q_heads, *norms, EPS)
+    expected = rotary_heads_reference(qkv, rotation, heads, rotated, q_heads, *norms, EPS)
+    assert out.shape == (heads, 11, dim) and out.is_contiguous()
+    if normed:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(out, expected)  # two rounded products and their sum, as the model's rotate
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "qk-norm"])
+def test_a_row_of_rotary_heads_is_the_same_bits_in_any_batch(body, normed):
+    heads, rotated, q_heads, dim = ROTARY_SHAPES[0]
+    g = generator(5)
+    qkv = torch.randn(ROWS, heads * dim, generator=g)
+    rotation = torch.randn(ROWS, 2, 2, dim // 2, generator=g)
+    norms = (torch.randn(dim, generator=g), torch.randn(dim, generator=g)) if normed else (None, None)
+    rows = torch.cat([qkv, rotation.flatten(1)], dim=1)  # one tensor, so that a batch is one slice of it
+
+    def rotated_rows(batch: torch.Tensor) -> torch.Tensor:
+        at = batch[:, : heads * dim], batch[:, heads * dim :].reshape(-1, 2, 2, dim // 2)
+        return rotary_heads(*at, heads, rotated, q_heads, *norms, EPS).transpose(0, 1)  # (T, H, D)
+
+    assert_rows_alone(rotated_rows, rows, seed=6)
+
+
+def tiles_projection(out_features: int, in_features: int, seed: int, dtype=torch.float32, bias=False) -> Projection:
+    g = generator(seed)
+    tiles = pack_tiles(torch.randn(out_features, in_features, generator=g) / in_features**0.5, dtype)
+    padded = pad_bias(torch.randn(out_features, generator=g) if bias else None, tiles)
+    return Projection([tiles, None, padded], [out_features])
+
+
+def blocks_projection(out_features: int, in_features: int, seed: int) -> Projection:
+    """Random 4-bit blocks with minimums (as Q4_1 holds them): out_features a multiple of 16."""
+    g = generator(seed)
+    tiles, blocks = out_features // LANES, in_features // 32
+    q = torch.randint(0, 256, (tiles, blocks, 16, LANES), generator=g, dtype=torch.uint8)
+    d = torch.rand(tiles, blocks, LANES, generator=g) * 0.02
+    m = -8 * d
+    return Projection([q, d, m], [out_features])
+
+
+def reference_projection(x: torch.Tensor, projection: Projection) -> torch.Tensor:
+    """The parts' products by the extension's own ops (kernels.tiled_linear, kernels.gguf.blocks_linear)."""
+    outs = []
+    for part, features in enumerate(projection.features):
+        first, second, third = projection.operands[3 * part : 3 * part + 3]
+        if first.dim() == 4:
+            outs.append(blocks_linear(x, PackedBlocks(first, second, third, features)))
+        else:
+            outs.append(tiled_linear(x, first, third, features))
+    return torch.cat(outs, dim=-1)
+
+
+LAYER = {"hidden": 64, "q_heads": 4, "kv_heads": 2, "dim": 16, "intermediate": 96}
+
+
+def layer_projections(kind: str) -> dict[str, Projection]:
+    """A layer's projections: float32 tiles with biases; float16 tiles; GGUF blocks; or parts side by side (tiles
+    whose features are no multiple of 16, and blocks)."""
+    c, hq, hkv, d, i = (LAYER[key] for key in ("hidden", "q_heads", "kv_heads", "dim", "intermediate"))
+    shapes = {"qkv": ((hq + 2 * hkv) * d, c), "o_proj": (c, hq * d), "gate_up": (2 * i, c), "down": (c, i)}
+    projections = {}
+    for seed, (name, (n, k)) in enumerate(shapes.items()):
+        if kind == "float32":
+            projections[name] = tiles_projection(n, k, seed, bias=True)
+        elif kind == "float16":
+            projections[name] = tiles_projection(n, k, seed, torch.float16)
+        elif kind == "blocks":
+            projections[name] = blocks_projection(n, k, seed)
+        else:
+            parts = [tiles_projection(n - 40, k, seed), blocks_projection(32, k, seed), tiles_projection(8, k, seed)]
+            projections[name] = Projection.side_by_side(parts)
+    return projections
+
+
+def layer_inputs(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = generator(seed)
+    x = torch.randn(rows, LAYER["hidden"], generator=g)
+    rotation = torch.randn(rows, 2, 2, LAYER["dim"] // 2, generator=g)
+    attended = torch.randn(LAYER["q_heads"], rows, LAYER["dim"], generator=g)
+    return x, rotation, attended
+
+
+def norm_weights(seed: int) -> tuple[torch.Tensor, ...]:
+    g = generator(seed)
+    return (
+        torch.randn(LAYER["hidden"], generator=g),
+        torch.randn(LAYER["dim"], generator=g),
+        torch.randn(LAYER["dim"], generator=g),
+    )
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "blocks", "parts"])
+def test_a_layers_halves_are_their_ops_one_after_the_other(body, kind):
+    """attention_input and layer_output compute what the ops they chain compute, bit for bit."""
+    projections = layer_projections(kind)
+    norm, q_norm, k_norm = norm_weights(1)
+    x, rotation, attended = layer_inputs(9, seed=2)
+    hq, hkv = LAYER["q_heads"], LAYER["kv_heads"]
+    for norms in ((None, None), (q_norm, k_norm)):
+        q, k, v = attention_input(x, norm, EPS, projections["qkv"], rotation, hq, hkv, *norms)
+        projected = reference_projection(rms_norm(x, norm, EPS), projections["qkv"])
+        heads = rotary_heads(projected, rotation, hq + 2 * hkv, hq + hkv, hq, *norms, EPS)
+        assert torch.equal(torch.cat([q, k, v]), heads)
+    out = layer_output(x, attended, projections["o_proj"], norm, EPS, projections["gate_up"], projections["down"])
+    mixed = x + reference_projection(attended.transpose(0, 1).reshape(9, -1), projections["o_proj"])
+    gated = silu_mul(reference_projection(rms_norm(mixed, norm, EPS), projections["gate_up"]))
+    assert torch.equal(out, mixed + reference_projection(gated, projections["down"]))
+
+
+@pytest.mark.parametrize("kind", ["float32", "blocks", "parts"])
+def test_a_row_of_a_layers_halves_is_the_same_bits_in_any_batch(body, kind):
+    projections = layer_projections(kind)
+    norm, q_norm, k_norm = norm_weights(3)
+    x, rotation, attended = layer_inputs(ROWS, seed=4)
+    hq, hkv, d = LAYER["q_heads"], LAYER["kv_heads"], LAYER["dim"]
+    c = x.shape[1]
+    packed = torch.cat([x, rotation.flatten(1), attended.transpose(0, 1).flatten(1)], dim=1)  # (T, ...) one tensor
+
+    def first_half(batch: torch.Tensor) -> torch.Tensor:
+        at = batch[:, :c], batch[:, c : c + 2 * d].reshape(-1, 2, 2, d // 2)
+        q, k, v = attention_input(at[0], norm, EPS, projections["qkv"], at[1], hq, hkv, q_norm, k_norm)
+        return torch.cat([q, k, v]).transpose(0, 1)  # (T, H, D)
+
+    def second_half(batch: torch.Tensor) -> torch.Tensor:
+        heads = batch[:, c + 2 * d :].reshape(-1, hq, d).transpose(0, 1)  # (Hq, T, D)
+        return layer_output(batch[:, :c], heads, projections["o_proj"], norm, EPS, projections["gate_up"],
+                            projections["down"])  # fmt: skip
+
+    assert_rows_alone(first_half, packed, seed=5)
+    assert_rows_alone(second_half, packed, seed=6)
+
+
+def test_a_wrong_input_is_one_clear_error():
+    with pytest.raises(RuntimeError, match="weight"):
+        rms_norm(torch.randn(2, 8), torch.randn(7), EPS)
+    with pytest.raises(RuntimeError, match="even"):
+        silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="rotation"):
+        rotary_heads(torch.randn(2, 32), torch.randn(2, 2, 2, 3), 4, 2, 1)
+    with pytest.raises(RuntimeError, match="three operands"):
+        layer_output(torch.randn(1, 64), torch.randn(4, 1, 16), Projection([], [64]), torch.randn(64), EPS,
+                     Projection([], [64]), Projection([], [64]))  # fmt: skip
+
+
+class Dispatches(TorchDispatchMode):
+    """Counts every op dispatched to torch (a custom op is one, whatever it calls inside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_dispatches(num_layers: int) -> Counter:
+    """The dispatches of one 1-token eager step of a tiny tiled model (a float32 model on the CPU as the loader
+    builds it) after a 10-token prefill, on a float16 full cache."""
+    model = tiled(make_model(seed=4, num_layers=num_layers).loaded).model
+    cfg = model.config
+    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, torch.float16)
+    tokens = torch.arange(11) % cfg.vocab_size
+    with torch.inference_mode():
+        model(tokens[:10], 0, cache)
+        with Dispatches() as counted:
+            model(tokens[10:], 10, cache)
+    return counted.ops
+
+
+def test_a_decode_step_makes_a_few_dispatches_per_layer():
+    """Per layer: its two halves, the cache's write and views, the attention: 13, where torch's ops made 38."""
+    two, four = step_dispatches(2), step_dispatches(4)
+    per_layer = (sum(four.values()) - sum(two.values())) / 2
+    assert per_layer <= 16, f"{per_layer} dispatches per layer: {four - two}"
+    assert (four - two)["triforce_cpu.layer_output"] == 2
+
+
+def test_the_step_ops_give_the_models_logits(monkeypatch):
+    """A tiled model's forwards through the step ops and through torch's ops agree to float32 rounding; replacing a
+    linear by one outside the extension's products sends its layer back to torch's ops."""
+    model = tiled(make_model(seed=5, num_layers=2, tie_word_embeddings=False).loaded).model
+    cfg = model.config
+    tokens = torch.arange(40) % cfg.vocab_size
+
+    def logits() -> torch.Tensor:
+        cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 48, torch.float16)
+        with torch.inference_mode():
+            return torch.cat([model(tokens[:30], 0, cache, decoding=False), model(tokens[30:33], 30, cache),
+                              model(tokens[33:34], 33, cache)])  # fmt: skip
+
+    layer = model.model.layers[0]
+    assert layer.step_operands() is not None
+    fused = logits()
+    with monkeypatch.context() as patched:
+        patched.setattr(DecoderLayer, "step_operands", lambda self: None)
+        torch.testing.assert_close(fused, logits(), rtol=1e-5, atol=1e-5)
+    layer.mlp.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+    assert layer.step_operands() is None and model.model.layers[1].step_operands() is not None
