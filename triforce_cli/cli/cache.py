@@ -10,7 +10,8 @@ from rich.text import Text
 
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.decoding.prompt_state import PREFIX_INDEX
-from triforce_cli.decoding.tuning import remembered_tunings, tuning_folder
+from triforce_cli.decoding.tuning import remembered_tunings
+from triforce_cli.runtime.measurements import tuning_folder
 from triforce_cli.runtime.store import (
     LIMIT_VARIABLE,
     cache_limit,

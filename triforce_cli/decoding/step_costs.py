@@ -27,6 +27,7 @@ from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCach
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.speculation_length import StepCosts
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposer
+from triforce_cli.runtime.measurements import MACHINE_RATES_FILE, machine_key, tuning_folder
 from triforce_cli.runtime.model import Transformer, weight_bytes
 
 
@@ -53,9 +54,6 @@ NOMINAL = {
 def kept_rates() -> tuple[float, float] | None:
     """(read bandwidth, float32 FLOP/s) of this machine as plan/rates.py keeps them beside the measured set-ups, or
     None where none are kept for this machine (or the record cannot be read)."""
-    # imported here: decoding.tuning imports the engine, which imports this module
-    from triforce_cli.decoding.tuning import MACHINE_RATES_FILE, machine_key, tuning_folder
-
     try:
         kept = json.loads((tuning_folder() / MACHINE_RATES_FILE).read_text())
         if kept["machine"] == machine_key():

@@ -30,15 +30,14 @@ from triforce_cli.runtime.environment import (
     cpu_sample,
     load_average,
     others_share,
-    package_version,
     physical_cores,
 )
 from triforce_cli.runtime.forms import StepMode, WeightForm
 from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model, resolve_weights
+from triforce_cli.runtime.measurements import MACHINE_RATES_FILE, machine_key, tuning_folder
 from triforce_cli.runtime.native import kernel_error
-from triforce_cli.runtime.store import cache_root, content_identity, mark_used, remove, write_atomically
+from triforce_cli.runtime.store import content_identity, mark_used, remove, write_atomically
 
-MACHINE_RATES_FILE = "machine.json"  # plan.rates' record beside the measurements, not one of them
 TUNING_ENV = "TRIFORCE_TUNING"  # "off": no measurement, loading.resolve_weights' rule
 PROMPT_TOKENS = 512
 NEW_TOKENS = 8
@@ -114,16 +113,6 @@ def measured_conditions(measured: str, load: float | None, others_share: float |
 
 def tuning_enabled() -> bool:
     return os.environ.get(TUNING_ENV, "").lower() not in ("off", "0", "no")
-
-
-def tuning_folder() -> Path:
-    return cache_root() / "tuning"
-
-
-def machine_key() -> str:
-    """The machine part of what a measurement holds for: the CPU (model, features, cores), torch and this tool."""
-    cpu, features = cpu_description()
-    return f"{cpu}|{','.join(features)}|{os.cpu_count()}|{torch.__version__}|{package_version('triforce-cli')}"
 
 
 def checkpoint_files(checkpoint: Checkpoint) -> list[Path]:

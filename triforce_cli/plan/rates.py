@@ -13,13 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from triforce_cli.decoding.tuning import (
-    BUSY_SHARE,
-    MACHINE_RATES_FILE,
-    machine_key,
-    measured_conditions,
-    tuning_folder,
-)
+from triforce_cli.decoding.tuning import BUSY_SHARE, measured_conditions
 from triforce_cli.plan.measure import matmul_flops, read_bandwidth
 from triforce_cli.runtime.environment import (
     cpu_description,
@@ -30,6 +24,7 @@ from triforce_cli.runtime.environment import (
     torch_threads,
 )
 from triforce_cli.runtime.loading import StatusCallback
+from triforce_cli.runtime.measurements import MACHINE_RATES_FILE, machine_key, tuning_folder
 from triforce_cli.runtime.store import mark_used, write_atomically
 
 

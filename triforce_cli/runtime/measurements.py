@@ -1,0 +1,22 @@
+"""Where this machine's measurements are kept and what they hold for: the folder of the measured set-ups
+(decoding.tuning) and of the machine's rates (plan.rates), and the key naming the machine they were taken on."""
+
+import os
+from pathlib import Path
+
+import torch
+
+from triforce_cli.runtime.environment import cpu_description, package_version
+from triforce_cli.runtime.store import cache_root
+
+MACHINE_RATES_FILE = "machine.json"  # plan.rates' record beside the measured set-ups, not one of them
+
+
+def tuning_folder() -> Path:
+    return cache_root() / "tuning"
+
+
+def machine_key() -> str:
+    """The machine part of what a measurement holds for: the CPU (model, features, cores), torch and this tool."""
+    cpu, features = cpu_description()
+    return f"{cpu}|{','.join(features)}|{os.cpu_count()}|{torch.__version__}|{package_version('triforce-cli')}"
