@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+from triforce_cli.kernels.step import register_fake_kernels
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(
-    CSRC / name for name in ("gguf_blocks.cpp", "dense_linear.cpp", "cache_attention.cpp", "step_ops.cpp")
-)
+SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "dense_linear.cpp", "cache_attention.cpp", "step_ops.cpp"))
 HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h", "cache_attention_body.h"))  # included by SOURCES
 EXTENSION = "triforce_cpu"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # at::parallel_for runs on torch's OpenMP
@@ -85,6 +84,7 @@ def load_native(build_folder: Path) -> None:
         else:
             _failure.append(f"cannot build the CPU kernels ({reason}); a C++ compiler and ninja are needed")
         raise KernelUnavailable(_failure[0]) from None
+    register_fake_kernels()
 
 
 def _build(library: Path) -> None:

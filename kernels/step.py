@@ -157,3 +157,48 @@ def layer_output(
         down.operands,
         down.features,
     )
+
+
+def register_fake_kernels() -> None:
+    """Shapes and allocations of the step ops on fake tensors (torch's FakeTensorMode, as the memory tests use it):
+    each allocates its outputs and, for the two halves, the intermediates csrc/step_ops.cpp holds, at the same time
+    as it holds them. Called once the extension is loaded (kernels.native.load_native)."""
+    lib = torch.library
+
+    @lib.register_fake("triforce_cpu::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @lib.register_fake("triforce_cpu::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+    @lib.register_fake("triforce_cpu::rotary_heads")
+    def _(qkv, rotation, heads, rotated, q_heads, q_norm, k_norm, eps):
+        return qkv.new_empty((heads, qkv.shape[0], qkv.shape[1] // heads))
+
+    @lib.register_fake("triforce_cpu::attention_input")
+    def _(x, norm_weight, eps, qkv, qkv_features, rotation, q_heads, kv_heads, q_norm, k_norm):
+        rows, width = x.shape[0], sum(qkv_features)
+        normed = torch.empty_like(x)
+        projected = x.new_empty((rows, width))  # (T, (Hq + 2 Hkv) D), beside the normed rows
+        del normed
+        dim = width // (q_heads + 2 * kv_heads)
+        heads = [x.new_empty((count, rows, dim)) for count in (q_heads, kv_heads, kv_heads)]
+        del projected
+        return tuple(heads)
+
+    @lib.register_fake("triforce_cpu::layer_output")
+    def _(x, attended, o_proj, o_features, norm_weight, eps, gate_up, gate_up_features, down, down_features):
+        rows = x.shape[0]
+        heads = x.new_empty((rows, attended.shape[0] * attended.shape[2]))
+        mixed = torch.empty_like(x)
+        del heads
+        normed = torch.empty_like(x)
+        gates = x.new_empty((rows, sum(gate_up_features)))
+        del normed
+        activated = x.new_empty((rows, sum(gate_up_features) // 2))
+        del gates
+        out = torch.empty_like(x)
+        del activated, mixed
+        return out

@@ -233,7 +233,8 @@ def test_a_prefill_chunk_peaks_within_its_planned_activations(name, dtype, chunk
     """A prefill chunk after the first (chunk new keys after as many held) of a two-layer model of the shape, on fake
     host tensors with the 'sdpa' attention backend (CUDA's without flash-attn): what it allocates beyond the model
     and the cache peaks within prefill_activation_bytes, the plan's item, and at more than nine tenths of it (the
-    MLP's peak, for these shapes)."""
+    MLP's peak, for these shapes); a float32 model on the CPU runs the step ops (kernels/step.py), whose fused MLP
+    holds less, and peaks above its gate and up rows."""
     shape = MODELS[name].target
     hf_config = dataclasses.replace(shape, num_layers=2).llama_config()
     with fake_memory() as ledger:
@@ -249,7 +250,10 @@ def test_a_prefill_chunk_peaks_within_its_planned_activations(name, dtype, chunk
         model(tokens, chunk, cache, num_logits=1, decoding=False)
         peak = ledger.peak("cpu") - held
     planned = prefill_activation_bytes(shape, chunk, dtype.itemsize)
-    assert 0.9 * planned < peak <= planned
+    if dtype == torch.float32:  # the CPU's step ops: the MLP's gate and up rows are the largest tensor held
+        assert chunk * 2 * shape.intermediate_size * dtype.itemsize < peak <= planned
+    else:
+        assert 0.9 * planned < peak <= planned
 
 
 @pytest.mark.parametrize(("dtype", "kernel"), [(torch.bfloat16, "flash"), (torch.float32, "efficient")])

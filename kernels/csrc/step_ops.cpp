@@ -312,9 +312,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_input(
     const at::Tensor& x, const at::Tensor& norm_weight, double eps, const c10::List<std::optional<at::Tensor>>& qkv,
     at::IntArrayRef qkv_features, const at::Tensor& rotation, int64_t q_heads, int64_t kv_heads,
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm) {
-  const at::Tensor projected = project(rms_norm(x, norm_weight, eps), qkv, qkv_features);  // (T, (Hq + 2 Hkv) D)
+  at::Tensor projected = project(rms_norm(x, norm_weight, eps), qkv, qkv_features);  // (T, (Hq + 2 Hkv) D)
   const int64_t heads = q_heads + 2 * kv_heads;
   const at::Tensor out = rotary_heads(projected, rotation, heads, q_heads + kv_heads, q_heads, q_norm, k_norm, eps);
+  projected.reset();
   return {out.narrow(0, 0, q_heads), out.narrow(0, q_heads, kv_heads), out.narrow(0, q_heads + kv_heads, kv_heads)};
 }
 
@@ -326,12 +327,20 @@ at::Tensor layer_output(const at::Tensor& x, const at::Tensor& attended,
                         at::IntArrayRef down_features) {
   check_rows(x, "x");
   TORCH_CHECK(attended.dim() == 3 && attended.size(1) == x.size(0), "attended: (Hq, T, D) for x's T rows");
-  const at::Tensor heads = attended.transpose(0, 1).reshape({x.size(0), -1});  // (T, Hq D)
-  at::Tensor mixed = project(heads, o_proj, o_features);                       // (T, C)
+  // each intermediate is released as soon as the next is made, so that at most two of them are held at once
+  // (what the prefill's memory plan counts, and what the op's fake implementation in kernels/step.py allocates)
+  at::Tensor heads = attended.transpose(0, 1).reshape({x.size(0), -1});  // (T, Hq D)
+  at::Tensor mixed = project(heads, o_proj, o_features);                 // (T, C)
+  heads.reset();
   TORCH_CHECK(mixed.sizes() == x.sizes(), "o_proj: x's width");
   add_into(mixed, x);
-  at::Tensor out = project(silu_mul(project(rms_norm(mixed, norm_weight, eps), gate_up, gate_up_features)), down,
-                           down_features);
+  at::Tensor normed = rms_norm(mixed, norm_weight, eps);
+  at::Tensor gates = project(normed, gate_up, gate_up_features);  // (T, 2 I)
+  normed.reset();
+  at::Tensor activated = silu_mul(gates);  // (T, I)
+  gates.reset();
+  at::Tensor out = project(activated, down, down_features);
+  activated.reset();
   TORCH_CHECK(out.sizes() == x.sizes(), "down: x's width");
   add_into(out, mixed);
   return out;
