@@ -515,6 +515,7 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(triforce_cli.plan.rates, "read_bandwidth", lambda: 12e9)  # measured once: no timing here
     monkeypatch.setattr(triforce_cli.plan.rates, "matmul_flops", lambda: 90e9)
+    monkeypatch.setenv("COLUMNS", "200")  # the tables unsqueezed, however wide the timings' digits make them
     result = invoke_bench(
         *common, "--forward-costs", "1,2", "--out", tmp_path / "rows.json", "--plot", tmp_path / "latency.png"
     )
