@@ -3,14 +3,16 @@ prices the ``costed`` speculation-length policy weighs (speculation_length.py).
 
 A forward of T tokens attending to P cached positions is priced as
 
-    layers * LAYER_OVERHEAD_S + (weight bytes + key and value bytes of P positions) / read bandwidth
-        + (2 * linear weights * T + 4 * heads * head_dim * P * T * layers) / arithmetic rate
+    layers * LAYER_OVERHEAD_S + max(R, A) + (T - 1) * A,
+    R = (weight bytes + key and value bytes of P positions) / read bandwidth,
+    A = (2 * linear weights + 4 * heads * head_dim * P * layers) / (arithmetic rate * its efficiency on a CPU)
 
-the floor terms of `triforce bench --forward-costs` (bench/forward_costs.py) added rather than the larger taken: on
-the CPU a verification's extra rows cost their arithmetic on top of the weights' read. With the rates kept on a
-2-core EPYC this gives, at 7,168 positions, a 2-, 6- and 8-token forward 1.27x, 2.36x and 2.90x a 1-token one,
-where `--forward-costs` measured 1.19x, 2.34x and 2.84x: the prices err towards verification costing more, so
-towards plain steps. The retrieval tier's 1-token forward is priced at 0.54 of a full one (measured 0.64).
+from the floor terms of `triforce bench --forward-costs` (bench/forward_costs.py): one token's arithmetic hides in
+the read, each further token's adds to it. The fixed cost per layer and the efficiency are fitted to what
+`--forward-costs` measured on a 2-core EPYC at 7,168 positions with the embedded model: full-cache forwards of 1,
+2, 6 and 8 tokens of 13.8, 19.3, 36.1 and 46.2 ms, priced 13.7, 18.8, 39.2 and 49.4; a retrieval-cache forward of
+1 token of 8.8 ms, priced 9.0. Longer verifications are priced a little above what they cost, so the policy errs
+towards plain steps.
 
 The rates are those `triforce bench` and `triforce info` keep for this machine (plan/rates.py), read, never measured
 here; without them, NOMINAL's for the device type. They are fixed before decoding and the same from run to run on
@@ -40,12 +42,17 @@ class MachineBalance:
     flops: float
     layer_overhead_s: float
     transfer_bandwidth: float
+    arithmetic_efficiency: float = 1.0  # the share of `flops` a forward's kernels reach
 
 
-LAYER_OVERHEAD_S = {"cpu": 60e-6, "cuda": 15e-6}  # the planner's eager and CUDA-graph figures (plan/presets.py)
+# A CPU layer's cost beyond its bytes and arithmetic, and the share of the measured FLOP rate the kernels reach, as
+# `triforce bench --forward-costs` shows them on a 2-core EPYC at 7,168 positions (module docstring); on CUDA the
+# planner's CUDA-graph figure (plan/presets.py)
+LAYER_OVERHEAD_S = {"cpu": 150e-6, "cuda": 15e-6}
+CPU_ARITHMETIC_EFFICIENCY = 0.8
 PCIE_BANDWIDTH = 25e9  # the planner's PCIe 4.0 x16 with pinned memory (plan/presets.py)
 NOMINAL = {
-    "cpu": MachineBalance(30e9, 186e9, LAYER_OVERHEAD_S["cpu"], 30e9),  # a 2-core EPYC's kept rates
+    "cpu": MachineBalance(30e9, 186e9, LAYER_OVERHEAD_S["cpu"], 30e9, CPU_ARITHMETIC_EFFICIENCY),  # a 2-core EPYC's
     # a data-centre GPU: a forward costs its bytes, its arithmetic hardly
     "cuda": MachineBalance(2e12, 300e12, LAYER_OVERHEAD_S["cuda"], PCIE_BANDWIDTH),
 }
@@ -69,7 +76,7 @@ def machine_balance(device_type: str) -> MachineBalance:
     if rates is None:
         return NOMINAL.get(device_type, NOMINAL["cuda"])
     read_bandwidth, flops = rates
-    return MachineBalance(read_bandwidth, flops, LAYER_OVERHEAD_S["cpu"], read_bandwidth)
+    return MachineBalance(read_bandwidth, flops, LAYER_OVERHEAD_S["cpu"], read_bandwidth, CPU_ARITHMETIC_EFFICIENCY)
 
 
 def linear_weights(model: Transformer) -> int:
@@ -104,7 +111,8 @@ def forward_seconds(model: Transformer, cache: KVCache, tokens: int, balance: Ma
     read_bytes = weight_bytes(model.model.layers, model.model.norm, model.lm_head) + kv_bytes
     attention_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * positions * tokens
     flops = 2 * linear_weights(model) * tokens + attention_flops
-    compute = read_bytes / balance.read_bandwidth + flops / balance.flops
+    per_token = flops / tokens / (balance.flops * balance.arithmetic_efficiency)
+    compute = max(read_bytes / balance.read_bandwidth, per_token) + (tokens - 1) * per_token
     if isinstance(cache, FullCache) and cache.stream is not None:
         compute = max(compute, kv_bytes / balance.transfer_bandwidth)
     return cfg.num_layers * balance.layer_overhead_s + compute
