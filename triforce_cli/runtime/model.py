@@ -40,7 +40,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite, StaticStep
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear
-from triforce_cli.kernels.attention import cache_attention
 from triforce_cli.kernels.step import Projection, attention_input, layer_output, step_ops_available
 from triforce_cli.offload.weights import WeightStream
 from triforce_cli.runtime.forms import StepMode
@@ -459,10 +458,7 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
         keys, values = cache.update(attn.layer, q, k, v)  # (Hkv, L, D)
         window = attn.window if cache.slots_are_positions else None
-        if keys.dtype == torch.float16 and attn.backend in (None, "cpu"):  # what attention() runs for these
-            out = cache_attention(q, keys, values, attn.scale, cache.origin, window)
-        else:
-            out = attention(q, keys, values, attn.scale, attn.backend, window, cache.origin)  # (Hq, T, D)
+        out = attention(q, keys, values, attn.scale, attn.backend, window, cache.origin)  # (Hq, T, D)
         return layer_output(
             x, out, operands.o_proj, operands.post_norm, operands.post_eps, operands.gate_up, operands.down
         )
