@@ -22,14 +22,13 @@ closely, but differently in every run). Rates measured again (`triforce cache cl
 much such a run drafts, never the distribution of its tokens.
 """
 
-import json
 from dataclasses import dataclass
 
 from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.speculation_length import StepCosts
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposer
-from triforce_cli.runtime.measurements import MACHINE_RATES_FILE, machine_key, tuning_folder
+from triforce_cli.runtime.measurements import kept_machine_rates
 from triforce_cli.runtime.model import Transformer, weight_bytes
 
 
@@ -61,13 +60,11 @@ NOMINAL = {
 def kept_rates() -> tuple[float, float] | None:
     """(read bandwidth, float32 FLOP/s) of this machine as plan/rates.py keeps them beside the measured set-ups, or
     None where none are kept for this machine (or the record cannot be read)."""
+    kept = kept_machine_rates()
     try:
-        kept = json.loads((tuning_folder() / MACHINE_RATES_FILE).read_text())
-        if kept["machine"] == machine_key():
-            return float(kept["read_bandwidth"]), float(kept["flops"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
+        return None if kept is None else (float(kept["read_bandwidth"]), float(kept["flops"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def machine_balance(device_type: str) -> MachineBalance:

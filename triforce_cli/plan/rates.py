@@ -24,7 +24,7 @@ from triforce_cli.runtime.environment import (
     torch_threads,
 )
 from triforce_cli.runtime.loading import StatusCallback
-from triforce_cli.runtime.measurements import MACHINE_RATES_FILE, machine_key, tuning_folder
+from triforce_cli.runtime.measurements import MACHINE_RATES_FILE, kept_machine_rates, machine_key, tuning_folder
 from triforce_cli.runtime.store import mark_used, write_atomically
 
 
@@ -68,13 +68,13 @@ def rates_path() -> Path:
 
 def remembered_rates() -> MachineRates | None:
     """The kept rates of this machine, torch and tool, or None (none kept, unreadable, or another machine's)."""
+    kept = kept_machine_rates()
     try:
-        rates = MachineRates(**json.loads(rates_path().read_text()))
-    except (OSError, ValueError, TypeError):
+        rates = None if kept is None else MachineRates(**kept)
+    except TypeError:
         return None
-    if rates.machine != machine_key():
-        return None
-    mark_used(rates_path())
+    if rates is not None:
+        mark_used(rates_path())
     return rates
 
 
