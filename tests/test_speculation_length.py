@@ -26,6 +26,7 @@ from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.speculative import TierCosts
 from triforce_cli.decoding.speculation_length import (
     DEFAULT_PRIOR,
     DRAFT_RETRY,
@@ -445,13 +446,34 @@ FLAT = (1.0,) * 5  # verifying any number of drafts costs one plain step
 SLOPE = (1.0, 1.2, 1.4, 1.6, 1.8)  # each verified token adds a fifth of a plain step, as on a CPU
 
 
-def test_costed_drafting_that_can_never_pay_is_probed_ever_less_often():
-    """Every draft accepted, but each verified token costs a plain step: in 200 steps drafting is probed at the
-    first, then after 4, 8, 16, 32, 64 and 64 own steps; one draft a probe."""
-    steps = feed_costed(costed(VERIFY_EACH_TOKEN), 200, accepts=lambda n, i: n)
+def test_costed_drafting_that_could_not_pay_even_if_always_accepted_is_never_tried():
+    """Each verified token costs a plain step: even with every draft accepted, drafting yields fewer tokens per
+    second than own steps, so no step drafts, not even a probe, and the tier's note says why."""
+    length = costed(VERIFY_EACH_TOKEN)
+    steps = feed_costed(length, 200, accepts=lambda n, i: n)
+    assert all(n == 0 for n, _ in steps)
+    assert length.payable == ()
+    costs = TierCosts("target", {0: 1000.0}, own_steps=length.own_steps_taken, priced=True)
+    assert "every draft accepted" in costs.note and "200 steps" in costs.note
+
+
+def test_costed_drafting_that_could_pay_but_does_not_is_probed_ever_less_often():
+    """Drafts that would pay if accepted, never accepted: in 200 steps drafting is probed at the first, then after
+    4, 8, 16, 32, 64 and 64 own steps; one draft a probe."""
+    steps = feed_costed(costed(SLOPE), 200, accepts=lambda n, i: 0)
     probes = [i for i, (n, _) in enumerate(steps) if n]
     assert probes == [0, 5, 14, 31, 64, 129, 194]
     assert all(steps[i][0] == 1 for i in probes)
+
+
+def test_costed_probes_only_the_source_that_could_pay():
+    """The proposer drafts at the price of a plain step, so its drafts could never pay; the shortcut's could, and
+    are never accepted: every probe drafts from the shortcut."""
+    length = costed(SLOPE, draft=1.0, shortcut=0.01)
+    assert length.payable == (True,)
+    steps = feed_costed(length, 100, accepts=lambda n, i: 0)
+    drafting = [(n, shortcut) for n, shortcut in steps if n]
+    assert len(drafting) >= 4 and all(shortcut for _, shortcut in drafting)
 
 
 def test_costed_drafts_that_are_never_accepted_are_probed_ever_less_often():
@@ -530,6 +552,7 @@ def seeded_tokens(monkeypatch, policy: str, clock_seed: int, mode: str = "trifor
     acceptance statistics."""
     rng = random.Random(clock_seed)
     monkeypatch.setattr(DeviceClock, "mark", lambda self: rng.random())
+    drafting_could_pay(monkeypatch)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, seed=7)
     config = engine_config(mode, sampling=sampling, gamma_policy=policy, **COMBOS["b32-r3-g3x4"])
     result = Engine(rich_model(0).loaded, config).generate(prompt_for(0))
@@ -549,6 +572,17 @@ def test_the_seeded_run_check_sees_a_policy_that_follows_the_clock(monkeypatch):
     first, _ = seeded_tokens(monkeypatch, "throughput", clock_seed=1)
     second, _ = seeded_tokens(monkeypatch, "throughput", clock_seed=2)
     assert first != second
+
+
+def drafting_could_pay(monkeypatch) -> None:
+    """Price forwards as on a CPU: on the full cache 1 s and a fifth of that more for each further token, on the
+    retrieval cache half of it, on the drafter's 50 ms a token: drafting pays where enough drafts are accepted."""
+    scales = {FullCache: 1.0, RetrievalCache: 0.5, StreamingCache: 0.05}
+    monkeypatch.setattr(
+        step_costs,
+        "forward_seconds",
+        lambda model, cache, tokens, balance: scales[type(cache)] * (1.0 + 0.2 * (tokens - 1)),
+    )
 
 
 def drafting_pays(monkeypatch) -> None:

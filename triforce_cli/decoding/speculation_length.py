@@ -47,9 +47,11 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   own steps win, drafting is probed, at its best length (one draft, as a rule), at the first step and then after
   PROBE_WAIT own steps, twice as many after each probe that did not pay for itself (up to MAX_PROBE_WAIT), and
   PROBE_WAIT again after one that did; with a shortcut the probes take turns between the two sources, the
-  shortcut first. Where drafting never pays, a 64-token answer holds four probes of one draft, about a sixtieth
-  of its cost on a CPU; where it pays from the priors (long contexts, whose full forwards cost most), the first
-  step drafts. With a shortcut, the source that promises less drafts one token every SHORTCUT_RETRY-th
+  shortcut first. A source whose drafts would not pay even were every one accepted (the retrieval tier where its
+  forward costs most of a full one, at short contexts) is never probed: no acceptance could make it pay. Where
+  drafting could pay but does not, a 64-token answer holds four probes of one draft, about a sixtieth of its
+  cost on a CPU; where it pays from the priors (long contexts, whose full forwards cost most), the first step
+  drafts. With a shortcut, the source that promises less drafts one token every SHORTCUT_RETRY-th
   verification while drafting pays, so that its estimate follows the text. (A tier not priced drafts its ceiling,
   as under fixed.)
 
@@ -274,6 +276,8 @@ class SpeculationLength:
     priors: dict[bool, float] = field(init=False, default_factory=dict)  # costed: prior acceptance by source
     probe_wait: int = field(init=False, default=PROBE_WAIT)  # costed: own steps after the next drafting that loses
     probe_shortcut: bool = field(init=False, default=False)  # costed: the source of the last probe
+    # costed: the sources (True: the shortcut) whose drafts would pay were every one accepted; no other is probed
+    payable: tuple[bool, ...] = field(init=False, default=())
 
     @property
     def drafting(self) -> bool:
@@ -332,7 +336,16 @@ class SpeculationLength:
         self.costs, self.priors = costs, priors
         self.since_retry = 0  # the sources' estimates start from priors: no retry owed yet
         self.verify_seconds = {n: costs.forward[n] for n in range(len(costs.forward))}  # what TierCosts reports
+        sources = (True, False) if self.has_shortcut else (False,)
+        self.payable = tuple(shortcut for shortcut in sources if self._could_pay(shortcut))
         self._probe()
+
+    def _could_pay(self, shortcut: bool) -> bool:
+        """Whether drafts from a source, at its best length with every draft accepted, promise DRAFT_MARGIN times
+        the tokens per second of own steps: where they do not, no acceptance makes it pay, and probing it would
+        only cost (the retrieval tier at short contexts, whose forward costs most of a full one)."""
+        best, _ = costed_option(1.0, self.costs, shortcut, self.ceiling)
+        return not self.own_steps or best >= DRAFT_MARGIN / self.costs.own
 
     def _options(self) -> dict[bool, tuple[float, int]]:
         """(tokens per second, length) of the best length of each source, at its estimated acceptance."""
@@ -353,11 +366,13 @@ class SpeculationLength:
         if self.own_steps and best < DRAFT_MARGIN / self.costs.own:
             return False
         self.current = max(options.values())[1]
-        if self.has_shortcut:
-            rates = {shortcut: rate for shortcut, (rate, _) in options.items()}
+        rates = {shortcut: rate for shortcut, (rate, _) in options.items() if shortcut in self.payable}
+        if len(rates) > 1:
             self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
             if self.since_retry == 0:
                 self.current = 1
+        else:
+            self.use_shortcut = self.has_shortcut and max(options, key=lambda shortcut: options[shortcut][0])
         self.probe_wait = PROBE_WAIT
         return True
 
@@ -383,9 +398,12 @@ class SpeculationLength:
         length."""
         if self._draft_if_it_pays():
             return
-        if self.has_shortcut:
+        if not self.payable:  # no acceptance would make drafting pay: own steps only
+            self.current, self.own_steps_left = 0, MAX_PROBE_WAIT
+            return
+        if len(self.payable) > 1:
             self.probe_shortcut = not self.probe_shortcut
-        self.use_shortcut = self.has_shortcut and self.probe_shortcut
+        self.use_shortcut = self.probe_shortcut if len(self.payable) > 1 else self.payable[0]
         self.current = self._options()[self.use_shortcut][1]
 
     def _choose(self, drafted: int) -> None:

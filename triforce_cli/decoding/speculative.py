@@ -168,6 +168,11 @@ class TierCosts:
     def note(self) -> str | None:
         """One line saying that drafting was dropped and why, or None where it never was."""
         if not self.drops:
+            if self.priced and self.own_steps:
+                return (
+                    f"{self.tier}: {self.own_steps} steps without drafting: own steps (priced {self.step_ms[0]:.1f} ms a"
+                    " token) promise more tokens per second than verifying drafts would with every draft accepted"
+                )
             return None
         drafting = {n: ms for n, ms in self.step_ms.items() if n}
         costs = ", ".join(f"{n} drafts {ms:.1f} ms" for n, ms in sorted(drafting.items()))
