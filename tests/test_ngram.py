@@ -43,6 +43,40 @@ def test_follows_a_sequence_whose_tail_was_rolled_back():
     assert proposer.continuation([1, 2, 3, 8, 9, 1, 8], 2) == [9, 1]
 
 
+def latest_continuation_start(prefix: list[int], max_ngram: int, min_ngram: int = 1) -> int:
+    """The proposer's answer by brute force: after the latest earlier occurrence, followed by a token, of the
+    longest suffix of max_ngram..min_ngram tokens; len(prefix) where none occurred."""
+    for size in range(min(max_ngram, len(prefix) - 1), min_ngram - 1, -1):
+        suffix = prefix[-size:]
+        for start in range(len(prefix) - size - 1, -1, -1):
+            if prefix[start : start + size] == suffix:
+                return start + size
+    return len(prefix)
+
+
+@pytest.mark.parametrize("vocab_size, max_ngram", [(7, 3), (49152, 3), (49152, 5)])  # (49152, 5): codes past 64 bits
+def test_a_long_prompt_indexed_in_bulk_answers_as_a_search_would(vocab_size, max_ngram):
+    """A 2,000-token prompt (indexed in bulk where codes fit 64 bits, one by one where not), then a tail drafted,
+    rolled back and drafted again: every continuation is the brute-force search's."""
+    generator = torch.Generator().manual_seed(vocab_size + max_ngram)
+    alphabet = torch.randint(0, vocab_size, (7,), generator=generator)  # few distinct tokens: many repeats
+    prompt = alphabet[torch.randint(0, 7, (2000,), generator=generator)].tolist()
+    proposer = NGramProposer(vocab_size=vocab_size, max_ngram=max_ngram)
+    assert proposer._codes_fit == (max_ngram == 3)
+    proposer.continuation_start(prompt)
+    latest = {}  # every n-gram followed by a token -> its latest start, one by one
+    for start in range(len(prompt)):
+        for size in range(1, min(max_ngram, len(prompt) - 1 - start) + 1):
+            latest[proposer._code(prompt[start : start + size])] = start
+    assert proposer._starts == latest  # no stale entry for the lookup's scan to repair
+    sequence = list(prompt)
+    for step in range(60):
+        assert proposer.continuation_start(sequence) == latest_continuation_start(sequence, max_ngram), step
+        if step % 7 == 6:
+            del sequence[-3:]  # a rejected tail
+        sequence.append(alphabet[step % 7].item())
+
+
 def test_follows_the_sequence_it_drafts_for_as_it_is_truncated_and_appended_to():
     """The proposer reads the sequence's host list itself, which changes in place between its calls."""
     proposer = NGramProposer(vocab_size=100, max_ngram=2)

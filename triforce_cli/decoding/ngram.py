@@ -5,20 +5,23 @@ falling back to shorter suffixes down to ``min_ngram``. Its proposal distributio
 accepts a token x with probability p(x) and otherwise resamples from p without x: still exact. It may propose
 fewer tokens than asked (none when nothing matches); the tier above then verifies what there is.
 
-Lookups are dictionary hits: every n-gram's latest start is indexed as the sequence grows. Only the tail of the
-sequence changes between calls (rejected drafts), so only the tail is re-indexed (and copied); an entry left stale
-by a rollback is caught by checking the match against the sequence, and then found again by a scan. The lookup
-reads the sequence's host copy; the drafts themselves are sliced from its ids on the device, so they never cross
-from the host.
+Lookups are dictionary hits: every n-gram's latest start is indexed, under one integer code per n-gram, as the
+sequence grows; a long prompt's n-grams are coded in bulk with numpy, so the first lookup after a 32K prompt costs
+a few milliseconds, not a step. Only the tail of the sequence changes between calls (rejected drafts), so only the
+tail is re-indexed (and copied); an entry left stale by a rollback is caught by checking the match against the
+sequence, and then found again by a scan. The lookup reads the sequence's host copy; the drafts themselves are
+sliced from its ids on the device, so they never cross from the host.
 """
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from triforce_cli.decoding.speculative import Proposal, Tier, TokenSequence
 
 TAIL_RECHECK = 64  # positions compared to find where the sequence diverged from the indexed one
+BULK_INDEX = 256  # positions from which n-grams are coded with numpy rather than one by one
 
 
 @dataclass
@@ -28,8 +31,16 @@ class NGramProposer:
     min_ngram: int = 1
     name: str = Tier.NGRAM
     device: torch.device | str = "cpu"  # where the tier above verifies: the one-hot rows are built there
-    _starts: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)
+    _starts: dict[int, int] = field(default_factory=dict, repr=False)  # an n-gram's code (_code) -> its latest start
     _indexed: list[int] = field(default_factory=list, repr=False)
+
+    def _code(self, ngram: tuple[int, ...] | list[int]) -> int:
+        """One integer per n-gram: its tokens as digits in base vocab_size after a leading digit, its size, so that
+        n-grams of different sizes never share a code."""
+        code = len(ngram)
+        for token in ngram:
+            code = code * self.vocab_size + token
+        return code
 
     def _reindex(self, prefix: list[int]) -> None:
         same = min(len(self._indexed), len(prefix))
@@ -38,24 +49,41 @@ class NGramProposer:
             same -= 1
         first = max(0, same - self.max_ngram)
         # An n-gram starting at i is indexed once a token follows it, so the final suffix never matches itself.
-        for i in range(first, len(prefix) - self.min_ngram):
-            for size in range(self.min_ngram, min(self.max_ngram, len(prefix) - 1 - i) + 1):
-                self._starts[tuple(prefix[i : i + size])] = i
+        # Later starts overwrite earlier ones: each code keeps its latest start.
+        bulk = len(prefix) - first > BULK_INDEX and self._codes_fit
+        tokens = np.asarray(prefix[first:], dtype=np.int64) if bulk else None
+        for size in range(self.min_ngram, self.max_ngram + 1):
+            count = len(prefix) - size - first  # starts first .. len(prefix) - 1 - size
+            if count <= 0:
+                continue
+            if tokens is None:
+                codes = [self._code(prefix[i : i + size]) for i in range(first, first + count)]
+            else:
+                array = np.full(count, size, dtype=np.int64)
+                for digit in range(size):
+                    array = array * self.vocab_size + tokens[digit : digit + count]
+                codes = array.tolist()
+            self._starts.update(zip(codes, range(first, first + count)))
         self._indexed[same:] = prefix[same:]
+
+    @property
+    def _codes_fit(self) -> bool:
+        """Whether the longest n-gram's code fits a signed 64-bit integer, so codes can be computed in bulk."""
+        return (self.max_ngram + 1) * self.vocab_size**self.max_ngram < 2**63
 
     def _latest_start(self, prefix: list[int], suffix: tuple[int, ...]) -> int | None:
         """Latest start of suffix in prefix that a token follows; a stale index entry is replaced by a scan."""
-        size = len(suffix)
-        start = self._starts.get(suffix)
+        size, code = len(suffix), self._code(suffix)
+        start = self._starts.get(code)
         if start is None:
             return None
         if start + size < len(prefix) and tuple(prefix[start : start + size]) == suffix:
             return start
         found = next((i for i in range(len(prefix) - size - 1, -1, -1) if tuple(prefix[i : i + size]) == suffix), None)
         if found is None:
-            del self._starts[suffix]
+            del self._starts[code]
         else:
-            self._starts[suffix] = found
+            self._starts[code] = found
         return found
 
     def continuation_start(self, prefix: list[int]) -> int:
