@@ -26,7 +26,6 @@ from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
-from triforce_cli.decoding.speculative import TierCosts
 from triforce_cli.decoding.speculation_length import (
     DEFAULT_PRIOR,
     DRAFT_RETRY,
@@ -43,6 +42,7 @@ from triforce_cli.decoding.speculation_length import (
     throughput_length,
     verification_cost,
 )
+from triforce_cli.decoding.speculative import TierCosts
 from triforce_cli.errors import ConfigError
 
 
