@@ -17,7 +17,7 @@ from triforce_cli.decoding import tuning
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.setup import LoadOptions
-from triforce_cli.runtime.environment import physical_cores
+from triforce_cli.runtime.environment import cpu_description, physical_cores
 from triforce_cli.runtime.loading import resolve_checkpoint
 from triforce_cli.runtime.model import Transformer
 
@@ -304,3 +304,19 @@ def test_a_jittery_quiet_machine_keeps_the_measurement_and_a_loaded_one_does_not
     else:
         assert measured.spread == pytest.approx(0.7) and "busy while measuring" in notes[-1]
         assert "the median of repeated timings lay 70% above the fastest" in notes[-1]
+
+
+def test_the_cpu_name_tells_generations_apart(tmp_path):
+    """Two virtual machines that both call their CPU "AMD EPYC" but are of different generations get different
+    names, so a measurement kept on one is never served on the other (measurements.machine_key)."""
+    block = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+    block += "model name\t: AMD EPYC\nflags\t\t: fpu avx2 fma avx512f\n\n"
+    names = []
+    for family, model in ((25, 17), (26, 2)):
+        cpuinfo = tmp_path / f"cpuinfo-{family}"
+        cpuinfo.write_text("".join(block.format(n=n, family=family, model=model) for n in range(2)))
+        names.append(cpu_description(cpuinfo))
+    assert names == [
+        ("AMD EPYC (family 25, model 17)", ["avx2", "fma", "avx512f"]),
+        ("AMD EPYC (family 26, model 2)", ["avx2", "fma", "avx512f"]),
+    ]

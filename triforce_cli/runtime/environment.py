@@ -23,18 +23,27 @@ from triforce_cli.runtime.store import cache_limit, cache_root, entries, models_
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def cpu_description() -> tuple[str, list[str]]:
-    """The CPU's model name and which of CPU_FEATURES it has (from /proc/cpuinfo where there is one)."""
-    model, flags = platform.processor() or platform.machine(), set()
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, list[str]]:
+    """The CPU's model name and which of CPU_FEATURES it has (from /proc/cpuinfo where there is one). The name
+    carries the CPU's family and model numbers where cpuinfo gives them: a virtual machine's name ("AMD EPYC") may
+    stand for several generations, whose measurements differ."""
+    model, flags, numbers = platform.processor() or platform.machine(), set(), {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in cpuinfo.read_text().splitlines():
             name, _, value = line.partition(":")
-            if name.strip() == "model name":
+            name = name.strip()
+            if name == "model name":
                 model = value.strip()
-            elif name.strip() == "flags":
+            elif name == "flags":
                 flags = set(value.split())
+            elif name in ("cpu family", "model") and name not in numbers:
+                numbers[name] = value.strip()
+            elif not name and numbers:
+                break  # the first processor's block is read: every core of a VM reports the same
     except OSError:
         pass
+    if len(numbers) == 2:
+        model = f"{model} (family {numbers['cpu family']}, model {numbers['model']})"
     return model, [feature for feature in CPU_FEATURES if feature in flags]
 
 
