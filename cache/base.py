@@ -17,9 +17,15 @@ StaticStep builds on the device, once for every layer, the slots the step writes
 masks what lies past them (kernels.step_attention_bias), then takes each layer's whole buffers
 (StaticStep.step_update), so nothing in it depends on a host-side length. Padding rows land past ``length``:
 never read, overwritten later.
+
+An eager forward over a cache whose storage is where the model computes reads the prepared write once, at its top
+(``eager_write``: an EagerWrite holding the storage, the slots and each layer's first slot), and its layers write
+through that: update() as the cache's own, or, on the CPU, the storage and slots handed to one op that writes the
+layer's keys and values itself (kernels.step.cached_layer), with no indexing per layer.
 """
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from triforce_cli.kernels.attention import step_attention_bias
@@ -94,6 +100,11 @@ class KVCache(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (Hkv, T, D) of the prepared positions; return the (Hkv, L, D) views attention reads."""
 
+    def eager_write(self) -> "EagerWrite | None":
+        """The prepared eager forward's write as its layers make it (EagerWrite), read once for every layer; None
+        where the writes go through update() alone (an offloaded cache)."""
+        return None
+
     def begin_step(self, num_tokens: int, group: int) -> "StaticStep":
         """The prepared fixed-shape step of num_tokens (padding included) as its layers read and write this cache;
         group: query heads per KV head."""
@@ -129,6 +140,37 @@ class KVCache(ABC):
     def _check_start(self, start: int) -> None:
         if start > self.length:
             raise ValueError(f"cannot write position {start}: the cache holds only {self.length} positions")
+
+
+@dataclass
+class EagerWrite:
+    """An eager forward's write into a cache's storage, as every layer of it reads and writes the cache
+    (KVCache.eager_write): the cache, its keys and values (layers, Hkv, S, D), the slots of the prepared positions,
+    each layer's first slot read (its view: [first, slots.stop)), and the list where a full cache keeps each layer's
+    queries. A layer either writes through update(), the cache's own, or writes the storage itself at the slots
+    as update() does (kernels.step.cached_layer) and hands its queries to keep_queries."""
+
+    cache: KVCache
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: slice
+    first_slots: list[int]
+    origin: int  # the position of a view's first key where views hold consecutive positions (KVCache.origin)
+    slots_are_positions: bool
+    queries: list[torch.Tensor | None] | None  # FullCache.queries, None: not kept
+
+    static_step = False
+
+    def update(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's update()."""
+        return self.cache.update(layer, q, k, v)
+
+    def keep_queries(self, layer: int, q: torch.Tensor) -> None:
+        """Keep layer's queries q (Hq, T, D) where the cache keeps them (a full cache: FullCache.query_at)."""
+        if self.queries is not None:
+            self.queries[layer] = q
 
 
 class StaticStep:
@@ -237,6 +279,9 @@ class SlotCache(KVCache):
 
     def first_slot(self, layer: int) -> torch.Tensor:
         return self.first_slots_at[layer]
+
+    def eager_write(self) -> EagerWrite:
+        return EagerWrite(self, self.keys, self.values, self._write, self.first_slots, 0, False, None)
 
     def update(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -19,7 +19,7 @@ for the whole prompt, where each forward over it would stream every layer's pref
 from typing import Protocol
 
 import torch
-from triforce_cli.cache.base import CacheCapacityError, KVCache, StaticStep
+from triforce_cli.cache.base import CacheCapacityError, EagerWrite, KVCache, StaticStep
 
 
 class StorageStream(Protocol):
@@ -260,6 +260,13 @@ class FullCache(KVCache):
     def store_step_queries(self, rows: torch.Tensor, queries: list[torch.Tensor]) -> None:
         stacked = torch.stack([q.transpose(0, 1) for q in queries], dim=1)  # (T, layers, Hq, D)
         self.step_queries.index_copy_(0, rows, stacked)
+
+    def eager_write(self) -> EagerWrite | None:
+        """The storage's write, every view from slot 0; None offloaded (the stream serves update())."""
+        if self.stream is not None:
+            return None
+        first_slots = [0] * len(self.queries)
+        return EagerWrite(self, self.keys, self.values, self._write, first_slots, self.offset, True, self.queries)
 
     def update(self, layer, q, k, v):
         self.queries[layer] = q

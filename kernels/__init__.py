@@ -10,6 +10,7 @@ from triforce_cli.kernels.attention import (
     attention_backend,
     attention_in_cache,
     attention_reference,
+    runs_cache_attention,
 )
 from triforce_cli.kernels.linear import (
     half_weights_available,
@@ -52,6 +53,7 @@ __all__ = [
     "linear_reference",
     "pack_tiles",
     "pad_bias",
+    "runs_cache_attention",
     "score_chunks",
     "summary_scores",
     "tiled_linear",

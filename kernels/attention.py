@@ -558,6 +558,13 @@ def window_mask(num_queries: int, num_keys: int, reach: int, device: torch.devic
     return (cols <= rows + offset) & (cols > rows + offset - reach)
 
 
+def runs_cache_attention(backend: str | None, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether attention() on backend (None: the fastest for q's device and dtype) computes queries like q against
+    keys like k (their dtypes and device: any tensors of them) with cache_attention: the 'cpu' backend and float32
+    queries against float16 keys, where the extension is loaded (cache_attention_available)."""
+    return (backend or attention_backend(q.device, q.dtype)) == "cpu" and cache_attention_available(q, k)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -580,9 +587,9 @@ def attention(
     queries, where it beat or tied SDPA at every context length measured (SDPA won at 16), and SDPA beyond. See
     docs/performance.md for the timings.
     """
-    backend = backend or attention_backend(q.device, q.dtype)
-    if backend == "cpu" and cache_attention_available(q, k):
+    if runs_cache_attention(backend, q, k):
         return cache_attention(q, k, v, scale, origin, window)
+    backend = backend or attention_backend(q.device, q.dtype)
     if k.dtype != q.dtype:  # a float16 CPU cache read by another kernel: widened, layer by layer
         k, v = k.to(q.dtype), v.to(q.dtype)
     if window is not None and k.shape[1] > window:

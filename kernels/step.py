@@ -1,5 +1,7 @@
 """A decoder layer's ops on the CPU's float32 activations in the extension (csrc/step_ops.cpp): RMSNorm, RoPE,
-SiLU(gate) * up, and a layer's two halves around the cache write in one call each (attention_input, layer_output).
+SiLU(gate) * up, a layer's two halves around the cache write in one call each (attention_input, layer_output), and
+a whole layer over a float16 cache's storage in one call (cached_layer: the two halves, the cache write and
+cache_attention).
 
 A decode step of a float32 model with tiled or GGUF linears (runtime/model.py's DecoderLayer) then makes a few calls
 per layer, where torch's ops made dozens, each with its fixed cost: the norms' pow/mean/rsqrt/multiplies, RoPE's
@@ -159,6 +161,52 @@ def layer_output(
     )
 
 
+def cached_layer(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv: Projection,
+    rotation: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer: int,
+    write_slot: int,
+    view_start: int,
+    scale: float,
+    origin: int,
+    window: int | None,
+    o_proj: Projection,
+    post_norm: torch.Tensor,
+    post_eps: float,
+    gate_up: Projection,
+    down: Projection,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole decoder layer over a float16 cache in one call: attention_input, the new keys and values written to
+    layer's slots [write_slot, write_slot + T) of keys and values (rounded to float16 as an indexed write into the
+    cache rounds them), cache_attention of the queries over the slots [view_start, write_slot + T), layer_output.
+    Each step is the op it replaces, so the outputs and the cache hold the same bits as those ops' calls.
+
+    Args:
+        x: (T, C) float32, the layer's input.
+        keys, values: (layers, Hkv, S, D) float16, the cache's storage, written in place.
+        origin: the position of view index view_start (KVCache.origin).
+        window: the layer's sliding window over slots of consecutive positions, or None.
+        The rest: attention_input's and layer_output's.
+    Returns:
+        The layer's output (T, C) and its queries (Hq, T, D), float32.
+    """
+    return torch.ops.triforce_cpu.cached_layer(
+        x, norm_weight, eps, qkv.operands, qkv.features, rotation, q_heads, kv_heads, q_norm, k_norm,
+        keys, values, layer, write_slot, view_start, scale, origin, window or 0,
+        o_proj.operands, o_proj.features, post_norm, post_eps, gate_up.operands, gate_up.features,
+        down.operands, down.features,
+    )  # fmt: skip
+
+
 def register_fake_kernels() -> None:
     """Shapes and allocations of the step ops on fake tensors (torch's FakeTensorMode, as the memory tests use it):
     each allocates its outputs and, for the two halves, the intermediates csrc/step_ops.cpp holds, at the same time
@@ -177,8 +225,7 @@ def register_fake_kernels() -> None:
     def _(qkv, rotation, heads, rotated, q_heads, q_norm, k_norm, eps):
         return qkv.new_empty((heads, qkv.shape[0], qkv.shape[1] // heads))
 
-    @lib.register_fake("triforce_cpu::attention_input")
-    def _(x, norm_weight, eps, qkv, qkv_features, rotation, q_heads, kv_heads, q_norm, k_norm):
+    def fake_attention_input(x, qkv_features, q_heads, kv_heads):
         rows, width = x.shape[0], sum(qkv_features)
         normed = torch.empty_like(x)
         projected = x.new_empty((rows, width))  # (T, (Hq + 2 Hkv) D), beside the normed rows
@@ -188,8 +235,7 @@ def register_fake_kernels() -> None:
         del projected
         return tuple(heads)
 
-    @lib.register_fake("triforce_cpu::layer_output")
-    def _(x, attended, o_proj, o_features, norm_weight, eps, gate_up, gate_up_features, down, down_features):
+    def fake_layer_output(x, attended, gate_up_features):
         rows = x.shape[0]
         heads = x.new_empty((rows, attended.shape[0] * attended.shape[2]))
         mixed = torch.empty_like(x)
@@ -202,3 +248,22 @@ def register_fake_kernels() -> None:
         out = torch.empty_like(x)
         del activated, mixed
         return out
+
+    @lib.register_fake("triforce_cpu::attention_input")
+    def _(x, norm_weight, eps, qkv, qkv_features, rotation, q_heads, kv_heads, q_norm, k_norm):
+        return fake_attention_input(x, qkv_features, q_heads, kv_heads)
+
+    @lib.register_fake("triforce_cpu::layer_output")
+    def _(x, attended, o_proj, o_features, norm_weight, eps, gate_up, gate_up_features, down, down_features):
+        return fake_layer_output(x, attended, gate_up_features)
+
+    @lib.register_fake("triforce_cpu::cached_layer")
+    def _(
+        x, norm_weight, eps, qkv, qkv_features, rotation, q_heads, kv_heads, q_norm, k_norm, keys, values, layer,
+        write_slot, view_start, scale, origin, window, o_proj, o_features, post_norm, post_eps, gate_up,
+        gate_up_features, down, down_features,
+    ):  # fmt: skip
+        heads = fake_attention_input(x, qkv_features, q_heads, kv_heads)  # queries, keys, values
+        attended = heads[0].new_empty(heads[0].shape)  # cache_attention's output, while the heads live
+        out = fake_layer_output(x, attended, gate_up_features)
+        return out, heads[0]

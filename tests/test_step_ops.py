@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers import ROWS, assert_rows_alone, make_model, tiled
 from torch.utils._python_dispatch import TorchDispatchMode
-from triforce_cli.cache import FullCache
+from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
+from triforce_cli.cache.base import SlotCache
 from triforce_cli.kernels import pack_tiles, pad_bias
 from triforce_cli.kernels.gguf import LANES, PackedBlocks, blocks_linear
 from triforce_cli.kernels.linear import tiled_linear
@@ -250,12 +251,13 @@ def step_dispatches(num_layers: int) -> Counter:
     return counted.ops
 
 
-def test_a_decode_step_makes_a_few_dispatches_per_layer():
-    """Per layer: its two halves, the cache's write and views, the attention: 13, where torch's ops made 38."""
+def test_a_decode_step_makes_one_dispatch_per_layer():
+    """Per layer one call, cached_layer: its two halves, the cache's write and the attention, where the halves, the
+    cache's write and views and the attention made 13, and torch's ops 38."""
     two, four = step_dispatches(2), step_dispatches(4)
     per_layer = (sum(four.values()) - sum(two.values())) / 2
-    assert per_layer <= 16, f"{per_layer} dispatches per layer: {four - two}"
-    assert (four - two)["triforce_cpu.layer_output"] == 2
+    assert per_layer == 1, f"{per_layer} dispatches per layer: {four - two}"
+    assert (four - two)["triforce_cpu.cached_layer"] == 2
 
 
 def test_the_step_ops_give_the_models_logits(monkeypatch):
@@ -279,3 +281,49 @@ def test_the_step_ops_give_the_models_logits(monkeypatch):
         torch.testing.assert_close(fused, logits(), rtol=1e-5, atol=1e-5)
     layer.mlp.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
     assert layer.step_operands() is None and model.model.layers[1].step_operands() is not None
+
+
+def cache_writes(model, through_update: bool, monkeypatch) -> list[torch.Tensor]:
+    """Every output of a script of forwards over a full, a retrieval and a StreamingLLM cache (prefill chunks,
+    verifications, rollbacks, single steps, the StreamingLLM window evicting), then each cache's keys and values
+    and the full cache's kept queries; through_update: every layer writes through the cache's update() (no
+    KVCache.eager_write), as the layer's three calls around it do."""
+    cfg = model.config
+    with monkeypatch.context() as patched:
+        if through_update:
+            patched.setattr(FullCache, "eager_write", lambda self: None)
+            patched.setattr(SlotCache, "eager_write", lambda self: None)
+        full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float16)
+        streaming = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 8, 4, torch.float16)
+        tokens = torch.arange(60) * 7 % cfg.vocab_size
+        outputs = []
+        with torch.inference_mode():
+            outputs.append(model(tokens[:36], 0, full, decoding=False))
+            outputs.append(model(tokens[36:39], 36, full))
+            full.rollback(37)
+            outputs.append(model(tokens[37:38], 37, full))
+            retrieval = RetrievalCache(full, 16, 4, 8)
+            retrieval.select_chunks()
+            outputs.append(model(tokens[38:41], 38, retrieval))
+            retrieval.rollback(39)
+            outputs.append(model(tokens[39:40], 39, retrieval))
+            for start in range(0, 24, 4):
+                outputs.append(model(tokens[start : start + 4], start, streaming))
+            streaming.rollback(22)
+            outputs.append(model(tokens[22:23], 22, streaming))
+        caches = (full, retrieval, streaming)
+        return outputs + [cache.keys for cache in caches] + [cache.values for cache in caches] + full.queries
+
+
+def test_a_layer_in_one_call_writes_what_the_caches_update_writes(monkeypatch):
+    """A tiled model's layers in one call each (cached_layer over KVCache.eager_write) give the same logits, and
+    leave the full, retrieval and StreamingLLM caches and the full cache's queries the same bits, as the layer's
+    three calls around the caches' update()."""
+    model = tiled(make_model(seed=6, num_layers=2).loaded).model
+    with Dispatches() as fused_calls:
+        fused = cache_writes(model, False, monkeypatch)
+    with Dispatches() as update_calls:
+        through_update = cache_writes(model, True, monkeypatch)
+    assert fused_calls.ops["triforce_cpu.cached_layer"] > 0 and update_calls.ops["triforce_cpu.cached_layer"] == 0
+    for new, old in zip(fused, through_update, strict=True):
+        assert torch.equal(new, old)

@@ -4,7 +4,10 @@
 //   attention_input: RMSNorm, the fused q/k/v projection, (Qwen3: an RMSNorm over each query and key head) and RoPE
 //     -> q (Hq, T, D), k, v (Hkv, T, D) float32, for the cache's update;
 //   layer_output: the attention output's projection and residual add, RMSNorm, the fused gate/up projection,
-//     SiLU(gate) * up, the down projection and residual add -> the layer's output (T, C).
+//     SiLU(gate) * up, the down projection and residual add -> the layer's output (T, C);
+//   cached_layer: a whole layer over a float16 KV cache's storage in one call: attention_input, the new keys and
+//     values written into the layer's slots (rounded to float16 by copy_, as an indexed write into the cache rounds
+//     them), cache_attention over the layer's view, layer_output -> the layer's output and its queries.
 // The projections run the extension's own products (blocks_linear, dense_linear: gguf_blocks.cpp, dense_linear.cpp)
 // through the dispatcher; a projection given in parts (GGUF blocks of different kinds) runs each and puts their
 // outputs side by side.
@@ -307,6 +310,16 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
   return at::cat(outs, 1);
 }
 
+using AttentionSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                                      int64_t);
+
+const c10::TypedOperatorHandle<AttentionSignature>& cache_attention_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("triforce_cpu::cache_attention", "")
+                             .typed<AttentionSignature>();
+  return op;
+}
+
 // The first half of a decoder layer: x (T, C) -> q (Hq, T, D), k, v (Hkv, T, D) float32, see the top of the file.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_input(
     const at::Tensor& x, const at::Tensor& norm_weight, double eps, const c10::List<std::optional<at::Tensor>>& qkv,
@@ -346,6 +359,42 @@ at::Tensor layer_output(const at::Tensor& x, const at::Tensor& attended,
   return out;
 }
 
+// A whole decoder layer over a float16 cache's storage keys, values (layers, Hkv, S, D): attention_input of x (T, C),
+// its keys and values written to layer's slots [write_slot, write_slot + T), its queries' attention over the slots
+// [view_start, write_slot + T) (cache_attention: view index 0 at position origin, window W or 0 for none),
+// layer_output. Returns the layer's output (T, C) and the queries (Hq, T, D).
+std::tuple<at::Tensor, at::Tensor> cached_layer(
+    const at::Tensor& x, const at::Tensor& norm_weight, double eps, const c10::List<std::optional<at::Tensor>>& qkv,
+    at::IntArrayRef qkv_features, const at::Tensor& rotation, int64_t q_heads, int64_t kv_heads,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, at::Tensor& keys,
+    at::Tensor& values, int64_t layer, int64_t write_slot, int64_t view_start, double scale, int64_t origin,
+    int64_t window, const c10::List<std::optional<at::Tensor>>& o_proj, at::IntArrayRef o_features,
+    const at::Tensor& post_norm, double post_eps, const c10::List<std::optional<at::Tensor>>& gate_up,
+    at::IntArrayRef gate_up_features, const c10::List<std::optional<at::Tensor>>& down,
+    at::IntArrayRef down_features) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(keys.device().is_cpu() && keys.scalar_type() == at::kHalf && keys.dim() == 4 &&
+                  values.sizes() == keys.sizes() && values.scalar_type() == at::kHalf && values.device().is_cpu(),
+              "keys, values: float16 CPU tensors (layers, Hkv, S, D) of one shape");
+  TORCH_CHECK(0 <= layer && layer < keys.size(0) && keys.size(1) == kv_heads, "keys: layer ", layer, " of ",
+              keys.size(0), " with ", kv_heads, " KV heads");
+  TORCH_CHECK(0 <= view_start && view_start <= write_slot && write_slot + rows <= keys.size(2),
+              "slots: view_start <= write_slot and write_slot + T <= S");
+  auto [q, k, v] = attention_input(x, norm_weight, eps, qkv, qkv_features, rotation, q_heads, kv_heads, q_norm, k_norm);
+  TORCH_CHECK(k.size(2) == keys.size(3), "keys: the projection's head dim");
+  at::Tensor layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);  // (Hkv, S, D)
+  layer_keys.narrow(1, write_slot, rows).copy_(k);
+  layer_values.narrow(1, write_slot, rows).copy_(v);
+  const int64_t stop = write_slot + rows;
+  at::Tensor attended = cache_attention_op().call(q, layer_keys.narrow(1, view_start, stop - view_start),
+                                                  layer_values.narrow(1, view_start, stop - view_start), scale,
+                                                  origin, window);  // (Hq, T, D)
+  at::Tensor out = layer_output(x, attended, o_proj, o_features, post_norm, post_eps, gate_up, gate_up_features, down,
+                                down_features);
+  return {out, q};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
@@ -360,6 +409,12 @@ TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def(
       "layer_output(Tensor x, Tensor attended, Tensor?[] o_proj, int[] o_features, Tensor norm_weight, float eps, "
       "Tensor?[] gate_up, int[] gate_up_features, Tensor?[] down, int[] down_features) -> Tensor");
+  lib.def(
+      "cached_layer(Tensor x, Tensor norm_weight, float eps, Tensor?[] qkv, int[] qkv_features, Tensor rotation, "
+      "int q_heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, Tensor(a!) keys, Tensor(b!) values, int layer, "
+      "int write_slot, int view_start, float scale, int origin, int window, Tensor?[] o_proj, int[] o_features, "
+      "Tensor post_norm, float post_eps, Tensor?[] gate_up, int[] gate_up_features, Tensor?[] down, "
+      "int[] down_features) -> (Tensor, Tensor)");
 }
 
 // CPU kernels, so that each op is one dispatch whatever it calls inside
@@ -369,4 +424,5 @@ TORCH_LIBRARY_IMPL(triforce_cpu, CPU, lib) {
   lib.impl("rotary_heads", &rotary_heads);
   lib.impl("attention_input", &attention_input);
   lib.impl("layer_output", &layer_output);
+  lib.impl("cached_layer", &cached_layer);
 }

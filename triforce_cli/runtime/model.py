@@ -21,9 +21,10 @@ serves every position: on CUDA a CUDA graph (runtime/graphs.py), of the eager st
 inductor compilation ('compiled'). Prefill chunks and steps on caches not made static stay eager.
 
 A float32 model on the CPU whose linears are tiled or GGUF blocks runs every eager forward's layers through the CPU
-step ops (kernels.step: DecoderLayer.step_forward): a layer's norm, projection and RoPE in one call, the cache's
-update and attention, then the rest of the layer in one call, each row computed in one order of arithmetic (the
-numeric contract). Fixed-shape steps, other devices and dtypes, and dense linears run torch's ops.
+step ops (kernels.step: DecoderLayer.step_forward), each row computed in one order of arithmetic (the numeric
+contract): over a float16 cache in host memory a whole layer in one call (the cache's write read once per forward,
+KVCache.eager_write), elsewhere its norm, projection and RoPE in one call, the cache's update and attention, then
+the rest of the layer in one call. Fixed-shape steps, other devices and dtypes, and dense linears run torch's ops.
 
 prefill_layerwise() runs a prompt layer by layer instead of chunk by chunk (for a full cache in host memory, whose
 every forward streams every layer's prefix to the device): the same forwards of the same chunks, in another order.
@@ -38,9 +39,9 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from triforce_cli.cache import FullCache, KVCache, LayerwiseWrite, StaticStep
-from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear
-from triforce_cli.kernels.step import Projection, attention_input, layer_output, step_ops_available
+from triforce_cli.cache import EagerWrite, FullCache, KVCache, LayerwiseWrite, StaticStep
+from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear, runs_cache_attention
+from triforce_cli.kernels.step import Projection, attention_input, cached_layer, layer_output, step_ops_available
 from triforce_cli.offload.weights import WeightStream
 from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.graphs import StepGraphs
@@ -312,7 +313,7 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window(layer)  # sliding window, None: every earlier key
 
     def forward(
-        self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache | LayerwiseWrite | StaticStep
+        self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache | EagerWrite | LayerwiseWrite | StaticStep
     ) -> torch.Tensor:
         """The attention output (T, C) of x (T, C) at the positions rotation (T, 2, 2, D/2) rotates by, written to
         cache (a fixed-shape step's: StaticStep, which holds what every layer of the step shares)."""
@@ -424,7 +425,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rotation: torch.Tensor,
-        cache: KVCache | LayerwiseWrite | StaticStep,
+        cache: KVCache | EagerWrite | LayerwiseWrite | StaticStep,
         chunk: int | None = None,
     ) -> torch.Tensor:
         """The hidden states (T, C) after this layer of x (T, C), whose positions rotate by rotation (T, 2, 2, D/2).
@@ -447,17 +448,31 @@ class DecoderLayer(nn.Module):
         return x
 
     def step_forward(
-        self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache | LayerwiseWrite, operands: LayerOperands
+        self,
+        x: torch.Tensor,
+        rotation: torch.Tensor,
+        cache: KVCache | EagerWrite | LayerwiseWrite,
+        operands: LayerOperands,
     ) -> torch.Tensor:
-        """forward() of one eager forward on the CPU in float32 through the CPU step ops (kernels.step): the layer's
-        first half in one call, the cache's update, attention, the second half in one call."""
+        """forward() of one eager forward on the CPU in float32 through the CPU step ops (kernels.step): the whole
+        layer in one call where it writes a cache's storage (EagerWrite) and attends with cache_attention; else the
+        layer's first half in one call, the cache's update, attention, the second half in one call."""
         attn = operands.attention
+        window = attn.window if cache.slots_are_positions else None
+        if isinstance(cache, EagerWrite) and runs_cache_attention(attn.backend, x, cache.keys):
+            x, q = cached_layer(
+                x, operands.input_norm, operands.input_eps, operands.qkv, rotation, attn.num_heads,
+                attn.num_kv_heads, operands.q_norm, operands.k_norm, cache.keys, cache.values, attn.layer,
+                cache.slots.start, cache.first_slots[attn.layer], attn.scale, cache.origin, window,
+                operands.o_proj, operands.post_norm, operands.post_eps, operands.gate_up, operands.down,
+            )  # fmt: skip
+            cache.keep_queries(attn.layer, q)
+            return x
         q, k, v = attention_input(
             x, operands.input_norm, operands.input_eps, operands.qkv, rotation, attn.num_heads, attn.num_kv_heads,
             operands.q_norm, operands.k_norm,
         )  # fmt: skip
         keys, values = cache.update(attn.layer, q, k, v)  # (Hkv, L, D)
-        window = attn.window if cache.slots_are_positions else None
         out = attention(q, keys, values, attn.scale, attn.backend, window, cache.origin)  # (Hq, T, D)
         return layer_output(
             x, out, operands.o_proj, operands.post_norm, operands.post_eps, operands.gate_up, operands.down
@@ -652,11 +667,11 @@ class Transformer(nn.Module):
         rotation = self.rotary(positions, x.dtype)
         if cache.static_step:  # what every layer of a fixed-shape step shares, built once on the device
             step = cache.begin_step(tokens.shape[0], self.config.num_heads // self.config.num_kv_heads)
-        else:
-            step = cache
+        else:  # an eager forward's write, read once for every layer where the cache's storage takes it
+            step = cache.eager_write() or cache
         for layer in self.model.layers:
             x = layer(x, rotation, step)
-        if step is not cache:
+        if cache.static_step:
             step.finish()
         if num_logits is not None:
             x = x[-num_logits:]
