@@ -69,10 +69,11 @@ constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // The next block's key and value rows (`keys` of each, rows k_row and v_row elements apart, `dim` float16 each),
-// asked for into L2 (prefetcht1) a few lines at a time while a unit of many rows works on the current block, so that
-// the cache is read while the block's arithmetic runs rather than before it. The block's work is counted in units
-// (a row tile's scores of one key vector: kScoreUnits, its values for one key: 1); advance(n) issues the share of
-// the lines that n of the block's `units` earn, which spreads them at the rate that reads them in the block's time.
+// asked for into L1 (prefetcht0; into L2 was slower) a few lines at a time while a unit of many rows works on the
+// current block, so that the cache is read while the block's arithmetic runs rather than before it. The block's
+// work is counted in units (a row tile's scores of one key vector: kScoreUnits, its values for one key: 1);
+// advance(n) issues the share of the lines that n of the block's `units` earn, which spreads them at the rate that
+// reads them in the block's time.
 struct Stream {
   static constexpr int64_t kScoreUnits = 16;
   static constexpr int64_t kLineHalves = 32;  // float16 a 64-byte line
@@ -90,7 +91,7 @@ struct Stream {
   void issue() {
     const at::Half* at = line < row_lines ? k + row * k_row + line * kLineHalves
                                           : v + row * v_row + (line - row_lines) * kLineHalves;
-    asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(at)));
+    asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(at)));
     if (++line == 2 * row_lines) {
       line = 0;
       ++row;
