@@ -114,6 +114,35 @@ def test_a_row_gives_the_same_bits_in_any_batch(body, origin, window, context, t
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 2, 64), (3, 3, 32)])
+def test_a_verification_row_gives_its_decode_and_prefill_bits(body, q_heads, kv_heads, dim, threads):
+    """Verification batches of 1 to 16 queries (G to 16 G rows of a KV head): the few rows of a decode step's grouped
+    heads read their keys directly, more rows pack them once; each row of every batch is the bits of the same row
+    alone (a decode step) and inside a batch of 40 queries (a prefill chunk), with keys across several blocks and a
+    segment's boundary."""
+    g = torch.Generator().manual_seed(dim + q_heads)
+    context, chunk = 2100, 40
+    q = torch.randn(q_heads, chunk, dim, generator=g)
+    k, v = cache_views(kv_heads, context + chunk, dim, seed=dim)
+    scale = dim**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prefill = cache_attention(q, k, v, scale, 30)
+        for queries in (*range(1, 9), 16):
+            start = chunk - queries - 3  # the batch ends 3 queries before the chunk's end: its view is cut there
+            seen = context + start + queries
+            batch = cache_attention(q[:, start : start + queries], k[:, :seen], v[:, :seen], scale, 30)
+            assert torch.equal(batch, prefill[:, start : start + queries]), f"{queries} queries"
+            for t in range(queries):
+                own = seen - queries + t + 1  # the view up to query t's own key
+                alone = cache_attention(q[:, start + t : start + t + 1], k[:, :own], v[:, :own], scale, 30)
+                assert torch.equal(alone[:, 0], batch[:, t]), f"query {t} of {queries}"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_two_threads_give_one_threads_bits(body):
     """A 1-row decode splits its keys into segments over the threads; the merge order is fixed."""
     q = torch.randn(8, 3, 128, generator=torch.Generator().manual_seed(1))

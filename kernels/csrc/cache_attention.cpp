@@ -28,14 +28,15 @@
 // Threads split the work only by (KV head, group of rows, segment): no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
-// position (t G + g), in groups of kGroupRows. A unit of work with more than kDirectTiles value tiles of rows packs
-// each block's keys (Ops::pack_keys) and widens its values once for the group; a smaller one (a decode or
-// verification step) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: up to 6 rows
-// against 16 keys), the softmax step, and the values' product (rows x D columns in registers). Segments give a
-// 1-row decode its parallelism (flash-decoding). A decode step reads the cache in increasing address, four key rows
-// after four, and leaves it to the hardware's prefetchers (software prefetches of whole blocks stalled it: their
-// instructions waited for free miss buffers); a unit of many rows works on a block long enough for those to stop,
-// so its first value tile asks for the next block's rows, one key a step. Three bodies: AVX-512 and AVX2 (F16C) for
+// position (t G + g), in groups of kGroupRows. A unit of work with more than Ops::kDirectRows rows (a verification
+// step or a prefill chunk) packs each block's keys (Ops::pack_keys) once for the group; a smaller one (a decode
+// step's grouped heads) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: up to 6 rows
+// against 16 keys), the softmax step, and the values' product (rows x D columns in registers), which every value
+// tile reads from the float16 cache itself. Segments give a 1-row decode its parallelism (flash-decoding). A decode
+// step reads the cache in increasing address, four key rows after four, and leaves it to the hardware's prefetchers
+// (software prefetches of whole blocks stalled it: their instructions waited for free miss buffers); a unit of many
+// rows works on a block long enough for those to stop, so it asks for the next block's rows a few lines at a time,
+// spread over the block's work (Stream). Three bodies: AVX-512 and AVX2 (F16C) for
 // D a multiple of their width, 64 and 128 compiled for their size, and plain C++ for everything else, picked by
 // isa.h.
 
@@ -62,18 +63,51 @@ using triforce_cpu::Isa;
 
 constexpr int64_t kBlock = 64;        // keys per online-softmax step, aligned to absolute positions
 constexpr int64_t kSegment = 2048;    // keys per segment merged at the end, aligned to absolute positions
-constexpr int64_t kGroupRows = 96;    // query rows per unit of work, which share each block's widened K and V
+constexpr int64_t kGroupRows = 96;    // query rows per unit of work, which share each block's packed keys
 constexpr int64_t kTileRows = 24;     // rows whose scores and weights are taken together before their values
-constexpr int64_t kDirectTiles = 1;    // value tiles of rows that read the float16 cache directly, not widened
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// prefetcht1 (into L2) of the lines of n elements from `at`; in assembly, which the optimiser keeps
-template <typename T>
-inline void prefetch_row(const T* at, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64 / sizeof(T))
-    asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(at + i)));
-}
+// The next block's key and value rows (`keys` of each, rows k_row and v_row elements apart, `dim` float16 each),
+// asked for into L1 (prefetcht0; into L2 was slower) a few lines at a time while a unit of many rows works on the
+// current block, so that the cache is read while the block's arithmetic runs rather than before it. The block's
+// work is counted in units (a row tile's scores of one key vector: kScoreUnits, its values for one key: 1);
+// advance(n) issues the share of the lines that n of the block's `units` earn, which spreads them at the rate that
+// reads them in the block's time.
+struct Stream {
+  static constexpr int64_t kScoreUnits = 16;
+  static constexpr int64_t kLineHalves = 32;  // float16 a 64-byte line
+  const at::Half *k = nullptr, *v = nullptr;
+  int64_t k_row = 0, v_row = 0, row_lines = 0;
+  int64_t lines = 0, issued = 0, units = 1, credit = 0;
+  int64_t row = 0, line = 0;  // the next line: line of key row `row` (line < row_lines), else of its value row
+
+  Stream() = default;
+  Stream(const at::Half* k, const at::Half* v, int64_t k_row, int64_t v_row, int64_t keys, int64_t dim,
+         int64_t units)
+      : k(k), v(v), k_row(k_row), v_row(v_row), row_lines((dim + kLineHalves - 1) / kLineHalves),
+        lines(2 * keys * row_lines), units(std::max<int64_t>(1, units)) {}
+
+  void issue() {
+    const at::Half* at = line < row_lines ? k + row * k_row + line * kLineHalves
+                                          : v + row * v_row + (line - row_lines) * kLineHalves;
+    asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(at)));
+    if (++line == 2 * row_lines) {
+      line = 0;
+      ++row;
+    }
+    ++issued;
+  }
+  void advance(int64_t n) {
+    if (!k) return;
+    credit += n * lines;
+    for (; credit >= units && issued < lines; credit -= units) issue();
+  }
+  void finish() {
+    if (k)
+      while (issued < lines) issue();
+  }
+};
 
 inline int64_t floor_to(int64_t x, int64_t step) { return x / step * step; }  // x >= 0
 inline int64_t segment_of(int64_t position) { return position / kSegment; }
@@ -123,6 +157,7 @@ struct Ops {
   static constexpr int64_t kLanes = 16;
   static constexpr int kValueRows = 6;     // x 4 column vectors: 24 accumulators
   static constexpr int kValueColumns = 4;
+  static constexpr int64_t kDirectRows = 4;  // a decode step of up to 4 grouped heads; 2 queries of 3 pack
   using V = __m512;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
@@ -247,6 +282,7 @@ struct Ops {
   static constexpr int64_t kLanes = 8;
   static constexpr int kValueRows = 3;     // x 4 column vectors: 12 accumulators
   static constexpr int kValueColumns = 4;
+  static constexpr int64_t kDirectRows = 3;
   using V = __m256;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
@@ -336,6 +372,7 @@ struct Ops {
   static constexpr int64_t kLanes = 1;
   static constexpr int kValueRows = 4;
   static constexpr int kValueColumns = 4;
+  static constexpr int64_t kDirectRows = 4;
   using V = float;
   static V zero() { return 0.f; }
   static V set1(float x) { return x; }

@@ -8,7 +8,7 @@
 // not change: pack_keys (W float16 keys to the set's layout), score (kScoreRows query rows against W packed keys),
 // score_direct (the same scores of W float16 keys read as they lie, from the rows as copy_query leaves them,
 // kQueryCopies D floats a row); kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D a
-// pass of it takes).
+// pass of it takes); kDirectRows (the most rows of a unit that reads its keys directly rather than packed).
 
 // The softmax state of one query row within a unit's segment: its running maximum, the lanes of its running sum of
 // exponentials and its unnormalised output (D).
@@ -45,7 +45,7 @@ inline void pack_block_keys(const at::Half* block, int64_t row_stride, int64_t j
 template <int kDim, int R = Ops::kScoreRows>
 inline void score_rows(int64_t rows, const float* q, const float* copies, int64_t dim, const float* keys,
                        const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1,
-                       float* scores) {
+                       float* scores, Stream& stream) {
   constexpr int64_t W = Ops::kLanes;
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
@@ -56,28 +56,22 @@ inline void score_rows(int64_t rows, const float* q, const float* copies, int64_
                                             row_stride, dim, scores + r * kBlock + vector);
       else
         Ops::template score<kDim, R>(q + r * d_end, keys + vector * d_end, dim, scores + r * kBlock + vector);
+      stream.advance(Stream::kScoreUnits);
     }
   if constexpr (R > 1) {
     if (r < rows)
       score_rows<kDim, R - 1>(rows - r, q + r * d_end, copies + r * Ops::kQueryCopies * d_end, dim, keys, block,
-                              row_stride, ja, jb, k0, k1, scores + r * kBlock);
+                              row_stride, ja, jb, k0, k1, scores + r * kBlock, stream);
   }
 }
 
-// Rows to prefetch while the values are read, one a key: a unit of many rows works on a block long enough for the
-// hardware's prefetchers to stop running ahead, so its first value tile asks for the next block's keys and values
-// (none: k null)
-struct Ahead {
-  const at::Half *k = nullptr, *v = nullptr;
-  int64_t k_row = 0, v_row = 0;
-};
-
-// state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D), rows `stride` apart,
-// float32 or float16 (widened as they are read): each output element's block sum is the FMA chain over the keys in
-// order from 0, then added to the rescaled old value in one FMA.
-template <int kDim, int R, typename T>
-inline void value_tile(const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0, int64_t j1,
-                       const float* rescale, float* out, const Ahead& ahead) {
+// state.out (rows, D) = state.out rescale + weights (rows, keys [j0, j1)) . values (keys, D), float16 rows `stride`
+// apart widened as they are read (every value tile reads them: cheaper than widening them once into memory and
+// reading that back): each output element's block sum is the FMA chain over the keys in order from 0, then added to
+// the rescaled old value in one FMA. The stream advances by one a key.
+template <int kDim, int R>
+inline void value_tile(const float* weights, const at::Half* values, int64_t stride, int64_t dim, int64_t j0, int64_t j1,
+                       const float* rescale, float* out, Stream& stream) {
   constexpr int kColumns = Ops::kValueColumns;
   const int64_t d_end = kDim ? kDim : dim;
   for (int64_t column = 0; column < d_end; column += kColumns * Ops::kLanes) {
@@ -87,11 +81,7 @@ inline void value_tile(const float* weights, const T* values, int64_t stride, in
       for (int c = 0; c < kColumns; ++c) acc[r][c] = Ops::zero();
     if (count == kColumns) {
       for (int64_t j = j0; j < j1; ++j) {
-        if constexpr (std::is_same_v<T, float>)  // widened values: a unit of many rows
-          if (ahead.k && column == 0) {
-            prefetch_row(ahead.k + j * ahead.k_row, d_end);
-            prefetch_row(ahead.v + j * ahead.v_row, d_end);
-          }
+        if (column == 0) stream.advance(1);
         typename Ops::V value[kColumns];
         for (int c = 0; c < kColumns; ++c) value[c] = Ops::load(values + j * stride + column + c * Ops::kLanes);
         for (int r = 0; r < R; ++r) {
@@ -115,32 +105,31 @@ inline void value_tile(const float* weights, const T* values, int64_t stride, in
   }
 }
 
-template <int kDim, typename T, int R = Ops::kValueRows>
-inline void value_rows(int64_t rows, const float* weights, const T* values, int64_t stride, int64_t dim, int64_t j0,
-                       int64_t j1, const float* rescale, float* out, const Ahead& ahead = Ahead{}) {
+template <int kDim, int R = Ops::kValueRows>
+inline void value_rows(int64_t rows, const float* weights, const at::Half* values, int64_t stride, int64_t dim, int64_t j0,
+                       int64_t j1, const float* rescale, float* out, Stream& stream) {
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
     value_tile<kDim, R>(weights + r * kBlock, values, stride, dim, j0, j1, rescale + r, out + r * d_end,
-                        r == 0 ? ahead : Ahead{});
+                        stream);
   if constexpr (R > 1) {
     if (r < rows)
-      value_rows<kDim, T, R - 1>(rows - r, weights + r * kBlock, values, stride, dim, j0, j1, rescale + r,
-                                 out + r * d_end, r == 0 ? ahead : Ahead{});
+      value_rows<kDim, R - 1>(rows - r, weights + r * kBlock, values, stride, dim, j0, j1, rescale + r,
+                                 out + r * d_end, stream);
   }
 }
 
 // One unit of work: the rows [row0, row0 + rows) of KV head `head` against the keys of segment `segment`, online
 // softmax over its blocks in increasing position; the rows' (maximum, sum, output) go to the problem's partials.
-// kWidened: the keys packed and the values widened once for many rows, else read as float16 directly (a function
-// of its own, so that a decode step's loop is compiled as if the other did not exist).
-template <int kDim, bool kWidened>
+// kPacked: the keys packed once for many rows, else read as float16 directly (a function of its own, so that a
+// decode step's loop is compiled as if the other did not exist); the values are read as float16 either way.
+template <int kDim, bool kPacked>
 void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
   const int64_t dim = kDim ? kDim : p.dim;
   constexpr int64_t W = Ops::kLanes;
   float* keys = scratch;                      // (kBlock, D)
-  float* values = keys + kBlock * dim;        // (kBlock, D)
-  float* weights = values + kBlock * dim;     // (rows, kBlock)
+  float* weights = keys + kBlock * dim;       // (rows, kBlock)
   float* rescale = weights + rows * kBlock;   // (rows)
   RowState state{rescale + rows, rescale + 2 * rows, rescale + 2 * rows + rows * W};
   float* copies = state.out + rows * dim;     // (rows, kQueryCopies D), for a group that reads K directly
@@ -161,8 +150,7 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   const float* q = p.q + (head * p.rows + row0) * dim;
   const at::Half* k_head = p.k + head * p.k_head;
   const at::Half* v_head = p.v + head * p.v_head;
-  constexpr bool widened = kWidened;
-  if constexpr (!widened)
+  if constexpr (!kPacked)
     for (int64_t r = 0; r < rows; ++r) Ops::copy_query(q + r * dim, dim, copies + r * Ops::kQueryCopies * dim);
   if (first <= last) {
     for (int64_t block_start = floor_to(p.origin + first, kBlock) - p.origin; block_start <= last;
@@ -171,12 +159,22 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
       const int64_t ja = std::max(block_start, first) - block_start;
       const int64_t jb = std::min(block_start + kBlock, last + 1) - block_start;
       const at::Half* k_block = k_head + block_start * p.k_row;
-      const int64_t next = std::max<int64_t>(0, std::min(block_start + kBlock, p.keys - kBlock));  // the block after
-      pack_block_keys(k_block, p.k_row, ja, jb, dim, keys, !widened);
-      if constexpr (widened)
-        for (int64_t j = ja; j < jb; ++j) {
-          Ops::widen(v_head + (block_start + j) * p.v_row, values + j * dim, dim);
+      // a unit of many rows reads the next block while it works on this one: its work, counted as the stream
+      // counts it, were every tile to read every key of [ja, jb)
+      Stream stream;
+      const int64_t next = block_start + kBlock;
+      if (kPacked && next < p.keys) {
+        const int64_t vectors = (jb + W - 1) / W - ja / W;
+        int64_t units = 0;
+        for (int64_t t0 = 0; t0 < rows; t0 += kTileRows) {
+          const int64_t tile = std::min(kTileRows, rows - t0);
+          units += (tile + Ops::kScoreRows - 1) / Ops::kScoreRows * vectors * Stream::kScoreUnits +
+                   (tile + Ops::kValueRows - 1) / Ops::kValueRows * (jb - ja);
         }
+        stream = Stream(k_head + next * p.k_row, v_head + next * p.v_row, p.k_row, p.v_row,
+                        std::min(kBlock, p.keys - next), dim, units);
+      }
+      pack_block_keys(k_block, p.k_row, ja, jb, dim, keys, !kPacked);
       for (int64_t t0 = 0; t0 < rows; t0 += kTileRows) {
         const int64_t tile = std::min(kTileRows, rows - t0);
         // the lanes each row of the tile reads, [lo, hi]; the tile's union
@@ -194,7 +192,7 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
         const int64_t k0 = tile_lo / W, k1 = tile_hi / W + 1;  // the key vectors the tile reads
         float* tile_weights = weights + t0 * kBlock;
         score_rows<kDim>(tile, q + t0 * dim, copies + t0 * Ops::kQueryCopies * dim, dim, keys,
-                         widened ? nullptr : k_block, p.k_row, ja, jb, k0, k1, tile_weights);
+                         kPacked ? nullptr : k_block, p.k_row, ja, jb, k0, k1, tile_weights, stream);
         for (int64_t r = 0; r < tile; ++r) {
           const int64_t row = t0 + r;
           float* s = tile_weights + r * kBlock;
@@ -224,15 +222,10 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
           float* total = state.total + row * W;
           Ops::store(total, Ops::fma(Ops::load(total), Ops::set1(rescale[row]), block_total));
         }
-        if constexpr (widened)
-          value_rows<kDim>(tile, tile_weights, values, dim, dim, tile_lo, tile_hi + 1, rescale + t0,
-                           state.out + t0 * dim,
-                           t0 == 0 ? Ahead{k_head + next * p.k_row, v_head + next * p.v_row, p.k_row, p.v_row}
-                                   : Ahead{});
-        else
-          value_rows<kDim>(tile, tile_weights, v_head + block_start * p.v_row, p.v_row, dim, tile_lo, tile_hi + 1,
-                           rescale + t0, state.out + t0 * dim);
+        value_rows<kDim>(tile, tile_weights, v_head + block_start * p.v_row, p.v_row, dim, tile_lo, tile_hi + 1,
+                         rescale + t0, state.out + t0 * dim, stream);
       }
+      stream.finish();
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -243,19 +236,19 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   }
 }
 
-// A group of up to kDirectTiles value tiles (a decode or verification step) reads the float16 keys and values
-// directly (but for the keys of vectors the rows read in part); larger ones pack and widen them once for all.
+// A group of up to Ops::kDirectRows rows (a decode step's grouped heads) reads the float16 keys directly (but for
+// the keys of vectors the rows read in part); larger ones (a verification step's or a prefill chunk's) pack them
+// once for all.
 template <int kDim>
 void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
-  if (rows > kDirectTiles * Ops::kValueRows)
+  if (rows > Ops::kDirectRows)
     attend_rows<kDim, true>(p, head, row0, rows, segment, scratch);
   else
     attend_rows<kDim, false>(p, head, row0, rows, segment, scratch);
 }
 
 inline int64_t unit_scratch(int64_t dim) {
-  return 2 * dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim) +
-         kDirectTiles * Ops::kValueRows * Ops::kQueryCopies * dim;
+  return dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim) + Ops::kDirectRows * Ops::kQueryCopies * dim;
 }
 
 // Row r of KV head `head`: its segments' partials merged in segment order into out (D): with M the largest
