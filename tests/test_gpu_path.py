@@ -35,8 +35,7 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import resolve_attention
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.forms import StepMode
-from triforce_cli.runtime.loading import resolve_steps, resolve_weights
+from triforce_cli.runtime.forms import StepMode, resolve_steps, resolve_weights
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -16,8 +16,15 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.kernels import optional as optional_kernels
 from triforce_cli.runtime.environment import physical_cores
-from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, StepMode, WeightForm
-from triforce_cli.runtime.loading import Checkpoint, StatusCallback, resolve_checkpoint, resolve_steps, resolve_weights
+from triforce_cli.runtime.forms import (
+    HALF_PROMPT_FORMS,
+    OffloadMode,
+    StepMode,
+    WeightForm,
+    resolve_steps,
+    resolve_weights,
+)
+from triforce_cli.runtime.loading import Checkpoint, StatusCallback, resolve_checkpoint
 from triforce_cli.runtime.model import Transformer
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.parallel import pending_group
@@ -35,14 +42,14 @@ class LoadOptions:
             target or another file of that model (pipeline.drafter_spec).
         dtype: 'auto' (bfloat16 on CUDA, float32 on the CPU) or a name of DTYPES.
         device: 'auto' (CUDA where there is a GPU), 'cpu', 'cuda' or 'cuda:N'.
-        weights: a WeightForm: 'auto' (the fastest exact form for the device, loading.resolve_weights), 'dense',
+        weights: a WeightForm: 'auto' (the fastest exact form for the device, forms.resolve_weights), 'dense',
             'half' (float16 weight matrices for target and drafter) or 'gguf' (the target from its GGUF file's
             blocks); see loading.load_model. Output is exact with respect to the target in the form chosen.
         attention: 'auto' (the fastest kernel for the device and dtype), 'flash', 'sdpa' or 'cpu'; see
             resolve_attention.
         steps: a StepMode, how decode steps run: 'eager', 'graphs' (fixed-shape steps recorded as CUDA graphs)
             or 'compiled' (those compiled by inductor first); None: graphs on CUDA, eager on the CPU
-            (loading.resolve_steps).
+            (forms.resolve_steps).
         context_window: positions both models accept, YaRN-scaled beyond their trained context.
         threads: the torch threads the caller set, or None: then a CPU's prefill runs on every physical core, and
             decoding on the threads measured fastest (with tune) or torch's.

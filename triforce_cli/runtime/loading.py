@@ -31,7 +31,7 @@ from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.kernels import half_weights_available
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
-from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, WEIGHT_FORMATS, OffloadMode, StepMode, WeightForm
+from triforce_cli.runtime.forms import WEIGHT_FORMATS, OffloadMode, WeightForm
 from triforce_cli.runtime.gguf_weights import (
     GGUFEmbedding,
     describe_types,
@@ -292,55 +292,6 @@ def borrow_shared_weights(
     if not hf_config.tie_word_embeddings:
         state["lm_head.weight"] = target.lm_head.weight
     return True
-
-
-def resolve_weights(
-    weights: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    attention: str = "cpu",
-    compiled: bool = False,
-    gguf_source: bool = False,
-    *,
-    gguf_kernels: bool | None = None,
-    half_available: bool | None = None,
-) -> str:
-    """'auto' as the fastest exact weight form by rule: on a CPU in float32 with the cpu attention kernels and eager
-    steps, 'gguf' for a GGUF checkpoint whose block kernel builds here (a decode step reads a fifth of the float32
-    bytes), else 'half' on an x86 torch build whose CPU extension builds (half the bytes); 'dense' elsewhere. Any other choice as it is.
-    runtime.tuning replaces the rule by a measurement where it may.
-
-    gguf_kernels, half_available: whether the block kernel builds and half weights run here, where the caller knows
-    (decoding.setup.Machine); None: found out here, the kernel only for a GGUF checkpoint."""
-    if weights != WeightForm.AUTO:
-        return weights
-    if not (device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not compiled):
-        return WeightForm.DENSE
-    if gguf_source and (kernel_error() is None if gguf_kernels is None else gguf_kernels):
-        return WeightForm.GGUF
-    half = half_weights_available() and kernel_error() is None if half_available is None else half_available
-    return WeightForm.HALF if half else WeightForm.DENSE
-
-
-def resolve_steps(requested: StepMode | None, device: torch.device, weights: str) -> StepMode:
-    """How decode steps run (Transformer.use_steps): as requested, else as fixed-shape steps recorded as CUDA graphs
-    on CUDA, and eager on the CPU, where the eager steps on half weights measured faster (STEP_REASONS). Half and
-    GGUF weights run only in eager steps: their CPU kernels take variable-length views."""
-    default = StepMode.GRAPHS if device.type == "cuda" else StepMode.EAGER
-    steps = default if requested is None else StepMode(requested)
-    if steps != StepMode.EAGER and weights in HALF_PROMPT_FORMS:
-        raise ConfigError(
-            f"`steps` {steps} runs dense weights only, not {weights}: use `weights` dense or `steps` eager"
-        )
-    return steps
-
-
-STEP_REASONS = {
-    "cuda": "graphs: every decode step is one CUDA graph, recorded once per step length (--steps compiled to compile"
-    " them first)",
-    "cpu": "eager: on the CPU the eager steps on GGUF or half weights beat fixed-shape ones (--steps graphs or"
-    " --compile to try)",
-}
 
 
 def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
