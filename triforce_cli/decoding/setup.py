@@ -5,7 +5,8 @@ where the basis asks for them the target's checkpoint and the measured fastest c
 reads anything: every choice of device, dtype, attention kernels, weight form, step mode and threads, and every
 combination that cannot run, is decided there. choose_setup is the one place that reads what the choice depends on
 (the machine, the checkpoint and the measurement, each once) and resolves the Setup once, with all of it;
-Pipeline.load loads the models as the Setup says and apply_setup finishes each.
+Pipeline.load loads the models as the Setup says, each transformed in one place (loading.transform_model: weight
+form, sharding, weight offload, device, attention kernels, step mode).
 """
 
 from dataclasses import dataclass, replace
@@ -26,7 +27,6 @@ from triforce_cli.runtime.forms import (
     resolve_weights,
 )
 from triforce_cli.runtime.loading import Checkpoint, StatusCallback, resolve_checkpoint
-from triforce_cli.runtime.model import Transformer
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.parallel import pending_group
 
@@ -361,11 +361,3 @@ def choose_setup(options: LoadOptions, offload: str = OffloadMode.NONE, status: 
         tuning = fastest_configuration(options.target, checkpoint, status)
     choice = None if tuning is None else tuning.choice
     return Chosen(resolve_setup(options, machine, checkpoint, offload, choice, basis), checkpoint, tuning)
-
-
-def apply_setup(model: Transformer, setup: Setup) -> None:
-    """The transforms a loaded model takes once its weights are on the device, in this order: the attention
-    kernels, then the step mode. (The weight form, sharding and weight offload apply while the weights are still
-    in host memory: loading.build_model, from the same Setup.)"""
-    model.use_attention(setup.attention)
-    model.use_steps(setup.steps)
