@@ -1,7 +1,8 @@
 """The engine's generation path (decoding/engine.py) and the road to it: each step of the way done once.
 
 - One generation sizes its caches with one memory plan (sizing.memory_plan: the memory check and the allocation
-  share it), and a second generation on the same caches with none.
+  share it), and a second generation on the same caches with none; `triforce generate` checks its prompt
+  (sizing.check_prompt) and plans its memory once, though it prints the plan before the generation.
 - Pipeline.load reads the target's checkpoint once: the set-up that decides on it (setup.choose_setup) hands it to
   load_model; and it resolves the set-up once (setup.resolve_setup), for a dense folder, a GGUF file and a load the
   measured fastest configuration chooses.
@@ -16,7 +17,9 @@ import sys
 import pytest
 import torch
 from helpers import make_model, random_prompt, save_checkpoint, small_config, write_gguf_model
+from typer.testing import CliRunner
 
+from triforce_cli.cli.app import app
 from triforce_cli.decoding import setup, sizing, tuning
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.pipeline import Pipeline, prefill_or_restore
@@ -57,6 +60,18 @@ def test_a_generation_sizes_its_caches_with_one_memory_plan(target, monkeypatch)
     assert len(plans) == 1
     engine.generate(random_prompt(PROMPT, 64, seed=2))
     assert len(plans) == 1
+
+
+@pytest.mark.parametrize("output", [[], ["--json"]])
+def test_a_generate_checks_its_prompt_and_plans_its_memory_once(output, tiny, prompt_file, monkeypatch):
+    """The command checks the prompt and prints the memory plan before generating; the generation then takes both
+    from there instead of making them again."""
+    checks = counted(monkeypatch, sizing.check_prompt)
+    plans = counted(monkeypatch, sizing.memory_plan)
+    command = ["generate", "-p", str(prompt_file), "--max-new-tokens", "4", "--temperature", "0", *output]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert len(checks) == 1 and len(plans) == 1
 
 
 def test_loading_reads_the_checkpoint_once(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import torch
 
 from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 from triforce_cli.decoding.prompt_state import PromptState
-from triforce_cli.decoding.sizing import CacheKind, CacheSpec, Capacities, check_memory, memory_plan
+from triforce_cli.decoding.sizing import CacheKind, CacheSpec, Capacities, MemoryPlan, check_memory, memory_plan
 from triforce_cli.offload import offload_kv
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
@@ -156,6 +156,7 @@ class CachePool:
     layouts: dict[str, tuple] = field(default_factory=dict)
     held: dict[str, tuple[int, int]] = field(default_factory=dict)
     holds: Held | None = None  # what the full cache's first positions hold, for the next prompt to reuse
+    planned: tuple[CacheSpec, Capacities, MemoryPlan] | None = None  # the last plan(), with what it was made for
 
     def release(self, kind: str) -> None:
         """Drop the cache of kind, so that its buffers are freed before a new one is allocated."""
@@ -170,6 +171,13 @@ class CachePool:
         with spec's layout kept where it is large enough."""
         kept = self.full is not None and self.layouts[CacheKind.FULL] == full_layout(spec)
         return spec.capacities(prompt_tokens, held=self.full.capacity if kept else 0)
+
+    def plan(self, spec: CacheSpec, caps: Capacities) -> MemoryPlan:
+        """The memory plan of spec's caches with caps (sizing.memory_plan), made once: asked again for the same spec
+        and caps (the plan `generate` prints, then the allocation's), the one made before."""
+        if self.planned is None or self.planned[0] is not spec or self.planned[1] != caps:
+            self.planned = (spec, caps, memory_plan(spec, caps))
+        return self.planned[2]
 
     def renewal(self, spec: CacheSpec, caps: Capacities) -> tuple[list[str], list[str]]:
         """The cache kinds to build for a generation with caps, and the held caches to release before: those
@@ -206,7 +214,7 @@ class CachePool:
         build, release = self.renewal(spec, caps)
         kept = 0 if CacheKind.FULL in build or not self.full.can_write_from(keep) else keep
         if build:
-            sizes = memory_plan(spec, caps).bytes_by_kind()
+            sizes = self.plan(spec, caps).bytes_by_kind()
             needed = tuple(sum(sizes[k][i] for k in build) - sum(self.held[k][i] for k in release) for i in (0, 1))
             check_memory(spec, prompt_tokens, needed)
             for kind in release:

@@ -22,7 +22,7 @@ from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import probabilities, sample
-from triforce_cli.decoding.sizing import ACTIVATIONS_ITEM, WEIGHT_ITEMS, CacheSpec, MemoryPlan, memory_plan
+from triforce_cli.decoding.sizing import ACTIVATIONS_ITEM, WEIGHT_ITEMS, CacheSpec, MemoryPlan, check_prompt
 from triforce_cli.decoding.speculation_length import SOURCE_POLICIES
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier, TokenSequence
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
@@ -66,6 +66,7 @@ class Engine:
         self.eos_ids = set() if config.ignore_eos else target.eos_token_ids
         self._caches = CachePool()  # shared with the engines made from this one
         self.spec = CacheSpec(target, self._drafter_model, config, self.uses_model_drafter)
+        self._checked_tokens: int | None = None  # the last prompt length check_prompt passed
         if config.offload == OffloadMode.KV_WEIGHTS and target.model.weight_stream is None:
             raise ConfigError(
                 "`offload` kv+weights needs a target loaded with its weights streamed: load_model(...,"
@@ -134,7 +135,7 @@ class Engine:
     def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
         """What a generation after prompt_tokens holds, and where, before anything is allocated (sizing.memory_plan),
         a full cache held that is large enough at its own size."""
-        return memory_plan(self.spec, self._caches.capacities(self.spec, prompt_tokens))
+        return self._caches.plan(self.spec, self._caches.capacities(self.spec, prompt_tokens))
 
     def cache_bytes(self, prompt_tokens: int) -> int:
         """Bytes of the caches (everything but the weights and a prefill's activations) a generation after
@@ -144,21 +145,13 @@ class Engine:
         return plan.device_bytes + plan.host_bytes - other
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise PromptError("the prompt is empty after tokenization")
-        context = self.target.model.config.max_position_embeddings
-        needed = len(prompt_ids) + self.config.max_new_tokens
-        if needed > context:
-            raise PromptError(
-                f"prompt of {len(prompt_ids)} tokens plus {self.config.max_new_tokens} new tokens exceeds"
-                f" the {context}-token context of {self.target.name}: use `context_window` {-(-needed // 1024)}k"
-                " or more (RoPE scaled with YaRN), a shorter prompt or fewer `max_new_tokens`"
-            )
-        positions = self.config.cache_positions
-        if positions is not None and positions > context:
-            raise ConfigError(f"cache positions {positions} exceed the {context}-token context of {self.target.name}")
-        if self.config.uses_retrieval:
-            self.config.budget_for(len(prompt_ids))
+        """A PromptError or ConfigError where a generation after prompt_ids cannot run (sizing.check_prompt: it
+        depends on their number alone), checked once for a number of tokens: a generation after the check that
+        `triforce generate` makes before it checks nothing again."""
+        if len(prompt_ids) != self._checked_tokens:
+            context = self.target.model.config.max_position_embeddings
+            check_prompt(len(prompt_ids), self.config, context, self.target.name)
+            self._checked_tokens = len(prompt_ids)
 
     def prefill(
         self,
