@@ -15,11 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from triforce_cli.cache import FullCache, StreamingCache
 from triforce_cli.decoding.cache_pool import CachePool, Held, InUse
-from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
+from triforce_cli.decoding.prefill import ChunkCallback, PrefillCallback, prefill, prefill_drafter
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import probabilities, sample
 from triforce_cli.decoding.sizing import ACTIVATIONS_ITEM, WEIGHT_ITEMS, CacheSpec, MemoryPlan, check_prompt
@@ -29,22 +28,13 @@ from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.decoding.step_costs import price_tiers
 from triforce_cli.decoding.warm_up import warm_up
 from triforce_cli.errors import ConfigError, PromptError
-from triforce_cli.offload import prefill_layerwise
-from triforce_cli.runtime.environment import available_memory, torch_threads
 from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer
-from triforce_cli.runtime.parallel import from_rank_zero, least, shared_seed, world_size
+from triforce_cli.runtime.parallel import from_rank_zero, shared_seed, world_size
 
-PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
 StopCheck = Callable[[], bool]  # asked once before each verification round: True stops the generation there
-ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took on the device
-
-
-# windows of the prompt's last positions the drafter's prefill computes (Engine._prefill_drafter): its cache keeps
-# one; the one before gives every kept position the window it would have seen after a prefill of the whole prompt
-DRAFTER_READS = 2
 
 
 class Engine:
@@ -169,7 +159,7 @@ class Engine:
         self.check_prompt(prompt_ids)
         full = self._allocate(len(prompt_ids)).full
         with self._filling(prompt_ids):
-            logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill, on_chunk)
+            logits = self._prefill_target(prompt_ids, on_prefill, on_chunk)
         return PromptState.capture(full, prompt_ids, logits) if capture else None
 
     def restore(self, prompt_state: PromptState, next_prompt_tokens: int = 0) -> None:
@@ -233,10 +223,7 @@ class Engine:
         full = caches.full
         with self._filling(prompt_ids):
             if prompt_state is None:
-                model, chunk_seconds = self.target.model, stats.prefill_chunk_seconds.append
-                logits = self._prefill(
-                    self.target.name, model, full, prompt_ids, on_prefill, chunk_seconds, first=caches.kept
-                )
+                logits = self._prefill_target(prompt_ids, on_prefill, stats.prefill_chunk_seconds.append, caches.kept)
                 stats.reused_tokens = caches.kept
                 if on_prompt_state is not None:
                     on_prompt_state(PromptState.capture(full, prompt_ids, logits))
@@ -250,8 +237,18 @@ class Engine:
             if self.drafter is None:
                 caches.streaming.fill_from(full)
             else:
-                self._prefill_drafter(caches.streaming, prompt_ids, on_prefill)
+                args = (self.prefill_block, self.config, self.prefill_threads, on_prefill)
+                prefill_drafter(self.drafter, caches.streaming, prompt_ids, *args)
         return logits
+
+    def _prefill_target(
+        self, prompt_ids: list[int], on_prefill: PrefillCallback | None, on_chunk: ChunkCallback | None, first: int = 0
+    ) -> torch.Tensor:
+        """Prefill the target's full cache from position first on (decoding.prefill.prefill); the logits (1, V)
+        after the prompt's last token."""
+        retrieval = self._caches.retrieval if self.config.uses_retrieval else None  # a layer-wise prefill fills it
+        args = (self.prefill_block, self.prefill_threads, on_prefill, on_chunk, first, retrieval)
+        return prefill(self.target, self._caches.full, prompt_ids, *args)
 
     def generate(
         self,
@@ -413,65 +410,3 @@ class Engine:
             own_steps=True,
             **shared,
         )
-
-    def _prefill(
-        self,
-        name: str,
-        model: Transformer,
-        cache,
-        ids: list[int],
-        on_prefill,
-        on_chunk: ChunkCallback | None = None,
-        first: int = 0,
-    ) -> torch.Tensor:
-        """Run the prompt through model in chunks on prefill_threads; return the logits (1, V) after its last token.
-        on_chunk receives each chunk's seconds. first: the positions before it are in the cache already (kept from
-        what it held, Held.reusable: a multiple of the chunk but under the numeric contract), the chunks start there.
-
-        A full cache in host memory is prefilled layer by layer (offload.prefill_layerwise, in segments that fit the
-        least free memory of any rank, parallel.least); any other cache chunk by chunk. A chunk is timed by the
-        device's clock (DeviceClock): on a GPU to the end of its work, which the host then waits for, not to the end
-        of its launch; without on_chunk nothing is timed and nothing waits.
-        """
-        chunk = self.prefill_block
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.target.device)
-        clock = DeviceClock(tokens.device)
-        logits = None
-        with torch_threads(self.prefill_threads):
-            if isinstance(cache, FullCache) and cache.stream is not None:
-                retrieval = self._caches.retrieval if self.config.uses_retrieval else None
-                return prefill_layerwise(
-                    model,
-                    cache,
-                    tokens,
-                    chunk,
-                    first=first,
-                    free=least(available_memory(self.target.device), self.target.device),
-                    retrieval=retrieval,
-                    on_progress=None if on_prefill is None else lambda done, total: on_prefill(name, done, total),
-                    on_chunk=on_chunk,
-                    clock=clock,
-                )
-            for start in range(first, len(ids), chunk):
-                began = clock.mark() if on_chunk is not None else None
-                logits = model(tokens[start : start + chunk], start, cache, num_logits=1, decoding=False)
-                if on_chunk is not None:
-                    on_chunk(clock.seconds(began, clock.mark()))
-                if on_prefill is not None:
-                    on_prefill(name, min(start + chunk, len(ids)), len(ids))
-        return logits
-
-    def _prefill_drafter(self, streaming: StreamingCache, prompt_ids: list[int], on_prefill) -> None:
-        """Prefill the drafter's StreamingLLM cache with the prompt's sinks and its last DRAFTER_READS windows only.
-
-        Its cache keeps the sinks and the last window, so the positions before those windows would be computed only
-        to be evicted; each kept position still sees a window of the ones before it. The time is the same for any
-        prompt length, and the same prompt always leaves the same drafter state, prefix reuse or not.
-        """
-        sinks = min(self.config.sink_tokens, len(prompt_ids))
-        resume = max(sinks, len(prompt_ids) - DRAFTER_READS * self.config.draft_window)
-        name, model = self.drafter.name, self.drafter.model
-        if sinks:
-            self._prefill(name, model, streaming, prompt_ids[:sinks], None)
-        streaming.start_window_at(resume)
-        self._prefill(name, model, streaming, prompt_ids, on_prefill, first=resume)
