@@ -13,21 +13,20 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from triforce_cli.decoding.cache_pool import CachePool, Held, InUse
+from triforce_cli.decoding.cache_pool import CachePool, Held, InUse, check_restorable, exact_positions
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prefill import ChunkCallback, PrefillCallback, prefill, prefill_drafter
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import probabilities, sample
-from triforce_cli.decoding.sizing import ACTIVATIONS_ITEM, WEIGHT_ITEMS, CacheSpec, MemoryPlan, check_prompt
+from triforce_cli.decoding.sizing import CacheSpec, MemoryPlan, check_prompt
 from triforce_cli.decoding.speculation_length import SOURCE_POLICIES
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier, TokenSequence
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.decoding.step_costs import price_tiers
 from triforce_cli.decoding.warm_up import warm_up
-from triforce_cli.errors import ConfigError, PromptError
+from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer
@@ -97,17 +96,9 @@ class Engine:
 
     @property
     def exact_positions(self) -> bool:
-        """Whether every forward on the full cache computes under the numeric contract (docs/architecture.md): a
-        float32 target on the CPU with the cpu attention kernels and eager steps, whose kernels compute a row in an
-        order of arithmetic that depends neither on the rows beside it nor on the thread count. A position then
-        holds the same bits whether a prefill chunk, a verification or a one-token step computed it, and reuse keeps
-        whatever the cache holds of a prompt (Held.reusable). Its prefill is exact with any steps: it runs eager.
-        A plain nn.Linear left in the model (one built without the loader's tiled weights) computes by torch's
-        products, which are not row-invariant, and leaves the target off the contract."""
-        target = self.target
-        on_contract = target.device.type == "cpu" and target.dtype == torch.float32
-        plain_linears = any(isinstance(module, nn.Linear) for module in target.model.modules())
-        return on_contract and not plain_linears and target.model.attention_backend == "cpu" and not self.compiled
+        """Whether every forward on the full cache computes under the numeric contract (cache_pool.exact_positions):
+        a position then holds the same bits however it was computed, and reuse keeps whatever the cache holds."""
+        return exact_positions(self.target, self.compiled)
 
     def reconfigured(self, config: EngineConfig, drafter: LoadedModel | None) -> "Engine":
         """An engine for the same target with config and drafter, sharing this engine's caches (and prefill
@@ -130,9 +121,7 @@ class Engine:
     def cache_bytes(self, prompt_tokens: int) -> int:
         """Bytes of the caches (everything but the weights and a prefill's activations) a generation after
         prompt_tokens holds."""
-        plan = self.memory_plan(prompt_tokens)
-        other = sum(plan.bytes_of(name) for name in (*WEIGHT_ITEMS, ACTIVATIONS_ITEM))
-        return plan.device_bytes + plan.host_bytes - other
+        return self.memory_plan(prompt_tokens).cache_bytes
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """A PromptError or ConfigError where a generation after prompt_ids cannot run (sizing.check_prompt: it
@@ -169,7 +158,7 @@ class Engine:
         allocated for it once (a cache too small for it is built anew and keeps nothing)."""
         held_ids = prompt_state.held_ids
         self.check_prompt(held_ids)
-        self._check_restorable(prompt_state)
+        check_restorable(prompt_state, None, self.spec.window)
         full = self._allocate(max(len(held_ids), next_prompt_tokens)).full
         with self._filling(held_ids):
             prompt_state.restore(full, answer=True)
@@ -183,16 +172,6 @@ class Engine:
         """What the full cache holds that a later prompt may keep, copied to host memory for restore() to put back
         (CachePool.held_state)."""
         return self._caches.held_state(self.exact_positions, max_bytes)
-
-    def _check_restorable(self, prompt_state: PromptState) -> None:
-        """A ConfigError where prompt_state holds only the prompt's last positions (its full cache kept a sliding
-        window) and this engine's full cache keeps every position (offloaded): it lacks the positions before."""
-        if prompt_state.first_position and self.spec.window is None:
-            raise ConfigError(
-                f"the saved prefill holds only the positions from {prompt_state.first_position} on (its full cache"
-                " kept the sliding window alone), and this run's full cache keeps every position (`offload`): run"
-                " it without `prompt_cache` or without `offload`"
-            )
 
     def _allocate(self, prompt_tokens: int, keep: int = 0) -> InUse:
         """This engine's caches for a generation after prompt_tokens (CachePool.allocate, keeping `keep` prompt
@@ -266,10 +245,8 @@ class Engine:
         ends the generation there, with stop_reason "cancelled" (a server's client gone, a stop string written).
         """
         self.check_prompt(prompt_ids)
-        if prompt_state is not None and not prompt_state.matches(prompt_ids):
-            raise PromptError("the saved prompt state belongs to another prompt")
         if prompt_state is not None:
-            self._check_restorable(prompt_state)
+            check_restorable(prompt_state, prompt_ids, self.spec.window)
         cfg = self.config
         generator = torch.Generator(device=self.target.device)
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed()

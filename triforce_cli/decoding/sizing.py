@@ -99,6 +99,12 @@ class MemoryPlan:
     def host_bytes(self) -> int:
         return sum(item.host_bytes for item in self.items)
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the caches: everything but the weights and a prefill's activations."""
+        other = sum(self.bytes_of(name) for name in (*WEIGHT_ITEMS, ACTIVATIONS_ITEM))
+        return self.device_bytes + self.host_bytes - other
+
     def bytes_of(self, what: str) -> int:
         return sum(item.device_bytes + item.host_bytes for item in self.items if item.what == what)
 
