@@ -5,7 +5,7 @@
   (sizing.check_prompt) and plans its memory once, though it prints the plan before the generation.
 - Pipeline.load reads the target's checkpoint once: the set-up that decides on it (setup.choose_setup) hands it to
   load_model; and it resolves the set-up once (setup.resolve_setup), for a dense folder, a GGUF file and a load the
-  measured fastest configuration chooses.
+  measured fastest configuration chooses; and one function applies it to each model (loading.transform_model).
 - A prefill saved in a prompt cache is restored, else prefilled and saved (pipeline.prefill_or_restore), the one
   path of a chat's document and a benchmark's prompt.
 - The steps of a generation: allocate, prefill every cache, then rounds of the top tier; greedy output equals plain
@@ -113,6 +113,18 @@ def test_loading_resolves_the_set_up_once(source, tmp_path, monkeypatch):
     assert len(resolved) == 1
     expected = {"dense folder": pipe.target.weights, "gguf file": "gguf", "tuned": "dense"}[source]
     assert pipe.target.weights == expected and (pipe.tuning is not None) == (source == "tuned")
+
+
+def test_loading_applies_the_set_up_in_one_place(tmp_path, monkeypatch):
+    """Each model the load makes is transformed once, by one function (loading.transform_model), into every choice
+    of the Setup: its attention kernels and step mode too."""
+    save_checkpoint(tmp_path, vocab_size=64, num_layers=1)
+    transformed = counted(monkeypatch, loading.transform_model)
+    options = LoadOptions(target=str(tmp_path), draft=str(tmp_path), device="cpu", attention="sdpa", steps="graphs")
+    pipe = Pipeline.load(options, small_config(mode="triforce"))
+    assert len(transformed) == 2  # the target, then the drafter
+    for loaded in (pipe.target, pipe.drafter):
+        assert (loaded.model.attention_backend, loaded.model.step_mode) == ("sdpa", "graphs")
 
 
 def test_a_saved_prefill_is_restored_else_prefilled_and_saved(target, tmp_path):

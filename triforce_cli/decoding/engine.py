@@ -5,8 +5,8 @@ queries -> drafter StreamingLLM cache -> loop of top-tier steps, each rolling ev
 length and refreshing the retrieval cache on its policy.
 
 generate: 1. allocate the caches (decoding/cache_pool.py, sized by decoding/sizing.py; kept across generations) and
-record the fixed-shape steps decoding takes (decoding/warm_up.py); 2. prefill every cache (an offloaded full cache
-layer by layer, offload/prefill.py) and sample the first token; 3. rounds of the top tier (ModelTier.step).
+record the fixed-shape steps decoding takes (decoding/warm_up.py); 2. prefill every cache (decoding/prefill.py; an
+offloaded full cache layer by layer) and sample the first token; 3. rounds of the top tier (ModelTier.step).
 """
 
 import time
