@@ -47,8 +47,8 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.plan import measure
 from triforce_cli.plan.model import ModelShape
 from triforce_cli.plan.presets import EAGER_LAYER_OVERHEAD_S, LLAMA_3_1_ROPE, SMOLLM2_135M, SMOLLM2_135M_DRAFTER
-from triforce_cli.runtime.forms import STEP_CHOICES, StepMode
-from triforce_cli.runtime.loading import LoadedModel, resolve_steps
+from triforce_cli.runtime.forms import STEP_CHOICES, StepMode, resolve_steps
+from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS, ModelConfig, RMSNorm, Transformer, rope_frequencies
 
 GIB = 2**30

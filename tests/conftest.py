@@ -80,6 +80,8 @@ def tiny(monkeypatch, tiny_models) -> dict:
         offload_weights=False,
         resident_layers=0,
         checkpoint=None,
+        attention=None,
+        steps=None,
     ):
         calls.append(
             SimpleNamespace(
@@ -91,7 +93,12 @@ def tiny(monkeypatch, tiny_models) -> dict:
                 context_window=context_window,
             )
         )
-        return tiny_models.get(spec, tiny_models["tiny"])
+        loaded = tiny_models.get(spec, tiny_models["tiny"])
+        if attention is not None:  # the set-up's last transforms (loading.transform_model)
+            loaded.model.use_attention(attention)
+        if steps is not None:
+            loaded.model.use_steps(steps)
+        return loaded
 
     monkeypatch.setattr(triforce_cli.decoding.pipeline, "load_model", fake_load_model)
     monkeypatch.setattr(  # no files behind the specs: none is a GGUF checkpoint

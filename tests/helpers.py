@@ -20,7 +20,7 @@ from triforce_cli.cache import FullCache, kv_dtype
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.sampling import Verdict, sample, verify_draft
-from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
+from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, model_from_state
 from triforce_cli.runtime.model import Transformer
 from triforce_cli.runtime.tiled_weights import use_tiled_weights
 
@@ -119,9 +119,11 @@ def tiled(loaded: LoadedModel) -> LoadedModel:
 
 
 def load_tiny(tiny: TinyModel, options: BuildOptions) -> LoadedModel:
-    """tiny's weights as the loader builds a checkpoint's (build_model, with options), in place of its runtime model
-    copied from the reference."""
-    model = build_model(tiny.ref.state_dict(), tiny.loaded.hf_config, options, Checkpoint(tiny.loaded.name, Path(), []))
+    """tiny's weights as the loader builds a checkpoint's (model_from_state, with options), in place of its runtime
+    model copied from the reference."""
+    model = model_from_state(
+        tiny.ref.state_dict(), tiny.loaded.hf_config, options, Checkpoint(tiny.loaded.name, Path(), [])
+    )
     return replace(tiny.loaded, model=model)
 
 

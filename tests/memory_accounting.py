@@ -11,7 +11,7 @@ the code that runs on the GPU.
     with fake_memory() as ledger:
         state = fake_state(checkpoint_shapes(hf_config), torch.bfloat16)  # the host's copy of a checkpoint
         ledger.reset_peaks()
-        model = build_model(state, hf_config, options, checkpoint)
+        model = model_from_state(state, hf_config, options, checkpoint)
         ledger.peak(DEVICE), ledger.live(DEVICE), ledger.live("cpu")
 
 Page-locked host memory is counted by offload.pinned_bytes, which works without CUDA too; the weight and KV streams

@@ -287,7 +287,7 @@ def test_help_shows_what_each_value_is_within_80_columns(path, command):
 
 def test_weights_help_says_what_auto_picks():
     """auto is the measured fastest form on a CPU in float32 (decoding/tuning.py), dense elsewhere
-    (runtime/loading.resolve_weights): no longer 'half on x86 CPUs'."""
+    (runtime/forms.resolve_weights): no longer 'half on x86 CPUs'."""
     help_text = " ".join(CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "80"}).stdout.split())
     assert "auto: on a CPU in float32 the one measured fastest for the target here" in help_text
     assert "dense elsewhere" in help_text and "x86" not in help_text

@@ -27,7 +27,7 @@ from triforce_cli.kernels import attention, attention_backend, attention_in_cach
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
-from triforce_cli.decoding import engine as engine_module
+from triforce_cli.decoding import prefill as prefill_module
 from triforce_cli.decoding import sizing
 from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
@@ -35,8 +35,7 @@ from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import resolve_attention
 from triforce_cli.errors import ConfigError
-from triforce_cli.runtime.forms import StepMode
-from triforce_cli.runtime.loading import resolve_steps, resolve_weights
+from triforce_cli.runtime.forms import StepMode, resolve_steps, resolve_weights
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -277,7 +276,7 @@ def test_prefill_chunks_are_timed_on_the_device_clock(monkeypatch):
         def seconds(self, start: int, end: int) -> float:
             return float(end - start)
 
-    monkeypatch.setattr(engine_module, "DeviceClock", ForwardClock)
+    monkeypatch.setattr(prefill_module, "DeviceClock", ForwardClock)
     config = small_config(mode="autoregressive", max_new_tokens=2, prefill_block=16)
     result = Engine(loaded, config).generate(random_prompt(PROMPT, 64, seed=3))
     assert result.stats.prefill_chunk_seconds == [1.0] * (PROMPT // 16)

@@ -24,7 +24,7 @@ from triforce_cli.plan import MODELS
 from triforce_cli.plan.model import GPU_ITEMS, ModelShape
 from triforce_cli.plan.presets import LLAMA_3_1_ROPE
 from triforce_cli.runtime.forms import StepMode
-from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, build_model
+from triforce_cli.runtime.loading import BuildOptions, Checkpoint, LoadedModel, model_from_state
 from triforce_cli.runtime.model import Transformer
 
 LLAMA_31_8B = MODELS["Llama-3.1-8B"].target.llama_config(
@@ -54,11 +54,11 @@ def host_queues(monkeypatch):
 
 
 def load(ledger: MemoryLedger, options: BuildOptions):
-    """build_model on a fake Llama-3.1-8B state in host memory, the peaks counted from the state's reading on."""
+    """model_from_state on a fake Llama-3.1-8B state in host memory, the peaks counted from the state's reading on."""
     state = fake_state(SHAPES, DTYPE)
     assert ledger.live("cpu") == WEIGHTS
     ledger.reset_peaks()
-    return build_model(state, LLAMA_31_8B, options, Checkpoint("Llama-3.1-8B", Path(), []))
+    return model_from_state(state, LLAMA_31_8B, options, Checkpoint("Llama-3.1-8B", Path(), []))
 
 
 def test_the_ledger_counts_allocations_once_and_frees():
@@ -177,7 +177,7 @@ def plan_rows(*args: str) -> list[dict]:
 def fake_loaded(ledger: MemoryLedger, name: str, hf_config: LlamaConfig) -> LoadedModel:
     """A checkpoint of hf_config's shape built by the loader on the fake GPU in bfloat16, compiled as on CUDA."""
     state = fake_state(checkpoint_shapes(hf_config), DTYPE)
-    model = build_model(state, hf_config, BuildOptions(DEVICE, DTYPE), Checkpoint(name, Path(), []))
+    model = model_from_state(state, hf_config, BuildOptions(DEVICE, DTYPE), Checkpoint(name, Path(), []))
     model.use_steps(StepMode.GRAPHS)  # what Pipeline.load does on CUDA: the caches' headroom doubles
     return LoadedModel(name, model, StubTokenizer(hf_config.vocab_size), hf_config)
 
@@ -239,7 +239,9 @@ def test_a_prefill_chunk_peaks_within_its_planned_activations(name, dtype, chunk
     hf_config = dataclasses.replace(shape, num_layers=2).llama_config()
     with fake_memory() as ledger:
         state = fake_state(checkpoint_shapes(hf_config), dtype)
-        model = build_model(state, hf_config, BuildOptions(torch.device("cpu"), dtype), Checkpoint(name, Path(), []))
+        model = model_from_state(
+            state, hf_config, BuildOptions(torch.device("cpu"), dtype), Checkpoint(name, Path(), [])
+        )
         for layer in model.model.layers:
             layer.self_attn.backend = "sdpa"
         cache = FullCache(2, shape.num_kv_heads, shape.head_dim, 2 * chunk, dtype)

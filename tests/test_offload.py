@@ -275,7 +275,7 @@ def test_an_offloaded_prefill_moves_each_layer_across_once_and_gives_the_device_
 def test_a_prefill_short_of_device_memory_runs_in_segments_each_fetching_the_ones_before_it_once(monkeypatch):
     """Room for the hidden states of 32 tokens: four segments of two chunks, each later one fetching the prompt
     before it once per layer (0 + 32 + 64 + 96 positions), and the same numbers as the device cache's."""
-    import triforce_cli.decoding.engine as engine_module
+    import triforce_cli.decoding.prefill as prefill_module
 
     queues = counting_queues(monkeypatch)
     model, prompt, chunk = loaded_model(), random_prompt(128, 64, seed=6), 16
@@ -284,7 +284,7 @@ def test_a_prefill_short_of_device_memory_runs_in_segments_each_fetching_the_one
     engine = Engine(model, config("triforce", greedy, prefill_block=chunk, offload="kv"))
     full = engine._allocate(len(prompt)).full
     room = 2 * model.model.prefill_layerwise_bytes(32)  # the prefill takes half the free memory
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: room)
+    monkeypatch.setattr(prefill_module, "available_memory", lambda device: room)
     progress = []
     state = engine.prefill(prompt, lambda name, done, total: progress.append(done))
     fetched, back, copies_back = queues[0].moved(full)

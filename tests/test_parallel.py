@@ -157,8 +157,7 @@ def short_of_memory(rank: int, world: int, folder: str, free: list, offload: str
     so that only the prefill reads them."""
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     try:
-        from triforce_cli.decoding import engine as engine_module
-        from triforce_cli.decoding import sizing
+        from triforce_cli.decoding import prefill, sizing
 
         loaded = tiny()
         apply_tp(loaded.model)
@@ -167,7 +166,7 @@ def short_of_memory(rank: int, world: int, folder: str, free: list, offload: str
         prompt = random_prompt(PROMPT, 64, seed=3)
         if allocate_first:
             engine._allocate(len(prompt))
-        engine_module.available_memory = sizing.available_memory = lambda device: free[rank]  # prefill, memory check
+        prefill.available_memory = sizing.available_memory = lambda device: free[rank]  # prefill, memory check
         try:
             outcome = {"tokens": engine.generate(prompt).token_ids}
         except ConfigError as error:

@@ -12,11 +12,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 from triforce_cli.decoding.prompt_state import PromptState
-from triforce_cli.decoding.sizing import CacheKind, CacheSpec, Capacities, check_memory, memory_plan
+from triforce_cli.decoding.sizing import CacheKind, CacheSpec, Capacities, MemoryPlan, check_memory, memory_plan
+from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.offload import offload_kv
+from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import MAX_STEP_TOKENS
 
 
@@ -144,6 +147,33 @@ def new_streaming(spec: CacheSpec, caps: Capacities) -> StreamingCache:
     return streaming
 
 
+def exact_positions(target: LoadedModel, compiled: bool) -> bool:
+    """Whether every forward of target on a full cache computes under the numeric contract (docs/architecture.md):
+    a float32 target on the CPU with the cpu attention kernels and eager steps (not compiled), whose kernels compute
+    a row in an order of arithmetic that depends neither on the rows beside it nor on the thread count. A position
+    then holds the same bits whether a prefill chunk, a verification or a one-token step computed it, and reuse
+    keeps whatever the cache holds of a prompt (Held.reusable). Its prefill is exact with any steps: it runs eager.
+    A plain nn.Linear left in the model (one built without the loader's tiled weights) computes by torch's
+    products, which are not row-invariant, and leaves the target off the contract."""
+    on_contract = target.device.type == "cpu" and target.dtype == torch.float32
+    plain_linears = any(isinstance(module, nn.Linear) for module in target.model.modules())
+    return on_contract and not plain_linears and target.model.attention_backend == "cpu" and not compiled
+
+
+def check_restorable(prompt_state: PromptState, prompt_ids: list[int] | None, window: int | None) -> None:
+    """A PromptError where prompt_state is not the prefill of prompt_ids (None: not asked), a ConfigError where it
+    holds only the prompt's last positions (its full cache kept a sliding window) and the full cache it goes into
+    keeps every position (window None, CacheSpec.window: offloaded), which lacks the positions before."""
+    if prompt_ids is not None and not prompt_state.matches(prompt_ids):
+        raise PromptError("the saved prompt state belongs to another prompt")
+    if prompt_state.first_position and window is None:
+        raise ConfigError(
+            f"the saved prefill holds only the positions from {prompt_state.first_position} on (its full cache"
+            " kept the sliding window alone), and this run's full cache keeps every position (`offload`): run"
+            " it without `prompt_cache` or without `offload`"
+        )
+
+
 @dataclass
 class CachePool:
     """The caches an engine keeps across generations, shared with the engines made from it (Engine.reconfigured),
@@ -156,6 +186,7 @@ class CachePool:
     layouts: dict[str, tuple] = field(default_factory=dict)
     held: dict[str, tuple[int, int]] = field(default_factory=dict)
     holds: Held | None = None  # what the full cache's first positions hold, for the next prompt to reuse
+    planned: tuple[CacheSpec, Capacities, MemoryPlan] | None = None  # the last plan(), with what it was made for
 
     def release(self, kind: str) -> None:
         """Drop the cache of kind, so that its buffers are freed before a new one is allocated."""
@@ -170,6 +201,13 @@ class CachePool:
         with spec's layout kept where it is large enough."""
         kept = self.full is not None and self.layouts[CacheKind.FULL] == full_layout(spec)
         return spec.capacities(prompt_tokens, held=self.full.capacity if kept else 0)
+
+    def plan(self, spec: CacheSpec, caps: Capacities) -> MemoryPlan:
+        """The memory plan of spec's caches with caps (sizing.memory_plan), made once: asked again for the same spec
+        and caps (the plan `generate` prints, then the allocation's), the one made before."""
+        if self.planned is None or self.planned[0] is not spec or self.planned[1] != caps:
+            self.planned = (spec, caps, memory_plan(spec, caps))
+        return self.planned[2]
 
     def renewal(self, spec: CacheSpec, caps: Capacities) -> tuple[list[str], list[str]]:
         """The cache kinds to build for a generation with caps, and the held caches to release before: those
@@ -206,7 +244,7 @@ class CachePool:
         build, release = self.renewal(spec, caps)
         kept = 0 if CacheKind.FULL in build or not self.full.can_write_from(keep) else keep
         if build:
-            sizes = memory_plan(spec, caps).bytes_by_kind()
+            sizes = self.plan(spec, caps).bytes_by_kind()
             needed = tuple(sum(sizes[k][i] for k in build) - sum(self.held[k][i] for k in release) for i in (0, 1))
             check_memory(spec, prompt_tokens, needed)
             for kind in release:

@@ -5,46 +5,35 @@ queries -> drafter StreamingLLM cache -> loop of top-tier steps, each rolling ev
 length and refreshing the retrieval cache on its policy.
 
 generate: 1. allocate the caches (decoding/cache_pool.py, sized by decoding/sizing.py; kept across generations) and
-record the fixed-shape steps decoding takes (decoding/warm_up.py); 2. prefill every cache (an offloaded full cache
-layer by layer, offload/prefill.py) and sample the first token; 3. rounds of the top tier (ModelTier.step).
+record the fixed-shape steps decoding takes (decoding/warm_up.py); 2. prefill every cache (decoding/prefill.py; an
+offloaded full cache layer by layer) and sample the first token; 3. rounds of the top tier (ModelTier.step).
 """
 
 import time
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from triforce_cli.cache import FullCache, StreamingCache
-from triforce_cli.decoding.cache_pool import CachePool, Held, InUse
-from triforce_cli.decoding.clock import DeviceClock
+from triforce_cli.decoding.cache_pool import CachePool, Held, InUse, check_restorable, exact_positions
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.ngram import NGramProposer
+from triforce_cli.decoding.prefill import ChunkCallback, PrefillCallback, prefill, prefill_drafter
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.sampling import probabilities, sample
-from triforce_cli.decoding.sizing import ACTIVATIONS_ITEM, WEIGHT_ITEMS, CacheSpec, MemoryPlan, memory_plan
+from triforce_cli.decoding.sizing import CacheSpec, MemoryPlan, check_prompt
 from triforce_cli.decoding.speculation_length import SOURCE_POLICIES
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier, TokenSequence
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.decoding.step_costs import price_tiers
 from triforce_cli.decoding.warm_up import warm_up
-from triforce_cli.errors import ConfigError, PromptError
-from triforce_cli.offload import prefill_layerwise
-from triforce_cli.runtime.environment import available_memory, torch_threads
+from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer
-from triforce_cli.runtime.parallel import from_rank_zero, least, shared_seed, world_size
+from triforce_cli.runtime.parallel import from_rank_zero, shared_seed, world_size
 
-PrefillCallback = Callable[[str, int, int], None]  # (model name, tokens done, tokens total)
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
 StopCheck = Callable[[], bool]  # asked once before each verification round: True stops the generation there
-ChunkCallback = Callable[[float], None]  # seconds one prefill chunk took on the device
-
-
-# windows of the prompt's last positions the drafter's prefill computes (Engine._prefill_drafter): its cache keeps
-# one; the one before gives every kept position the window it would have seen after a prefill of the whole prompt
-DRAFTER_READS = 2
 
 
 class Engine:
@@ -66,6 +55,7 @@ class Engine:
         self.eos_ids = set() if config.ignore_eos else target.eos_token_ids
         self._caches = CachePool()  # shared with the engines made from this one
         self.spec = CacheSpec(target, self._drafter_model, config, self.uses_model_drafter)
+        self._checked_tokens: int | None = None  # the last prompt length check_prompt passed
         if config.offload == OffloadMode.KV_WEIGHTS and target.model.weight_stream is None:
             raise ConfigError(
                 "`offload` kv+weights needs a target loaded with its weights streamed: load_model(...,"
@@ -106,17 +96,9 @@ class Engine:
 
     @property
     def exact_positions(self) -> bool:
-        """Whether every forward on the full cache computes under the numeric contract (docs/architecture.md): a
-        float32 target on the CPU with the cpu attention kernels and eager steps, whose kernels compute a row in an
-        order of arithmetic that depends neither on the rows beside it nor on the thread count. A position then
-        holds the same bits whether a prefill chunk, a verification or a one-token step computed it, and reuse keeps
-        whatever the cache holds of a prompt (Held.reusable). Its prefill is exact with any steps: it runs eager.
-        A plain nn.Linear left in the model (one built without the loader's tiled weights) computes by torch's
-        products, which are not row-invariant, and leaves the target off the contract."""
-        target = self.target
-        on_contract = target.device.type == "cpu" and target.dtype == torch.float32
-        plain_linears = any(isinstance(module, nn.Linear) for module in target.model.modules())
-        return on_contract and not plain_linears and target.model.attention_backend == "cpu" and not self.compiled
+        """Whether every forward on the full cache computes under the numeric contract (cache_pool.exact_positions):
+        a position then holds the same bits however it was computed, and reuse keeps whatever the cache holds."""
+        return exact_positions(self.target, self.compiled)
 
     def reconfigured(self, config: EngineConfig, drafter: LoadedModel | None) -> "Engine":
         """An engine for the same target with config and drafter, sharing this engine's caches (and prefill
@@ -134,31 +116,21 @@ class Engine:
     def memory_plan(self, prompt_tokens: int) -> MemoryPlan:
         """What a generation after prompt_tokens holds, and where, before anything is allocated (sizing.memory_plan),
         a full cache held that is large enough at its own size."""
-        return memory_plan(self.spec, self._caches.capacities(self.spec, prompt_tokens))
+        return self._caches.plan(self.spec, self._caches.capacities(self.spec, prompt_tokens))
 
     def cache_bytes(self, prompt_tokens: int) -> int:
         """Bytes of the caches (everything but the weights and a prefill's activations) a generation after
         prompt_tokens holds."""
-        plan = self.memory_plan(prompt_tokens)
-        other = sum(plan.bytes_of(name) for name in (*WEIGHT_ITEMS, ACTIVATIONS_ITEM))
-        return plan.device_bytes + plan.host_bytes - other
+        return self.memory_plan(prompt_tokens).cache_bytes
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise PromptError("the prompt is empty after tokenization")
-        context = self.target.model.config.max_position_embeddings
-        needed = len(prompt_ids) + self.config.max_new_tokens
-        if needed > context:
-            raise PromptError(
-                f"prompt of {len(prompt_ids)} tokens plus {self.config.max_new_tokens} new tokens exceeds"
-                f" the {context}-token context of {self.target.name}: use `context_window` {-(-needed // 1024)}k"
-                " or more (RoPE scaled with YaRN), a shorter prompt or fewer `max_new_tokens`"
-            )
-        positions = self.config.cache_positions
-        if positions is not None and positions > context:
-            raise ConfigError(f"cache positions {positions} exceed the {context}-token context of {self.target.name}")
-        if self.config.uses_retrieval:
-            self.config.budget_for(len(prompt_ids))
+        """A PromptError or ConfigError where a generation after prompt_ids cannot run (sizing.check_prompt: it
+        depends on their number alone), checked once for a number of tokens: a generation after the check that
+        `triforce generate` makes before it checks nothing again."""
+        if len(prompt_ids) != self._checked_tokens:
+            context = self.target.model.config.max_position_embeddings
+            check_prompt(len(prompt_ids), self.config, context, self.target.name)
+            self._checked_tokens = len(prompt_ids)
 
     def prefill(
         self,
@@ -176,7 +148,7 @@ class Engine:
         self.check_prompt(prompt_ids)
         full = self._allocate(len(prompt_ids)).full
         with self._filling(prompt_ids):
-            logits = self._prefill(self.target.name, self.target.model, full, prompt_ids, on_prefill, on_chunk)
+            logits = self._prefill_target(prompt_ids, on_prefill, on_chunk)
         return PromptState.capture(full, prompt_ids, logits) if capture else None
 
     def restore(self, prompt_state: PromptState, next_prompt_tokens: int = 0) -> None:
@@ -186,7 +158,7 @@ class Engine:
         allocated for it once (a cache too small for it is built anew and keeps nothing)."""
         held_ids = prompt_state.held_ids
         self.check_prompt(held_ids)
-        self._check_restorable(prompt_state)
+        check_restorable(prompt_state, None, self.spec.window)
         full = self._allocate(max(len(held_ids), next_prompt_tokens)).full
         with self._filling(held_ids):
             prompt_state.restore(full, answer=True)
@@ -200,16 +172,6 @@ class Engine:
         """What the full cache holds that a later prompt may keep, copied to host memory for restore() to put back
         (CachePool.held_state)."""
         return self._caches.held_state(self.exact_positions, max_bytes)
-
-    def _check_restorable(self, prompt_state: PromptState) -> None:
-        """A ConfigError where prompt_state holds only the prompt's last positions (its full cache kept a sliding
-        window) and this engine's full cache keeps every position (offloaded): it lacks the positions before."""
-        if prompt_state.first_position and self.spec.window is None:
-            raise ConfigError(
-                f"the saved prefill holds only the positions from {prompt_state.first_position} on (its full cache"
-                " kept the sliding window alone), and this run's full cache keeps every position (`offload`): run"
-                " it without `prompt_cache` or without `offload`"
-            )
 
     def _allocate(self, prompt_tokens: int, keep: int = 0) -> InUse:
         """This engine's caches for a generation after prompt_tokens (CachePool.allocate, keeping `keep` prompt
@@ -240,10 +202,7 @@ class Engine:
         full = caches.full
         with self._filling(prompt_ids):
             if prompt_state is None:
-                model, chunk_seconds = self.target.model, stats.prefill_chunk_seconds.append
-                logits = self._prefill(
-                    self.target.name, model, full, prompt_ids, on_prefill, chunk_seconds, first=caches.kept
-                )
+                logits = self._prefill_target(prompt_ids, on_prefill, stats.prefill_chunk_seconds.append, caches.kept)
                 stats.reused_tokens = caches.kept
                 if on_prompt_state is not None:
                     on_prompt_state(PromptState.capture(full, prompt_ids, logits))
@@ -257,8 +216,18 @@ class Engine:
             if self.drafter is None:
                 caches.streaming.fill_from(full)
             else:
-                self._prefill_drafter(caches.streaming, prompt_ids, on_prefill)
+                args = (self.prefill_block, self.config, self.prefill_threads, on_prefill)
+                prefill_drafter(self.drafter, caches.streaming, prompt_ids, *args)
         return logits
+
+    def _prefill_target(
+        self, prompt_ids: list[int], on_prefill: PrefillCallback | None, on_chunk: ChunkCallback | None, first: int = 0
+    ) -> torch.Tensor:
+        """Prefill the target's full cache from position first on (decoding.prefill.prefill); the logits (1, V)
+        after the prompt's last token."""
+        retrieval = self._caches.retrieval if self.config.uses_retrieval else None  # a layer-wise prefill fills it
+        args = (self.prefill_block, self.prefill_threads, on_prefill, on_chunk, first, retrieval)
+        return prefill(self.target, self._caches.full, prompt_ids, *args)
 
     def generate(
         self,
@@ -276,10 +245,8 @@ class Engine:
         ends the generation there, with stop_reason "cancelled" (a server's client gone, a stop string written).
         """
         self.check_prompt(prompt_ids)
-        if prompt_state is not None and not prompt_state.matches(prompt_ids):
-            raise PromptError("the saved prompt state belongs to another prompt")
         if prompt_state is not None:
-            self._check_restorable(prompt_state)
+            check_restorable(prompt_state, prompt_ids, self.spec.window)
         cfg = self.config
         generator = torch.Generator(device=self.target.device)
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else torch.seed()
@@ -420,65 +387,3 @@ class Engine:
             own_steps=True,
             **shared,
         )
-
-    def _prefill(
-        self,
-        name: str,
-        model: Transformer,
-        cache,
-        ids: list[int],
-        on_prefill,
-        on_chunk: ChunkCallback | None = None,
-        first: int = 0,
-    ) -> torch.Tensor:
-        """Run the prompt through model in chunks on prefill_threads; return the logits (1, V) after its last token.
-        on_chunk receives each chunk's seconds. first: the positions before it are in the cache already (kept from
-        what it held, Held.reusable: a multiple of the chunk but under the numeric contract), the chunks start there.
-
-        A full cache in host memory is prefilled layer by layer (offload.prefill_layerwise, in segments that fit the
-        least free memory of any rank, parallel.least); any other cache chunk by chunk. A chunk is timed by the
-        device's clock (DeviceClock): on a GPU to the end of its work, which the host then waits for, not to the end
-        of its launch; without on_chunk nothing is timed and nothing waits.
-        """
-        chunk = self.prefill_block
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.target.device)
-        clock = DeviceClock(tokens.device)
-        logits = None
-        with torch_threads(self.prefill_threads):
-            if isinstance(cache, FullCache) and cache.stream is not None:
-                retrieval = self._caches.retrieval if self.config.uses_retrieval else None
-                return prefill_layerwise(
-                    model,
-                    cache,
-                    tokens,
-                    chunk,
-                    first=first,
-                    free=least(available_memory(self.target.device), self.target.device),
-                    retrieval=retrieval,
-                    on_progress=None if on_prefill is None else lambda done, total: on_prefill(name, done, total),
-                    on_chunk=on_chunk,
-                    clock=clock,
-                )
-            for start in range(first, len(ids), chunk):
-                began = clock.mark() if on_chunk is not None else None
-                logits = model(tokens[start : start + chunk], start, cache, num_logits=1, decoding=False)
-                if on_chunk is not None:
-                    on_chunk(clock.seconds(began, clock.mark()))
-                if on_prefill is not None:
-                    on_prefill(name, min(start + chunk, len(ids)), len(ids))
-        return logits
-
-    def _prefill_drafter(self, streaming: StreamingCache, prompt_ids: list[int], on_prefill) -> None:
-        """Prefill the drafter's StreamingLLM cache with the prompt's sinks and its last DRAFTER_READS windows only.
-
-        Its cache keeps the sinks and the last window, so the positions before those windows would be computed only
-        to be evicted; each kept position still sees a window of the ones before it. The time is the same for any
-        prompt length, and the same prompt always leaves the same drafter state, prefix reuse or not.
-        """
-        sinks = min(self.config.sink_tokens, len(prompt_ids))
-        resume = max(sinks, len(prompt_ids) - DRAFTER_READS * self.config.draft_window)
-        name, model = self.drafter.name, self.drafter.model
-        if sinks:
-            self._prefill(name, model, streaming, prompt_ids[:sinks], None)
-        streaming.start_window_at(resume)
-        self._prefill(name, model, streaming, prompt_ids, on_prefill, first=resume)

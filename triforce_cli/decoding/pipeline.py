@@ -16,7 +16,7 @@ import torch
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine, PrefillCallback, StopCheck, TokenCallback
 from triforce_cli.decoding.prompt_state import PromptCache, PromptState, check_writable
-from triforce_cli.decoding.setup import LoadOptions, apply_setup, choose_setup
+from triforce_cli.decoding.setup import LoadOptions, choose_setup
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.decoding.tuning import Tuning, slower_than_measured
 from triforce_cli.errors import ConfigError
@@ -73,7 +73,8 @@ class Pipeline:
 
         Every choice is made first, in one place (setup.choose_setup, from options, the machine and, where it
         decides something, the target's checkpoint; with options.tune, the configuration measured fastest); then
-        the target loads, then the drafter, each in the Setup's form, and each is finished by setup.apply_setup.
+        the target loads, then the drafter, each built and then transformed as the Setup says by one function
+        (loading.transform_model: weight form, sharding, weight offload, device, attention kernels, step mode).
         """
         options = options or LoadOptions()
         config = config or EngineConfig()
@@ -93,6 +94,8 @@ class Pipeline:
             offload_weights=setup.offload_weights,
             resident_layers=config.on_chip_layers,
             checkpoint=chosen.checkpoint,  # resolved once, where the set-up read it
+            attention=setup.attention,
+            steps=setup.steps,
         )
         draft = drafter_spec(target_model, options.draft)
         drafter = None
@@ -105,10 +108,9 @@ class Pipeline:
                 weights=setup.drafter_weights,
                 shared_from=target_model,
                 context_window=options.context_window,
+                attention=setup.attention,
+                steps=setup.steps,
             )
-        for loaded in (target_model, drafter):
-            if loaded is not None:
-                apply_setup(loaded.model, setup)
         engine = Engine(target_model, config, drafter, setup.prefill_threads)
         return cls(target_model, drafter, engine, status, chosen.tuning)
 

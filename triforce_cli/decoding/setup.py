@@ -1,10 +1,12 @@
 """What a load is asked for (LoadOptions), what the machine offers (Machine), and what is then run (Setup).
 
-resolve_setup turns the first two, and where it matters the target's checkpoint, into a Setup without reading
-anything itself: every choice of device, dtype, attention kernels, weight form, step mode and threads, and
-every combination that cannot run, is decided there. choose_setup is the one place that reads what the choice
-depends on (the machine, once; the checkpoint, once; the measured fastest configuration) and resolves the Setup
-with it; Pipeline.load loads the models as the Setup says and apply_setup finishes each.
+resolve_basis makes every choice the first two decide alone and checks every setting; resolve_setup turns them, and
+where the basis asks for them the target's checkpoint and the measured fastest configuration, into a Setup. Neither
+reads anything: every choice of device, dtype, attention kernels, weight form, step mode and threads, and every
+combination that cannot run, is decided there. choose_setup is the one place that reads what the choice depends on
+(the machine, the checkpoint and the measurement, each once) and resolves the Setup once, with all of it;
+Pipeline.load loads the models as the Setup says, each transformed in one place (loading.transform_model: weight
+form, sharding, weight offload, device, attention kernels, step mode).
 """
 
 from dataclasses import dataclass, replace
@@ -16,9 +18,15 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.kernels import optional as optional_kernels
 from triforce_cli.runtime.environment import physical_cores
-from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, OffloadMode, StepMode, WeightForm
-from triforce_cli.runtime.loading import Checkpoint, StatusCallback, resolve_checkpoint, resolve_steps, resolve_weights
-from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.forms import (
+    HALF_PROMPT_FORMS,
+    OffloadMode,
+    StepMode,
+    WeightForm,
+    resolve_steps,
+    resolve_weights,
+)
+from triforce_cli.runtime.loading import Checkpoint, StatusCallback, resolve_checkpoint
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.parallel import pending_group
 
@@ -35,14 +43,14 @@ class LoadOptions:
             target or another file of that model (pipeline.drafter_spec).
         dtype: 'auto' (bfloat16 on CUDA, float32 on the CPU) or a name of DTYPES.
         device: 'auto' (CUDA where there is a GPU), 'cpu', 'cuda' or 'cuda:N'.
-        weights: a WeightForm: 'auto' (the fastest exact form for the device, loading.resolve_weights), 'dense',
+        weights: a WeightForm: 'auto' (the fastest exact form for the device, forms.resolve_weights), 'dense',
             'half' (float16 weight matrices for target and drafter) or 'gguf' (the target from its GGUF file's
             blocks); see loading.load_model. Output is exact with respect to the target in the form chosen.
         attention: 'auto' (the fastest kernel for the device and dtype), 'flash', 'sdpa' or 'cpu'; see
             resolve_attention.
         steps: a StepMode, how decode steps run: 'eager', 'graphs' (fixed-shape steps recorded as CUDA graphs)
             or 'compiled' (those compiled by inductor first); None: graphs on CUDA, eager on the CPU
-            (loading.resolve_steps).
+            (forms.resolve_steps).
         context_window: positions both models accept, YaRN-scaled beyond their trained context.
         threads: the torch threads the caller set, or None: then a CPU's prefill runs on every physical core, and
             decoding on the threads measured fastest (with tune) or torch's.
@@ -117,10 +125,10 @@ class Setup:
         steps: how decode steps run (StepMode, never None).
         tensor_parallel: the target's decoder layers are sharded over the processes (the drafter stays whole).
         offload_weights: the target's layers beyond EngineConfig.on_chip_layers stream from host memory.
-        reads_checkpoint: the target's checkpoint decides something (a GGUF file may become gguf weights, and
-            the tuning is kept per checkpoint): resolve_setup again with it.
-        tune: the configuration measured fastest (decoding.tuning) chooses the weights, step mode and decode
-            threads: resolve_setup again with its choice.
+        reads_checkpoint: the target's checkpoint decided something (a GGUF file may become gguf weights, and
+            the tuning is kept per checkpoint; Basis.reads_checkpoint).
+        tune: the configuration measured fastest (decoding.tuning) chose the weights, step mode and decode
+            threads (Basis.tune, with the checkpoint known).
         decode_threads: the torch threads to set for decoding (the measured choice's), None: leave them.
         prefill_threads: the threads a CPU's prefill runs on (every physical core), None: torch's.
     """
@@ -194,24 +202,39 @@ def drafter_weights(weights: str, half_available: bool | None = None) -> str:
     return WeightForm.HALF if half else WeightForm.DENSE
 
 
-def resolve_setup(
-    options: LoadOptions,
-    machine: Machine,
-    checkpoint: Checkpoint | None = None,
-    offload: str = OffloadMode.NONE,
-    choice: Choice | None = None,
-) -> Setup:
-    """The Setup that options ask for on machine, or a ConfigError naming the settings that cannot go together.
-    Reads nothing: what it needs to know of the machine is in machine.
+@dataclass(frozen=True, kw_only=True)
+class Basis:
+    """What options decide on a machine before anything is read (resolve_basis), and what else the set-up reads.
+
+    Attributes:
+        device, dtype, attention, tensor_parallel, offload_weights: as the Setup's.
+        weights: the weight form asked for ('auto' where the rule or a measurement is to choose).
+        steps: the step mode asked for, or its default (never None).
+        reads_checkpoint: the target's checkpoint decides something: 'auto' weights on the CPU in float32 with the
+            cpu attention kernels and eager steps, where a GGUF file may become gguf weights.
+        tune: the configuration measured fastest (decoding.tuning) chooses the weights, step mode and decode
+            threads: asked for, allowed here, and nothing it chooses set otherwise.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    attention: str
+    weights: str
+    steps: StepMode
+    tensor_parallel: bool
+    offload_weights: bool
+    reads_checkpoint: bool
+    tune: bool
+
+
+def resolve_basis(options: LoadOptions, machine: Machine, offload: str = OffloadMode.NONE) -> Basis:
+    """Every choice options and machine make alone, or a ConfigError naming the settings that cannot go together:
+    each setting is checked here, before the checkpoint or a measurement is read. Reads nothing.
 
     Args:
         options: what is asked for.
-        machine: what is there.
-        checkpoint: the target's checkpoint, where the Setup reads_checkpoint (otherwise ignored): a GGUF source
-            lets 'auto' weights become gguf, and a known checkpoint lets tune apply.
+        machine: what is there (its gguf_kernels aside, which only a GGUF checkpoint asks about).
         offload: EngineConfig.offload: kv+weights streams dense weights and runs eager steps.
-        choice: the measured fastest configuration (decoding.tuning.Choice), where the Setup tunes (otherwise
-            ignored): its weights and step mode, and its threads unless options.threads are set.
     """
     device = resolve_device(options.device, machine.cuda)
     if machine.local_rank is not None and device.type == "cuda":
@@ -232,35 +255,71 @@ def resolve_setup(
     tunable = device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not parallel
     # only there can 'auto' become gguf, so only there does it matter whether the target is a GGUF file
     reads_checkpoint = weights == WeightForm.AUTO and tunable and not compiled
-    checkpoint = checkpoint if reads_checkpoint else None
-    unset = checkpoint is not None and options.steps is None and offload == OffloadMode.NONE
-    tune = options.tune and tunable and unset and machine.tuning
+    unset = options.steps is None and offload == OffloadMode.NONE
+    return Basis(
+        device=device,
+        dtype=dtype,
+        attention=attention,
+        weights=weights,
+        steps=steps,
+        tensor_parallel=parallel,
+        offload_weights=streamed,
+        reads_checkpoint=reads_checkpoint,
+        tune=options.tune and reads_checkpoint and unset and machine.tuning,
+    )
+
+
+def resolve_setup(
+    options: LoadOptions,
+    machine: Machine,
+    checkpoint: Checkpoint | None = None,
+    offload: str = OffloadMode.NONE,
+    choice: Choice | None = None,
+    basis: Basis | None = None,
+) -> Setup:
+    """The Setup that options ask for on machine, or a ConfigError naming the settings that cannot go together.
+    Reads nothing: what it needs to know of the machine is in machine.
+
+    Args:
+        options: what is asked for.
+        machine: what is there.
+        checkpoint: the target's checkpoint, where the basis reads_checkpoint (otherwise ignored): a GGUF source
+            lets 'auto' weights become gguf, and a known checkpoint lets tune apply.
+        offload: EngineConfig.offload: kv+weights streams dense weights and runs eager steps.
+        choice: the measured fastest configuration (decoding.tuning.Choice), where the basis tunes (otherwise
+            ignored): its weights and step mode, and its threads unless options.threads are set.
+        basis: resolve_basis(options, machine, offload), where the caller has it already (choose_setup, which
+            learns from it what to read); None: resolved here.
+    """
+    basis = resolve_basis(options, machine, offload) if basis is None else basis
+    device, weights, steps = basis.device, basis.weights, basis.steps
+    checkpoint = checkpoint if basis.reads_checkpoint else None
+    tune = basis.tune and checkpoint is not None
     decode_threads = None
     if tune and choice is not None:
         weights, steps = choice.weights, choice.steps
-        compiled = steps != StepMode.EAGER
         if options.threads is None:
             decode_threads = choice.threads
     weights = resolve_weights(
         weights,
-        dtype,
+        basis.dtype,
         device,
-        attention,
-        compiled,
+        basis.attention,
+        steps != StepMode.EAGER,
         gguf_source=checkpoint is not None and checkpoint.gguf is not None,
         gguf_kernels=machine.gguf_kernels,
         half_available=machine.half_weights,
     )
     return Setup(
         device=device,
-        dtype=dtype,
-        attention=attention,
+        dtype=basis.dtype,
+        attention=basis.attention,
         weights=weights,
         drafter_weights=drafter_weights(weights, machine.half_weights),
         steps=steps,
-        tensor_parallel=parallel,
-        offload_weights=streamed,
-        reads_checkpoint=reads_checkpoint,
+        tensor_parallel=basis.tensor_parallel,
+        offload_weights=basis.offload_weights,
+        reads_checkpoint=basis.reads_checkpoint,
         tune=tune,
         decode_threads=decode_threads,
         prefill_threads=machine.physical_cores if options.threads is None and device.type == "cpu" else None,
@@ -278,11 +337,11 @@ class Chosen:
 
 
 def choose_setup(options: LoadOptions, offload: str = OffloadMode.NONE, status: StatusCallback | None = None) -> Chosen:
-    """The set-up of a load, every choice made here, in three stages of resolve_setup, each run only where the one
-    before asks for it: from options and the machine alone (which also checks every setting before anything is
-    read); again with the target's checkpoint where it decides something (Setup.reads_checkpoint: a GGUF file may
-    become gguf weights); again with the measured fastest configuration where it chooses (Setup.tune; measured
-    the first time, decoding.tuning.fastest_configuration).
+    """The set-up of a load, every choice made here and resolved once: first what options decide on this machine
+    alone (resolve_basis, which checks every setting before anything is read), then what that basis asks for is
+    read: the target's checkpoint where it decides something (Basis.reads_checkpoint: a GGUF file may become gguf
+    weights), the fastest configuration where it chooses (Basis.tune; measured the first time,
+    decoding.tuning.fastest_configuration); then resolve_setup, with all of it.
 
     Args:
         options: what is asked for.
@@ -292,22 +351,13 @@ def choose_setup(options: LoadOptions, offload: str = OffloadMode.NONE, status: 
         The Setup, with the checkpoint it read (for load_model, so that it is resolved once) and the tuning.
     """
     machine = current_machine()
-    setup = resolve_setup(options, machine, offload=offload)
-    if not setup.reads_checkpoint:
-        return Chosen(setup)
-    checkpoint = resolve_checkpoint(options.target, status)
-    if checkpoint.gguf is not None:
-        machine = replace(machine, gguf_kernels=kernel_error() is None)  # builds the extension once
-    setup = resolve_setup(options, machine, checkpoint, offload)
-    if not setup.tune:
-        return Chosen(setup, checkpoint)
-    tuning = fastest_configuration(options.target, checkpoint, status)
-    return Chosen(resolve_setup(options, machine, checkpoint, offload, tuning.choice), checkpoint, tuning)
-
-
-def apply_setup(model: Transformer, setup: Setup) -> None:
-    """The transforms a loaded model takes once its weights are on the device, in this order: the attention
-    kernels, then the step mode. (The weight form, sharding and weight offload apply while the weights are still
-    in host memory: loading.build_model, from the same Setup.)"""
-    model.use_attention(setup.attention)
-    model.use_steps(setup.steps)
+    basis = resolve_basis(options, machine, offload)
+    checkpoint = tuning = None
+    if basis.reads_checkpoint:
+        checkpoint = resolve_checkpoint(options.target, status)
+        if checkpoint.gguf is not None:
+            machine = replace(machine, gguf_kernels=kernel_error() is None)  # builds the extension once
+    if basis.tune:
+        tuning = fastest_configuration(options.target, checkpoint, status)
+    choice = None if tuning is None else tuning.choice
+    return Chosen(resolve_setup(options, machine, checkpoint, offload, choice, basis), checkpoint, tuning)

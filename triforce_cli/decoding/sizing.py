@@ -6,8 +6,9 @@ plan` predicts are the same functions' results. Weights are each caller's own: t
 holds, the planner the parameters of a shape. The caches' elements take kv_dtype_bytes each: half the model's on the
 CPU in float32 (cache.kv_dtype).
 
-The memory plan of one engine's generation (memory_plan, from its CacheSpec), and the check that what an allocation
-builds fits the machine (check_memory), are here too.
+The memory plan of one engine's generation (memory_plan, from its CacheSpec), the check that a prompt and its answer
+fit the target's context (check_prompt) and the check that what an allocation builds fits the machine
+(check_memory), are here too.
 
 Sizing policy (Engine, decoding/cache_pool.py, docs/architecture.md): the caches are allocated once and kept across generations. The full
 cache holds max(prompt + new tokens, EngineConfig.cache_positions) positions plus one step's headroom (for a
@@ -25,7 +26,7 @@ import torch
 
 from triforce_cli.cache import kv_dtype
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.errors import ConfigError
+from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.kernels import SUMMARIES
 from triforce_cli.kernels.attention import SPLIT_SLOTS
 from triforce_cli.offload.kv import TAIL_POSITIONS
@@ -97,6 +98,12 @@ class MemoryPlan:
     @property
     def host_bytes(self) -> int:
         return sum(item.host_bytes for item in self.items)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the caches: everything but the weights and a prefill's activations."""
+        other = sum(self.bytes_of(name) for name in (*WEIGHT_ITEMS, ACTIVATIONS_ITEM))
+        return self.device_bytes + self.host_bytes - other
 
     def bytes_of(self, what: str) -> int:
         return sum(item.device_bytes + item.host_bytes for item in self.items if item.what == what)
@@ -408,6 +415,26 @@ def memory_plan(spec: CacheSpec, caps: Capacities) -> MemoryPlan:
     items.append(activation_item(target, spec.prefill_block, itemsize))
     held = tuple(item for item in items if item.device_bytes or item.host_bytes)
     return MemoryPlan(str(spec.device), held)
+
+
+def check_prompt(prompt_tokens: int, config: EngineConfig, context: int, name: str) -> None:
+    """A PromptError where a generation of config.max_new_tokens after prompt_tokens cannot fit the target's
+    context (context positions; name: the target's, for the message), a ConfigError where config's cache positions
+    exceed that context or its retrieval budget cannot serve the prompt (EngineConfig.budget_for)."""
+    if not prompt_tokens:
+        raise PromptError("the prompt is empty after tokenization")
+    needed = prompt_tokens + config.max_new_tokens
+    if needed > context:
+        raise PromptError(
+            f"prompt of {prompt_tokens} tokens plus {config.max_new_tokens} new tokens exceeds"
+            f" the {context}-token context of {name}: use `context_window` {-(-needed // 1024)}k"
+            " or more (RoPE scaled with YaRN), a shorter prompt or fewer `max_new_tokens`"
+        )
+    positions = config.cache_positions
+    if positions is not None and positions > context:
+        raise ConfigError(f"cache positions {positions} exceed the {context}-token context of {name}")
+    if config.uses_retrieval:
+        config.budget_for(prompt_tokens)
 
 
 def check_memory(spec: CacheSpec, prompt_tokens: int, needed: tuple[int, int]) -> None:

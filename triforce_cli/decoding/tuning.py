@@ -8,7 +8,7 @@ then use. Compiled steps run dense weights only and
 measured slower than eager ones on the CPU (docs/performance.md), so they are measured only where dense weights
 come within COMPILE_MARGIN of the best. The choice is kept per CPU, torch and tool version and checkpoint files,
 so a changed machine, version or checkpoint is measured anew; `triforce info` lists what is kept; TRIFORCE_TUNING=off uses the
-rule of loading.resolve_weights instead.
+rule of forms.resolve_weights instead.
 """
 
 import hashlib
@@ -32,13 +32,13 @@ from triforce_cli.runtime.environment import (
     others_share,
     physical_cores,
 )
-from triforce_cli.runtime.forms import StepMode, WeightForm
-from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model, resolve_weights
+from triforce_cli.runtime.forms import StepMode, WeightForm, resolve_weights
+from triforce_cli.runtime.loading import Checkpoint, StatusCallback, load_model
 from triforce_cli.runtime.measurements import MACHINE_RATES_FILE, machine_key, tuning_folder
 from triforce_cli.runtime.native import kernel_error
 from triforce_cli.runtime.store import content_identity, mark_used, remove, write_atomically
 
-TUNING_ENV = "TRIFORCE_TUNING"  # "off": no measurement, loading.resolve_weights' rule
+TUNING_ENV = "TRIFORCE_TUNING"  # "off": no measurement, forms.resolve_weights' rule
 PROMPT_TOKENS = 512
 NEW_TOKENS = 8
 # Timed generations per candidate, the thread counts taken in turn. Many short runs judged by their fastest: a quiet
@@ -196,7 +196,7 @@ def weight_forms(checkpoint: Checkpoint) -> list[str]:
 
 
 def rule_choice(checkpoint: Checkpoint) -> Choice:
-    """What a run uses without a kept measurement: loading.resolve_weights' rule, every physical core."""
+    """What a run uses without a kept measurement: forms.resolve_weights' rule, every physical core."""
     weights = resolve_weights("auto", torch.float32, torch.device("cpu"), gguf_source=checkpoint.gguf is not None)
     return Choice(weights, physical_cores())
 

@@ -16,8 +16,7 @@ import torch
 from triforce_cli.errors import TriforceError
 from triforce_cli.kernels import attention_backend, half_weights_available
 from triforce_cli.runtime.embedded import EMBEDDED_DRAFTER, embedded_gguf_path
-from triforce_cli.runtime.forms import StepMode
-from triforce_cli.runtime.loading import STEP_REASONS, resolve_steps, resolve_weights
+from triforce_cli.runtime.forms import STEP_REASONS, StepMode, resolve_steps, resolve_weights
 from triforce_cli.runtime.store import cache_limit, cache_root, entries, models_folder, prompts_folder
 
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")

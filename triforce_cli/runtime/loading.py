@@ -31,7 +31,7 @@ from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.kernels import half_weights_available
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
-from triforce_cli.runtime.forms import HALF_PROMPT_FORMS, WEIGHT_FORMATS, OffloadMode, StepMode, WeightForm
+from triforce_cli.runtime.forms import WEIGHT_FORMATS, OffloadMode, StepMode, WeightForm
 from triforce_cli.runtime.gguf_weights import (
     GGUFEmbedding,
     describe_types,
@@ -294,55 +294,6 @@ def borrow_shared_weights(
     return True
 
 
-def resolve_weights(
-    weights: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    attention: str = "cpu",
-    compiled: bool = False,
-    gguf_source: bool = False,
-    *,
-    gguf_kernels: bool | None = None,
-    half_available: bool | None = None,
-) -> str:
-    """'auto' as the fastest exact weight form by rule: on a CPU in float32 with the cpu attention kernels and eager
-    steps, 'gguf' for a GGUF checkpoint whose block kernel builds here (a decode step reads a fifth of the float32
-    bytes), else 'half' on an x86 torch build whose CPU extension builds (half the bytes); 'dense' elsewhere. Any other choice as it is.
-    runtime.tuning replaces the rule by a measurement where it may.
-
-    gguf_kernels, half_available: whether the block kernel builds and half weights run here, where the caller knows
-    (decoding.setup.Machine); None: found out here, the kernel only for a GGUF checkpoint."""
-    if weights != WeightForm.AUTO:
-        return weights
-    if not (device.type == "cpu" and dtype == torch.float32 and attention == "cpu" and not compiled):
-        return WeightForm.DENSE
-    if gguf_source and (kernel_error() is None if gguf_kernels is None else gguf_kernels):
-        return WeightForm.GGUF
-    half = half_weights_available() and kernel_error() is None if half_available is None else half_available
-    return WeightForm.HALF if half else WeightForm.DENSE
-
-
-def resolve_steps(requested: StepMode | None, device: torch.device, weights: str) -> StepMode:
-    """How decode steps run (Transformer.use_steps): as requested, else as fixed-shape steps recorded as CUDA graphs
-    on CUDA, and eager on the CPU, where the eager steps on half weights measured faster (STEP_REASONS). Half and
-    GGUF weights run only in eager steps: their CPU kernels take variable-length views."""
-    default = StepMode.GRAPHS if device.type == "cuda" else StepMode.EAGER
-    steps = default if requested is None else StepMode(requested)
-    if steps != StepMode.EAGER and weights in HALF_PROMPT_FORMS:
-        raise ConfigError(
-            f"`steps` {steps} runs dense weights only, not {weights}: use `weights` dense or `steps` eager"
-        )
-    return steps
-
-
-STEP_REASONS = {
-    "cuda": "graphs: every decode step is one CUDA graph, recorded once per step length (--steps compiled to compile"
-    " them first)",
-    "cpu": "eager: on the CPU the eager steps on GGUF or half weights beat fixed-shape ones (--steps graphs or"
-    " --compile to try)",
-}
-
-
 def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
     """A clear error where the weight format cannot be used for this checkpoint, dtype and device."""
     if weights not in WEIGHT_FORMATS:
@@ -362,7 +313,8 @@ def check_weight_format(weights: str, checkpoint: Checkpoint, dtype: torch.dtype
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """What build_model makes of a checkpoint's state, and where it puts it.
+    """What a model built from a checkpoint's state becomes (transform_model), and where it is put: the runtime's
+    side of a load's set-up (decoding.setup.Setup).
 
     Attributes:
         device: where the model computes.
@@ -373,6 +325,8 @@ class BuildOptions:
         offload_weights: keep the decoder layers from resident_layers on in host memory and stream them to the
             device for each forward (offload.offload_weights, EngineConfig.offload kv+weights).
         resident_layers: with offload_weights, the first layers whose weights live on the device.
+        attention: the attention kernel family (Transformer.use_attention); None: the fastest for the weights.
+        steps: how decode steps run (Transformer.use_steps); None: eager.
     """
 
     device: torch.device
@@ -381,6 +335,8 @@ class BuildOptions:
     tensor_parallel: bool = False
     offload_weights: bool = False
     resident_layers: int = 0
+    attention: str | None = None
+    steps: StepMode | None = None
 
 
 def runtime_config(hf_config: PretrainedConfig, name: str) -> ModelConfig:
@@ -429,40 +385,28 @@ def move_to_device(model: nn.Module, device: torch.device) -> None:
 
 
 def build_model(
-    state: dict[str, torch.Tensor], hf_config: PretrainedConfig, options: BuildOptions, checkpoint: Checkpoint
+    state: dict[str, torch.Tensor], hf_config: PretrainedConfig, dtype: torch.dtype, name: str
 ) -> Transformer:
-    """The runtime model of a checkpoint's state: every transform applied once, in host memory, in a fixed order,
-    before any tensor crosses to the device (gpt-fast's _load_model and apply_tp have the same shape).
+    """The runtime model of a checkpoint's state, built in host memory (gpt-fast's _load_model has the same shape):
 
-    1. cast each tensor to options.dtype (before fusing: the fused copies are then of the smaller dtype);
+    1. cast each tensor to dtype (before fusing: the fused copies are then of the smaller dtype);
     2. build the model, fusing q/k/v and gate/up (fuse_checkpoint: each projection's parts freed as its fused
-       tensor exists), and restrict a distilled drafter's output layer to its tokens (Transformer.restrict_output);
-    3. the weight form (half or gguf weights; the CPU only); on the CPU in float32, the linears left dense are laid
-       out in tiles for the tiled product (tiled_weights.py), unless sharded or streamed;
-    4. shard the decoder layers (options.tensor_parallel, parallel.apply_tp);
-    5. weight offload (options.offload_weights): the streamed layers stay in host memory, page-locked for a CUDA
-       device, and their two-slot ring is allocated on the device;
-    6. every other tensor crosses to the device, once, already cast and sharded (move_to_device).
-
-    The device thus holds at most the weights it keeps: no unfused or unsharded copy, no streamed layer.
+       tensor exists), and restrict a distilled drafter's output layer to its tokens (Transformer.restrict_output).
 
     Args:
         state: the checkpoint's tensors by Hugging Face's names, in host memory (a tensor already on the device,
             such as a drafter's borrowed embedding, stays there); emptied as the model takes them over.
         hf_config: the checkpoint's config, its context window set.
-        options: dtype, device, weight form, sharding and weight offload.
-        checkpoint: where the state comes from: its name for errors, its GGUF file for gguf weights.
+        dtype: the weights' dtype.
+        name: the checkpoint's name, for errors.
     Returns:
-        The model in eval mode, on options.device but for its streamed layers.
+        The model in eval mode, where the state was.
     Raises:
         ModelLoadError: weights that do not fit the config, or that it lacks or does not use.
-        ConfigError: a transform that cannot apply (heads that do not divide by the processes, weights that
-            are not dense to shard or stream).
     """
-    name = checkpoint.name
     model_config = runtime_config(hf_config, name)
     for key, tensor in state.items():
-        state[key] = tensor.to(options.dtype)
+        state[key] = tensor.to(dtype)
     inv_freq, rope_scale = rope_frequencies(hf_config, model_config.head_dim)  # in host memory, as everything here
     long_inv_freq = long_rope_frequencies(hf_config)
     with torch.device("meta"):
@@ -472,7 +416,7 @@ def build_model(
     except RuntimeError as err:  # a tensor whose shape is not the one config.json implies
         detail = next((line.strip() for line in str(err).splitlines() if "mismatch" in line), str(err).splitlines()[0])
         raise ModelLoadError(f"{name}: its weights do not fit its config.json ({detail})") from None
-    state.clear()  # the model holds them now: a transform below that replaces one frees it
+    state.clear()  # the model holds them now: a transform that replaces one frees it
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         missing = [k for k in missing if k != "lm_head.weight"]
@@ -484,6 +428,37 @@ def build_model(
     output_ids = (getattr(hf_config, DRAFTER_METADATA, None) or {}).get("output_ids")
     if output_ids:  # before the weight form, which then packs the restricted output layer too
         model.restrict_output(torch.tensor(output_ids))
+    return model.eval()
+
+
+def transform_model(
+    model: Transformer, options: BuildOptions, checkpoint: Checkpoint, hf_config: PretrainedConfig
+) -> Transformer:
+    """Apply a load's set-up to a model built in host memory (build_model): every transform once, in a fixed order,
+    the first ones before any tensor crosses to the device (gpt-fast's apply_tp has the same shape).
+
+    1. the weight form (half or gguf weights; the CPU only); on the CPU in float32, the linears left dense are laid
+       out in tiles for the tiled product (tiled_weights.py), unless sharded or streamed;
+    2. shard the decoder layers (options.tensor_parallel, parallel.apply_tp);
+    3. weight offload (options.offload_weights): the streamed layers stay in host memory, page-locked for a CUDA
+       device, and their two-slot ring is allocated on the device;
+    4. every other tensor crosses to the device, once, already cast and sharded (move_to_device);
+    5. the attention kernels (options.attention, Transformer.use_attention), then the step mode (options.steps,
+       Transformer.use_steps).
+
+    The device thus holds at most the weights it keeps: no unfused or unsharded copy, no streamed layer.
+
+    Args:
+        model: build_model's, in host memory.
+        options: device, weight form, sharding, weight offload, attention kernels and step mode.
+        checkpoint: the model's checkpoint: its GGUF file and folder for gguf weights.
+        hf_config: the checkpoint's config (gguf weights read the file's tensors by it).
+    Returns:
+        model, on options.device but for its streamed layers.
+    Raises:
+        ConfigError: a transform that cannot apply (heads that do not divide by the processes, weights that
+            are not dense to shard or stream).
+    """
     if options.weights == WeightForm.GGUF:
         use_gguf_weights(model, checkpoint.gguf, hf_config, checkpoint.folder)
     if options.weights == WeightForm.HALF:
@@ -502,7 +477,20 @@ def build_model(
     move_to_device(model, options.device)
     if model.output_ids is not None:  # a plain attribute, no buffer: move_to_device leaves it
         model.output_ids = model.output_ids.to(options.device)
-    return model.eval()
+    if options.attention is not None:
+        model.use_attention(options.attention)
+    if options.steps is not None:
+        model.use_steps(options.steps)
+    return model
+
+
+def model_from_state(
+    state: dict[str, torch.Tensor], hf_config: PretrainedConfig, options: BuildOptions, checkpoint: Checkpoint
+) -> Transformer:
+    """The runtime model of a checkpoint's state as options say: built in host memory (build_model, emptying
+    state), then transformed and put on the device (transform_model)."""
+    model = build_model(state, hf_config, options.dtype, checkpoint.name)
+    return transform_model(model, options, checkpoint, hf_config)
 
 
 def load_model(
@@ -517,9 +505,11 @@ def load_model(
     offload_weights: bool = False,
     resident_layers: int = 0,
     checkpoint: Checkpoint | None = None,
+    attention: str | None = None,
+    steps: StepMode | None = None,
 ) -> LoadedModel:
     """Load a Llama-family checkpoint into the runtime model, with its tokenizer and config: its tensors are read
-    into host memory and transformed there, once, before they cross to the device (build_model).
+    into host memory, built and transformed there, once, before they cross to the device (model_from_state).
 
     checkpoint: spec's checkpoint where it is resolved already (resolve_checkpoint), else None: resolved here.
 
@@ -533,7 +523,7 @@ def load_model(
 
     context_window: positions to accept; beyond the trained context, RoPE is scaled with YaRN (context_window.py).
 
-    tensor_parallel, offload_weights, resident_layers: see BuildOptions.
+    tensor_parallel, offload_weights, resident_layers, attention, steps: see BuildOptions.
     """
     checkpoint = checkpoint or resolve_checkpoint(spec, status)
     name, folder, files = checkpoint.name, checkpoint.folder, checkpoint.weight_files
@@ -550,8 +540,10 @@ def load_model(
     runtime_config(hf_config, name)  # an architecture this runtime cannot run fails before any weight is read
     state = read_host_state(files)
     borrowed = borrow_shared_weights(name, hf_config, state, shared_from)
-    options = BuildOptions(torch.device(device), dtype, weights, tensor_parallel, offload_weights, resident_layers)
-    model = build_model(state, hf_config, options, checkpoint)
+    options = BuildOptions(
+        torch.device(device), dtype, weights, tensor_parallel, offload_weights, resident_layers, attention, steps
+    )
+    model = model_from_state(state, hf_config, options, checkpoint)
     if shared_from is not None and isinstance(shared_from.model.model.embed_tokens, GGUFEmbedding):
         model.model.embed_tokens = shared_from.model.model.embed_tokens  # the target's blocks, not a float copy
     elif borrowed and isinstance(shared_from.model.model.embed_tokens, TiledEmbedding):

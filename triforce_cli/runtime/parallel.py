@@ -7,7 +7,7 @@ and the vocabulary projection stay whole, so every rank computes the full logits
 the same tokens: no rank drifts. The model's config then counts the rank's own heads, so every cache built for it
 (full, retrieval, offloaded) holds only those; retrieval scoring works per KV head and needs no communication.
 NCCL on CUDA, gloo on the CPU (``init_parallel``). The loader applies it while the weights are still in host memory
-(loading.build_model), so that each rank's device receives its shard only.
+(loading.transform_model), so that each rank's device receives its shard only.
 
 The all-reduces are functional collectives (torch.distributed._functional_collectives), which torch.compile traces
 into the step's graph: a sharded decode step compiles with fullgraph=True, and on NCCL is captured as a CUDA graph.

@@ -4,7 +4,7 @@ output rows (kernels.tiled_linear), float32 or float16, in one order of arithmet
 A row's outputs are then the same bits whatever rows come with it (a 1-token decode step, a verification of a few
 drafts, a 256-row prefill chunk) and however many threads run: the keys, values and logits of a position do not
 depend on how it was computed. torch's products pick their blocking, and with it the order of the sums, by the
-number of rows. The layout is made at load (loading.build_model), as the model's weight form is; the modules
+number of rows. The layout is made at load (loading.transform_model), as the model's weight form is; the modules
 compute with torch's product wherever the kernel does not apply (autograd, another device or dtype), from the
 same values.
 """
