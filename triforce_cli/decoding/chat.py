@@ -34,8 +34,9 @@ from jinja2 import TemplateError
 from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
-from triforce_cli.decoding.engine import PrefillCallback, TokenCallback
+from triforce_cli.decoding.engine import TokenCallback
 from triforce_cli.decoding.pipeline import Pipeline, prefill_or_restore
+from triforce_cli.decoding.prefill import PrefillCallback
 from triforce_cli.decoding.prompt_state import PromptCache, StaleEntry
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import PromptError, TriforceError

@@ -704,7 +704,7 @@ class Transformer(nn.Module):
         states of all T tokens between layers, (T, hidden_size) in the model's dtype, and their rotation, cos and sin
         of (T, head_dim) each: for 128K tokens of Llama-3.1-8B in bfloat16, 128K x 4096 x 2 bytes = 1 GiB and
         2 x 128K x 128 x 2 bytes = 64 MiB. A prompt whose share does not fit is run in segments, one call each
-        (Engine._prefill): each call fetches the positions before its start once per offloaded layer.
+        (decoding.prefill.prefill): each call fetches the positions before its start once per offloaded layer.
 
         Args:
             tokens: (T,) token ids on the model's device.
