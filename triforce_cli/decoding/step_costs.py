@@ -9,10 +9,10 @@ A forward of T tokens attending to P cached positions is priced as
 
 from the floor terms of `triforce bench --forward-costs` (bench/forward_costs.py): one token's arithmetic hides in
 the read, each further token's adds to it. The fixed cost per layer and the efficiency are fitted to what
-`--forward-costs` measured on a 2-core EPYC at 7,168 positions with the embedded model: full-cache forwards of 1,
-2, 6 and 8 tokens of 13.8, 19.3, 36.1 and 46.2 ms, priced 13.7, 18.8, 39.2 and 49.4; a retrieval-cache forward of
-1 token of 8.8 ms, priced 9.0. Longer verifications are priced a little above what they cost, so the policy errs
-towards plain steps.
+`--forward-costs` measured on a 2-core EPYC (Zen 4) at 7,168 positions with the embedded model: full-cache forwards
+of 1, 2, 4, 6 and 8 tokens of 12.3, 16.8, 24.7, 33.5 and 44.2 ms, priced 12.7, 17.2, 26.4, 35.5 and 44.7;
+retrieval-cache forwards of 1, 2, 6 and 8 tokens of 8.6, 10.2, 17.2 and 22.1 ms, priced 8.3, 10.4, 18.5 and 22.5.
+Verifications are priced a little above what they cost, so the policy errs towards plain steps.
 
 The rates are those `triforce bench` and `triforce info` keep for this machine (plan/rates.py), read, never measured
 here; without them, NOMINAL's for the device type. They are fixed before decoding and the same from run to run on
@@ -45,10 +45,10 @@ class MachineBalance:
 
 
 # A CPU layer's cost beyond its bytes and arithmetic, and the share of the measured FLOP rate the kernels reach, as
-# `triforce bench --forward-costs` shows them on a 2-core EPYC at 7,168 positions (module docstring); on CUDA the
-# planner's CUDA-graph figure (plan/presets.py)
-LAYER_OVERHEAD_S = {"cpu": 150e-6, "cuda": 15e-6}
-CPU_ARITHMETIC_EFFICIENCY = 0.8
+# `triforce bench --forward-costs` shows them on a 2-core EPYC (Zen 4) at 7,168 positions (module docstring); on
+# CUDA the planner's CUDA-graph figure (plan/presets.py)
+LAYER_OVERHEAD_S = {"cpu": 140e-6, "cuda": 15e-6}
+CPU_ARITHMETIC_EFFICIENCY = 0.9
 PCIE_BANDWIDTH = 25e9  # the planner's PCIe 4.0 x16 with pinned memory (plan/presets.py)
 NOMINAL = {
     "cpu": MachineBalance(30e9, 186e9, LAYER_OVERHEAD_S["cpu"], 30e9, CPU_ARITHMETIC_EFFICIENCY),  # a 2-core EPYC's
