@@ -64,8 +64,10 @@ CLI_ARGS = (
 @pytest.fixture
 def pipe(tiny) -> Pipeline:
     return Pipeline.load(
-        LoadOptions(target="chat"), config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_block=16)
-    )  # prefill chunks of 16: the document is several, so prefix reuse keeps some
+        LoadOptions(target="chat"),
+        config=small_config(max_new_tokens=NEW_TOKENS, sampling=GREEDY, prefill_block=16, gamma_policy="fixed"),
+    )  # prefill chunks of 16: the document is several, so prefix reuse keeps some; every tier drafts (the tiny
+    # target drafting for itself would never pay at the costed default's prices, so it would not draft)
 
 
 def conversation_ids(tokenizer, questions: list[str], answers: list[str], system: str | None = None) -> list[int]:

@@ -28,7 +28,9 @@ def model():
 
 
 def config(mode: str, sampling: SamplingConfig, **changes):
-    return small_config(mode=mode, sampling=sampling, **{"prefill_block": CHUNK, "cache_positions": 256, **changes})
+    """Every tier drafts its gamma (at the costed default's prices the tiny target drafting for itself never would)."""
+    settings = {"prefill_block": CHUNK, "cache_positions": 256, "gamma_policy": "fixed"}
+    return small_config(mode=mode, sampling=sampling, **{**settings, **changes})
 
 
 @pytest.fixture

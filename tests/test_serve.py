@@ -50,13 +50,15 @@ GREEDY = SamplingConfig(temperature=0)
 
 def config(**changes) -> EngineConfig:
     """TriForce on the tiny model (the target drafts for itself on a 24-token StreamingLLM window), prefilling in
-    chunks of 16 so that a 100-token prompt has whole chunks to reuse."""
+    chunks of 16 so that a 100-token prompt has whole chunks to reuse; every tier drafts its gamma (at the costed
+    default's prices a target drafting for itself never pays, so it would not draft)."""
     settings = {
         "chunk_size": 8,
         "draft_window": 24,
         "sink_tokens": 4,
         "max_new_tokens": NEW_TOKENS,
         "prefill_block": 16,
+        "gamma_policy": "fixed",
     }
     return EngineConfig(**{**settings, **changes})
 

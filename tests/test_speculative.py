@@ -310,7 +310,13 @@ def test_callbacks_report_prefill_and_origins(tiny_target):
     clone = make_model(seed=0, peak=2.0, name="drafter", initializer_range=0.3, tie_word_embeddings=False)
     prefill: list[tuple[str, int, int]] = []
     origins: list[str] = []
-    config = sampled("triforce", prefill_block=64, budget=PROMPT_TOKENS, draft_window=PROMPT_TOKENS + NEW_TOKENS)
+    config = sampled(
+        "triforce",
+        prefill_block=64,
+        budget=PROMPT_TOKENS,
+        draft_window=PROMPT_TOKENS + NEW_TOKENS,
+        gamma_policy="fixed",
+    )
     engine = Engine(tiny_target.loaded, config, drafter=clone.loaded)
     result = engine.generate(
         prompt_for(0), on_prefill=lambda *a: prefill.append(a), on_tokens=lambda t, o: origins.extend(o)

@@ -171,7 +171,7 @@ class TierCosts:
             if self.priced and self.own_steps:
                 return (
                     f"{self.tier}: {self.own_steps} steps without drafting: own steps (priced {self.step_ms[0]:.1f} ms a"
-                    " token) promise more tokens per second than verifying drafts would with every draft accepted"
+                    " token) yield more tokens per second than drafting could, even with every draft accepted"
                 )
             return None
         drafting = {n: ms for n, ms in self.step_ms.items() if n}
