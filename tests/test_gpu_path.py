@@ -27,6 +27,7 @@ from triforce_cli.kernels import attention, attention_backend, attention_in_cach
 from typer.testing import CliRunner
 
 from triforce_cli.cli.app import app
+from triforce_cli.decoding import engine as engine_module
 from triforce_cli.decoding import prefill as prefill_module
 from triforce_cli.decoding import sizing
 from triforce_cli.decoding.clock import DeviceClock
@@ -228,7 +229,7 @@ def test_a_round_copies_no_token_list_to_the_device_and_reads_once_per_verificat
 
         return read
 
-    decode = Engine._decode
+    decode = engine_module.decode
 
     def counted_decode(*args, **kwargs):
         decoding[0] = True
@@ -241,7 +242,7 @@ def test_a_round_copies_no_token_list_to_the_device_and_reads_once_per_verificat
         monkeypatch.setattr(torch, name, counted_copy(getattr(torch, name)))
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counted_read(name))
-    monkeypatch.setattr(Engine, "_decode", counted_decode)
+    monkeypatch.setattr(engine_module, "decode", counted_decode)
     result = engine.generate(prompt)
     monkeypatch.undo()
     stats = result.stats

@@ -34,10 +34,10 @@ from jinja2 import TemplateError
 from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
-from triforce_cli.decoding.engine import TokenCallback
 from triforce_cli.decoding.pipeline import Pipeline, prefill_or_restore
 from triforce_cli.decoding.prefill import PrefillCallback
 from triforce_cli.decoding.prompt_state import PromptCache, StaleEntry
+from triforce_cli.decoding.rounds import TokenCallback
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats
 from triforce_cli.errors import PromptError, TriforceError
 from triforce_cli.runtime.prompts import DOCUMENT_PLACEHOLDER, around_document, document_question

@@ -6,7 +6,8 @@ length and refreshing the retrieval cache on its policy.
 
 generate: 1. allocate the caches (decoding/cache_pool.py, sized by decoding/sizing.py; kept across generations) and
 record the fixed-shape steps decoding takes (decoding/warm_up.py); 2. prefill every cache (decoding/prefill.py; an
-offloaded full cache layer by layer) and sample the first token; 3. rounds of the top tier (ModelTier.step).
+offloaded full cache layer by layer) and sample the first token; 3. build the tiers (decoding/tiers.py) and run
+rounds of the top tier (ModelTier.step) until the answer is complete (decoding/rounds.py).
 """
 
 import time
@@ -14,26 +15,23 @@ from collections.abc import Callable
 
 import torch
 
-from triforce_cli.decoding.cache_pool import CachePool, Held, InUse, check_restorable, exact_positions
+from triforce_cli.decoding.cache_pool import CachePool, InUse, check_restorable, exact_positions
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.prefill import ChunkCallback, PrefillCallback, prefill, prefill_drafter
 from triforce_cli.decoding.prompt_state import PromptState
+from triforce_cli.decoding.rounds import StopCheck, TokenCallback, decode
 from triforce_cli.decoding.sampling import probabilities, sample
 from triforce_cli.decoding.sizing import CacheSpec, MemoryPlan, check_prompt
-from triforce_cli.decoding.speculation_length import SOURCE_POLICIES
-from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Tier, TokenSequence
-from triforce_cli.decoding.stats import GenerationResult, GenerationStats
+from triforce_cli.decoding.speculative import ModelTier, Tier
+from triforce_cli.decoding.stats import GenerationResult, GenerationStats, StopReason
 from triforce_cli.decoding.step_costs import price_tiers
+from triforce_cli.decoding.tiers import build_tiers, tier_chain
 from triforce_cli.decoding.warm_up import warm_up
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.forms import OffloadMode
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer
-from triforce_cli.runtime.parallel import from_rank_zero, shared_seed, world_size
-
-TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
-StopCheck = Callable[[], bool]  # asked once before each verification round: True stops the generation there
+from triforce_cli.runtime.parallel import from_rank_zero, shared_seed
 
 
 class Engine:
@@ -275,115 +273,17 @@ class Engine:
                 on_tokens([first], [Tier.TARGET])
             stats.compile_seconds += warm_up(self.spec, caches, prefilled=True)
             # 3. loop: rounds of the top tier
-            top = self._build_tiers(caches, generator)
+            drafting = {"ngram": self.uses_ngram, "model_drafter": self.uses_model_drafter}
+            top = build_tiers(cfg, self.target.model, self._drafter_model, caches, generator, **drafting)
             price_tiers(top)  # the costed policy's prices, fixed before its first step
-            chain = self._tier_chain(top)
+            chain = tier_chain(top)
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
             stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]
-            self._decode(top, prompt_ids, generated, held, stats, on_tokens, should_stop)
+            stopping = {"max_new_tokens": cfg.max_new_tokens, "eos_ids": self.eos_ids}
+            decode(top, prompt_ids, generated, held, stats, **stopping, on_tokens=on_tokens, should_stop=should_stop)
         except KeyboardInterrupt:
-            stats.stop_reason = "interrupted"
+            stats.stop_reason = StopReason.INTERRUPTED
         stats.tier_costs = [tier.costs() for tier in chain if tier.proposer is not None]
         stats.new_tokens = len(generated)
         text = self.target.tokenizer.decode(generated, skip_special_tokens=True)
         return GenerationResult(generated, text, stats)
-
-    @staticmethod
-    def _tier_chain(top: ModelTier) -> list[ModelTier]:
-        chain = [top]
-        while isinstance(chain[-1].proposer, ModelTier):
-            chain.append(chain[-1].proposer)
-        return chain
-
-    def _decode(
-        self,
-        top: ModelTier,
-        prompt_ids: list[int],
-        generated: list[int],
-        held: Held,
-        stats,
-        on_tokens,
-        should_stop=None,
-    ) -> None:
-        """Rounds of the top tier (ModelTier.step) until max_new_tokens, an end-of-sequence token or should_stop.
-
-        held: what the full cache holds (Held of the prompt and the first token), kept up to date round by round
-        for the next prompt to reuse: its ids are the prompt and every committed token, its length the full cache's
-        after the last round that ended (each round leaves it at the committed tokens' length, less the last one,
-        whose keys the next round writes), so that a round interrupted in the middle of a forward leaves only
-        positions that hold what their ids say.
-
-        The committed ids live on the device (TokenSequence), copied there once: each round appends its tokens from
-        the device, and the host learns them from the round's one read (a verification's, or where the top tier
-        sampled its own token, the read that hands it out)."""
-        cfg = self.config
-        if generated[-1] in self.eos_ids:
-            stats.stop_reason = "eos"
-            return
-        capacity = len(prompt_ids) + cfg.max_new_tokens
-        committed = TokenSequence.of([*prompt_ids, *generated], self.target.device, capacity)
-        while len(generated) < cfg.max_new_tokens:
-            if should_stop is not None and should_stop():
-                stats.stop_reason = "cancelled"
-                return
-            started = time.perf_counter()
-            verified = top.step(committed, limit=cfg.max_new_tokens - len(generated))  # never more than wanted
-            tokens = verified.tokens  # an own step's token is read here (autoregressive decoding: one read per token)
-            stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
-            if stop is not None:
-                tokens = tokens[: stop + 1]
-            elapsed = time.perf_counter() - started
-            stats.decode_seconds += elapsed
-            stats.round_seconds.append(elapsed)
-            stats.round_tokens.append(len(tokens))
-            committed.append(verified.ids[: len(tokens)], tokens)
-            generated += tokens
-            held.ids += tokens
-            held.length = min(top.cache.length, len(held.ids))  # an end-of-sequence token may cut accepted drafts
-            if on_tokens is not None:
-                on_tokens(tokens, verified.origins[: len(tokens)])
-            if stop is not None:
-                stats.stop_reason = "eos"
-                return
-
-    def _build_tiers(self, caches: InUse, generator: torch.Generator) -> ModelTier:
-        """The tiers of this engine's mode, built on caches, each the proposer of the one above; the top one."""
-        cfg = self.config
-        policy = cfg.speculation_policy
-        if policy == "throughput" and world_size() > 1:
-            policy = "heuristic"  # the clock differs between ranks; acceptance, which heuristic follows, does not
-        shared = {"sampling": cfg.sampling, "generator": generator, "gamma_policy": policy}
-        target = self.target.model
-        drafter = None
-        if caches.streaming is not None:
-            drafter = ModelTier(name=Tier.DRAFTER, model=self._drafter_model, cache=caches.streaming, **shared)
-        if self.uses_ngram:
-            ngram = NGramProposer(target.config.vocab_size, cfg.ngram_max, device=self.target.device)
-            drafter = ngram if drafter is None else FallbackProposer(ngram, drafter)
-        # drafter is None without a drafter tier: then the tier it would draft for samples every token itself
-        if not cfg.uses_retrieval:
-            proposer, gamma, shortcut = drafter, cfg.gamma1, None
-        else:
-            proposer = ModelTier(
-                name=Tier.RETRIEVAL,
-                model=target,
-                cache=caches.retrieval,
-                proposer=drafter,
-                gamma=cfg.gamma1,
-                refresh_interval=cfg.refresh_interval,
-                **shared,
-            )
-            # the throughput policy may skip the middle tier where verifying at it does not pay
-            # (speculation_length.py); only a model drafter, which always drafts, makes a shortcut (an n-gram alone
-            # often finds nothing)
-            gamma, shortcut = cfg.gamma2, drafter if policy in SOURCE_POLICIES and self.uses_model_drafter else None
-        return ModelTier(
-            name=Tier.TARGET,
-            model=target,
-            cache=caches.full,
-            proposer=proposer,
-            gamma=gamma,
-            shortcut=shortcut,
-            own_steps=True,
-            **shared,
-        )

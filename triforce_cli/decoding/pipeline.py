@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.decoding.engine import Engine, StopCheck, TokenCallback
+from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.prefill import PrefillCallback
 from triforce_cli.decoding.prompt_state import PromptCache, PromptState, check_writable
+from triforce_cli.decoding.rounds import StopCheck, TokenCallback
 from triforce_cli.decoding.setup import LoadOptions, choose_setup
 from triforce_cli.decoding.stats import GenerationResult
 from triforce_cli.decoding.tuning import Tuning, slower_than_measured

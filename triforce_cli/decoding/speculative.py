@@ -232,7 +232,7 @@ class FallbackProposer:
 class ModelTier:
     """A model reading one cache, drafted for by a proposer (or sampling alone, without one).
 
-    TriForce is three of them, each the proposer of the one above (Engine._build_tiers):
+    TriForce is three of them, each the proposer of the one above (decoding.tiers.build_tiers):
     ``ModelTier(name=TARGET, cache=full, proposer=ModelTier(name=RETRIEVAL, cache=retrieval,
     proposer=ModelTier(name=DRAFTER, cache=streaming)))``. A round is the top tier's ``step``.
     """
