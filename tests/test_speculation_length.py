@@ -458,12 +458,24 @@ def test_costed_drafting_that_could_not_pay_even_if_always_accepted_is_never_tri
 
 
 def test_costed_drafting_that_could_pay_but_does_not_is_probed_ever_less_often():
-    """Drafts that would pay if accepted, never accepted: in 200 steps drafting is probed at the first, then after
-    4, 8, 16, 32, 64 and 64 own steps; one draft a probe."""
-    steps = feed_costed(costed(SLOPE), 200, accepts=lambda n, i: 0)
+    """Drafts that would pay if accepted, never accepted: a rejected probe loses 0.21 of a plain step (a draft at
+    0.01 and a verification of one draft at 1.2, for the one token a plain step gives), so the shortest wait is
+    11 plain steps (0.21 is 2% of 10.5); in 200 steps drafting is probed at the first, then after 11, 22, 44 and
+    64 own steps; one draft a probe."""
+    length = costed(SLOPE)
+    assert length.probe_base == 11
+    steps = feed_costed(length, 200, accepts=lambda n, i: 0)
     probes = [i for i, (n, _) in enumerate(steps) if n]
-    assert probes == [0, 5, 14, 31, 64, 129, 194]
+    assert probes == [0, 12, 35, 80, 145]
     assert all(steps[i][0] == 1 for i in probes)
+
+
+def test_costed_probes_wait_longer_where_a_verification_costs_more():
+    """The shortest wait between probes grows with what a rejected probe loses, and is never below PROBE_WAIT."""
+    cheap = costed((1.0, 1.0, 1.0), draft=0.01)  # a rejected probe loses a hundredth of a step
+    dear = costed((1.0, 1.5, 2.0), draft=0.01)  # half a step
+    assert cheap.probe_base == PROBE_WAIT
+    assert dear.probe_base == 26  # 0.51 / 0.02 = 25.5
 
 
 def test_costed_probes_only_the_source_that_could_pay():
@@ -488,11 +500,12 @@ def test_costed_drafting_that_always_pays_drafts_every_step_at_the_ceiling():
 
 def test_costed_drafting_resumes_soon_after_the_text_turns_repetitive():
     """Nothing accepted for 100 steps, then everything: a probe within one longest wait, which pays for itself, so
-    the next comes after PROBE_WAIT own steps, and drafting stays from then on, up to the ceiling."""
-    steps = feed_costed(costed(SLOPE), 200, accepts=lambda n, i: 0 if i < 100 else n)
+    the next comes after the shortest wait, and drafting stays from then on, up to the ceiling."""
+    length = costed(SLOPE)
+    steps = feed_costed(length, 200, accepts=lambda n, i: 0 if i < 100 else n)
     first = next(i for i in range(100, 200) if steps[i][0])
     assert first <= 100 + MAX_PROBE_WAIT
-    assert all(n for n, _ in steps[first + PROBE_WAIT + 1 :]) and steps[-1][0] == 4
+    assert all(n for n, _ in steps[first + length.probe_base + 1 :]) and steps[-1][0] == 4
 
 
 def test_costed_drafting_that_stops_paying_is_dropped_after_a_few_verifications():
@@ -511,7 +524,7 @@ def test_costed_probes_take_turns_between_the_sources():
     drafts cheaper; after it, probes alternate between the shortcut and the proposer, one draft each."""
     steps = feed_costed(costed(SLOPE, draft=0.5, shortcut=0.01), 100, accepts=lambda n, i: 0)
     drafting = [(n, shortcut) for n, shortcut in steps if n]
-    assert drafting == [(1, True), (1, True), (1, False), (1, True), (1, False)]
+    assert drafting == [(1, True), (1, True), (1, False), (1, True)]
 
 
 def test_costed_starts_drafting_where_the_prior_says_it_pays():

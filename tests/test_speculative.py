@@ -630,8 +630,10 @@ def scripted_decode(right: Callable[[int], bool] | None) -> tuple[list[int], Mod
 def test_costed_drafts_never_accepted_are_only_probed():
     tokens, top = scripted_decode(right=lambda i: False)
     assert tokens == scripted_decode(None)[0]
-    # free drafts: the prior says the first two passes pay; then probes after 4, 8, 16 and 32 own steps
-    assert top.stats.verifications == top.stats.drafted == 6 and top.stats.accepted == 0
+    # free drafts: the prior says the first two passes pay; then probes after 10, 20 and 40 own steps (a rejected
+    # probe loses 0.2 of a plain step, which is 2% of 10)
+    assert top.length.probe_base == 10
+    assert top.stats.verifications == top.stats.drafted == 5 and top.stats.accepted == 0
     assert top.length.own_steps_taken >= SCRIPTED_TOKENS - 10
 
 

@@ -45,13 +45,15 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   expected tokens per second wherever that promises DRAFT_MARGIN times the rate of its own steps; every tier with
   a proposer may take own steps (the middle tier then samples from the retrieval cache, the drafter idle). Where
   own steps win, drafting is probed, at its best length (one draft, as a rule), at the first step and then after
-  PROBE_WAIT own steps, twice as many after each probe that did not pay for itself (up to MAX_PROBE_WAIT), and
-  PROBE_WAIT again after one that did; with a shortcut the probes take turns between the two sources, the
-  shortcut first. A source whose drafts would not pay even were every one accepted (the retrieval tier where its
-  forward costs most of a full one, at short contexts) is never probed: no acceptance could make it pay. Where
-  drafting could pay but does not, a 64-token answer holds four probes of one draft, about a sixtieth of its
-  cost on a CPU; where it pays from the priors (long contexts, whose full forwards cost most), the first step
-  drafts. With a shortcut, the source that promises less drafts one token every SHORTCUT_RETRY-th
+  a wait of own steps, twice as long after each probe that did not pay for itself (up to MAX_PROBE_WAIT), and as
+  short again after one that did. The shortest wait makes what a rejected probe loses (its draft and a
+  verification of one draft, against the own step it replaces) at most PROBE_SHARE of the own steps before it,
+  and no shorter than PROBE_WAIT: on a 2-core CPU at 7K, where that verification costs 1.4 plain steps, 24 steps,
+  so that where drafting never pays a 128-token answer holds three probes, about 2% of its time. With a shortcut
+  the probes take turns between the two sources, the shortcut first. A source whose drafts would not pay even
+  were every one accepted (the retrieval tier where its forward costs most of a full one, at short contexts) is
+  never probed: no acceptance could make it pay. Where drafting pays from the priors (long contexts, whose full
+  forwards cost most), the first step drafts. With a shortcut, the source that promises less drafts one token every SHORTCUT_RETRY-th
   verification while drafting pays, so that its estimate follows the text. (A tier not priced drafts its ceiling,
   as under fixed.)
 
@@ -63,6 +65,7 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   more, so towards plain steps (step_costs.py says by how much).
 """
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -90,7 +93,8 @@ DRAFT_MEMORY = 0.88  # weight a judged draft keeps at each newer one: the estima
 PRIOR_ACCEPTANCE = {"retrieval": 0.85}  # by the source's name: the target on the retrieval cache agrees with itself
 DEFAULT_PRIOR = 0.4  # a drafter model, the n-gram proposer
 DRAFT_MARGIN = 1.05  # drafting must promise this many times the tokens per second of own steps
-PROBE_WAIT = 4  # own steps before the first probe of drafting after it lost; doubled after each probe that loses
+PROBE_WAIT = 4  # own steps before a probe of drafting, at the least; doubled after each probe that loses
+PROBE_SHARE = 0.02  # what a probe that loses may cost, at most, as a share of the own steps waited before it
 MAX_PROBE_WAIT = 64
 
 
@@ -275,6 +279,7 @@ class SpeculationLength:
     shortcut_counts: AcceptanceCounts = field(init=False, default_factory=AcceptanceCounts)  # costed
     priors: dict[bool, float] = field(init=False, default_factory=dict)  # costed: prior acceptance by source
     probe_wait: int = field(init=False, default=PROBE_WAIT)  # costed: own steps after the next drafting that loses
+    probe_base: int = field(init=False, default=PROBE_WAIT)  # costed: the shortest such wait (set by price())
     probe_shortcut: bool = field(init=False, default=False)  # costed: the source of the last probe
     # costed: the sources (True: the shortcut) whose drafts would pay were every one accepted; no other is probed
     payable: tuple[bool, ...] = field(init=False, default=())
@@ -338,7 +343,18 @@ class SpeculationLength:
         self.verify_seconds = {n: costs.forward[n] for n in range(len(costs.forward))}  # what TierCosts reports
         sources = (True, False) if self.has_shortcut else (False,)
         self.payable = tuple(shortcut for shortcut in sources if self._could_pay(shortcut))
+        self.probe_base = self.probe_wait = self._probe_base()
         self._probe()
+
+    def _probe_base(self) -> int:
+        """Own steps between two probes at the least: PROBE_WAIT, or as many as make what the cheapest probe
+        loses where its draft is rejected (a draft and a verification of one draft, for one token an own step
+        would have given) at most PROBE_SHARE of their cost, so that probing where drafting never pays costs
+        about that share of an answer whatever a verification costs on this machine and context."""
+        if not self.payable:
+            return MAX_PROBE_WAIT
+        loss = min(self.costs.draft(shortcut) for shortcut in self.payable) + self.costs.verify(1) - self.costs.own
+        return min(MAX_PROBE_WAIT, max(PROBE_WAIT, math.ceil(loss / (PROBE_SHARE * self.costs.own))))
 
     def _could_pay(self, shortcut: bool) -> bool:
         """Whether drafts from a source, at its best length with every draft accepted, promise DRAFT_MARGIN times
@@ -373,19 +389,19 @@ class SpeculationLength:
                 self.current = 1
         else:
             self.use_shortcut = self.has_shortcut and max(options, key=lambda shortcut: options[shortcut][0])
-        self.probe_wait = PROBE_WAIT
+        self.probe_wait = self.probe_base
         return True
 
     def _plan(self, drafted: int, accepted: int) -> None:
         """After a verification under the costed policy: keep drafting where it pays, else take own steps before the
-        next probe: PROBE_WAIT of them after drafting that paid for itself (its tokens cost no more than own steps
+        next probe: probe_base of them after drafting that paid for itself (its tokens cost no more than own steps
         would have), twice as many each time after drafting that did not (up to MAX_PROBE_WAIT)."""
         if self._draft_if_it_pays():
             return
         seconds = drafted * self.costs.draft(self.use_shortcut) + self.costs.verify(drafted)
         paid = seconds <= (accepted + 1) * self.costs.own
         if paid:
-            self.probe_wait = PROBE_WAIT
+            self.probe_wait = self.probe_base
         self.own_steps_left = self.probe_wait
         if not paid:
             self.probe_wait = min(MAX_PROBE_WAIT, 2 * self.probe_wait)
