@@ -434,9 +434,10 @@ def attention_in_cache(
     Those backends read all S slots, whatever the position: the graph's shapes are fixed and the position lives on
     the device, so reading only a length bucket would put a host-side bucket into the graph, one more compiled
     graph (and CUDA graph) per bucket for every padded length and cache kind. The cost is the unused slots: a full
-    cache holds prompt + max_new_tokens + headroom (decoding.sizing.CacheSpec.capacities), so at most the new tokens' share is read
-    in vain, small for the long prompts TriForce serves; the drafts' caches are as long as their budget and window.
-    A full cache kept from a longer earlier prompt (Engine._allocate reuses it) is read to its whole capacity.
+    cache holds prompt + max_new_tokens + headroom (decoding.sizing.CacheSpec.capacities), so at most the new
+    tokens' share is read in vain, small for the long prompts TriForce serves; the drafts' caches are as long as
+    their budget and window. A full cache kept from a longer earlier prompt (Engine._allocate reuses it) is read to
+    its whole capacity.
     """
     num_q_heads, num_queries, head_dim = q.shape
     if backend == "flash" and first_slot is None:

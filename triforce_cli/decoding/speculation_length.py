@@ -53,9 +53,9 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   the probes take turns between the two sources, the shortcut first. A source whose drafts would not pay even
   were every one accepted (the retrieval tier where its forward costs most of a full one, at short contexts) is
   never probed: no acceptance could make it pay. Where drafting pays from the priors (long contexts, whose full
-  forwards cost most), the first step drafts. With a shortcut, the source that promises less drafts one token every SHORTCUT_RETRY-th
-  verification while drafting pays, so that its estimate follows the text. (A tier not priced drafts its ceiling,
-  as under fixed.)
+  forwards cost most), the first step drafts. With a shortcut, the source that promises less drafts one token
+  every SHORTCUT_RETRY-th verification while drafting pays, so that its estimate follows the text. (A tier not
+  priced drafts its ceiling, as under fixed.)
 
   Every choice follows the prices, fixed before decoding, and the acceptance counts, never the clock, so a seeded
   sampled run repeats its tokens exactly from run to run and gets the same protection as any other. The prices
@@ -388,7 +388,7 @@ class SpeculationLength:
             if self.since_retry == 0:
                 self.current = 1
         else:
-            self.use_shortcut = self.has_shortcut and max(options, key=lambda shortcut: options[shortcut][0])
+            self.use_shortcut = max(options, key=lambda shortcut: options[shortcut][0])
         self.probe_wait = self.probe_base
         return True
 

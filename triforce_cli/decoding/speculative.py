@@ -169,9 +169,10 @@ class TierCosts:
         """One line saying that drafting was dropped and why, or None where it never was."""
         if not self.drops:
             if self.priced and self.own_steps:
+                own = f"own steps (priced {self.step_ms[0]:.1f} ms a token)"
                 return (
-                    f"{self.tier}: {self.own_steps} steps without drafting: own steps (priced {self.step_ms[0]:.1f} ms a"
-                    " token) yield more tokens per second than drafting could, even with every draft accepted"
+                    f"{self.tier}: {self.own_steps} steps without drafting: {own} yield more tokens per second than"
+                    " drafting could, even with every draft accepted"
                 )
             return None
         drafting = {n: ms for n, ms in self.step_ms.items() if n}

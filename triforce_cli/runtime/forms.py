@@ -68,7 +68,8 @@ def resolve_weights(
 ) -> str:
     """'auto' as the fastest exact weight form by rule: on a CPU in float32 with the cpu attention kernels and eager
     steps, 'gguf' for a GGUF checkpoint whose block kernel builds here (a decode step reads a fifth of the float32
-    bytes), else 'half' on an x86 torch build whose CPU extension builds (half the bytes); 'dense' elsewhere. Any other choice as it is.
+    bytes), else 'half' on an x86 torch build whose CPU extension builds (half the bytes); 'dense' elsewhere. Any
+    other choice as it is.
     decoding.tuning replaces the rule by a measurement where it may.
 
     gguf_kernels, half_available: whether the block kernel builds and half weights run here, where the caller knows
