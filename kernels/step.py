@@ -1,7 +1,7 @@
 """A decoder layer's ops on the CPU's float32 activations in the extension (csrc/step_ops.cpp): RMSNorm, RoPE,
 SiLU(gate) * up, a layer's two halves around the cache write in one call each (attention_input, layer_output), and
 a whole layer over a float16 cache's storage in one call (cached_layer: the two halves, the cache write and
-cache_attention).
+cache_attention), and every layer of a model in one call (cached_layers, over a LayerStack built once per model).
 
 A decode step of a float32 model with tiled or GGUF linears (runtime/model.py's DecoderLayer) then makes a few calls
 per layer, where torch's ops made dozens, each with its fixed cost: the norms' pow/mean/rsqrt/multiplies, RoPE's
@@ -205,6 +205,69 @@ def cached_layer(
         o_proj.operands, o_proj.features, post_norm, post_eps, gate_up.operands, gate_up.features,
         down.operands, down.features,
     )  # fmt: skip
+
+
+def layer_stack() -> torch.ScriptObject:
+    """An empty stack of layers for cached_layers; stack_layer adds each in turn."""
+    return torch.classes.triforce_cpu.LayerStack()
+
+
+def stack_layer(
+    stack: torch.ScriptObject,
+    *,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv: Projection,
+    q_heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    layer: int,
+    scale: float,
+    window: int | None,
+    o_proj: Projection,
+    post_norm: torch.Tensor,
+    post_eps: float,
+    gate_up: Projection,
+    down: Projection,
+) -> None:
+    """Add a layer to stack: cached_layer's operands but for a step's own (x, rotation, the cache and its slots);
+    layer: its index in the cache's storage; window: its sliding window, where a step's views hold consecutive
+    positions."""
+    stack.add(
+        norm_weight, eps, qkv.operands, qkv.features, q_heads, kv_heads, q_norm, k_norm, layer, scale, window or 0,
+        o_proj.operands, o_proj.features, post_norm, post_eps, gate_up.operands, gate_up.features, down.operands,
+        down.features,
+    )  # fmt: skip
+
+
+def cached_layers(
+    stack: torch.ScriptObject,
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    write_slot: int,
+    view_starts: list[int],
+    origin: int,
+    windowed: bool,
+    keep_queries: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every layer of stack in turn in one call, each as cached_layer computes it (the same bits, the same cache
+    writes), so that a step crosses into the extension once rather than once a layer.
+
+    Args:
+        x: (T, C) float32, the first layer's input.
+        keys, values: (layers, Hkv, S, D) float16, the cache's storage, written in place.
+        view_starts: each layer's first slot read, by its index in the storage.
+        windowed: whether the layers' sliding windows apply (views of consecutive positions).
+        keep_queries: whether to return the layers' queries.
+    Returns:
+        The last layer's output (T, C), and with keep_queries each layer's queries (Hq, T, D) in the stack's order.
+    """
+    return torch.ops.triforce_cpu.cached_layers(
+        stack, x, rotation, keys, values, write_slot, view_starts, origin, windowed, keep_queries
+    )
 
 
 def register_fake_kernels() -> None:

@@ -29,7 +29,7 @@ from triforce_cli.kernels.step import (
     silu_mul_reference,
 )
 
-from triforce_cli.runtime.model import DecoderLayer
+from triforce_cli.runtime.model import DecoderLayer, Transformer
 from triforce_cli.runtime.native import kernel_error
 
 KERNEL_ERROR = kernel_error()
@@ -237,10 +237,12 @@ class Dispatches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_dispatches(num_layers: int) -> Counter:
+def step_dispatches(num_layers: int, hook_layer: int | None = None) -> Counter:
     """The dispatches of one 1-token eager step of a tiny tiled model (a float32 model on the CPU as the loader
-    builds it) after a 10-token prefill, on a float16 full cache."""
+    builds it) after a 10-token prefill, on a float16 full cache; hook_layer: a layer given a forward pre-hook."""
     model = tiled(make_model(seed=4, num_layers=num_layers).loaded).model
+    if hook_layer is not None:
+        model.model.layers[hook_layer].register_forward_pre_hook(lambda module, args: None)
     cfg = model.config
     cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, torch.float16)
     tokens = torch.arange(11) % cfg.vocab_size
@@ -251,13 +253,14 @@ def step_dispatches(num_layers: int) -> Counter:
     return counted.ops
 
 
-def test_a_decode_step_makes_one_dispatch_per_layer():
-    """Per layer one call, cached_layer: its two halves, the cache's write and the attention, where the halves, the
-    cache's write and views and the attention made 13, and torch's ops 38."""
+def test_a_decode_step_makes_one_dispatch_for_all_its_layers():
+    """Every layer in one call, cached_layers, where a layer in one call each (cached_layer) made one per layer, its
+    halves, the cache's write and views and the attention 13, and torch's ops 38; a layer with a hook (a streamed
+    layer's weights arrive in one) sends the step back to a call per layer."""
     two, four = step_dispatches(2), step_dispatches(4)
-    per_layer = (sum(four.values()) - sum(two.values())) / 2
-    assert per_layer == 1, f"{per_layer} dispatches per layer: {four - two}"
-    assert (four - two)["triforce_cpu.cached_layer"] == 2
+    assert four == two and four["triforce_cpu.cached_layers"] == 1 and four["triforce_cpu.cached_layer"] == 0
+    hooked = step_dispatches(4, hook_layer=1)
+    assert hooked["triforce_cpu.cached_layers"] == 0 and hooked["triforce_cpu.cached_layer"] == 4
 
 
 def test_the_step_ops_give_the_models_logits(monkeypatch):
@@ -283,13 +286,15 @@ def test_the_step_ops_give_the_models_logits(monkeypatch):
     assert layer.step_operands() is None and model.model.layers[1].step_operands() is not None
 
 
-def cache_writes(model, through_update: bool, monkeypatch) -> list[torch.Tensor]:
+def cache_writes(model, through_update: bool, monkeypatch, per_layer: bool = False) -> list[torch.Tensor]:
     """Every output of a script of forwards over a full, a retrieval and a StreamingLLM cache (prefill chunks,
     verifications, rollbacks, single steps, the StreamingLLM window evicting), then each cache's keys and values
     and the full cache's kept queries; through_update: every layer writes through the cache's update() (no
-    KVCache.eager_write), as the layer's three calls around it do."""
+    KVCache.eager_write), as the layer's three calls around it do; per_layer: a call per layer, not one for all."""
     cfg = model.config
     with monkeypatch.context() as patched:
+        if per_layer:
+            patched.setattr(Transformer, "stacked_layers", lambda self, x, step: None)
         if through_update:
             patched.setattr(FullCache, "eager_write", lambda self: None)
             patched.setattr(SlotCache, "eager_write", lambda self: None)
@@ -316,14 +321,18 @@ def cache_writes(model, through_update: bool, monkeypatch) -> list[torch.Tensor]
 
 
 def test_a_layer_in_one_call_writes_what_the_caches_update_writes(monkeypatch):
-    """A tiled model's layers in one call each (cached_layer over KVCache.eager_write) give the same logits, and
-    leave the full, retrieval and StreamingLLM caches and the full cache's queries the same bits, as the layer's
-    three calls around the caches' update()."""
+    """A tiled model's layers all in one call (cached_layers) and in one call each (cached_layer over
+    KVCache.eager_write) give the same logits, and leave the full, retrieval and StreamingLLM caches and the full
+    cache's queries the same bits, as the layer's three calls around the caches' update()."""
     model = tiled(make_model(seed=6, num_layers=2).loaded).model
+    with Dispatches() as stacked_calls:
+        stacked = cache_writes(model, False, monkeypatch)
     with Dispatches() as fused_calls:
-        fused = cache_writes(model, False, monkeypatch)
+        fused = cache_writes(model, False, monkeypatch, per_layer=True)
     with Dispatches() as update_calls:
         through_update = cache_writes(model, True, monkeypatch)
-    assert fused_calls.ops["triforce_cpu.cached_layer"] > 0 and update_calls.ops["triforce_cpu.cached_layer"] == 0
-    for new, old in zip(fused, through_update, strict=True):
-        assert torch.equal(new, old)
+    assert stacked_calls.ops["triforce_cpu.cached_layers"] > 0 and stacked_calls.ops["triforce_cpu.cached_layer"] == 0
+    assert fused_calls.ops["triforce_cpu.cached_layer"] > 0 and fused_calls.ops["triforce_cpu.cached_layers"] == 0
+    assert update_calls.ops["triforce_cpu.cached_layer"] == 0 and update_calls.ops["triforce_cpu.cached_layers"] == 0
+    for new, per_layer, old in zip(stacked, fused, through_update, strict=True):
+        assert torch.equal(new, per_layer) and torch.equal(new, old)

@@ -7,7 +7,9 @@
 //     SiLU(gate) * up, the down projection and residual add -> the layer's output (T, C);
 //   cached_layer: a whole layer over a float16 KV cache's storage in one call: attention_input, the new keys and
 //     values written into the layer's slots (rounded to float16 by copy_, as an indexed write into the cache rounds
-//     them), cache_attention over the layer's view, layer_output -> the layer's output and its queries.
+//     them), cache_attention over the layer's view, layer_output -> the layer's output and its queries;
+//   cached_layers: every layer of a model in turn, as cached_layer, in one call, its operands held by a LayerStack
+//     built once per model (a decode step then crosses from Python into the extension once, not once a layer).
 // The projections run the extension's own products (blocks_linear, dense_linear: gguf_blocks.cpp, dense_linear.cpp)
 // through the dispatcher; a projection given in parts (GGUF blocks of different kinds) runs each and puts their
 // outputs side by side.
@@ -29,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -395,9 +398,79 @@ std::tuple<at::Tensor, at::Tensor> cached_layer(
   return {out, q};
 }
 
+// A model's decoder layers as cached_layers runs them: each layer's operands as cached_layer takes them, read once
+// (runtime/model.py keeps a stack while its layers' operands stay the same).
+struct LayerStack : torch::CustomClassHolder {
+  struct Layer {
+    at::Tensor norm_weight;
+    double eps;
+    c10::List<std::optional<at::Tensor>> qkv;
+    std::vector<int64_t> qkv_features;
+    int64_t q_heads, kv_heads;
+    std::optional<at::Tensor> q_norm, k_norm;
+    int64_t index;  // the layer's index in the cache's storage
+    double scale;
+    int64_t window;  // 0: none
+    c10::List<std::optional<at::Tensor>> o_proj;
+    std::vector<int64_t> o_features;
+    at::Tensor post_norm;
+    double post_eps;
+    c10::List<std::optional<at::Tensor>> gate_up;
+    std::vector<int64_t> gate_up_features;
+    c10::List<std::optional<at::Tensor>> down;
+    std::vector<int64_t> down_features;
+  };
+  std::vector<Layer> layers;
+
+  // The next layer: cached_layer's operands but for the step's own (x, rotation, the cache and its slots)
+  void add(at::Tensor norm_weight, double eps, c10::List<std::optional<at::Tensor>> qkv,
+           std::vector<int64_t> qkv_features, int64_t q_heads, int64_t kv_heads, std::optional<at::Tensor> q_norm,
+           std::optional<at::Tensor> k_norm, int64_t index, double scale, int64_t window,
+           c10::List<std::optional<at::Tensor>> o_proj, std::vector<int64_t> o_features, at::Tensor post_norm,
+           double post_eps, c10::List<std::optional<at::Tensor>> gate_up, std::vector<int64_t> gate_up_features,
+           c10::List<std::optional<at::Tensor>> down, std::vector<int64_t> down_features) {
+    layers.push_back(Layer{std::move(norm_weight), eps, std::move(qkv), std::move(qkv_features), q_heads, kv_heads,
+                           std::move(q_norm), std::move(k_norm), index, scale, window, std::move(o_proj),
+                           std::move(o_features), std::move(post_norm), post_eps, std::move(gate_up),
+                           std::move(gate_up_features), std::move(down), std::move(down_features)});
+  }
+  int64_t size() const { return int64_t(layers.size()); }
+};
+
+// Every layer of stack in turn over x (T, C), as cached_layer, a layer's view from slot view_starts[its index] (its
+// window where `windowed`: views of consecutive positions); the last layer's output (T, C) and, with
+// keep_queries, every layer's queries (Hq, T, D) (none without).
+std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusive_ptr<LayerStack>& stack,
+                                                              const at::Tensor& x, const at::Tensor& rotation,
+                                                              at::Tensor& keys, at::Tensor& values,
+                                                              int64_t write_slot, at::IntArrayRef view_starts,
+                                                              int64_t origin, bool windowed, bool keep_queries) {
+  std::vector<at::Tensor> queries;
+  at::Tensor h = x;
+  for (size_t i = 0; i < stack->layers.size(); ++i) {
+    const LayerStack::Layer& l = stack->layers[i];
+    TORCH_CHECK(l.index < int64_t(view_starts.size()), "view_starts: one for each layer of the storage");
+    auto [out, q] = cached_layer(h, l.norm_weight, l.eps, l.qkv, l.qkv_features, rotation, l.q_heads, l.kv_heads,
+                                 l.q_norm, l.k_norm, keys, values, l.index, write_slot, view_starts[l.index], l.scale,
+                                 origin, windowed ? l.window : 0, l.o_proj, l.o_features, l.post_norm, l.post_eps,
+                                 l.gate_up, l.gate_up_features, l.down, l.down_features);
+    h = std::move(out);
+    if (keep_queries) queries.push_back(std::move(q));
+  }
+  return {h, queries};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
+  lib.class_<LayerStack>("LayerStack")
+      .def(torch::init<>())
+      .def("add", &LayerStack::add)
+      .def("size", &LayerStack::size);
+  lib.def(
+      "cached_layers(__torch__.torch.classes.triforce_cpu.LayerStack stack, Tensor x, Tensor rotation, "
+      "Tensor(a!) keys, Tensor(b!) values, int write_slot, int[] view_starts, int origin, bool windowed, "
+      "bool keep_queries) -> (Tensor, Tensor[])");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("silu_mul(Tensor gate_up) -> Tensor");
   lib.def(
@@ -425,4 +498,5 @@ TORCH_LIBRARY_IMPL(triforce_cpu, CPU, lib) {
   lib.impl("attention_input", &attention_input);
   lib.impl("layer_output", &layer_output);
   lib.impl("cached_layer", &cached_layer);
+  lib.impl("cached_layers", &cached_layers);
 }

@@ -23,8 +23,10 @@ inductor compilation ('compiled'). Prefill chunks and steps on caches not made s
 A float32 model on the CPU whose linears are tiled or GGUF blocks runs every eager forward's layers through the CPU
 step ops (kernels.step: DecoderLayer.step_forward), each row computed in one order of arithmetic (the numeric
 contract): over a float16 cache in host memory a whole layer in one call (the cache's write read once per forward,
-KVCache.eager_write), elsewhere its norm, projection and RoPE in one call, the cache's update and attention, then
-the rest of the layer in one call. Fixed-shape steps, other devices and dtypes, and dense linears run torch's ops.
+KVCache.eager_write), and there every layer of the forward in one call where no layer has hooks (cached_layers over
+a LayerStack read once from the layers' operands: Transformer.stacked_layers), elsewhere its norm, projection and
+RoPE in one call, the cache's update and attention, then the rest of the layer in one call. Fixed-shape steps, other
+devices and dtypes, and dense linears run torch's ops.
 
 prefill_layerwise() runs a prompt layer by layer instead of chunk by chunk (for a full cache in host memory, whose
 every forward streams every layer's prefix to the device): the same forwards of the same chunks, in another order.
@@ -36,12 +38,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from triforce_cli.cache import EagerWrite, FullCache, KVCache, LayerwiseWrite, StaticStep
 from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear, runs_cache_attention
-from triforce_cli.kernels.step import Projection, attention_input, cached_layer, layer_output, step_ops_available
+from triforce_cli.kernels.step import (
+    Projection,
+    attention_input,
+    cached_layer,
+    cached_layers,
+    layer_output,
+    layer_stack,
+    stack_layer,
+    step_ops_available,
+)
 from triforce_cli.offload.weights import WeightStream
 from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.graphs import StepGraphs
@@ -513,6 +525,9 @@ class Transformer(nn.Module):
         self.step_graphs = StepGraphs()  # its recordings, per cache and padded length
         # the layers' weights streamed from host memory (offload.offload_weights), or None: all on the device
         self.weight_stream: WeightStream | None = None
+        # stacked_layers' stack and the layers' operands it was read from
+        self._stack: torch.ScriptObject | None = None
+        self._stack_of: tuple[LayerOperands, ...] = ()
 
     @property
     def device(self) -> torch.device:
@@ -669,13 +684,62 @@ class Transformer(nn.Module):
             step = cache.begin_step(tokens.shape[0], self.config.num_heads // self.config.num_kv_heads)
         else:  # an eager forward's write, read once for every layer where the cache's storage takes it
             step = cache.eager_write() or cache
-        for layer in self.model.layers:
-            x = layer(x, rotation, step)
+        stack = None if cache.static_step else self.stacked_layers(x, step)
+        if stack is not None:
+            x = self.run_stack(stack, x, rotation, step)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, rotation, step)
         if cache.static_step:
             step.finish()
         if num_logits is not None:
             x = x[-num_logits:]
         return self.output(x)
+
+    def stacked_layers(self, x: torch.Tensor, step: KVCache | EagerWrite) -> torch.ScriptObject | None:
+        """The layers as one call (kernels.step.cached_layers) for an eager forward of x (T, C) writing step, where
+        each layer would run cached_layer (DecoderLayer.step_forward) and none has hooks (a streamed layer's weights
+        arrive in its hooks); else None. Read from the layers' operands once, and again when those change."""
+        if not isinstance(step, EagerWrite) or isinstance(x, FakeTensor) or torch.is_grad_enabled():
+            return None
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            return None
+        layers = self.model.layers
+        operands = tuple(layer.step_operands() for layer in layers)
+        if None in operands or any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
+            return None
+        if not all(runs_cache_attention(b, x, step.keys) for b in {o.attention.backend for o in operands}):
+            return None
+        if len(operands) != len(self._stack_of) or any(a is not b for a, b in zip(operands, self._stack_of)):
+            self._stack, self._stack_of = self._build_stack(operands), operands
+        return self._stack
+
+    @staticmethod
+    def _build_stack(operands: tuple[LayerOperands, ...]) -> torch.ScriptObject:
+        stack = layer_stack()
+        for o in operands:
+            attn = o.attention
+            stack_layer(
+                stack, norm_weight=o.input_norm, eps=o.input_eps, qkv=o.qkv, q_heads=attn.num_heads,
+                kv_heads=attn.num_kv_heads, q_norm=o.q_norm, k_norm=o.k_norm, layer=attn.layer, scale=attn.scale,
+                window=attn.window, o_proj=o.o_proj, post_norm=o.post_norm, post_eps=o.post_eps, gate_up=o.gate_up,
+                down=o.down,
+            )  # fmt: skip
+        return stack
+
+    def run_stack(
+        self, stack: torch.ScriptObject, x: torch.Tensor, rotation: torch.Tensor, step: EagerWrite
+    ) -> torch.Tensor:
+        """The last layer's output (T, C) of stacked_layers' stack over x (T, C); the layers' queries kept where the
+        cache keeps them, as each layer's own call keeps them."""
+        keep = step.queries is not None
+        x, queries = cached_layers(
+            stack, x, rotation, step.keys, step.values, step.slots.start, step.first_slots, step.origin,
+            step.slots_are_positions, keep,
+        )  # fmt: skip
+        for o, q in zip(self._stack_of, queries):
+            step.keep_queries(o.attention.layer, q)
+        return x
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits (N, V) of the last layer's hidden states x (N, C): -inf outside restrict_output's tokens."""
