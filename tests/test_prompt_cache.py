@@ -137,9 +137,10 @@ class TestEntriesMatchTheirInputs:
         again = json_run(*args, "--json")
         assert again["prompt_cached"] and again["token_ids"] == expected["token_ids"]  # the entry was replaced
 
-    def test_key_holds_every_setting_that_shapes_the_state(self, two_checkpoints):
+    def test_key_holds_every_setting_that_shapes_the_state(self, two_checkpoints, monkeypatch):
         from dataclasses import replace
 
+        from triforce_cli.decoding import prompt_state
         from triforce_cli.runtime.loading import load_model
 
         loaded = load_model(str(two_checkpoints[0]))
@@ -151,6 +152,8 @@ class TestEntriesMatchTheirInputs:
         bf16 = load_model(str(two_checkpoints[0]), dtype=torch.bfloat16)
         assert PromptCache(two_checkpoints[0], bf16).path_for([1, 2, 3]) != base
         assert PromptCache(two_checkpoints[0], loaded, prefill_chunk=64).path_for([1, 2, 3]) != base
+        monkeypatch.setattr(prompt_state, "kernel_build", lambda: "triforce_cpu-0123456789abcdef.so")
+        assert PromptCache(two_checkpoints[0], loaded).path_for([1, 2, 3]) != base  # other CPU kernels
 
 
 class TestSharedPrefixes:

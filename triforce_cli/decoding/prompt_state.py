@@ -7,8 +7,9 @@ A saved prefill must never serve a run it does not belong to. Its file is named 
 shapes the prefilled state (``PromptCache.key``): the checkpoint's fingerprint (resolved paths, sizes, times and
 headers of its files, tokenizer included), dtype and the KV cache's (cache.kv_dtype: the keys and values saved are
 the cache's own), weight format, rotary setting (with LongRoPE's set, which the
-run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, prefill chunk and the prompt's token
-ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
+run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, the CPU extension's build where a CPU
+model computes with it (runtime.native.kernel_build: kernels of another order of arithmetic leave other bits),
+prefill chunk and the prompt's token ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
 match, whose keys and values are not in the cache's dtype, or that cannot be read at all, is prefilled again and
 replaced, with one line saying so.
 
@@ -37,6 +38,7 @@ from safetensors.torch import save_file
 from triforce_cli.cache import FullCache, kv_dtype
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
+from triforce_cli.runtime.native import kernel_build
 from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically
 
 TENSOR_NAMES = ("prompt_ids", "answer_ids", "keys", "values", "last_queries", "last_logits")
@@ -156,6 +158,7 @@ class PromptCache:
             "weights": target.weights,
             "rotary": [getattr(config, "rope_parameters", None), config.max_position_embeddings, rope_factors],
             "attention": target.model.attention_backend,
+            "kernels": kernel_build() if target.device.type == "cpu" else None,
             "prefill_chunk": self.prefill_chunk,
         }
 

@@ -1,10 +1,11 @@
 """The CPU extension (kernels.native), built into the cache folder once per machine and torch version."""
 
+from functools import cache
 from pathlib import Path
 
 import torch
 
-from triforce_cli.kernels.native import KernelUnavailable, load_native
+from triforce_cli.kernels.native import KernelUnavailable, library_name, load_native, native_loaded
 from triforce_cli.runtime.store import cache_root
 
 
@@ -24,3 +25,14 @@ def kernel_error() -> str | None:
     except KernelUnavailable as err:
         return str(err)
     return None
+
+
+@cache
+def _library_built() -> str:
+    return library_name()
+
+
+def kernel_build() -> str | None:
+    """The loaded extension's build (its library's name: a hash of its sources, flags, torch and Python), or None
+    where it is not loaded: what a saved state computed by its kernels names, so that other kernels never read it."""
+    return _library_built() if native_loaded() else None
