@@ -434,7 +434,6 @@ struct LayerStack : torch::CustomClassHolder {
                            std::move(o_features), std::move(post_norm), post_eps, std::move(gate_up),
                            std::move(gate_up_features), std::move(down), std::move(down_features)});
   }
-  int64_t size() const { return int64_t(layers.size()); }
 };
 
 // Every layer of stack in turn over x (T, C), as cached_layer, a layer's view from slot view_starts[its index] (its
@@ -447,8 +446,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
                                                               int64_t origin, bool windowed, bool keep_queries) {
   std::vector<at::Tensor> queries;
   at::Tensor h = x;
-  for (size_t i = 0; i < stack->layers.size(); ++i) {
-    const LayerStack::Layer& l = stack->layers[i];
+  for (const LayerStack::Layer& l : stack->layers) {
     TORCH_CHECK(l.index < int64_t(view_starts.size()), "view_starts: one for each layer of the storage");
     auto [out, q] = cached_layer(h, l.norm_weight, l.eps, l.qkv, l.qkv_features, rotation, l.q_heads, l.kv_heads,
                                  l.q_norm, l.k_norm, keys, values, l.index, write_slot, view_starts[l.index], l.scale,
@@ -465,8 +463,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.class_<LayerStack>("LayerStack")
       .def(torch::init<>())
-      .def("add", &LayerStack::add)
-      .def("size", &LayerStack::size);
+      .def("add", &LayerStack::add);
   lib.def(
       "cached_layers(__torch__.torch.classes.triforce_cpu.LayerStack stack, Tensor x, Tensor rotation, "
       "Tensor(a!) keys, Tensor(b!) values, int write_slot, int[] view_starts, int origin, bool windowed, "

@@ -9,9 +9,9 @@ headers of its files, tokenizer included), dtype and the KV cache's (cache.kv_dt
 the cache's own), weight format, rotary setting (with LongRoPE's set, which the
 run's prompt and new tokens choose: Transformer.fit_rope), attention kernel, the CPU extension's build where a CPU
 model computes with it (runtime.native.kernel_build: kernels of another order of arithmetic leave other bits),
-prefill chunk and the prompt's token ids. The file holds that key in full and a checksum of its tensors; a file whose key or checksum does not
-match, whose keys and values are not in the cache's dtype, or that cannot be read at all, is prefilled again and
-replaced, with one line saying so.
+prefill chunk and the prompt's token ids. The file holds that key in full and a checksum of its tensors; a file
+whose key or checksum does not match, whose keys and values are not in the cache's dtype, or that cannot be read
+at all, is prefilled again and replaced, with one line saying so.
 
 Under the numeric contract (Engine.exact_positions) a prompt's entry is saved again after its generation with the
 answer the full cache holds after it (PromptState.answer_ids), so that the next turn of a conversation keeps it too.
