@@ -5,12 +5,14 @@ depends on a host-side value: the tokens and positions are (P,) device tensors, 
 device, and attention reads the cache's whole buffers with a mask. One recording of it per (cache, P) therefore
 serves every position, and StepGraphs keeps that recording: on CUDA a ``torch.cuda.CUDAGraph`` captured from the
 step (Transformer.fixed_step: the eager compute_logits, or its inductor compilation), its inputs copied into
-static buffers before each replay, all of a model's graphs in one memory pool. On the CPU the same object runs the
+static buffers before each replay, the graphs of one cache in one memory pool. On the CPU the same object runs the
 step eagerly on the same buffers, and counts the graphs it would have captured.
 
 Capture records the addresses of everything the step reads and writes: the cache's buffers (which make_static
 keeps in place), the model's weights and rotary frequencies (Transformer.fit_rope writes in place), and the static
-buffers here. A cache released takes its graphs with it (they are kept per cache, weakly).
+buffers here. A cache released takes its graphs and their pool with it (they are kept per cache, weakly): the
+caching allocator retires a pool whose graphs are all gone, and a capture into a retired pool's handle fails
+(an internal assertion of torch's), so each cache asks for a pool of its own rather than the model keeping one.
 
 A cache whose steps read a number of slots that follows its length (KVCache.step_slots: an offloaded full cache
 streams its length bucket) keeps one recording per (P, slots): a step whose length passes into the next bucket
@@ -56,7 +58,8 @@ class StepGraphs:
 
     def __init__(self) -> None:
         self.captured = 0
-        self._pool = None  # one memory pool for every graph of the model (torch.cuda.graph_pool_handle)
+        # per cache: the memory pool its graphs share (torch.cuda.graph_pool_handle), asked for at its first capture
+        self._pools: weakref.WeakKeyDictionary[KVCache, tuple[int, int]] = weakref.WeakKeyDictionary()
         # per cache: (padded length, slots read: KVCache.step_slots) -> its recording
         self._graphs: weakref.WeakKeyDictionary[KVCache, dict[tuple[int, int], StepGraph]] = weakref.WeakKeyDictionary()
         self._longest: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
@@ -108,20 +111,21 @@ class StepGraphs:
         self, step: StepFunction, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: int
     ) -> StepGraph:
         """A StepGraph of tokens' length on cache: on CUDA, the step run once on a side stream (which compiles it
-        and lets the libraries it calls allocate their workspaces), then captured into the model's pool; on the CPU,
+        and lets the libraries it calls allocate their workspaces), then captured into the cache's pool; on the CPU,
         its static buffers alone. The capture writes nothing: run() replays it next."""
         recorded = StepGraph(tokens.clone(), positions.clone())
         device = tokens.device
         if device.type == "cuda":
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            pool = self._pools.get(cache)
+            if pool is None:
+                pool = self._pools[cache] = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.no_grad(), torch.cuda.stream(side):
                 step(recorded.tokens, recorded.positions, cache)
             torch.cuda.current_stream(device).wait_stream(side)
             recorded.graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(recorded.graph, pool=self._pool):
+            with torch.no_grad(), torch.cuda.graph(recorded.graph, pool=pool):
                 recorded.logits = step(recorded.tokens, recorded.positions, cache)
         self._graphs[cache][tokens.shape[0], slots] = recorded
         self.captured += 1
