@@ -35,6 +35,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from triforce_cli.runtime.allocator import expandable_cuda_segments
+
+expandable_cuda_segments()  # as the triforce command sets the allocator up, before torch allocates
+
 import torch
 from triforce_cli.cache import FullCache
 
@@ -192,7 +196,10 @@ def failure(err: BaseException) -> tuple[str, str]:
     first = (str(err).splitlines() or [""])[0]
     if isinstance(err, ConfigError):
         return "refused", first
-    if isinstance(err, torch.OutOfMemoryError):
+    if isinstance(err, torch.OutOfMemoryError):  # where it was asked for, and what the allocator held then
+        traceback.print_exception(err, file=sys.stderr)
+        if torch.cuda.is_initialized():
+            print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr)
         return "out of memory", first
     if isinstance(err, RunTimeout):
         return "timeout", first

@@ -3,14 +3,17 @@
 import sys
 
 from triforce_cli.interrupts import InterruptWatch, interrupted_exit_code
+from triforce_cli.runtime.allocator import expandable_cuda_segments
 from triforce_cli.runtime.store import keep_compiled_steps
 
 
 def main() -> None:
     """Run the command line; Ctrl-C or SIGTERM while torch and transformers import (seconds) is one line once the
     imports end, not a traceback or an abort inside a compiled module. Compiled steps are kept in the cache root
-    (keep_compiled_steps), set before torch imports inductor."""
+    (keep_compiled_steps), set before torch imports inductor; a GPU's allocator grows expandable segments
+    (expandable_cuda_segments), set before torch allocates."""
     keep_compiled_steps()
+    expandable_cuda_segments()
     with InterruptWatch(deferred=True) as watch:
         try:
             from triforce_cli.cli.app import app
