@@ -29,7 +29,9 @@ from triforce_cli.kernels.step import register_fake_kernels
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("gguf_blocks.cpp", "dense_linear.cpp", "cache_attention.cpp", "step_ops.cpp"))
-HEADERS = tuple(CSRC / name for name in ("isa.h", "vector_exp.h", "cache_attention_body.h"))  # included by SOURCES
+HEADERS = tuple(
+    CSRC / name for name in ("isa.h", "vector_exp.h", "cache_attention_body.h", "step_kernels.h")
+)  # included by SOURCES
 EXTENSION = "triforce_cpu"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # at::parallel_for runs on torch's OpenMP
 LDFLAGS = ("-fopenmp",)

@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 from helpers import ROWS, assert_rows_alone, make_model, tiled
+from test_gguf_weights import K_QUANT_SHAPES, gguf_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 from triforce_cli.cache.base import SlotCache
@@ -336,3 +337,20 @@ def test_a_layer_in_one_call_writes_what_the_caches_update_writes(monkeypatch):
     assert update_calls.ops["triforce_cpu.cached_layer"] == 0 and update_calls.ops["triforce_cpu.cached_layers"] == 0
     for new, per_layer, old in zip(stacked, fused, through_update, strict=True):
         assert torch.equal(new, per_layer) and torch.equal(new, old)
+    assert model._stack.direct_layers() == 0  # tiles: each layer through cached_layer inside the one call
+
+
+@pytest.mark.parametrize("shapes", [{}, K_QUANT_SHAPES], ids=["classic", "k-quants"])
+def test_layers_on_rows_write_what_a_call_per_layer_writes(monkeypatch, shapes):
+    """A model of GGUF blocks runs every layer on rows allocated once a step (the products and the attention
+    straight into them, keys and values rounded straight into the cache): the same logits and the same bits in the
+    full, retrieval and StreamingLLM caches and the kept queries as a call per layer and as the layer's three calls
+    around the caches' update(), over prefill chunks, verifications, rollbacks and eviction."""
+    _, _, packed = gguf_tiny_model(7, num_layers=3, **shapes)
+    model = packed.model
+    on_rows = cache_writes(model, False, monkeypatch)
+    assert model._stack.direct_layers() == model.config.num_layers
+    per_layer = cache_writes(model, False, monkeypatch, per_layer=True)
+    through_update = cache_writes(model, True, monkeypatch)
+    for new, one_call, old in zip(on_rows, per_layer, through_update, strict=True):
+        assert torch.equal(new, one_call) and torch.equal(new, old)

@@ -25,7 +25,8 @@
 //   in one FMA. Keys a row does not read get weight 0 exactly, which leaves every sum as it was, so a row gives the
 //   same bits whichever other rows share its tiles;
 // - a row's segments are merged in segment order, then its output divided by its sum.
-// Threads split the work only by (KV head, group of rows, segment): no element's order depends on them.
+// Threads split the work only by units of (KV head, group of rows, segment), each taking the next unit as it
+// finishes one: no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
 // position (t G + g), in groups of kGroupRows. A unit of work with more than Ops::kDirectRows rows (a verification
@@ -47,6 +48,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -54,6 +56,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "step_kernels.h"
 #include "vector_exp.h"
 
 namespace {
@@ -439,53 +442,79 @@ void check_cache(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(2) == 1 || t.size(2) <= 1, name, ": each row's head dim contiguous");
 }
 
+// The checks cache_attention makes of k and v, for q_heads query heads of dim D and T = queries queries.
+void check_views(const at::Tensor& k, const at::Tensor& v, int64_t q_heads, int64_t queries, int64_t dim) {
+  check_cache(k, "k");
+  check_cache(v, "v");
+  const int64_t kv_heads = k.size(0);
+  TORCH_CHECK(queries >= 1 && dim >= 1, "q: at least one query and one dimension");
+  TORCH_CHECK(k.size(2) == dim && v.sizes() == k.sizes(), "k, v: (Hkv, L, D) with q's D");
+  TORCH_CHECK(kv_heads >= 1 && q_heads % kv_heads == 0, "q: a multiple of the ", kv_heads, " KV heads");
+  TORCH_CHECK(k.size(1) >= queries, "k: the queries' own keys last, at least T = ", queries, " of them");
+}
+
 // q (Hq, T, D) float32, k, v (Hkv, L, D) float16 -> (Hq, T, D) float32; see the top of the file.
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                            int64_t origin, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.scalar_type() == at::kFloat,
               "q: a float32 CPU tensor (query heads, queries, head dim)");
-  check_cache(k, "k");
-  check_cache(v, "v");
-  const int64_t q_heads = q.size(0), queries = q.size(1), dim = q.size(2), kv_heads = k.size(0), keys = k.size(1);
-  TORCH_CHECK(queries >= 1 && dim >= 1, "q: at least one query and one dimension");
-  TORCH_CHECK(k.size(2) == dim && v.sizes() == k.sizes(), "k, v: (Hkv, L, D) with q's D");
-  TORCH_CHECK(kv_heads >= 1 && q_heads % kv_heads == 0, "q: a multiple of the ", kv_heads, " KV heads");
-  TORCH_CHECK(keys >= queries, "k: the queries' own keys last, at least T = ", queries, " of them");
-  TORCH_CHECK(origin >= 0, "origin: an absolute position, >= 0");
-  const int64_t group = q_heads / kv_heads, rows = group * queries;
-
+  const int64_t q_heads = q.size(0), queries = q.size(1), dim = q.size(2);
+  check_views(k, v, q_heads, queries, dim);
+  const int64_t kv_heads = k.size(0), group = q_heads / kv_heads;
   // (Hkv, T, G, D) queries scaled by scale log2(e), for scores in base 2: row r = t G + g of KV head h is query t
   // of head h G + g
   const at::Tensor scaled =
       q.mul(float(scale * 1.4426950408889634)).view({kv_heads, group, queries, dim}).transpose(1, 2).contiguous();
-  Problem p{scaled.data_ptr<float>(), k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
+  at::Tensor out = at::empty({kv_heads, queries, group, dim}, q.options());  // rows in the scaled queries' order
+  triforce_cpu::cache_attention_rows(scaled.data_ptr<float>(), q_heads, queries, k, v, origin, window,
+                                     out.data_ptr<float>(), queries * group * dim, group * dim);
+  return out.transpose(1, 2).reshape({q_heads, queries, dim});
+}
+
+}  // namespace
+
+namespace triforce_cpu {
+
+void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries, const at::Tensor& k,
+                          const at::Tensor& v, int64_t origin, int64_t window, float* out, int64_t head_stride,
+                          int64_t time_stride) {
+  check_cache(k, "k");
+  const int64_t dim = k.size(2), kv_heads = k.size(0), keys = k.size(1);
+  check_views(k, v, q_heads, queries, dim);
+  TORCH_CHECK(origin >= 0, "origin: an absolute position, >= 0");
+  const int64_t group = q_heads / kv_heads, rows = group * queries;
+  Problem p{scaled, k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, group, queries, keys, dim, origin, window, 0, 0, nullptr};
   p.first_segment = segment_of(origin + p.first_key(0));
   p.segments = segment_of(origin + keys - 1) - p.first_segment + 1;
-  at::Tensor partials = at::empty({kv_heads, p.segments, rows, 2 + dim}, q.options());
+  at::Tensor partials = at::empty({kv_heads, p.segments, rows, 2 + dim}, at::kFloat);
   p.partials = partials.data_ptr<float>();
 
   const Body body = chosen_body(dim);
-  const int64_t row_groups = (rows + kGroupRows - 1) / kGroupRows;
-  at::parallel_for(0, kv_heads * row_groups * p.segments, 1, [&](int64_t begin, int64_t end) {
+  const int64_t row_groups = (rows + kGroupRows - 1) / kGroupRows, units = kv_heads * row_groups * p.segments;
+  // each thread takes the next unit as it finishes one: the threads of a virtual machine do not run at one speed
+  // (measured on the 2-core EPYC: one thread's share of a decode step's attention took twice the other's samples
+  // under an even split), and a unit reads a segment of keys and values in order whichever thread takes it
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(body.scratch(dim));
-    for (int64_t unit = begin; unit < end; ++unit) {
+    for (int64_t unit = next++; unit < units; unit = next++) {
       const int64_t segment = unit % p.segments, row_group = unit / p.segments % row_groups;
       const int64_t head = unit / p.segments / row_groups, row0 = row_group * kGroupRows;
       body.attend_unit(p, head, row0, std::min(kGroupRows, rows - row0), p.first_segment + segment,
                        scratch.data());
     }
   });
-  at::Tensor out = at::empty({kv_heads, queries, group, dim}, q.options());  // rows in p's order
-  float* o = out.data_ptr<float>();
   at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) body.combine_row(p, i / rows, i % rows, o + i * dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t head = i / rows, r = i % rows;  // r = t G + g
+      body.combine_row(p, head, r, out + head * head_stride + r / group * time_stride + r % group * dim);
+    }
   });
-  return out.transpose(1, 2).reshape({q_heads, queries, dim});
 }
 
-}  // namespace
+}  // namespace triforce_cpu
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def("cache_attention(Tensor q, Tensor k, Tensor v, float scale, int origin, int window) -> Tensor",

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "step_kernels.h"
 
 namespace {
 
@@ -292,22 +293,12 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.blocks * kBlock,
               "x: float32 (T, K) with K = 32 * blocks");
   const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.size(0), k = xc.size(1), n = w.tiles * kLanes;
+  const int64_t rows = xc.size(0), n = w.tiles * kLanes;
   at::Tensor out = at::empty({rows, n}, xc.options());
   // the activations' sums over each block, for the minimums' part of the vector bodies: (T, K/32)
-  const at::Tensor sums = at::empty({w.m && chosen_isa() != Isa::scalar ? rows : 0, w.blocks}, xc.options());
-  block_sums(xc.data_ptr<float>(), sums.numel(), sums.data_ptr<float>());
-  const Rows io{xc.data_ptr<float>(), sums.data_ptr<float>(), out.data_ptr<float>(), k, n};
-  // Tiles split over the threads; within a thread, chunks of tiles one after the other, and each group of rows
-  // passes over a chunk's tiles, whose blocks stay in its caches for the next group.
-  const int64_t per_pass = chosen_isa() == Isa::avx2 ? kMaxRowsAvx2 : kMaxRows;
-  const int64_t tile_bytes = w.blocks * (w.block_bytes() + (w.groups + (w.m != nullptr)) * kLanes * sizeof(float));
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / tile_bytes);
-  at::parallel_for(0, w.tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
-    for (int64_t begin = tile_begin; begin < tile_end; begin += chunk)
-      for (int64_t t = 0; t < rows; t += per_pass)
-        row_group(w, io.from(t), std::min(per_pass, rows - t), begin, std::min(begin + chunk, tile_end));
-  });
+  const at::Tensor sums = at::empty({rows, w.blocks}, xc.options());
+  triforce_cpu::blocks_linear_rows(xc.data_ptr<float>(), rows, q, d, m, out.data_ptr<float>(), n,
+                                   sums.data_ptr<float>());
   return out;
 }
 
@@ -329,6 +320,29 @@ void use_isa(const std::string& name) {
 }
 
 }  // namespace
+
+namespace triforce_cpu {
+
+void blocks_linear_rows(const float* x, int64_t rows, const at::Tensor& q, const at::Tensor& d,
+                        const std::optional<at::Tensor>& m, float* out, int64_t out_stride, float* sums) {
+  const Blocks w = check_blocks(q, d, m);
+  const int64_t k = w.blocks * kBlock;
+  TORCH_CHECK(out_stride >= w.tiles * kLanes, "out: a row holds the product's ", w.tiles * kLanes, " outputs");
+  if (w.m && chosen_isa() != Isa::scalar) block_sums(x, rows * w.blocks, sums);
+  const Rows io{x, sums, out, k, out_stride};
+  // Tiles split over the threads; within a thread, chunks of tiles one after the other, and each group of rows
+  // passes over a chunk's tiles, whose blocks stay in its caches for the next group.
+  const int64_t per_pass = chosen_isa() == Isa::avx2 ? kMaxRowsAvx2 : kMaxRows;
+  const int64_t tile_bytes = w.blocks * (w.block_bytes() + (w.groups + (w.m != nullptr)) * kLanes * sizeof(float));
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / tile_bytes);
+  at::parallel_for(0, w.tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
+    for (int64_t begin = tile_begin; begin < tile_end; begin += chunk)
+      for (int64_t t = 0; t < rows; t += per_pass)
+        row_group(w, io.from(t), std::min(per_pass, rows - t), begin, std::min(begin + chunk, tile_end));
+  });
+}
+
+}  // namespace triforce_cpu
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def("blocks_linear(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor", &blocks_linear);

@@ -9,7 +9,9 @@
 //     values written into the layer's slots (rounded to float16 by copy_, as an indexed write into the cache rounds
 //     them), cache_attention over the layer's view, layer_output -> the layer's output and its queries;
 //   cached_layers: every layer of a model in turn, as cached_layer, in one call, its operands held by a LayerStack
-//     built once per model (a decode step then crosses from Python into the extension once, not once a layer).
+//     built once per model (a decode step then crosses from Python into the extension once, not once a layer); a
+//     layer whose projections are all GGUF blocks runs on rows allocated once a step (layer_rows), the products and
+//     the attention writing straight into them, with no torch op between its kernels.
 // The projections run the extension's own products (blocks_linear, dense_linear: gguf_blocks.cpp, dense_linear.cpp)
 // through the dispatcher; a projection given in parts (GGUF blocks of different kinds) runs each and puts their
 // outputs side by side.
@@ -42,6 +44,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "step_kernels.h"
 #include "vector_exp.h"
 
 namespace {
@@ -398,6 +401,201 @@ std::tuple<at::Tensor, at::Tensor> cached_layer(
   return {out, q};
 }
 
+// ---- a layer on rows allocated once a step (cached_layers' path where every projection is GGUF blocks)
+//
+// The same arithmetic as cached_layer, element for element: the products and the attention run the ops' own raw
+// entries (step_kernels.h) straight into rows allocated once for every layer, the queries are scaled and laid out
+// as cache_attention lays them out, the attention's output lands in the (T, Hq D) rows the output projection reads,
+// the new keys and values are rotated and rounded to float16 (to nearest even, as copy_ rounds them) straight into
+// the cache. What goes is the torch ops between the kernels: a few dozen a layer (allocations, views, copies,
+// transposes), each a dispatch and a pass over memory while the other threads wait.
+
+// float32 x (n) -> float16 out (n), rounded to nearest even (F16C where the CPU has it; c10's rounding otherwise,
+// the same bits)
+__attribute__((target("avx512f"))) void to_half_avx512(const float* x, int64_t n, at::Half* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) out[i] = at::Half(x[i]);
+}
+
+__attribute__((target("avx2,f16c"))) void to_half_avx2(const float* x, int64_t n, at::Half* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) out[i] = at::Half(x[i]);
+}
+
+void to_half(const float* x, int64_t n, at::Half* out) {
+  switch (chosen_isa()) {
+    case Isa::avx512: return to_half_avx512(x, n, out);
+    case Isa::avx2: return to_half_avx2(x, n, out);
+    default:
+      for (int64_t i = 0; i < n; ++i) out[i] = at::Half(x[i]);
+  }
+}
+
+// Whether a projection's parts are all GGUF blocks taking `inputs` inputs whose padded outputs are their features
+// (so that each writes straight into its columns of the rows); the projection's outputs in *outputs.
+bool direct_projection(const c10::List<std::optional<at::Tensor>>& parts, const std::vector<int64_t>& features,
+                       int64_t inputs, int64_t* outputs) {
+  if (features.empty() || parts.size() != 3 * features.size()) return false;
+  *outputs = 0;
+  for (size_t p = 0; p < features.size(); ++p) {
+    const std::optional<at::Tensor> q = parts.get(3 * p), d = parts.get(3 * p + 1);
+    if (!q.has_value() || !d.has_value() || q->dim() != 4 || q->size(0) * 16 != features[p] ||
+        q->size(1) * 32 != inputs)
+      return false;
+    *outputs += features[p];
+  }
+  return true;
+}
+
+template <typename Layer>
+bool direct_layer(const Layer& l) {
+  const int64_t hidden = l.norm_weight.numel(), heads = l.q_heads + 2 * l.kv_heads;
+  int64_t qkv = 0, mixed = 0, gates = 0, out = 0;
+  if (!direct_projection(l.qkv, l.qkv_features, hidden, &qkv) || heads < 1 || qkv % heads || (qkv / heads) % 2)
+    return false;
+  const int64_t dim = qkv / heads;
+  return direct_projection(l.o_proj, l.o_features, l.q_heads * dim, &mixed) && mixed == hidden &&
+         direct_projection(l.gate_up, l.gate_up_features, hidden, &gates) && gates % 2 == 0 &&
+         direct_projection(l.down, l.down_features, gates / 2, &out) && out == hidden &&
+         l.post_norm.numel() == hidden;
+}
+
+// x (T, K) -> out (T, sum of features) at out_stride floats a row: each part's outputs in its columns, as project()
+void project_rows(const float* x, int64_t rows, const c10::List<std::optional<at::Tensor>>& parts,
+                  const std::vector<int64_t>& features, float* out, int64_t out_stride, float* sums) {
+  int64_t column = 0;
+  for (size_t p = 0; p < features.size(); ++p) {
+    triforce_cpu::blocks_linear_rows(x, rows, *parts.get(3 * p), *parts.get(3 * p + 1), parts.get(3 * p + 2),
+                                     out + column, out_stride, sums);
+    column += features[p];
+  }
+}
+
+// out (T, n) = each row's RMSNorm of x (T, n) scaled by w (n), as rms_norm
+void rms_rows(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out) {
+  at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rms_row(x + t * n, w, eps, n, out + t * n);
+  });
+}
+
+// a (n) = b + a elementwise, as add_into
+void add_rows(float* a, const float* b, int64_t n) {
+  at::parallel_for(0, n, kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) a[i] = b[i] + a[i];
+  });
+}
+
+struct LayerRows {  // cached_layers' rows for T = rows, shared by every layer of a step, sized for the widest
+  int64_t rows, hidden;
+  at::Tensor normed, qkv, queries, scaled, attended, mixed, gated, activated, sums;
+
+  LayerRows(int64_t rows, int64_t hidden, int64_t heads_width, int64_t q_width, int64_t gates, int64_t widest)
+      : rows(rows), hidden(hidden) {
+    const auto f = at::TensorOptions().dtype(at::kFloat);
+    normed = at::empty({rows, hidden}, f);
+    qkv = at::empty({rows, heads_width}, f);
+    queries = at::empty({rows, q_width}, f);  // (Hq, T, D)
+    scaled = at::empty({rows, q_width}, f);   // (Hkv, T, G, D)
+    attended = at::empty({rows, q_width}, f);  // (T, Hq D)
+    mixed = at::empty({rows, hidden}, f);
+    gated = at::empty({rows, gates}, f);
+    activated = at::empty({rows, gates / 2}, f);
+    sums = at::empty({rows, (widest + 31) / 32}, f);
+  }
+};
+
+// cached_layer of layer l on rows: x (T, C) -> out (T, C); the queries (Hq, T, D) into kept where given (else the
+// rows' own). rotation (T, 2, 2, D/2) contiguous; keys, values the cache's float16 storage (layers, Hkv, S, D).
+template <typename Layer>
+void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const float* rotation, at::Tensor& keys,
+                at::Tensor& values, int64_t write_slot, int64_t view_start, int64_t origin, int64_t window,
+                float* kept) {
+  const int64_t rows = b.rows, hidden = b.hidden, heads = l.q_heads + 2 * l.kv_heads;
+  int64_t width = 0, gates = 0;  // the layer's q/k/v outputs and gate/up outputs
+  for (int64_t f : l.qkv_features) width += f;
+  for (int64_t f : l.gate_up_features) gates += f;
+  const int64_t dim = width / heads, half = dim / 2, group = l.q_heads / l.kv_heads;
+  TORCH_CHECK(l.kv_heads == keys.size(1) && dim == keys.size(3) && l.q_heads % l.kv_heads == 0,
+              "keys: the layer's KV heads and head dim");
+  float *normed = b.normed.data_ptr<float>(), *qkv = b.qkv.data_ptr<float>(), *sums = b.sums.data_ptr<float>();
+  float* q = kept ? kept : b.queries.data_ptr<float>();
+
+  // attention_input: RMSNorm, the q/k/v projection, then per (row, head): (Qwen3) the head's RMSNorm, RoPE; the
+  // queries to q (Hq, T, D), the keys and values rounded into the layer's slots
+  rms_rows(x, l.norm_weight.template data_ptr<float>(), float(l.eps), rows, hidden, normed);
+  project_rows(normed, rows, l.qkv, l.qkv_features, qkv, width, sums);
+  const float* qn = l.q_norm.has_value() ? l.q_norm->template data_ptr<float>() : nullptr;
+  const float* kn = l.k_norm.has_value() ? l.k_norm->template data_ptr<float>() : nullptr;
+  at::Half *k_cache = keys.data_ptr<at::Half>(), *v_cache = values.data_ptr<at::Half>();
+  const int64_t k_head = keys.stride(1), k_row = keys.stride(2), v_head = values.stride(1), v_row = values.stride(2);
+  k_cache += l.index * keys.stride(0) + write_slot * k_row;
+  v_cache += l.index * values.stride(0) + write_slot * v_row;
+  const int64_t rotated = l.q_heads + l.kv_heads;
+  const float epsilon = float(l.eps);
+  at::parallel_for(0, rows * heads, grain_for(dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> normed_head(qn ? dim : 0), key(dim);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t t = unit / heads, h = unit % heads;
+      const float* xh = qkv + (t * heads + h) * dim;
+      if (h >= rotated) {
+        to_half(xh, dim, v_cache + (h - rotated) * v_head + t * v_row);
+        continue;
+      }
+      if (qn) {
+        rms_row(xh, h < l.q_heads ? qn : kn, epsilon, dim, normed_head.data());
+        xh = normed_head.data();
+      }
+      float* y = h < l.q_heads ? q + (h * rows + t) * dim : key.data();
+      const float* r = rotation + t * 2 * dim;  // [R00 | R01 | R10 | R11], D/2 each
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = xh[i], x1 = xh[half + i];
+        y[i] = x0 * r[i] + x1 * r[half + i];
+        y[half + i] = x0 * r[2 * half + i] + x1 * r[3 * half + i];
+      }
+      if (h >= l.q_heads) to_half(y, dim, k_cache + (h - l.q_heads) * k_head + t * k_row);
+    }
+  });
+
+  // cache_attention over the layer's view, into (T, Hq D)
+  const float multiplier = float(l.scale * 1.4426950408889634);
+  float* scaled = b.scaled.data_ptr<float>();
+  at::parallel_for(0, l.q_heads * rows, grain_for(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {  // query head h G + g, query t -> row (h, t G + g)
+      const int64_t head = unit / rows, t = unit % rows, h = head / group, g = head % group;
+      const float* from = q + (head * rows + t) * dim;
+      float* to = scaled + ((h * rows + t) * group + g) * dim;
+      for (int64_t i = 0; i < dim; ++i) to[i] = from[i] * multiplier;
+    }
+  });
+  const int64_t stop = write_slot + rows;
+  const at::Tensor layer_keys = keys.select(0, l.index).narrow(1, view_start, stop - view_start);
+  const at::Tensor layer_values = values.select(0, l.index).narrow(1, view_start, stop - view_start);
+  float* attended = b.attended.data_ptr<float>();
+  triforce_cpu::cache_attention_rows(scaled, l.q_heads, rows, layer_keys, layer_values, origin, window, attended,
+                                     group * dim, l.q_heads * dim);
+
+  // layer_output: the output projection and residual add, RMSNorm, gate/up, SiLU(gate) * up, down and residual add
+  float* mixed = b.mixed.data_ptr<float>();
+  project_rows(attended, rows, l.o_proj, l.o_features, mixed, hidden, sums);
+  add_rows(mixed, x, rows * hidden);
+  rms_rows(mixed, l.post_norm.template data_ptr<float>(), float(l.post_eps), rows, hidden, normed);
+  float *gated = b.gated.data_ptr<float>(), *activated = b.activated.data_ptr<float>();
+  project_rows(normed, rows, l.gate_up, l.gate_up_features, gated, gates, sums);
+  const int64_t inner = gates / 2;
+  at::parallel_for(0, rows, grain_for(gates), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      silu_mul_row(gated + t * gates, gated + t * gates + inner, inner, activated + t * inner);
+  });
+  project_rows(activated, rows, l.down, l.down_features, out, hidden, sums);
+  add_rows(out, mixed, rows * hidden);
+}
+
 // A model's decoder layers as cached_layers runs them: each layer's operands as cached_layer takes them, read once
 // (runtime/model.py keeps a stack while its layers' operands stay the same).
 struct LayerStack : torch::CustomClassHolder {
@@ -419,6 +617,7 @@ struct LayerStack : torch::CustomClassHolder {
     std::vector<int64_t> gate_up_features;
     c10::List<std::optional<at::Tensor>> down;
     std::vector<int64_t> down_features;
+    bool direct;  // runs on cached_layers' rows (direct_layer)
   };
   std::vector<Layer> layers;
 
@@ -432,7 +631,13 @@ struct LayerStack : torch::CustomClassHolder {
     layers.push_back(Layer{std::move(norm_weight), eps, std::move(qkv), std::move(qkv_features), q_heads, kv_heads,
                            std::move(q_norm), std::move(k_norm), index, scale, window, std::move(o_proj),
                            std::move(o_features), std::move(post_norm), post_eps, std::move(gate_up),
-                           std::move(gate_up_features), std::move(down), std::move(down_features)});
+                           std::move(gate_up_features), std::move(down), std::move(down_features), false});
+    layers.back().direct = direct_layer(layers.back());
+  }
+
+  // How many layers run on cached_layers' rows (the others through cached_layer)
+  int64_t direct_layers() const {
+    return std::count_if(layers.begin(), layers.end(), [](const Layer& l) { return l.direct; });
   }
 };
 
@@ -444,16 +649,59 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
                                                               at::Tensor& keys, at::Tensor& values,
                                                               int64_t write_slot, at::IntArrayRef view_starts,
                                                               int64_t origin, bool windowed, bool keep_queries) {
+  check_rows(x, "x");
   std::vector<at::Tensor> queries;
-  at::Tensor h = x;
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  // the rows every direct layer shares, sized for the widest of them
+  int64_t heads_width = 0, q_width = 0, gates = 0, widest = hidden;
+  for (const LayerStack::Layer& l : stack->layers) {
+    if (!l.direct) continue;
+    int64_t width = 0;
+    for (int64_t f : l.qkv_features) width += f;
+    const int64_t dim = width / (l.q_heads + 2 * l.kv_heads);
+    int64_t gate_width = 0;
+    for (int64_t f : l.gate_up_features) gate_width += f;
+    heads_width = std::max(heads_width, width);
+    q_width = std::max(q_width, l.q_heads * dim);
+    gates = std::max(gates, gate_width);
+    widest = std::max({widest, l.q_heads * dim, gate_width / 2});
+  }
+  std::optional<LayerRows> shared;
+  std::optional<at::Tensor> rc;
+  if (heads_width > 0) {
+    TORCH_CHECK(keys.device().is_cpu() && keys.scalar_type() == at::kHalf && keys.dim() == 4 &&
+                    values.sizes() == keys.sizes() && values.scalar_type() == at::kHalf && values.device().is_cpu(),
+                "keys, values: float16 CPU tensors (layers, Hkv, S, D) of one shape");
+    TORCH_CHECK(write_slot >= 0 && write_slot + rows <= keys.size(2), "slots: write_slot + T <= S");
+    TORCH_CHECK(rotation.device().is_cpu() && rotation.scalar_type() == at::kFloat && rotation.dim() == 4 &&
+                    rotation.size(0) == rows && rotation.size(1) == 2 && rotation.size(2) == 2,
+                "rotation: float32 (T, 2, 2, D/2)");
+    shared.emplace(rows, hidden, heads_width, q_width, gates, widest);
+    rc = rotation.contiguous();
+  }
+  at::Tensor h = x.contiguous();
   for (const LayerStack::Layer& l : stack->layers) {
     TORCH_CHECK(l.index < int64_t(view_starts.size()), "view_starts: one for each layer of the storage");
-    auto [out, q] = cached_layer(h, l.norm_weight, l.eps, l.qkv, l.qkv_features, rotation, l.q_heads, l.kv_heads,
-                                 l.q_norm, l.k_norm, keys, values, l.index, write_slot, view_starts[l.index], l.scale,
-                                 origin, windowed ? l.window : 0, l.o_proj, l.o_features, l.post_norm, l.post_eps,
-                                 l.gate_up, l.gate_up_features, l.down, l.down_features);
+    const int64_t view_start = view_starts[l.index], window = windowed ? l.window : 0;
+    if (!l.direct || l.norm_weight.numel() != hidden) {
+      auto [out, q] = cached_layer(h, l.norm_weight, l.eps, l.qkv, l.qkv_features, rotation, l.q_heads, l.kv_heads,
+                                   l.q_norm, l.k_norm, keys, values, l.index, write_slot, view_start, l.scale,
+                                   origin, window, l.o_proj, l.o_features, l.post_norm, l.post_eps, l.gate_up,
+                                   l.gate_up_features, l.down, l.down_features);
+      h = std::move(out);
+      if (keep_queries) queries.push_back(std::move(q));
+      continue;
+    }
+    TORCH_CHECK(0 <= l.index && l.index < keys.size(0), "keys: layer ", l.index, " of ", keys.size(0));
+    TORCH_CHECK(0 <= view_start && view_start <= write_slot, "slots: view_start <= write_slot");
+    const int64_t dim = keys.size(3);
+    TORCH_CHECK(rc->size(3) * 2 == dim, "rotation: (T, 2, 2, D/2) for the cache's head dim");
+    at::Tensor kept = keep_queries ? at::empty({l.q_heads, rows, dim}, x.options()) : at::Tensor();
+    at::Tensor out = at::empty({rows, hidden}, x.options());
+    layer_rows(l, *shared, h.data_ptr<float>(), out.data_ptr<float>(), rc->data_ptr<float>(), keys, values,
+               write_slot, view_start, origin, window, keep_queries ? kept.data_ptr<float>() : nullptr);
     h = std::move(out);
-    if (keep_queries) queries.push_back(std::move(q));
+    if (keep_queries) queries.push_back(std::move(kept));
   }
   return {h, queries};
 }
@@ -463,7 +711,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.class_<LayerStack>("LayerStack")
       .def(torch::init<>())
-      .def("add", &LayerStack::add);
+      .def("add", &LayerStack::add)
+      .def("direct_layers", &LayerStack::direct_layers);
   lib.def(
       "cached_layers(__torch__.torch.classes.triforce_cpu.LayerStack stack, Tensor x, Tensor rotation, "
       "Tensor(a!) keys, Tensor(b!) values, int write_slot, int[] view_starts, int origin, bool windowed, "
