@@ -341,11 +341,11 @@ def test_a_layer_in_one_call_writes_what_the_caches_update_writes(monkeypatch):
 
 
 @pytest.mark.parametrize("shapes", [{}, K_QUANT_SHAPES], ids=["classic", "k-quants"])
-def test_layers_on_rows_write_what_a_call_per_layer_writes(monkeypatch, shapes):
+def test_layers_on_rows_write_what_a_call_per_layer_writes(monkeypatch, shapes, body):
     """A model of GGUF blocks runs every layer on rows allocated once a step (the products and the attention
     straight into them, keys and values rounded straight into the cache): the same logits and the same bits in the
     full, retrieval and StreamingLLM caches and the kept queries as a call per layer and as the layer's three calls
-    around the caches' update(), over prefill chunks, verifications, rollbacks and eviction."""
+    around the caches' update(), over prefill chunks, verifications, rollbacks and eviction, in every kernel body."""
     _, _, packed = gguf_tiny_model(7, num_layers=3, **shapes)
     model = packed.model
     on_rows = cache_writes(model, False, monkeypatch)
