@@ -25,8 +25,7 @@
 //   in one FMA. Keys a row does not read get weight 0 exactly, which leaves every sum as it was, so a row gives the
 //   same bits whichever other rows share its tiles;
 // - a row's segments are merged in segment order, then its output divided by its sum.
-// Threads split the work only by units of (KV head, group of rows, segment), each taking the next unit as it
-// finishes one: no element's order depends on them.
+// Threads split the work only by (KV head, group of rows, segment): no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
 // position (t G + g), in groups of kGroupRows. A unit of work with more than Ops::kDirectRows rows (a verification
@@ -48,7 +47,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -492,14 +490,10 @@ void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries,
   p.partials = partials.data_ptr<float>();
 
   const Body body = chosen_body(dim);
-  const int64_t row_groups = (rows + kGroupRows - 1) / kGroupRows, units = kv_heads * row_groups * p.segments;
-  // each thread takes the next unit as it finishes one: the threads of a virtual machine do not run at one speed
-  // (measured on the 2-core EPYC: one thread's share of a decode step's attention took twice the other's samples
-  // under an even split), and a unit reads a segment of keys and values in order whichever thread takes it
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  const int64_t row_groups = (rows + kGroupRows - 1) / kGroupRows;
+  at::parallel_for(0, kv_heads * row_groups * p.segments, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(body.scratch(dim));
-    for (int64_t unit = next++; unit < units; unit = next++) {
+    for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t segment = unit % p.segments, row_group = unit / p.segments % row_groups;
       const int64_t head = unit / p.segments / row_groups, row0 = row_group * kGroupRows;
       body.attend_unit(p, head, row0, std::min(kGroupRows, rows - row0), p.first_segment + segment,
