@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -167,6 +168,38 @@ void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
   }
 }
 
+// ---- rows: the loops the ops on whole tensors and cached_layers' rows share
+
+// out (T, n) = each row's RMSNorm of x (T, n) scaled by w (n)
+void rms_rows(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out) {
+  at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rms_row(x + t * n, w, eps, n, out + t * n);
+  });
+}
+
+// gate_up (T, 2I), each row [gate | up] -> out (T, I): SiLU(gate) * up
+void silu_rows(const float* gate_up, int64_t rows, int64_t n, float* out) {
+  at::parallel_for(0, rows, grain_for(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(gate_up + t * 2 * n, gate_up + t * 2 * n + n, n, out + t * n);
+  });
+}
+
+// a (n) = b + a elementwise, one rounding each
+void add_rows(float* a, const float* b, int64_t n) {
+  at::parallel_for(0, n, kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) a[i] = b[i] + a[i];
+  });
+}
+
+// y (D) = the rotation r (2, 2, D/2) of one head x (D): [R00 | R01 | R10 | R11], D/2 each, half = D/2
+void rotate_row(const float* x, const float* r, int64_t half, float* y) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x0 = x[i], x1 = x[half + i];
+    y[i] = x0 * r[i] + x1 * r[half + i];
+    y[half + i] = x0 * r[2 * half + i] + x1 * r[3 * half + i];
+  }
+}
+
 // ---- checks and the ops on whole tensors
 
 void check_rows(const at::Tensor& x, const char* name) {
@@ -188,10 +221,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = xc.size(0), n = xc.size(1);
   at::Tensor out = at::empty_like(xc);
   const float *in = xc.data_ptr<float>(), *w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) rms_row(in + t * n, w, float(eps), n, o + t * n);
-  });
+  rms_rows(in, w, float(eps), rows, n, out.data_ptr<float>());
   return out;
 }
 
@@ -200,13 +230,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns, gate then up");
   const at::Tensor gu = gate_up.contiguous();
-  const int64_t rows = gu.size(0), width = gu.size(1), n = width / 2;
+  const int64_t rows = gu.size(0), n = gu.size(1) / 2;
   at::Tensor out = at::empty({rows, n}, gu.options());
-  const float* in = gu.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_for(width), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) silu_mul_row(in + t * width, in + t * width + n, n, o + t * n);
-  });
+  silu_rows(gu.data_ptr<float>(), rows, n, out.data_ptr<float>());
   return out;
 }
 
@@ -251,12 +277,7 @@ at::Tensor rotary_heads(const at::Tensor& qkv, const at::Tensor& rotation, int64
         rms_row(x, h < q_heads ? qn : kn, epsilon, dim, normed.data());
         x = normed.data();
       }
-      const float* r = rot + t * 2 * dim;  // [R00 | R01 | R10 | R11], D/2 each
-      for (int64_t i = 0; i < half; ++i) {
-        const float x0 = x[i], x1 = x[half + i];
-        y[i] = x0 * r[i] + x1 * r[half + i];
-        y[half + i] = x0 * r[2 * half + i] + x1 * r[3 * half + i];
-      }
+      rotate_row(x, rot + t * 2 * dim, half, y);
     }
   });
   return out;
@@ -265,12 +286,7 @@ at::Tensor rotary_heads(const at::Tensor& qkv, const at::Tensor& rotation, int64
 // a (T, C) += b (T, C), a contiguous: a = b + a elementwise, one rounding each.
 void add_into(at::Tensor& a, const at::Tensor& b) {
   const at::Tensor bc = b.contiguous();
-  float* out = a.data_ptr<float>();
-  const float* in = bc.data_ptr<float>();
-  const int64_t n = a.numel();
-  at::parallel_for(0, n, kParallelElements, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = in[i] + out[i];
-  });
+  add_rows(a.data_ptr<float>(), bc.data_ptr<float>(), a.numel());
 }
 
 // ---- projections through the extension's products
@@ -437,6 +453,11 @@ void to_half(const float* x, int64_t n, at::Half* out) {
   }
 }
 
+// A projection's outputs: its parts' features side by side
+int64_t outputs(const std::vector<int64_t>& features) {
+  return std::accumulate(features.begin(), features.end(), int64_t(0));
+}
+
 // Whether a projection's parts are all GGUF blocks taking `inputs` inputs whose padded outputs are their features
 // (so that each writes straight into its columns of the rows); the projection's outputs in *outputs.
 bool direct_projection(const c10::List<std::optional<at::Tensor>>& parts, const std::vector<int64_t>& features,
@@ -477,20 +498,6 @@ void project_rows(const float* x, int64_t rows, const c10::List<std::optional<at
   }
 }
 
-// out (T, n) = each row's RMSNorm of x (T, n) scaled by w (n), as rms_norm
-void rms_rows(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out) {
-  at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) rms_row(x + t * n, w, eps, n, out + t * n);
-  });
-}
-
-// a (n) = b + a elementwise, as add_into
-void add_rows(float* a, const float* b, int64_t n) {
-  at::parallel_for(0, n, kParallelElements, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) a[i] = b[i] + a[i];
-  });
-}
-
 struct LayerRows {  // cached_layers' rows for T = rows, shared by every layer of a step, sized for the widest
   int64_t rows, hidden;
   at::Tensor normed, qkv, queries, scaled, attended, mixed, gated, activated, sums;
@@ -517,9 +524,7 @@ void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const 
                 at::Tensor& values, int64_t write_slot, int64_t view_start, int64_t origin, int64_t window,
                 float* kept) {
   const int64_t rows = b.rows, hidden = b.hidden, heads = l.q_heads + 2 * l.kv_heads;
-  int64_t width = 0, gates = 0;  // the layer's q/k/v outputs and gate/up outputs
-  for (int64_t f : l.qkv_features) width += f;
-  for (int64_t f : l.gate_up_features) gates += f;
+  const int64_t width = outputs(l.qkv_features), gates = outputs(l.gate_up_features);
   const int64_t dim = width / heads, half = dim / 2, group = l.q_heads / l.kv_heads;
   TORCH_CHECK(l.kv_heads == keys.size(1) && dim == keys.size(3) && l.q_heads % l.kv_heads == 0,
               "keys: the layer's KV heads and head dim");
@@ -552,12 +557,7 @@ void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const 
         xh = normed_head.data();
       }
       float* y = h < l.q_heads ? q + (h * rows + t) * dim : key.data();
-      const float* r = rotation + t * 2 * dim;  // [R00 | R01 | R10 | R11], D/2 each
-      for (int64_t i = 0; i < half; ++i) {
-        const float x0 = xh[i], x1 = xh[half + i];
-        y[i] = x0 * r[i] + x1 * r[half + i];
-        y[half + i] = x0 * r[2 * half + i] + x1 * r[3 * half + i];
-      }
+      rotate_row(xh, rotation + t * 2 * dim, half, y);
       if (h >= l.q_heads) to_half(y, dim, k_cache + (h - l.q_heads) * k_head + t * k_row);
     }
   });
@@ -587,11 +587,7 @@ void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const 
   rms_rows(mixed, l.post_norm.template data_ptr<float>(), float(l.post_eps), rows, hidden, normed);
   float *gated = b.gated.data_ptr<float>(), *activated = b.activated.data_ptr<float>();
   project_rows(normed, rows, l.gate_up, l.gate_up_features, gated, gates, sums);
-  const int64_t inner = gates / 2;
-  at::parallel_for(0, rows, grain_for(gates), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      silu_mul_row(gated + t * gates, gated + t * gates + inner, inner, activated + t * inner);
-  });
+  silu_rows(gated, rows, gates / 2, activated);
   project_rows(activated, rows, l.down, l.down_features, out, hidden, sums);
   add_rows(out, mixed, rows * hidden);
 }
@@ -656,11 +652,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
   int64_t heads_width = 0, q_width = 0, gates = 0, widest = hidden;
   for (const LayerStack::Layer& l : stack->layers) {
     if (!l.direct) continue;
-    int64_t width = 0;
-    for (int64_t f : l.qkv_features) width += f;
+    const int64_t width = outputs(l.qkv_features), gate_width = outputs(l.gate_up_features);
     const int64_t dim = width / (l.q_heads + 2 * l.kv_heads);
-    int64_t gate_width = 0;
-    for (int64_t f : l.gate_up_features) gate_width += f;
     heads_width = std::max(heads_width, width);
     q_width = std::max(q_width, l.q_heads * dim);
     gates = std::max(gates, gate_width);
