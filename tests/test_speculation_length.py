@@ -8,8 +8,10 @@ from helpers import fixed_drafts_at_least, rich_model
 from test_speculative import (
     COMBOS,
     MIDDLE_TRIALS,
+    NEW_TOKENS,
     P_THRESHOLD,
     PIPELINE_TRIALS,
+    PROMPT_TOKENS,
     TEMPERATURE_1,
     MiddleTier,
     autoregressive_tokens,
@@ -527,6 +529,45 @@ def test_costed_probes_take_turns_between_the_sources():
     assert drafting == [(1, True), (1, True), (1, False), (1, True)]
 
 
+def probes_with_set_up(length: SpeculationLength, rounds: int) -> list[tuple[int, bool]]:
+    """(step, source) of every probe in `rounds` steps whose drafts are never accepted, each source's set-up
+    running at its first drafts, as ModelTier says to the policy."""
+    probes = []
+    for i in range(rounds):
+        if length.current == 0:
+            length.record_own_step(1.0)
+            continue
+        probes.append((i, length.use_shortcut))
+        length.set_up_due = tuple(source for source in length.set_up_due if source != length.use_shortcut)
+        length.record(length.current, 0, 1.0, 1.0)
+    return probes
+
+
+def test_costed_probes_a_source_with_a_set_up_once_own_steps_pay_for_it():
+    """A drafter at 0.2 of a plain step (drafting does not pay from the prior) whose prefill costs 0.6: a rejected
+    first probe loses that, its draft and a verification of one draft (1.2) for the one token a plain step gives,
+    1.0 in all, which is 2% of 50 plain steps: the first probe comes after 50 own steps, not at the first; later
+    ones wait as without a set-up (20 own steps, then 40)."""
+    length = SpeculationLength("costed", ceiling=4, own_steps=True)
+    length.price(StepCosts(SLOPE, 0.2, proposer_set_up=0.6), {False: DEFAULT_PRIOR}, set_up_due=(False,))
+    assert length.current == 0 and length.own_steps_left == 50
+    assert [step for step, _ in probes_with_set_up(length, 120)] == [50, 71, 112]
+    free = SpeculationLength("costed", ceiling=4, own_steps=True)
+    free.price(StepCosts(SLOPE, 0.2, proposer_set_up=0.6), {False: DEFAULT_PRIOR})  # set up already
+    assert [step for step, _ in probes_with_set_up(free, 70)] == [0, 21, 62]
+
+
+def test_costed_probes_the_source_without_a_set_up_first():
+    """The shortcut would be probed first, but its set-up is due: the proposer, which has none, is probed instead
+    until a probe's turn comes after the own steps pay for the set-up (0.85 + 0.2 + 0.2: 63 steps; the third
+    probe comes after 60), then the probes take turns as without a set-up; the waits are 20, 40, then 64 steps."""
+    length = SpeculationLength("costed", ceiling=4, own_steps=True, has_shortcut=True)
+    costs = StepCosts(SLOPE, proposer=0.3, shortcut=0.2, shortcut_set_up=0.85)
+    length.price(costs, {False: DEFAULT_PRIOR, True: DEFAULT_PRIOR}, set_up_due=(True,))
+    probes = probes_with_set_up(length, 300)
+    assert probes == [(0, False), (21, False), (62, False), (127, True), (192, False), (257, True)]
+
+
 def test_costed_starts_drafting_where_the_prior_says_it_pays():
     """The retrieval tier's prior (the target agreeing with itself on part of its cache) and forwards that cost
     little more for more tokens: the first step drafts long, no probe needed."""
@@ -619,6 +660,65 @@ def test_greedy_with_costed_lengths_equals_autoregressive(monkeypatch, seed, mod
     if pays:
         for stats in result.stats.acceptance:
             assert stats.verifications > 0 and stats.mean_drafted > 1, stats
+
+
+def recorded_set_ups(monkeypatch) -> list[int]:
+    """The number of ids each drafter set-up (its StreamingLLM prefill) runs on, in order, as generations go."""
+    calls = []
+    set_up = Engine._set_up_drafter
+
+    def recording(self, streaming, ids, on_prefill=None):
+        calls.append(len(ids))
+        set_up(self, streaming, ids, on_prefill)
+
+    monkeypatch.setattr(Engine, "_set_up_drafter", recording)
+    return calls
+
+
+def drafter_engine(mode: str, **overrides) -> Engine:
+    target, drafter = rich_model(0), rich_model(50, num_layers=1, name="drafter")
+    config = engine_config(mode, gamma_policy="costed", **COMBOS["b32-r3-g3x4"], **overrides)
+    return Engine(target.loaded, config, drafter=drafter.loaded)
+
+
+def drafting_pays_less_than_own_steps(monkeypatch) -> None:
+    """Price forwards as drafting_could_pay does, but the drafter's at 0.2 s and 10 ms more a further token: one
+    draft at the prior's acceptance does not pay for its verification, so the first step does not draft, and a
+    drafter's prefill (sinks and two windows, 36 tokens) costs 0.55 s."""
+    scales = {FullCache: 1.0, RetrievalCache: 0.5}
+    monkeypatch.setattr(
+        step_costs,
+        "forward_seconds",
+        lambda model, cache, tokens, balance: (
+            0.2 + 0.01 * (tokens - 1)
+            if isinstance(cache, StreamingCache)
+            else scales[type(cache)] * (1.0 + 0.2 * (tokens - 1))
+        ),
+    )
+
+
+@pytest.mark.parametrize("mode", ["streaming", "triforce"])
+def test_a_drafter_is_prefilled_where_it_first_drafts(monkeypatch, mode):
+    """Where drafting does not pay from the priors, the drafter's cache is prefilled only when a probe of it is
+    due, with the sequence so far but its last token: in streaming mode after 48 own steps (its prefill, its draft
+    and a verification of one draft lose 0.55 + 0.2 + 0.2, 2% of 47.5 plain steps); in triforce mode also where
+    the retrieval tier first probes it. An answer shorter than that never prefills it; where drafting pays from
+    the start, it is prefilled with the prompt, before the first token. Greedy output equals plain decoding every
+    time."""
+    calls = recorded_set_ups(monkeypatch)
+    drafting_pays_less_than_own_steps(monkeypatch)
+    short = drafter_engine(mode, max_new_tokens=20)
+    assert short.generate(prompt_for(0)).token_ids == list(autoregressive_tokens(0))[:20]
+    assert calls == [] and short._caches.streaming.length == 0
+    assert drafter_engine(mode).generate(prompt_for(0)).token_ids == list(autoregressive_tokens(0))
+    assert len(calls) == 1 and PROMPT_TOKENS < calls[0] < PROMPT_TOKENS + NEW_TOKENS
+    if mode == "streaming":
+        assert calls == [PROMPT_TOKENS + 48]
+    calls.clear()
+    drafting_pays(monkeypatch)
+    result = drafter_engine(mode).generate(prompt_for(0))
+    assert result.token_ids == list(autoregressive_tokens(0)) and calls == [PROMPT_TOKENS]
+    assert result.stats.acceptance[-1].verifications > 0
 
 
 def test_greedy_with_ngram_and_costed_lengths_equals_autoregressive(monkeypatch):

@@ -1,20 +1,23 @@
 """The generation engine: load once, then generate for many prompts.
 
 Data path (docs/architecture.md): chunked prefill of target@full -> retrieval cache selected with the last prompt token's
-queries -> drafter StreamingLLM cache -> loop of top-tier steps, each rolling every cache back to the accepted
-length and refreshing the retrieval cache on its policy.
+queries -> drafter StreamingLLM cache (where the drafter first drafts) -> loop of top-tier steps, each rolling every
+cache back to the accepted length and refreshing the retrieval cache on its policy.
 
 generate: 1. allocate the caches (decoding/cache_pool.py, sized by decoding/sizing.py; kept across generations) and
-record the fixed-shape steps decoding takes (decoding/warm_up.py); 2. prefill every cache (decoding/prefill.py; an
-offloaded full cache layer by layer) and sample the first token; 3. build the tiers (decoding/tiers.py) and run
-rounds of the top tier (ModelTier.step) until the answer is complete (decoding/rounds.py).
+record the fixed-shape steps decoding takes (decoding/warm_up.py); 2. prefill the target's caches
+(decoding/prefill.py; an offloaded full cache layer by layer), build the tiers (decoding/tiers.py) and price them,
+prefill the drafter's cache where the first step drafts from it, and sample the first token; 3. run rounds of the
+top tier (ModelTier.step) until the answer is complete (decoding/rounds.py).
 """
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
+from triforce_cli.cache import StreamingCache
 from triforce_cli.decoding.cache_pool import CachePool, InUse, check_restorable, exact_positions
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.prefill import ChunkCallback, PrefillCallback, prefill, prefill_drafter
@@ -22,7 +25,7 @@ from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.rounds import StopCheck, TokenCallback, decode
 from triforce_cli.decoding.sampling import probabilities, sample
 from triforce_cli.decoding.sizing import CacheSpec, MemoryPlan, check_prompt
-from triforce_cli.decoding.speculative import ModelTier, Tier
+from triforce_cli.decoding.speculative import ModelTier, Tier, set_up_tier
 from triforce_cli.decoding.stats import GenerationResult, GenerationStats, StopReason
 from triforce_cli.decoding.step_costs import price_tiers
 from triforce_cli.decoding.tiers import build_tiers, tier_chain
@@ -195,8 +198,9 @@ class Engine:
         on_prompt_state: Callable[[PromptState], None] | None,
     ) -> torch.Tensor:
         """Fill every cache for prompt_ids and return the logits (1, V) after its last token: the full cache
-        prefilled from the positions it kept (or restored from prompt_state), the retrieval
-        cache's first chunk selection, and the drafter's StreamingLLM cache."""
+        prefilled from the positions it kept (or restored from prompt_state), the retrieval cache's first chunk
+        selection, and the StreamingLLM cache of the target drafting for itself (a drafter model's is filled where
+        it first drafts: _set_up_drafter)."""
         full = caches.full
         with self._filling(prompt_ids):
             if prompt_state is None:
@@ -210,13 +214,17 @@ class Engine:
                 stats.prompt_cached = True
         if caches.retrieval is not None:
             caches.retrieval.select_chunks()
-        if caches.streaming is not None:
-            if self.drafter is None:
-                caches.streaming.fill_from(full)
-            else:
-                args = (self.prefill_block, self.config, self.prefill_threads, on_prefill)
-                prefill_drafter(self.drafter, caches.streaming, prompt_ids, *args)
+        if caches.streaming is not None and self.drafter is None:
+            caches.streaming.fill_from(full)
         return logits
+
+    def _set_up_drafter(
+        self, streaming: StreamingCache, ids: list[int], on_prefill: PrefillCallback | None = None
+    ) -> None:
+        """Prefill the drafter's StreamingLLM cache with ids (prefill.prefill_drafter), where it first drafts: with
+        the prompt's prefill where the first step drafts from it, else when the speculation-length policy first
+        probes it (speculation_length.py), or never. Its state depends on ids alone, so a seeded run repeats."""
+        prefill_drafter(self.drafter, streaming, ids, self.prefill_block, self.config, self.prefill_threads, on_prefill)
 
     def _prefill_target(
         self, prompt_ids: list[int], on_prefill: PrefillCallback | None, on_chunk: ChunkCallback | None, first: int = 0
@@ -261,9 +269,17 @@ class Engine:
             # 1. allocate
             caches = self._allocate(len(prompt_ids), keep)
             stats.compile_seconds = warm_up(self.spec, caches)
-            # 2. prefill every cache, and sample the first token from the prompt's logits
+            # 2. prefill every cache, build the tiers, and sample the first token from the prompt's logits
             started = time.perf_counter()
             logits = self._prefill_caches(caches, prompt_ids, stats, on_prefill, prompt_state, on_prompt_state)
+            drafting = {"ngram": self.uses_ngram, "model_drafter": self.uses_model_drafter}
+            if self.drafter is not None and caches.streaming is not None:
+                drafting["set_up_drafter"] = partial(self._set_up_drafter, caches.streaming)
+            top = build_tiers(cfg, self.target.model, self._drafter_model, caches, generator, **drafting)
+            price_tiers(top)  # the costed policy's prices, fixed before its first step
+            due = set_up_tier(top)
+            if due is not None:  # the first step drafts from the drafter: its prefill goes with the prompt's
+                due.run_set_up(prompt_ids, on_prefill)
             first = int(from_rank_zero(sample(probabilities(logits, cfg.sampling), generator)))
             stats.prefill_seconds = time.perf_counter() - started
             generated.append(first)
@@ -273,9 +289,6 @@ class Engine:
                 on_tokens([first], [Tier.TARGET])
             stats.compile_seconds += warm_up(self.spec, caches, prefilled=True)
             # 3. loop: rounds of the top tier
-            drafting = {"ngram": self.uses_ngram, "model_drafter": self.uses_model_drafter}
-            top = build_tiers(cfg, self.target.model, self._drafter_model, caches, generator, **drafting)
-            price_tiers(top)  # the costed policy's prices, fixed before its first step
             chain = tier_chain(top)
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
             stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]

@@ -52,8 +52,11 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   so that where drafting never pays a 128-token answer holds three probes, about 2% of its time. With a shortcut
   the probes take turns between the two sources, the shortcut first. A source whose drafts would not pay even
   were every one accepted (the retrieval tier where its forward costs most of a full one, at short contexts) is
-  never probed: no acceptance could make it pay. Where drafting pays from the priors (long contexts, whose full
-  forwards cost most), the first step drafts. With a shortcut, the source that promises less drafts one token
+  never probed: no acceptance could make it pay. A source with a set-up still to run (a drafter whose cache is
+  prefilled only where it first drafts) is first probed once the own steps before the probe pay for that set-up
+  too at PROBE_SHARE: at 7K on a 2-core CPU some 700 steps, so that a short answer never prefills a drafter whose
+  drafts would not have paid. Where drafting pays from the priors (long contexts, whose full forwards cost most),
+  the first step drafts, and a set-up runs with the prefill. With a shortcut, the source that promises less drafts one token
   every SHORTCUT_RETRY-th verification while drafting pays, so that its estimate follows the text. (A tier not
   priced drafts its ceiling, as under fixed.)
 
@@ -162,12 +165,16 @@ class StepCosts:
     them), in seconds.
 
     forward[n - 1] is a forward of n tokens on the tier's cache, n = 1..ceiling + 1: an own step is forward[0], a
-    verification of s drafts forward[s]. proposer and shortcut are the seconds per token drafted from each source.
+    verification of s drafts forward[s]. proposer and shortcut are the seconds per token drafted from each source;
+    proposer_set_up and shortcut_set_up what each source costs once before its first draft (a drafter's cache
+    prefilled where it first drafts, ModelTier.set_up), 0 for none.
     """
 
     forward: tuple[float, ...]
     proposer: float
     shortcut: float = 0.0
+    proposer_set_up: float = 0.0
+    shortcut_set_up: float = 0.0
 
     @property
     def own(self) -> float:
@@ -183,6 +190,9 @@ class StepCosts:
 
     def draft(self, shortcut: bool) -> float:
         return self.shortcut if shortcut else self.proposer
+
+    def set_up(self, shortcut: bool) -> float:
+        return self.shortcut_set_up if shortcut else self.proposer_set_up
 
 
 def prior_acceptance(source: str) -> float:
@@ -283,6 +293,8 @@ class SpeculationLength:
     probe_shortcut: bool = field(init=False, default=False)  # costed: the source of the last probe
     # costed: the sources (True: the shortcut) whose drafts would pay were every one accepted; no other is probed
     payable: tuple[bool, ...] = field(init=False, default=())
+    # costed: the sources whose one-time set-up is still to run (StepCosts.set_up), as the tier last said
+    set_up_due: tuple[bool, ...] = field(init=False, default=())
 
     @property
     def drafting(self) -> bool:
@@ -335,10 +347,12 @@ class SpeculationLength:
                 else:
                     self.proposer_averages = DraftSource()
 
-    def price(self, costs: StepCosts, priors: dict[bool, float]) -> None:
-        """Give the costed policy its costs and the prior acceptance of each source (True: the shortcut), and
-        choose the first step from them: drafting where the priors promise it pays, else a probe of it."""
-        self.costs, self.priors = costs, priors
+    def price(self, costs: StepCosts, priors: dict[bool, float], set_up_due: tuple[bool, ...] = ()) -> None:
+        """Give the costed policy its costs, the prior acceptance of each source (True: the shortcut) and the
+        sources whose set-up is due, and choose the first step from them: drafting where the priors promise it
+        pays (a set-up due then runs at once), else a probe of it, or own steps where every source that may pay
+        has a set-up due (_set_up_wait)."""
+        self.costs, self.priors, self.set_up_due = costs, priors, set_up_due
         self.since_retry = 0  # the sources' estimates start from priors: no retry owed yet
         self.verify_seconds = {n: costs.forward[n] for n in range(len(costs.forward))}  # what TierCosts reports
         sources = (True, False) if self.has_shortcut else (False,)
@@ -408,19 +422,40 @@ class SpeculationLength:
         self.dropped += 1
         self.current = 0
 
+    def _set_up_wait(self, shortcut: bool) -> int:
+        """Own steps the tier takes before the first probe of a source whose set-up is due: as many as make the
+        set-up and what the probe loses where its draft is rejected at most PROBE_SHARE of their cost (0 for a
+        source with nothing to set up). A drafter's prefill costs ten or more own steps, so where drafting does
+        not pay from the priors (short contexts) an answer shorter than that wait never runs it."""
+        if shortcut not in self.set_up_due:
+            return 0
+        costs = self.costs
+        loss = costs.set_up(shortcut) + costs.draft(shortcut) + costs.verify(1) - costs.own
+        return math.ceil(loss / (PROBE_SHARE * costs.own))
+
+    def _probe_source(self) -> bool | None:
+        """The source the next probe drafts from: the one not probed last time where there are two (the shortcut,
+        which costs less, first), else the other, whichever has its set-up paid for by the own steps so far
+        (_set_up_wait); None where neither has yet."""
+        order = (not self.probe_shortcut, self.probe_shortcut) if len(self.payable) > 1 else self.payable
+        return next((source for source in order if self._set_up_wait(source) <= self.own_steps_taken), None)
+
     def _probe(self) -> None:
-        """Draft where it pays; else draft once all the same, a probe, to learn whether drafting pays now: from
-        the source not probed last time (where there are two; the shortcut, which costs less, first), at its best
-        length."""
+        """Draft where it pays; else draft once all the same, a probe, to learn whether drafting pays now, at the
+        probed source's best length (_probe_source); where no source may be probed yet, own steps until one
+        may."""
         if self._draft_if_it_pays():
             return
         if not self.payable:  # no acceptance would make drafting pay: own steps only
             self.current, self.own_steps_left = 0, MAX_PROBE_WAIT
             return
-        if len(self.payable) > 1:
-            self.probe_shortcut = not self.probe_shortcut
-        self.use_shortcut = self.probe_shortcut if len(self.payable) > 1 else self.payable[0]
-        self.current = self._options()[self.use_shortcut][1]
+        source = self._probe_source()
+        if source is None:
+            wait = min(self._set_up_wait(source) for source in self.payable)
+            self.current, self.own_steps_left = 0, wait - self.own_steps_taken
+            return
+        self.probe_shortcut = self.use_shortcut = source
+        self.current = self._options()[source][1]
 
     def _choose(self, drafted: int) -> None:
         untried = [n for n in range(drafted - 1, 0, -1) if n not in self.verify_seconds]  # shorter than the last

@@ -11,6 +11,7 @@ The sequence lives on the device (TokenSequence), so a round copies no token fro
 verified tokens stay device tensors, and the host waits for the device once per verification, for its outcome.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Protocol
@@ -252,6 +253,9 @@ class ModelTier:
     own_steps: bool = False
     # the retrieval tier: steps of the tier above between two selections of its chunks (EngineConfig.refresh_interval)
     refresh_interval: int | None = None
+    # a drafter tier whose cache is filled where it first drafts: called once with the sequence's ids but its last
+    # (and optionally a PrefillCallback), then dropped (Engine: the drafter's StreamingLLM prefill)
+    set_up: Callable[..., None] | None = None
     stats: AcceptanceStats | None = None
     shortcut_stats: AcceptanceStats | None = None
     length: SpeculationLength = field(init=False)
@@ -279,7 +283,17 @@ class ModelTier:
         priors = {False: prior_acceptance(self.proposer.name)}
         if self.shortcut is not None:
             priors[True] = prior_acceptance(self.shortcut.name)
-        self.length.price(costs, priors)
+        self.length.price(costs, priors, self._set_up_due())
+
+    def _set_up_due(self) -> tuple[bool, ...]:
+        """The sources (True: the shortcut) whose drafts would first run a set-up (set_up_tier)."""
+        sources = {False: self.proposer, True: self.shortcut}
+        return tuple(shortcut for shortcut, source in sources.items() if set_up_tier(source, next_step=False))
+
+    def run_set_up(self, ids: list[int], *args) -> None:
+        """Run this tier's set-up (set_up) on ids, the sequence but its last token, once."""
+        set_up, self.set_up = self.set_up, None
+        set_up(ids, *args)
 
     @property
     def uses_shortcut_next(self) -> bool:
@@ -326,6 +340,7 @@ class ModelTier:
         verdict = verify_draft(draft.ids, draft.probs.to(self.model.device), probs, self.generator, from_rank_zero)
         verified = self.last_end = self.clock.mark()  # after the verification's read: its work is done
         # 3. learn
+        self.length.set_up_due = self._set_up_due()
         stats.drafted += len(draft)
         stats.accepted += verdict.accepted
         stats.verifications += 1
@@ -347,6 +362,7 @@ class ModelTier:
         token = from_rank_zero(sample(probs, self.generator))
         if chosen:  # the caller reads the token next: timing it waits for nothing more
             self.last_end = self.clock.mark()
+            self.length.set_up_due = self._set_up_due()
             self.length.record_own_step(self.clock.seconds(started, self.last_end))
         self._roll_back_proposers(len(sequence) + 1)
         return Proposal(token, probs, [self.name])  # (1,) on the device, unread
@@ -406,6 +422,8 @@ class ModelTier:
         the throughput policy that catching up counts as drafting time of the tier it serves.
         """
         length = len(sequence)
+        if self.set_up is not None:
+            self.run_set_up(sequence.host_ids()[: length - 1])
         start = min(self.cache.length, length - 1)
         self.cache.rollback(start)
         most = self.cache.max_write
@@ -416,3 +434,21 @@ class ModelTier:
         tokens = torch.cat([sequence.ids[start:length], drafts])
         logits = self.model(tokens, start, self.cache, num_logits=len(drafts) + 1)
         return probabilities(logits, self.sampling)
+
+
+def set_up_tier(proposer: Proposer | None, next_step: bool = True) -> ModelTier | None:
+    """The tier whose set-up (ModelTier.set_up) drafts from proposer would run first, or None.
+
+    next_step: follow the tiers' current choices down (a tier that takes its own step next, or drafts from its
+    shortcut, reaches no further); False: only proposer itself, or the model behind an n-gram that may find
+    nothing. The n-gram is never counted on to draft: its lookup finds nothing where the text does not repeat.
+    """
+    if isinstance(proposer, FallbackProposer):
+        return set_up_tier(proposer.fallback, next_step)
+    if not isinstance(proposer, ModelTier):
+        return None
+    if proposer.set_up is not None:
+        return proposer
+    if not next_step or proposer.proposer is None or not proposer.length.drafting:
+        return None
+    return set_up_tier(proposer.shortcut if proposer.uses_shortcut_next else proposer.proposer)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache
 from triforce_cli.decoding.ngram import NGramProposer
+from triforce_cli.decoding.prefill import DRAFTER_READS
 from triforce_cli.decoding.speculation_length import StepCosts
-from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposer
+from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposer, set_up_tier
 from triforce_cli.runtime.measurements import kept_machine_rates
 from triforce_cli.runtime.model import Transformer, weight_bytes
 
@@ -127,6 +128,19 @@ def draft_seconds(proposer: Proposer | None, balance: MachineBalance) -> float:
     raise TypeError(f"no price for drafts of a {type(proposer).__name__}")
 
 
+def set_up_seconds(proposer: Proposer | None, balance: MachineBalance) -> float:
+    """The price of the set-up drafts from proposer would run first (set_up_tier: a drafter's StreamingLLM
+    prefill, of its sinks and DRAFTER_READS windows), 0 for none: priced as one forward of those tokens, each with
+    its logits, which is above what a prefill computing the last one's alone costs."""
+    tier = set_up_tier(proposer, next_step=False)
+    if tier is None:
+        return 0.0
+    cache = tier.cache
+    if not isinstance(cache, StreamingCache):
+        raise TypeError(f"no set-up price for a {type(cache).__name__}")
+    return forward_seconds(tier.model, cache, cache.sink_tokens + DRAFTER_READS * cache.window, balance)
+
+
 def price_tiers(top: ModelTier) -> None:
     """Price every tier under the costed policy from top down, before its first step (ModelTier.price)."""
     balance = machine_balance(top.model.device.type)
@@ -134,6 +148,12 @@ def price_tiers(top: ModelTier) -> None:
     while isinstance(tier, ModelTier):
         if tier.proposer is not None and tier.length.policy == "costed":
             forward = tuple(forward_seconds(tier.model, tier.cache, n, balance) for n in range(1, tier.gamma + 2))
-            costs = StepCosts(forward, draft_seconds(tier.proposer, balance), draft_seconds(tier.shortcut, balance))
+            costs = StepCosts(
+                forward,
+                draft_seconds(tier.proposer, balance),
+                draft_seconds(tier.shortcut, balance),
+                set_up_seconds(tier.proposer, balance),
+                set_up_seconds(tier.shortcut, balance),
+            )
             tier.price(costs)
         tier = tier.proposer

@@ -5,6 +5,8 @@ n-gram proposer before it, or both), the target on the retrieval cache above it 
 target on its full cache on top. MODE_TIERS in config.py says which tiers a mode runs.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from triforce_cli.decoding.cache_pool import InUse
@@ -25,6 +27,7 @@ def build_tiers(
     *,
     ngram: bool,
     model_drafter: bool,
+    set_up_drafter: Callable[..., None] | None = None,
 ) -> ModelTier:
     """The tiers of config's mode on caches; the top one.
 
@@ -35,6 +38,8 @@ def build_tiers(
         generator: every tier's random stream.
         ngram: whether the n-gram proposer drafts first (Engine.uses_ngram).
         model_drafter: whether a model drafts on the StreamingLLM cache (Engine.uses_model_drafter).
+        set_up_drafter: fills the StreamingLLM cache where the drafter first drafts (ModelTier.set_up), or None:
+            it is filled already.
     Returns:
         The target on its full cache, whose proposer is the next tier down.
     """
@@ -44,7 +49,7 @@ def build_tiers(
     shared = {"sampling": config.sampling, "generator": generator, "gamma_policy": policy}
     below: Proposer | None = None  # None without a drafter tier: the tier it would draft for samples every token
     if caches.streaming is not None:
-        below = ModelTier(name=Tier.DRAFTER, model=drafter, cache=caches.streaming, **shared)
+        below = ModelTier(name=Tier.DRAFTER, model=drafter, cache=caches.streaming, set_up=set_up_drafter, **shared)
     if ngram:
         lookup = NGramProposer(target.config.vocab_size, config.ngram_max, device=target.device)
         below = lookup if below is None else FallbackProposer(lookup, below)
