@@ -550,11 +550,28 @@ def test_costed_probes_a_source_with_a_set_up_once_own_steps_pay_for_it():
     ones wait as without a set-up (20 own steps, then 40)."""
     length = SpeculationLength("costed", ceiling=4, own_steps=True)
     length.price(StepCosts(SLOPE, 0.2, proposer_set_up=0.6), {False: DEFAULT_PRIOR}, set_up_due=(False,))
-    assert length.current == 0 and length.own_steps_left == 50
+    assert length.current == 0 and length.own_steps_left == length.set_up_wait == 50
+    note = TierCosts("target", {0: 1000.0}, own_steps=40, priced=True, set_up_wait=length.set_up_wait).note
+    assert "first probed after 50 own steps" in note and "every draft accepted" not in note
     assert [step for step, _ in probes_with_set_up(length, 120)] == [50, 71, 112]
     free = SpeculationLength("costed", ceiling=4, own_steps=True)
     free.price(StepCosts(SLOPE, 0.2, proposer_set_up=0.6), {False: DEFAULT_PRIOR})  # set up already
     assert [step for step, _ in probes_with_set_up(free, 70)] == [0, 21, 62]
+
+
+def test_costed_probes_an_ngram_before_a_drafter_at_once_and_sets_the_drafter_up_later():
+    """The same drafter behind an n-gram, which drafts without its prefill: probed at the first step, and again
+    after the shortest wait where it found nothing to draft; the drafter's prefill may run only once the own steps
+    pay for it (50)."""
+    length = SpeculationLength("costed", ceiling=4, own_steps=True)
+    costs = StepCosts(SLOPE, 0.2, proposer_set_up=0.6)
+    length.price(costs, {False: DEFAULT_PRIOR}, set_up_due=(False,), drafts_before_set_up=(False,))
+    assert length.current == 1 and not length.may_set_up(False)
+    length.record(0, 0, 0.0, 0.0)  # the n-gram found nothing
+    assert length.current == 0 and length.own_steps_left == length.probe_base == 20
+    for _ in range(50):
+        length.record_own_step(1.0)
+    assert length.may_set_up(False)
 
 
 def test_costed_probes_the_source_without_a_set_up_first():
@@ -697,26 +714,34 @@ def drafting_pays_less_than_own_steps(monkeypatch) -> None:
     )
 
 
+@pytest.mark.parametrize("ngram", [False, True])
 @pytest.mark.parametrize("mode", ["streaming", "triforce"])
-def test_a_drafter_is_prefilled_where_it_first_drafts(monkeypatch, mode):
+def test_a_drafter_is_prefilled_where_it_first_drafts(monkeypatch, mode, ngram):
     """Where drafting does not pay from the priors, the drafter's cache is prefilled only when a probe of it is
     due, with the sequence so far but its last token: in streaming mode after 48 own steps (its prefill, its draft
     and a verification of one draft lose 0.55 + 0.2 + 0.2, 2% of 47.5 plain steps); in triforce mode also where
     the retrieval tier first probes it. An answer shorter than that never prefills it; where drafting pays from
-    the start, it is prefilled with the prompt, before the first token. Greedy output equals plain decoding every
-    time."""
+    the start, it is prefilled with the prompt, before the first token. With the n-gram before the drafter, the
+    n-gram's drafts are probed from the first step all the same, the drafter's prefill waiting as without it.
+    Greedy output equals plain decoding every time."""
     calls = recorded_set_ups(monkeypatch)
     drafting_pays_less_than_own_steps(monkeypatch)
-    short = drafter_engine(mode, max_new_tokens=20)
-    assert short.generate(prompt_for(0)).token_ids == list(autoregressive_tokens(0))[:20]
+    short = drafter_engine(mode, max_new_tokens=20, ngram=ngram)
+    result = short.generate(prompt_for(0))
+    assert result.token_ids == list(autoregressive_tokens(0))[:20]
     assert calls == [] and short._caches.streaming.length == 0
-    assert drafter_engine(mode).generate(prompt_for(0)).token_ids == list(autoregressive_tokens(0))
-    assert len(calls) == 1 and PROMPT_TOKENS < calls[0] < PROMPT_TOKENS + NEW_TOKENS
-    if mode == "streaming":
+    if ngram and mode == "streaming":  # the first step probes the n-gram, which drafts without the drafter
+        assert result.stats.acceptance[0].verifications > 0
+    assert drafter_engine(mode, ngram=ngram).generate(prompt_for(0)).token_ids == list(autoregressive_tokens(0))
+    # triforce with the n-gram: the probes take turns with the retrieval tier, the n-gram's first one (at the
+    # second turn) too early for the prefill, its next one past the answer's end
+    assert len(calls) == (0 if ngram and mode == "triforce" else 1)
+    assert all(PROMPT_TOKENS < n < PROMPT_TOKENS + NEW_TOKENS for n in calls)
+    if mode == "streaming" and not ngram:
         assert calls == [PROMPT_TOKENS + 48]
     calls.clear()
     drafting_pays(monkeypatch)
-    result = drafter_engine(mode).generate(prompt_for(0))
+    result = drafter_engine(mode, ngram=ngram).generate(prompt_for(0))
     assert result.token_ids == list(autoregressive_tokens(0)) and calls == [PROMPT_TOKENS]
     assert result.stats.acceptance[-1].verifications > 0
 

@@ -293,8 +293,11 @@ class SpeculationLength:
     probe_shortcut: bool = field(init=False, default=False)  # costed: the source of the last probe
     # costed: the sources (True: the shortcut) whose drafts would pay were every one accepted; no other is probed
     payable: tuple[bool, ...] = field(init=False, default=())
-    # costed: the sources whose one-time set-up is still to run (StepCosts.set_up), as the tier last said
+    # costed: the sources whose one-time set-up is still to run (StepCosts.set_up), as the tier last said, and
+    # those of them that draft without it all the same (an n-gram before a drafter not yet prefilled)
     set_up_due: tuple[bool, ...] = field(init=False, default=())
+    drafts_before_set_up: tuple[bool, ...] = field(init=False, default=())
+    set_up_wait: int = field(init=False, default=0)  # costed: own steps before the first probe, as priced
 
     @property
     def drafting(self) -> bool:
@@ -315,6 +318,8 @@ class SpeculationLength:
         """
         if drafted == 0:
             self.use_shortcut = False  # a shortcut that found nothing waits for its next retry
+            if self.policy == "costed" and self.costs is not None and self.own_steps and not self._pays():
+                self.current, self.own_steps_left = 0, self.probe_base  # a probe that found nothing to draft
             return
         if self.policy == "heuristic":
             self.current = heuristic_length(self.current, accepted == drafted, self.ceiling)
@@ -347,17 +352,26 @@ class SpeculationLength:
                 else:
                     self.proposer_averages = DraftSource()
 
-    def price(self, costs: StepCosts, priors: dict[bool, float], set_up_due: tuple[bool, ...] = ()) -> None:
-        """Give the costed policy its costs, the prior acceptance of each source (True: the shortcut) and the
-        sources whose set-up is due, and choose the first step from them: drafting where the priors promise it
-        pays (a set-up due then runs at once), else a probe of it, or own steps where every source that may pay
-        has a set-up due (_set_up_wait)."""
-        self.costs, self.priors, self.set_up_due = costs, priors, set_up_due
+    def price(
+        self,
+        costs: StepCosts,
+        priors: dict[bool, float],
+        set_up_due: tuple[bool, ...] = (),
+        drafts_before_set_up: tuple[bool, ...] = (),
+    ) -> None:
+        """Give the costed policy its costs, the prior acceptance of each source (True: the shortcut), the sources
+        whose set-up is due and those of them that draft without it (set_up_due, drafts_before_set_up), and choose
+        the first step from them: drafting where the priors promise it pays (a set-up due then runs at once), else
+        a probe of it, or own steps where no source that may pay can be probed before its set-up is paid for
+        (_set_up_wait)."""
+        self.costs, self.priors = costs, priors
+        self.set_up_due, self.drafts_before_set_up = set_up_due, drafts_before_set_up
         self.since_retry = 0  # the sources' estimates start from priors: no retry owed yet
         self.verify_seconds = {n: costs.forward[n] for n in range(len(costs.forward))}  # what TierCosts reports
         sources = (True, False) if self.has_shortcut else (False,)
         self.payable = tuple(shortcut for shortcut in sources if self._could_pay(shortcut))
         self.probe_base = self.probe_wait = self._probe_base()
+        self.set_up_wait = self._first_set_up_wait()
         self._probe()
 
     def _probe_base(self) -> int:
@@ -391,10 +405,9 @@ class SpeculationLength:
         """Draft with the best source and length where that promises DRAFT_MARGIN times the tokens per second of
         own steps (or where the tier has none); return whether it does. The source not in use drafts one token
         every SHORTCUT_RETRY-th verification (choose_source), so that its estimate follows the text too."""
-        options = self._options()
-        best = max(rate for rate, _ in options.values())
-        if self.own_steps and best < DRAFT_MARGIN / self.costs.own:
+        if not self._pays():
             return False
+        options = self._options()
         self.current = max(options.values())[1]
         rates = {shortcut: rate for shortcut, (rate, _) in options.items() if shortcut in self.payable}
         if len(rates) > 1:
@@ -433,12 +446,35 @@ class SpeculationLength:
         loss = costs.set_up(shortcut) + costs.draft(shortcut) + costs.verify(1) - costs.own
         return math.ceil(loss / (PROBE_SHARE * costs.own))
 
+    def _first_set_up_wait(self) -> int:
+        """Own steps before the first probe where every source whose drafts could pay has a set-up due
+        (_set_up_wait), else 0."""
+        waits = (0 if source in self.drafts_before_set_up else self._set_up_wait(source) for source in self.payable)
+        return min(waits, default=0)
+
     def _probe_source(self) -> bool | None:
         """The source the next probe drafts from: the one not probed last time where there are two (the shortcut,
         which costs less, first), else the other, whichever has its set-up paid for by the own steps so far
         (_set_up_wait); None where neither has yet."""
         order = (not self.probe_shortcut, self.probe_shortcut) if len(self.payable) > 1 else self.payable
-        return next((source for source in order if self._set_up_wait(source) <= self.own_steps_taken), None)
+        return next((source for source in order if self._may_probe(source)), None)
+
+    def _may_probe(self, shortcut: bool) -> bool:
+        return shortcut in self.drafts_before_set_up or self.may_set_up(shortcut)
+
+    def may_set_up(self, shortcut: bool) -> bool:
+        """Whether drafts from a source may run its set-up now: it has none due, or the own steps so far pay for it
+        (_set_up_wait), or drafting pays (from the priors the prefill goes with the prompt's: Engine.generate), or
+        the policy is not costed."""
+        if self.costs is None:
+            return True
+        return self._set_up_wait(shortcut) <= self.own_steps_taken or self._pays()
+
+    def _pays(self) -> bool:
+        """Whether drafting promises DRAFT_MARGIN times the tokens per second of own steps, at the acceptance
+        estimated so far (_draft_if_it_pays), or the tier has no own steps."""
+        best = max(rate for rate, _ in self._options().values())
+        return not self.own_steps or best >= DRAFT_MARGIN / self.costs.own
 
     def _probe(self) -> None:
         """Draft where it pays; else draft once all the same, a probe, to learn whether drafting pays now, at the
@@ -451,8 +487,7 @@ class SpeculationLength:
             return
         source = self._probe_source()
         if source is None:
-            wait = min(self._set_up_wait(source) for source in self.payable)
-            self.current, self.own_steps_left = 0, wait - self.own_steps_taken
+            self.current, self.own_steps_left = 0, self._first_set_up_wait() - self.own_steps_taken
             return
         self.probe_shortcut = self.use_shortcut = source
         self.current = self._options()[source][1]

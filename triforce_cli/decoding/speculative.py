@@ -162,6 +162,9 @@ class TierCosts:
     own_steps: int = 0  # steps where the tier drafted nothing and sampled itself (tiers below it dropped)
     drops: int = 0  # times the policy dropped drafting because own steps yielded more tokens per second
     priced: bool = False  # step_ms are prices fixed before decoding (costed policy), not measured
+    # costed: own steps before the first probe, where every source whose drafts could pay had a set-up to pay for
+    # first (SpeculationLength.set_up_wait); 0 where a probe could come at once or no drafts could pay
+    set_up_wait: int = 0
 
     DERIVED: ClassVar[tuple[str, ...]] = ("note",)  # written by stats.as_record beside the fields
 
@@ -169,6 +172,11 @@ class TierCosts:
     def note(self) -> str | None:
         """One line saying that drafting was dropped and why, or None where it never was."""
         if not self.drops:
+            if self.priced and self.own_steps and self.set_up_wait:
+                return (
+                    f"{self.tier}: {self.own_steps} steps without drafting: a drafter whose drafts could pay is"
+                    f" first probed after {self.set_up_wait} own steps, which pay for its prefill"
+                )
             if self.priced and self.own_steps:
                 own = f"own steps (priced {self.step_ms[0]:.1f} ms a token)"
                 return (
@@ -222,8 +230,12 @@ class FallbackProposer:
         return f"{self.first.name}/{self.fallback.name}"
 
     def propose(self, sequence: TokenSequence, n: int) -> Proposal:
+        """The first's drafts, else the fallback's; none where the fallback's set-up is still to run (the tier
+        above runs it once its policy lets it: ModelTier.step)."""
         proposal = self.first.propose(sequence, n)
-        return proposal if len(proposal) else self.fallback.propose(sequence, n)
+        if len(proposal) or set_up_tier(self.fallback, next_step=False) is not None:
+            return proposal
+        return self.fallback.propose(sequence, n)
 
     def rollback(self, length: int) -> None:
         self.first.rollback(length)
@@ -283,12 +295,19 @@ class ModelTier:
         priors = {False: prior_acceptance(self.proposer.name)}
         if self.shortcut is not None:
             priors[True] = prior_acceptance(self.shortcut.name)
-        self.length.price(costs, priors, self._set_up_due())
+        self.length.price(costs, priors, *self._set_up_due())
 
-    def _set_up_due(self) -> tuple[bool, ...]:
-        """The sources (True: the shortcut) whose drafts would first run a set-up (set_up_tier)."""
+    def _set_up_due(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        """The sources (True: the shortcut) whose drafts would first run a set-up (set_up_tier), and those of them
+        that draft without it all the same (an n-gram before the drafter: FallbackProposer)."""
         sources = {False: self.proposer, True: self.shortcut}
-        return tuple(shortcut for shortcut, source in sources.items() if set_up_tier(source, next_step=False))
+        due = tuple(shortcut for shortcut, source in sources.items() if set_up_tier(source, next_step=False))
+        return due, tuple(shortcut for shortcut in due if isinstance(sources[shortcut], FallbackProposer))
+
+    def _note_set_up(self) -> None:
+        """Tell the policy which sources' set-ups are still due (any tier may have run one since)."""
+        length = self.length
+        length.set_up_due, length.drafts_before_set_up = self._set_up_due()
 
     def run_set_up(self, ids: list[int], *args) -> None:
         """Run this tier's set-up (set_up) on ids, the sequence but its last token, once."""
@@ -304,7 +323,8 @@ class ModelTier:
         """What this tier's policy measured and decided so far."""
         length = self.length
         step_ms = {n: round(1000 * seconds, 3) for n, seconds in sorted(length.verify_seconds.items())}
-        return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped, priced=length.costs is not None)
+        priced = length.costs is not None
+        return TierCosts(self.name, step_ms, length.own_steps_taken, length.dropped, priced, length.set_up_wait)
 
     def step(self, sequence: TokenSequence, limit: int | None = None) -> Proposal:
         """One round of this tier after sequence: its next tokens, exactly distributed as its own model on its own
@@ -328,10 +348,13 @@ class ModelTier:
         if self.proposer is None or limit == 1 or not self.length.drafting:
             return self._own_step(sequence, chosen=self.proposer is not None and limit != 1)
         started = self._round_start()
-        proposer, stats = self.proposer, self.stats
-        if self.uses_shortcut_next:
-            proposer, stats = self.shortcut, self.shortcut_stats
-        # 1. draft
+        shortcut = self.uses_shortcut_next
+        proposer, stats = (self.shortcut, self.shortcut_stats) if shortcut else (self.proposer, self.stats)
+        # 1. draft (a set-up behind the n-gram runs first where the policy lets it; the drafter's own runs as it
+        # drafts, ModelTier._forward)
+        behind = set_up_tier(proposer, next_step=False)
+        if isinstance(proposer, FallbackProposer) and behind is not None and self.length.may_set_up(shortcut):
+            behind.run_set_up(sequence.host_ids()[: len(sequence) - 1])
         wanted = self.length.current if limit is None else min(self.length.current, limit - 1)
         draft = proposer.propose(sequence, wanted)
         drafted = self.clock.mark()
@@ -340,7 +363,7 @@ class ModelTier:
         verdict = verify_draft(draft.ids, draft.probs.to(self.model.device), probs, self.generator, from_rank_zero)
         verified = self.last_end = self.clock.mark()  # after the verification's read: its work is done
         # 3. learn
-        self.length.set_up_due = self._set_up_due()
+        self._note_set_up()
         stats.drafted += len(draft)
         stats.accepted += verdict.accepted
         stats.verifications += 1
@@ -362,7 +385,7 @@ class ModelTier:
         token = from_rank_zero(sample(probs, self.generator))
         if chosen:  # the caller reads the token next: timing it waits for nothing more
             self.last_end = self.clock.mark()
-            self.length.set_up_due = self._set_up_due()
+            self._note_set_up()
             self.length.record_own_step(self.clock.seconds(started, self.last_end))
         self._roll_back_proposers(len(sequence) + 1)
         return Proposal(token, probs, [self.name])  # (1,) on the device, unread
@@ -439,9 +462,10 @@ class ModelTier:
 def set_up_tier(proposer: Proposer | None, next_step: bool = True) -> ModelTier | None:
     """The tier whose set-up (ModelTier.set_up) drafts from proposer would run first, or None.
 
-    next_step: follow the tiers' current choices down (a tier that takes its own step next, or drafts from its
-    shortcut, reaches no further); False: only proposer itself, or the model behind an n-gram that may find
-    nothing. The n-gram is never counted on to draft: its lookup finds nothing where the text does not repeat.
+    next_step: follow the tiers' current choices down (a tier that takes its own step next reaches no further, nor
+    an n-gram whose tier does not let the set-up behind it run yet); False: only proposer itself, or the model
+    behind an n-gram. Where the set-up may run, the n-gram is not counted on to draft: its lookup finds nothing
+    where the text does not repeat.
     """
     if isinstance(proposer, FallbackProposer):
         return set_up_tier(proposer.fallback, next_step)
@@ -451,4 +475,8 @@ def set_up_tier(proposer: Proposer | None, next_step: bool = True) -> ModelTier 
         return proposer
     if not next_step or proposer.proposer is None or not proposer.length.drafting:
         return None
-    return set_up_tier(proposer.shortcut if proposer.uses_shortcut_next else proposer.proposer)
+    shortcut = proposer.uses_shortcut_next
+    source = proposer.shortcut if shortcut else proposer.proposer
+    if isinstance(source, FallbackProposer) and not proposer.length.may_set_up(shortcut):
+        return None  # the n-gram drafts alone until the policy lets the set-up behind it run
+    return set_up_tier(source)
