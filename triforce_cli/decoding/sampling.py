@@ -47,7 +47,7 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def nucleus(probs: torch.Tensor, top_p: float, probe: int | None = None) -> torch.Tensor:
-    """probs (N, V) kept on each row's top-p nucleus and renormalised.
+    """probs (N, V) kept on each row's top-p nucleus and renormalised, in probs' own buffer (it is overwritten).
 
     A token stays when the tokens ranked above it hold less than top_p of the mass, so the top token always stays.
     On a CPU the ranking comes from top-k with k grown eightfold from NUCLEUS_PROBE until every row's nucleus ends
@@ -66,8 +66,8 @@ def nucleus(probs: torch.Tensor, top_p: float, probe: int | None = None) -> torc
     outside = mass_before >= top_p
     outside[:, 0] = False  # the top token stays, however small top_p is
     kept = ranked.masked_fill(outside, 0.0)
-    probs = torch.zeros_like(probs).scatter_(-1, order, kept)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    probs = probs.zero_().scatter_(-1, order, kept)  # probs' own buffer: its values are in `ranked` now
+    return probs.div_(probs.sum(dim=-1, keepdim=True))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -76,7 +76,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     A cumulative sum and a binary search take a tenth of torch.multinomial's time on a CPU (see
     docs/performance.md). The sums run in float64 so that even tokens of tiny probability keep their share.
     """
-    cumulative = probs.double().cumsum(dim=-1)  # (N, V)
+    cumulative = probs.cumsum(dim=-1, dtype=torch.float64)  # (N, V)
     uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
     tokens = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)[:, 0]
     return tokens.clamp_max(probs.shape[-1] - 1)
