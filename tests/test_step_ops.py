@@ -30,7 +30,7 @@ from triforce_cli.kernels.step import (
     silu_mul_reference,
 )
 
-from triforce_cli.runtime.model import DecoderLayer, Transformer
+from triforce_cli.runtime.model import DecoderLayer, ModuleChanges, Transformer
 from triforce_cli.runtime.native import kernel_error
 
 KERNEL_ERROR = kernel_error()
@@ -282,9 +282,19 @@ def test_the_step_ops_give_the_models_logits(monkeypatch):
     fused = logits()
     with monkeypatch.context() as patched:
         patched.setattr(DecoderLayer, "step_operands", lambda self: None)
-        torch.testing.assert_close(fused, logits(), rtol=1e-5, atol=1e-5)
+        ModuleChanges.note()  # a patched method is no change torch's registration hooks see
+        with Dispatches() as calls:
+            torch.testing.assert_close(fused, logits(), rtol=1e-5, atol=1e-5)
+        assert calls.ops["triforce_cpu.cached_layers"] == calls.ops["triforce_cpu.cached_layer"] == 0
+    ModuleChanges.note()
+    with Dispatches() as calls:
+        assert torch.equal(logits(), fused)
+    assert calls.ops["triforce_cpu.cached_layers"] == 3  # one a forward, the operands read once
     layer.mlp.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
     assert layer.step_operands() is None and model.model.layers[1].step_operands() is not None
+    with Dispatches() as calls:  # the assignment is seen: no layer runs the one call with the old operands
+        assert not torch.allclose(logits(), fused)
+    assert calls.ops["triforce_cpu.cached_layers"] == 0 and calls.ops["triforce_cpu.cached_layer"] == 3
 
 
 def cache_writes(model, through_update: bool, monkeypatch, per_layer: bool = False) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ prefill_layerwise() runs a prompt layer by layer instead of chunk by chunk (for 
 every forward streams every layer's prefix to the device): the same forwards of the same chunks, in another order.
 """
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,28 @@ from triforce_cli.runtime.graphs import StepGraphs
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 MAX_STEP_TOKENS = 128  # longest decode step run with a fixed shape (MAX_GAMMA + 1 rounded up); longer: eager
+
+
+class ModuleChanges:
+    """A count of the changes that may change a layer's step operands: a submodule, parameter or buffer
+    registered on any module in this process (torch's global registration hooks, which module assignment goes
+    through), and what changes the layers in place (moved or loaded: DecoderLayer; attention's backend:
+    Transformer.use_attention). Transformer.stacked_layers reads the layers' operands again only after one, not at
+    every step (30 layers' lookups, with the caches cold after the layers' kernels, cost ~0.15 ms a step)."""
+
+    count = 0
+
+    @classmethod
+    def note(cls, *_registered) -> None:
+        cls.count += 1
+
+
+for _register in (
+    nn.modules.module.register_module_module_registration_hook,
+    nn.modules.module.register_module_parameter_registration_hook,
+    nn.modules.module.register_module_buffer_registration_hook,
+):
+    _register(ModuleChanges.note)  # returns None: the registered object stays as given
 
 
 def padded_length(num_tokens: int) -> int:
@@ -427,10 +450,12 @@ class DecoderLayer(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._operands_of = ()
+        ModuleChanges.note()
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._operands_of = ()
+        ModuleChanges.note()
         return super()._load_from_state_dict(*args, **kwargs)
 
     def forward(
@@ -525,9 +550,13 @@ class Transformer(nn.Module):
         self.step_graphs = StepGraphs()  # its recordings, per cache and padded length
         # the layers' weights streamed from host memory (offload.offload_weights), or None: all on the device
         self.weight_stream: WeightStream | None = None
-        # stacked_layers' stack and the layers' operands it was read from
+        # stacked_layers' stack and the layers' operands it was read from; the operands as last read (None where a
+        # layer has none), their attention backends, and ModuleChanges.count then
         self._stack: torch.ScriptObject | None = None
         self._stack_of: tuple[LayerOperands, ...] = ()
+        self._operands: tuple[LayerOperands, ...] | None = None
+        self._backends: frozenset[str | None] = frozenset()
+        self._operands_read: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -602,6 +631,7 @@ class Transformer(nn.Module):
         """Compute attention with one kernel family ('flash', 'sdpa' or 'cpu', see kernels.attention_backend)."""
         for layer in self.model.layers:
             layer.self_attn.backend = backend
+        ModuleChanges.note()
 
     @property
     def attention_backend(self) -> str:
@@ -705,12 +735,21 @@ class Transformer(nn.Module):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return None
         layers = self.model.layers
-        operands = tuple(layer.step_operands() for layer in layers)
-        if None in operands or any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
+        if self._operands_read != ModuleChanges.count:
+            operands = tuple(layer.step_operands() for layer in layers)
+            if None in operands:
+                self._operands = None
+            else:
+                same = len(operands) == len(self._stack_of) and all(map(operator.is_, operands, self._stack_of))
+                self._operands = self._stack_of if same else operands
+            self._backends = frozenset(o.attention.backend for o in self._operands or ())
+            self._operands_read = ModuleChanges.count
+        operands = self._operands
+        if operands is None or any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
             return None
-        if not all(runs_cache_attention(b, x, step.keys) for b in {o.attention.backend for o in operands}):
+        if not all(runs_cache_attention(b, x, step.keys) for b in self._backends):
             return None
-        if len(operands) != len(self._stack_of) or any(a is not b for a, b in zip(operands, self._stack_of)):
+        if operands is not self._stack_of:
             self._stack, self._stack_of = self._build_stack(operands), operands
         return self._stack
 
