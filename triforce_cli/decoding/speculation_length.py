@@ -54,7 +54,7 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   were every one accepted (the retrieval tier where its forward costs most of a full one, at short contexts) is
   never probed: no acceptance could make it pay. A source with a set-up still to run (a drafter whose cache is
   prefilled only where it first drafts) is first probed once the own steps before the probe pay for that set-up
-  too at PROBE_SHARE: at 7K on a 2-core CPU some 700 steps, so that a short answer never prefills a drafter whose
+  too at PROBE_SHARE: at 7K on a 2-core CPU 800-1,100 steps, so that a short answer never prefills a drafter whose
   drafts would not have paid. Where drafting pays from the priors (long contexts, whose full forwards cost most),
   the first step drafts, and a set-up runs with the prefill. With a shortcut, the source that promises less drafts one token
   every SHORTCUT_RETRY-th verification while drafting pays, so that its estimate follows the text. (A tier not
