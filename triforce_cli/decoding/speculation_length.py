@@ -55,10 +55,12 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   never probed: no acceptance could make it pay. A source with a set-up still to run (a drafter whose cache is
   prefilled only where it first drafts) is first probed once the own steps before the probe pay for that set-up
   too at PROBE_SHARE: at 7K on a 2-core CPU 800-1,100 steps, so that a short answer never prefills a drafter whose
-  drafts would not have paid. Where drafting pays from the priors (long contexts, whose full forwards cost most),
-  the first step drafts, and a set-up runs with the prefill. With a shortcut, the source that promises less drafts one token
-  every SHORTCUT_RETRY-th verification while drafting pays, so that its estimate follows the text. (A tier not
-  priced drafts its ceiling, as under fixed.)
+  drafts would not have paid. An n-gram before such a drafter drafts without it, so it is probed as any source,
+  the drafter behind it waiting the same; a probe that finds nothing to draft goes back to own steps. Where
+  drafting pays from the priors (long contexts, whose full forwards cost most), the first step drafts, and a
+  set-up runs with the prefill. With a shortcut, the source that promises less drafts one token every
+  SHORTCUT_RETRY-th verification while drafting pays, so that its estimate follows the text. (A tier not priced
+  drafts its ceiling, as under fixed.)
 
   Every choice follows the prices, fixed before decoding, and the acceptance counts, never the clock, so a seeded
   sampled run repeats its tokens exactly from run to run and gets the same protection as any other. The prices
@@ -460,6 +462,7 @@ class SpeculationLength:
         return next((source for source in order if self._may_probe(source)), None)
 
     def _may_probe(self, shortcut: bool) -> bool:
+        """Whether a probe may draft from a source now: it drafts without its set-up, or may run it."""
         return shortcut in self.drafts_before_set_up or self.may_set_up(shortcut)
 
     def may_set_up(self, shortcut: bool) -> bool:
