@@ -6,7 +6,7 @@ import json
 import math
 
 import torch
-from helpers import full_cache_for, rich_model
+from helpers import full_cache_for, make_model, rich_model
 from triforce_cli.cache import RetrievalCache, StreamingCache
 
 from triforce_cli.decoding import step_costs
@@ -76,3 +76,14 @@ def test_an_offloaded_full_cache_costs_at_least_its_transfer(monkeypatch):
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 200 * full.keys.element_size()
     assert forward_seconds(model, full, 1, slow_link) == kv / 1e6 > on_chip
     assert step_costs.attended_positions(full) == 200
+
+
+def test_the_weights_a_forward_reads_are_counted_again_after_a_module_change():
+    """weight_bytes_read keeps its count between generations and counts again once a module is replaced."""
+    model = make_model(seed=3, num_layers=1, tie_word_embeddings=False).loaded.model  # its own: it is changed
+    counted = model.weight_bytes_read()
+    assert counted == weight_bytes(model.model.layers, model.model.norm, model.lm_head)
+    assert model.weight_bytes_read() == counted
+    hidden, vocab = model.lm_head.in_features, model.lm_head.out_features
+    model.lm_head = torch.nn.Linear(hidden, 2 * vocab, bias=False)  # twice the rows: hidden * vocab floats more
+    assert model.weight_bytes_read() == counted + 4 * hidden * vocab

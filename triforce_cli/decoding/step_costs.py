@@ -30,7 +30,7 @@ from triforce_cli.decoding.prefill import DRAFTER_READS
 from triforce_cli.decoding.speculation_length import StepCosts
 from triforce_cli.decoding.speculative import FallbackProposer, ModelTier, Proposer, set_up_tier
 from triforce_cli.runtime.measurements import kept_machine_rates
-from triforce_cli.runtime.model import Transformer, weight_bytes
+from triforce_cli.runtime.model import Transformer
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def forward_seconds(model: Transformer, cache: KVCache, tokens: int, balance: Ma
     cfg = model.config
     positions = attended_positions(cache)
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * positions * cache.keys.element_size()
-    read_bytes = weight_bytes(model.model.layers, model.model.norm, model.lm_head) + kv_bytes
+    read_bytes = model.weight_bytes_read() + kv_bytes
     attention_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * positions * tokens
     flops = 2 * linear_weights(model) * tokens + attention_flops
     per_token = flops / tokens / (balance.flops * balance.arithmetic_efficiency)

@@ -557,6 +557,9 @@ class Transformer(nn.Module):
         self._operands: tuple[LayerOperands, ...] | None = None
         self._backends: frozenset[str | None] = frozenset()
         self._operands_read: int | None = None
+        # weight_bytes_read's count and ModuleChanges.count when it was made
+        self._weight_bytes: int = 0
+        self._weights_counted: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -779,6 +782,15 @@ class Transformer(nn.Module):
         for o, q in zip(self._stack_of, queries):
             step.keep_queries(o.attention.layer, q)
         return x
+
+    def weight_bytes_read(self) -> int:
+        """Bytes of the weights every forward reads (the layers, the final norm, the output layer: weight_bytes),
+        counted again only after a module change (ModuleChanges): the costed policy prices a dozen forwards before
+        each generation's first token, and each count walks every parameter."""
+        if self._weights_counted != ModuleChanges.count:
+            self._weight_bytes = weight_bytes(self.model.layers, self.model.norm, self.lm_head)
+            self._weights_counted = ModuleChanges.count
+        return self._weight_bytes
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits (N, V) of the last layer's hidden states x (N, C): -inf outside restrict_output's tokens."""
