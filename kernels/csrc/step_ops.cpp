@@ -459,17 +459,15 @@ int64_t outputs(const std::vector<int64_t>& features) {
 }
 
 // Whether a projection's parts are all GGUF blocks taking `inputs` inputs whose padded outputs are their features
-// (so that each writes straight into its columns of the rows); the projection's outputs in *outputs.
+// (so that each writes straight into its columns of the rows).
 bool direct_projection(const c10::List<std::optional<at::Tensor>>& parts, const std::vector<int64_t>& features,
-                       int64_t inputs, int64_t* outputs) {
+                       int64_t inputs) {
   if (features.empty() || parts.size() != 3 * features.size()) return false;
-  *outputs = 0;
   for (size_t p = 0; p < features.size(); ++p) {
     const std::optional<at::Tensor> q = parts.get(3 * p), d = parts.get(3 * p + 1);
     if (!q.has_value() || !d.has_value() || q->dim() != 4 || q->size(0) * 16 != features[p] ||
         q->size(1) * 32 != inputs)
       return false;
-    *outputs += features[p];
   }
   return true;
 }
@@ -477,13 +475,13 @@ bool direct_projection(const c10::List<std::optional<at::Tensor>>& parts, const 
 template <typename Layer>
 bool direct_layer(const Layer& l) {
   const int64_t hidden = l.norm_weight.numel(), heads = l.q_heads + 2 * l.kv_heads;
-  int64_t qkv = 0, mixed = 0, gates = 0, out = 0;
-  if (!direct_projection(l.qkv, l.qkv_features, hidden, &qkv) || heads < 1 || qkv % heads || (qkv / heads) % 2)
+  const int64_t qkv = outputs(l.qkv_features), gates = outputs(l.gate_up_features);
+  if (!direct_projection(l.qkv, l.qkv_features, hidden) || heads < 1 || qkv % heads || (qkv / heads) % 2)
     return false;
   const int64_t dim = qkv / heads;
-  return direct_projection(l.o_proj, l.o_features, l.q_heads * dim, &mixed) && mixed == hidden &&
-         direct_projection(l.gate_up, l.gate_up_features, hidden, &gates) && gates % 2 == 0 &&
-         direct_projection(l.down, l.down_features, gates / 2, &out) && out == hidden &&
+  return direct_projection(l.o_proj, l.o_features, l.q_heads * dim) && outputs(l.o_features) == hidden &&
+         direct_projection(l.gate_up, l.gate_up_features, hidden) && gates % 2 == 0 &&
+         direct_projection(l.down, l.down_features, gates / 2) && outputs(l.down_features) == hidden &&
          l.post_norm.numel() == hidden;
 }
 
