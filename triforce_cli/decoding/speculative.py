@@ -305,9 +305,11 @@ class ModelTier:
         return due, tuple(shortcut for shortcut in due if isinstance(sources[shortcut], FallbackProposer))
 
     def _note_set_up(self) -> None:
-        """Tell the policy which sources' set-ups are still due (any tier may have run one since)."""
+        """Tell the policy which sources' set-ups are still due (any tier may have run one since); a set-up once run
+        stays run, so where none was due nothing is looked up."""
         length = self.length
-        length.set_up_due, length.drafts_before_set_up = self._set_up_due()
+        if length.set_up_due:
+            length.set_up_due, length.drafts_before_set_up = self._set_up_due()
 
     def run_set_up(self, ids: list[int], *args) -> None:
         """Run this tier's set-up (set_up) on ids, the sequence but its last token, once."""
