@@ -5,7 +5,10 @@
   COPY_BYTES tensor, which read it once and write nothing;
 - FLOP/s: the best of a few float32 matrix products of MATMUL_SIZE (what the CPU computes in, half weights too);
 - the fixed cost per decoder layer: a decode step of this tool's own model, tiny enough that its arithmetic and
-  bytes are negligible, over its layers (Python, dispatch and the small kernels every layer runs);
+  bytes are negligible, over its layers (Python, dispatch, threads meeting and the small kernels every layer runs),
+  in the form decoding takes on this CPU: weights in the extension's tiles and a float16 KV cache, so that the
+  layers run as one call into the extension (runtime.model's stacked layers), or torch's ops where the extension
+  cannot be built;
 - memory: the machine's RAM. Host and device are one, so the 'PCIe' of an offloaded cache is the memory itself.
 
 The `this-gpu` machine: the current CUDA device measured the same way, its work timed between synchronisations:
@@ -24,16 +27,18 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from triforce_cli.cache import FullCache
+from triforce_cli.cache import FullCache, kv_dtype
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan.model import Hardware
 from triforce_cli.plan.presets import CUDA_GRAPH_LAYER_OVERHEAD_S, THIS_GPU
 from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.native import kernel_error
+from triforce_cli.runtime.tiled_weights import tiled_weights_apply, use_tiled_weights
 
 COPY_BYTES = 256 * 2**20
 MATMUL_SIZE = 2048
 REPEATS = 3
-PROBE_LAYERS = 8  # the tiny model timed for the per-layer cost
+PROBE_LAYERS = 24  # the tiny model timed for the per-layer cost: deep enough that a step's own costs spread thin
 PROBE_STEPS = 40  # decode steps of it; the first half warms up
 GPU_COPY_BYTES = 2**30
 GPU_MATMUL_SIZE = 8192
@@ -87,8 +92,8 @@ def host_to_device_bandwidth(device: torch.device, num_bytes: int = PINNED_BYTES
     return num_bytes / best_seconds(lambda: target.copy_(source, non_blocking=True), device=device)
 
 
-def layer_overhead_seconds() -> float:
-    """Median seconds of one eager decode step of a tiny model of this runtime, per layer."""
+def probe_model() -> Transformer:
+    """The tiny model whose decode steps price a layer, its linears in the extension's tiles where it is here."""
     config = LlamaConfig(
         vocab_size=64,
         hidden_size=64,
@@ -99,7 +104,16 @@ def layer_overhead_seconds() -> float:
         max_position_embeddings=PROBE_STEPS,
     )
     model = Transformer.from_hf_config(config).eval()
-    cache = FullCache(PROBE_LAYERS, 2, 16, PROBE_STEPS, torch.float32)
+    if kernel_error() is None and tiled_weights_apply(CPU, torch.float32):
+        use_tiled_weights(model)
+    return model
+
+
+def layer_overhead_seconds() -> float:
+    """Median seconds of one decode step of a tiny model of this runtime (probe_model), on the KV cache decoding
+    keeps on this CPU, per layer."""
+    model = probe_model()
+    cache = FullCache(PROBE_LAYERS, 2, 16, PROBE_STEPS, kv_dtype(CPU, torch.float32))
     tokens = torch.zeros(1, dtype=torch.long)
     timings = []
     for position in range(PROBE_STEPS):
