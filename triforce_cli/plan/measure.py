@@ -1,4 +1,5 @@
-"""The `this-cpu` machine of `triforce plan`: its figures measured on the spot, in one to three seconds.
+"""The `this-cpu` machine of `triforce plan`: its figures measured on the spot, in one to three seconds (the first
+time on a machine, after the CPU extension's build, which any command that runs a model makes once).
 
 - bandwidth: the best of a few copies of a COPY_BYTES tensor (each reads and writes it once);
 - read bandwidth (for the floors of `triforce bench --forward-costs`, plan.rates): the best of a few sums over a
