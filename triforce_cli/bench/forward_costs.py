@@ -85,7 +85,7 @@ def forward_weight_bytes(model: Transformer, tokens: int) -> int:
     """Bytes of weights, as stored, that a forward of `tokens` tokens reads: every layer's, the final norm's and the
     output layer's, and the tokens' rows of the embedding table (none where the output layer is the table)."""
     backbone = model.model
-    read = weight_bytes(backbone.layers, backbone.norm, model.lm_head)
+    read = model.weight_bytes_read()
     if weight_bytes(backbone.layers, backbone.norm, model.lm_head, backbone.embed_tokens) == read:
         return read  # the output layer reads the whole table
     return read + tokens * weight_bytes(backbone.embed_tokens) // model.config.vocab_size
