@@ -165,30 +165,24 @@ def pack_blocks(raw: torch.Tensor, kind: str) -> PackedBlocks:
     return PackedBlocks(_tiled(q, rows), d, m, rows)
 
 
-def _row_values(packed: PackedBlocks, rows: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The q's as (R, K/G, G) float32 and d, m as (R, K/G, 1) of the given rows (None: all N), padding dropped."""
-    if rows is None:
-        q = packed.q.movedim(-1, 1).reshape(-1, *packed.q.shape[1:3])[: packed.out_features]  # (N, K/32, 16|32)
-        scales = [t.movedim(-1, 1).reshape(-1, t.shape[1])[: packed.out_features] for t in (packed.d, packed.m)
-                  if t is not None]  # fmt: skip
-    else:
-        tiles, lanes = rows // LANES, rows % LANES
-        q = packed.q[tiles, :, :, lanes]  # (R, K/32, 16|32)
-        scales = [t[tiles, :, lanes] for t in (packed.d, packed.m) if t is not None]
+def dequantize(packed: PackedBlocks) -> torch.Tensor:
+    """The float32 weight (N, K) the blocks hold: d * q + m, rounded as gguf-py's dequantization and the kernel's
+    rebuilt tiles round it."""
+    q = packed.q.movedim(-1, 1).reshape(-1, *packed.q.shape[1:3])[: packed.out_features]  # (N, K/32, 16|32)
+    scales = [t.movedim(-1, 1).reshape(-1, t.shape[1])[: packed.out_features, :, None] for t in (packed.d, packed.m)
+              if t is not None]  # fmt: skip
     if packed.q.dtype == torch.uint8:
         q = torch.cat((q & 0xF, q >> 4), dim=-1)  # weights j, then j + 16 of each block
-    q = q.float().reshape(q.shape[0], -1, packed.group)
-    return q, *(s[..., None] for s in scales)
-
-
-def dequantize(packed: PackedBlocks, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 weight (N, K) the blocks hold, or its rows (R,) -> (R, K): d * q + m, rounded as gguf-py's
-    dequantization and the kernel's rebuilt tiles round it."""
-    q, *scales = _row_values(packed, rows)
-    weight = q * scales[0]
+    weight = q.float().reshape(q.shape[0], -1, packed.group) * scales[0]  # (N, K/G, G)
     if packed.m is not None:
         weight = weight + scales[1]
     return weight.reshape(weight.shape[0], -1)
+
+
+def blocks_rows(packed: PackedBlocks, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids (R,) of the weight dequantize gives, (R, K) float32, the same bits, rebuilt by the extension
+    (kernels.native.load_native first): one call where dequantizing rows takes a dozen torch ops."""
+    return torch.ops.triforce_cpu.blocks_rows(packed.q, packed.d, packed.m, ids)
 
 
 def blocks_linear(x: torch.Tensor, packed: PackedBlocks) -> torch.Tensor:

@@ -27,7 +27,7 @@ from helpers import (
 )
 from torch import nn
 from triforce_cli.cache import FullCache
-from triforce_cli.kernels.gguf import BLOCK_KINDS, BLOCK_TYPES, blocks_linear, dequantize, pack_blocks
+from triforce_cli.kernels.gguf import BLOCK_KINDS, BLOCK_TYPES, blocks_linear, blocks_rows, dequantize, pack_blocks
 from typer.testing import CliRunner
 
 from triforce_cli.decoding.config import EngineConfig
@@ -82,7 +82,13 @@ def test_dequantize_is_gguf_py_dequantization_bit_for_bit(kind):
     assert packed.q.shape[0] == 3  # 40 rows padded to 3 tiles of 16
     assert torch.equal(dequantize(packed), reference_weight(raw, kind))
     rows = torch.tensor([39, 0, 17, 17])
-    assert torch.equal(dequantize(packed, rows), reference_weight(raw, kind)[rows])
+    assert torch.equal(blocks_rows(packed, rows), reference_weight(raw, kind)[rows])  # the embedding's lookup
+
+
+def test_rows_outside_the_blocks_are_refused():
+    packed = pack_blocks(weight_bytes(40, width("Q8_0"), "Q8_0", seed=0), "Q8_0")
+    with pytest.raises(RuntimeError, match="rows 0 to 47 of the blocks, not 48"):
+        blocks_rows(packed, torch.tensor([3, 48]))
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)

@@ -87,33 +87,23 @@ struct Rows {  // activations x (T, K), their sums over each block (T, K/32) and
   Rows from(int64_t row) const { return Rows{x + row * k, sums + row * (k / kBlock), out + row * n, k, n}; }
 };
 
-// A tile's weights rebuilt as float32 d * q + m (two roundings, as the plain dequantization): buffer (K, 16).
+// Weight i (< 32) of block b of output row `lane` of a tile, rebuilt as float32 d * q + m (two roundings, as the
+// plain dequantization, kernels/gguf.py's dequantize).
+inline float weight_at(const Blocks& w, int64_t tile, int64_t b, int64_t i, int64_t lane) {
+  const uint8_t* qb = w.q_at(tile, b);
+  const int64_t half = i / 16;
+  const float q = w.four_bit ? float((qb[(i % 16) * kLanes + lane] >> (4 * half)) & 0xF)
+                             : float(reinterpret_cast<const int8_t*>(qb)[i * kLanes + lane]);
+  const float scaled = w.d[w.scale_at(tile, b, half) + lane] * q;
+  return w.m ? scaled + w.m[w.minimum_at(tile, b) + lane] : scaled;
+}
+
+// A tile's weights rebuilt (weight_at): buffer (K, 16).
 void dequantize_tile(const Blocks& w, int64_t tile, float* buffer) {
-  constexpr int64_t stride = kLanes;
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    const uint8_t* qb = w.q_at(tile, b);
-    float* out = buffer + b * kBlock * stride;
-    const float* m = w.m ? w.m + w.minimum_at(tile, b) : nullptr;
-    for (int half = 0; half < 2; ++half) {  // weights 16 * half + j, j < 16
-      const float* d = w.d + w.scale_at(tile, b, half);
-      float* half_out = out + half * 16 * stride;
-      if (w.four_bit) {
-        for (int j = 0; j < 16; ++j)
-          for (int lane = 0; lane < kLanes; ++lane)
-            half_out[j * stride + lane] = d[lane] * float((qb[j * kLanes + lane] >> (4 * half)) & 0xF) + m[lane];
-      } else {
-        const int8_t* qs = reinterpret_cast<const int8_t*>(qb) + half * 16 * kLanes;
-        if (m) {
-          for (int j = 0; j < 16; ++j)
-            for (int lane = 0; lane < kLanes; ++lane)
-              half_out[j * stride + lane] = d[lane] * float(qs[j * kLanes + lane]) + m[lane];
-        } else {
-          for (int j = 0; j < 16; ++j)
-            for (int lane = 0; lane < kLanes; ++lane) half_out[j * stride + lane] = d[lane] * float(qs[j * kLanes + lane]);
-        }
-      }
-    }
-  }
+  for (int64_t b = 0; b < w.blocks; ++b)
+    for (int64_t i = 0; i < kBlock; ++i)
+      for (int64_t lane = 0; lane < kLanes; ++lane)
+        buffer[(b * kBlock + i) * kLanes + lane] = weight_at(w, tile, b, i, lane);
 }
 
 // Plain C++: every tile's weights rebuilt, then summed row by row (CPUs without AVX2, and the tests' reference).
@@ -302,6 +292,26 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
   return out;
 }
 
+// Rows ids (R,) of the weight W (N, K) the blocks hold, rebuilt (weight_at) -> (R, K) float32: a token embedding
+// kept as blocks, looked up without a torch op per step of the rebuilding.
+at::Tensor blocks_rows(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                       const at::Tensor& ids) {
+  const Blocks w = check_blocks(q, d, m);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 (R,)");
+  const at::Tensor rows = ids.contiguous();
+  const int64_t count = rows.size(0), k = w.blocks * kBlock, n = w.tiles * kLanes;
+  const int64_t* row = rows.data_ptr<int64_t>();
+  at::Tensor out = at::empty({count, k}, d.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < count; ++r) {
+    TORCH_CHECK(row[r] >= 0 && row[r] < n, "ids: rows 0 to ", n - 1, " of the blocks, not ", row[r]);
+    const int64_t tile = row[r] / kLanes, lane = row[r] % kLanes;
+    for (int64_t b = 0; b < w.blocks; ++b)
+      for (int64_t i = 0; i < kBlock; ++i) o[r * k + b * kBlock + i] = weight_at(w, tile, b, i, lane);
+  }
+  return out;
+}
+
 std::string isa_name() {
   switch (chosen_isa()) {
     case Isa::avx512: return "avx512";
@@ -346,6 +356,7 @@ void blocks_linear_rows(const float* x, int64_t rows, const at::Tensor& q, const
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def("blocks_linear(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor", &blocks_linear);
+  lib.def("blocks_rows(Tensor q, Tensor d, Tensor? m, Tensor ids) -> Tensor", &blocks_rows);
   lib.def("isa() -> str", &isa_name);
   lib.def("use_isa(str name) -> ()", &use_isa);
 }

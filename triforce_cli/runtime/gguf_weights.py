@@ -23,7 +23,15 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-from triforce_cli.kernels.gguf import BLOCK_KINDS, LANES, PackedBlocks, blocks_linear, dequantize, pack_blocks
+from triforce_cli.kernels.gguf import (
+    BLOCK_KINDS,
+    LANES,
+    PackedBlocks,
+    blocks_linear,
+    blocks_rows,
+    dequantize,
+    pack_blocks,
+)
 from triforce_cli.kernels.step import Projection
 from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkpoint_linears
 from triforce_cli.runtime.store import content_identity, write_atomically
@@ -75,7 +83,7 @@ class GGUFEmbedding(nn.Module):
         return self.blocks.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.blocks.packed, ids)
+        return blocks_rows(self.blocks.packed, ids)
 
 
 def stack(parts: list[GGUFLinear]) -> nn.Module:
