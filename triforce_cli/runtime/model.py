@@ -58,6 +58,7 @@ from triforce_cli.kernels.step import (
 from triforce_cli.offload.weights import WeightStream
 from triforce_cli.runtime.forms import StepMode
 from triforce_cli.runtime.graphs import StepGraphs
+from triforce_cli.runtime.rotations import RotationTable
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
@@ -545,6 +546,7 @@ class Transformer(nn.Module):
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
             self.rope_factors = "short"
         self.output_ids: torch.Tensor | None = None  # see restrict_output
+        self.rotations = RotationTable(self.rotary)  # eager forwards' rotations (rotation)
         # the fixed-shape step (use_steps): compute_logits, or its compilation; None: every step eager
         self.fixed_step: Callable[..., torch.Tensor] | None = None
         self.step_graphs = StepGraphs()  # its recordings, per cache and padded length
@@ -630,6 +632,11 @@ class Transformer(nn.Module):
         rotation = torch.stack((cos, -sin, sin, cos), dim=1).unflatten(1, (2, 2))  # (T, 2, 2, D/2)
         return rotation.to(dtype)
 
+    def rotation(self, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """rotary's rotation (count, 2, 2, D/2) of positions [start, start + count), read from its table of
+        blocks (runtime.rotations): what an eager forward rotates with."""
+        return self.rotations.rotation(start, count, dtype, self.inv_freq)
+
     def use_attention(self, backend: str) -> None:
         """Compute attention with one kernel family ('flash', 'sdpa' or 'cpu', see kernels.attention_backend)."""
         for layer in self.model.layers:
@@ -700,19 +707,25 @@ class Transformer(nn.Module):
             return logits[num_tokens - keep : num_tokens].clone()
         with torch.inference_mode():
             cache.prepare(start, num_tokens)
-            positions = torch.arange(start, start + num_tokens, device=tokens.device)
-            return self.compute_logits(tokens, positions, cache, keep)
+            return self.compute_logits(tokens, start, cache, keep)
 
     def compute_logits(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, num_logits: int | None = None
+        self, tokens: torch.Tensor, positions: torch.Tensor | int, cache: KVCache, num_logits: int | None = None
     ) -> torch.Tensor:
         """Logits (num_logits or T, V) for tokens (T,) at positions (T,), on a cache prepared for them.
 
         The step forward() runs, eager or recorded; a fixed-shape step (the cache prepared with padding) compiles
         with fullgraph=True, without a graph break, once for every position, and records as one CUDA graph.
+
+        Args:
+            positions: (T,) on the device (a fixed-shape step computes their rotation), or the first of T
+                consecutive positions (an eager forward reads theirs from the table: rotation).
         """
         x = self.model.embed_tokens(tokens)  # (T, C)
-        rotation = self.rotary(positions, x.dtype)
+        if isinstance(positions, int):
+            rotation = self.rotation(positions, tokens.shape[0], x.dtype)
+        else:
+            rotation = self.rotary(positions, x.dtype)
         if cache.static_step:  # what every layer of a fixed-shape step shares, built once on the device
             step = cache.begin_step(tokens.shape[0], self.config.num_heads // self.config.num_kv_heads)
         else:  # an eager forward's write, read once for every layer where the cache's storage takes it
@@ -833,12 +846,7 @@ class Transformer(nn.Module):
         num_tokens = tokens.shape[0]
         with torch.inference_mode():
             x = self.model.embed_tokens(tokens)  # (T, C)
-            end = start + num_tokens
-            # each chunk's as forward() computes it, written in place: (T, 2, 2, D/2)
-            rotation = x.new_empty((num_tokens, 2, 2, self.config.head_dim // 2))
-            for first in range(start, end, chunk):
-                chunk_positions = torch.arange(first, min(first + chunk, end), device=x.device)
-                rotation[first - start : first - start + len(chunk_positions)] = self.rotary(chunk_positions, x.dtype)
+            rotation = self.rotation(start, num_tokens, x.dtype)  # (T, 2, 2, D/2), as forward() reads it
             write = LayerwiseWrite(cache, start, num_tokens)
             for index, layer in enumerate(self.model.layers):
                 write.begin_layer(index)
