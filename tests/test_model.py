@@ -26,6 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 from triforce_cli.cache import FullCache
+from triforce_cli.kernels.step import rms_norm
 
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -138,6 +139,21 @@ def test_rope_variants_differ():
         logits[rope] = our_logits(random_llama(**extra)[1], ids)
     for rope in ("linear", "llama3", "yarn"):
         assert not torch.allclose(logits[rope][-1], logits["default"][-1], atol=1e-3)
+
+
+@pytest.mark.skipif(kernel_error() is not None, reason="no CPU extension here")
+def test_the_final_norm_on_the_cpu_in_float32_is_the_step_ops_norm():
+    """As every layer's norms: one order of arithmetic, a row alone the same bits as in a batch; with autograd on
+    (distillation) the module's own."""
+    _, model = random_llama(hidden_size=576, num_heads=9, num_kv_heads=3)  # the embedded model's width
+    norm = model.model.norm
+    x = torch.randn(5, 576) * 3
+    with torch.inference_mode():
+        normed = model.final_norm(x)
+        assert torch.equal(normed, rms_norm(x, norm.weight, norm.eps))
+        assert torch.equal(model.final_norm(x[2:3]), normed[2:3])
+    trained = model.final_norm(x.requires_grad_())
+    assert trained.requires_grad and torch.equal(trained, norm(x))
 
 
 def test_head_dim_different_from_hidden_over_heads():

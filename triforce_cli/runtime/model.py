@@ -52,6 +52,7 @@ from triforce_cli.kernels.step import (
     cached_layers,
     layer_output,
     layer_stack,
+    rms_norm,
     stack_layer,
     step_ops_available,
 )
@@ -805,9 +806,19 @@ class Transformer(nn.Module):
             self._weights_counted = ModuleChanges.count
         return self._weight_bytes
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """model.norm of the last layer's hidden states x (N, C): on the CPU in float32 by the step ops' RMSNorm, as
+        every layer's norms there (one order of arithmetic for any N, and no torch op to bring back into the CPU's
+        caches after a step has streamed its weights through them), else by the module."""
+        norm = self.model.norm
+        on_step_ops = x.device.type == "cpu" and x.dtype == norm.weight.dtype == torch.float32
+        if on_step_ops and not torch.is_grad_enabled() and step_ops_available():
+            return rms_norm(x, norm.weight, norm.eps)
+        return norm(x)
+
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits (N, V) of the last layer's hidden states x (N, C): -inf outside restrict_output's tokens."""
-        logits = self.lm_head(self.model.norm(x)).float()  # (N, V) or (N, V')
+        logits = self.lm_head(self.final_norm(x)).float()  # (N, V) or (N, V')
         if self.output_ids is None:
             return logits
         return spread_over_vocabulary(logits, self.output_ids, self.config.vocab_size)
