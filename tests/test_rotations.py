@@ -31,10 +31,14 @@ def test_a_position_reads_the_same_bits_from_every_run_that_holds_it(model):
     assert torch.equal(model.rotation(0, 2 * BLOCK, torch.float32)[BLOCK + 2 : BLOCK + 3], alone)
 
 
-def test_blocks_kept_are_bounded_and_the_latest_read(model):
+def test_blocks_kept_are_bounded_the_latest_read_and_none_for_a_run_over_several(model):
     for index in range(KEPT + 5):
         model.rotation(index * BLOCK + 1, 1, torch.float32)
     assert list(model.rotations.blocks) == list(range(5, KEPT + 5))
+    model.rotation(20 * BLOCK - 3, 6, torch.float32)  # a prefill chunk over blocks 19 and 20: computed for it alone
+    assert list(model.rotations.blocks) == list(range(5, KEPT + 5))
+    chunk = model.rotation(30 * BLOCK, BLOCK, torch.float32)  # an aligned chunk: its block, kept
+    assert list(model.rotations.blocks)[-1] == 30 and chunk.data_ptr() == model.rotations.blocks[30].data_ptr()
 
 
 def test_frequencies_changed_in_place_are_read_again(model):

@@ -14,12 +14,15 @@ from collections.abc import Callable
 import torch
 
 BLOCK = 256  # positions a block of the table holds
-KEPT = 8  # blocks kept, the most recently read: a generation reads one block after another
+KEPT = 2  # blocks kept, the most recently read: a generation's steps read one block after another
 
 
 class RotationTable:
     """The rotations (T, 2, 2, D/2) of runs of consecutive positions, from blocks of BLOCK positions each computed by
-    rotate(positions (BLOCK,), dtype) once and kept while the frequencies it reads stay the same tensor, unchanged.
+    rotate(positions (BLOCK,), dtype). A run within one block (a decode step, a verification, an aligned prefill
+    chunk) is a view of that block, which is kept for the next steps while the frequencies rotate reads stay the same
+    tensor, unchanged; a run over several blocks (a longer prefill chunk) is put together from blocks computed for it
+    alone, so that the table never holds more than KEPT blocks.
 
     Args:
         rotate: the model's rotation of positions (Transformer.rotary).
@@ -41,15 +44,20 @@ class RotationTable:
         if made_from != self.made_from:
             self.blocks.clear()
             self.made_from = made_from
-        stop = start + count
-        parts = []
-        for index in range(start // BLOCK, (stop - 1) // BLOCK + 1):
-            block = self.blocks.pop(index, None)
-            if block is None:
-                first = index * BLOCK
-                block = self.rotate(torch.arange(first, first + BLOCK, device=frequencies.device), dtype)
-            self.blocks[index] = block  # now the most recently read
-            parts.append(block[max(start - index * BLOCK, 0) : min(stop - index * BLOCK, BLOCK)])
+        first, last = start // BLOCK, (start + count - 1) // BLOCK
+        if first < last:
+            parts = [self._block(index, dtype, frequencies.device) for index in range(first, last + 1)]
+            offset = start - first * BLOCK
+            return torch.cat(parts)[offset : offset + count]
+        block = self.blocks.pop(first, None)
+        if block is None:
+            block = self._block(first, dtype, frequencies.device)
+        self.blocks[first] = block  # now the most recently read
         while len(self.blocks) > KEPT:
             self.blocks.popitem(last=False)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        offset = start - first * BLOCK
+        return block[offset : offset + count]
+
+    def _block(self, index: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        first = index * BLOCK
+        return self.rotate(torch.arange(first, first + BLOCK, device=device), dtype)
