@@ -44,11 +44,17 @@ class RotationTable:
         if made_from != self.made_from:
             self.blocks.clear()
             self.made_from = made_from
-        first, last = start // BLOCK, (start + count - 1) // BLOCK
-        if first < last:
-            parts = [self._block(index, dtype, frequencies.device) for index in range(first, last + 1)]
-            offset = start - first * BLOCK
-            return torch.cat(parts)[offset : offset + count]
+        stop = start + count
+        first, last = start // BLOCK, (stop - 1) // BLOCK
+        if first < last:  # each block written into the run's rows, then dropped: one block held at a time
+            rotation = None
+            for index in range(first, last + 1):
+                block = self._block(index, dtype, frequencies.device)
+                if rotation is None:
+                    rotation = block.new_empty((count, *block.shape[1:]))
+                low, high = max(start, index * BLOCK), min(stop, (index + 1) * BLOCK)
+                rotation[low - start : high - start] = block[low - index * BLOCK : high - index * BLOCK]
+            return rotation
         block = self.blocks.pop(first, None)
         if block is None:
             block = self._block(first, dtype, frequencies.device)
