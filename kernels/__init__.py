@@ -11,6 +11,7 @@ from triforce_cli.kernels.attention import (
     attention_in_cache,
     attention_reference,
     runs_cache_attention,
+    segment_keys,
 )
 from triforce_cli.kernels.linear import (
     half_weights_available,
@@ -55,6 +56,7 @@ __all__ = [
     "pad_bias",
     "runs_cache_attention",
     "score_chunks",
+    "segment_keys",
     "summary_scores",
     "tiled_linear",
     "tiled_linear_available",

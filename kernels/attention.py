@@ -108,14 +108,37 @@ def cache_attention_available(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.dtype == torch.float32 and k.dtype == torch.float16 and q.device.type == "cpu" and native_loaded()
 
 
+POSITION_SEGMENT = 2048  # keys per segment of cache_attention over a view of consecutive positions
+SLOT_SEGMENT = 512  # keys per segment over a view of slots (the retrieval and StreamingLLM caches)
+
+
+def segment_keys(slots_are_positions: bool) -> int:
+    """The keys a segment of cache_attention holds over a cache's views (KVCache.slots_are_positions).
+
+    A segment is the work a thread takes for one KV head, and its boundaries are part of the order of arithmetic.
+    The full cache's views hold positions and keep 2,048: prefill chunks of a long prompt, which read every segment
+    once per group of rows, lost 15% of their speed with 512 at 32K tokens. The retrieval and StreamingLLM caches
+    hold about a thousand slots or fewer, one segment of 2,048 for each of the embedded model's 3 KV heads, which
+    leaves one of two threads idle a third of its time; segments of 512 give both the same keys to read
+    (docs/performance.md, "Segments for the small caches").
+    """
+    return POSITION_SEGMENT if slots_are_positions else SLOT_SEGMENT
+
+
 def cache_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, origin: int = 0, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    origin: int = 0,
+    window: int | None = None,
+    segment: int = POSITION_SEGMENT,
 ) -> torch.Tensor:
     """Attention of T float32 queries against a float16 cache view on the CPU, in one order of arithmetic per query:
     row t's result is the same bits whatever T, whichever rows go with it and however many threads run (so a
     prompt prefilled in chunks and token by token leave the same outputs).
 
-    Keys are read in blocks of 64 and segments of 2,048 aligned to absolute positions (origin + view index), each
+    Keys are read in blocks of 64 and segments of `segment` aligned to absolute positions (origin + view index), each
     score is an FMA chain over the head dim, the softmax runs online over a segment's blocks in increasing position
     and segments merge in order; see the top of csrc/cache_attention.cpp. The float16 keys and values are widened
     exactly, so the result is softmax(scale q k^T) v on them up to float32 rounding.
@@ -128,11 +151,12 @@ def cache_attention(
         origin: the absolute position of view index 0 (>= 0).
         window: a sliding window W: query t, at view index L - T + t, reads keys j > L - T + t - W; None: every key
             up to its own.
+        segment: keys a segment holds, a multiple of 64 (segment_keys).
 
     Returns:
         (Hq, T, D) float32.
     """
-    return torch.ops.triforce_cpu.cache_attention(q, k, v, scale, origin, window or 0)
+    return torch.ops.triforce_cpu.cache_attention(q, k, v, scale, origin, window or 0, segment)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -574,13 +598,14 @@ def attention(
     backend: str | None = None,
     window: int | None = None,
     origin: int = 0,
+    segment: int = POSITION_SEGMENT,
 ) -> torch.Tensor:
     """Dispatch to a kernel of backend (attention_backend; None: the fastest for q's device and dtype), and within
     the CPU kernels to the fastest for the number of queries.
 
     window: the sliding window of the layer, over a view of consecutive positions; None: every key. origin: the
     absolute position of view index 0 (the full cache's first held position, 0 for the other caches), to which
-    cache_attention aligns its blocks of keys.
+    cache_attention aligns its blocks of keys; segment: the keys of its segments (segment_keys).
 
     On the CPU, float32 queries against float16 keys and values (a CPU cache) run cache_attention, windowed layers
     included (the window goes to the kernel, which keeps its blocks aligned): one kernel and one order of arithmetic
@@ -589,7 +614,7 @@ def attention(
     docs/performance.md for the timings.
     """
     if runs_cache_attention(backend, q, k):
-        return cache_attention(q, k, v, scale, origin, window)
+        return cache_attention(q, k, v, scale, origin, window, segment)
     backend = backend or attention_backend(q.device, q.dtype)
     if k.dtype != q.dtype:  # a float16 CPU cache read by another kernel: widened, layer by layer
         k, v = k.to(q.dtype), v.to(q.dtype)

@@ -179,6 +179,7 @@ def cached_layer(
     scale: float,
     origin: int,
     window: int | None,
+    segment: int,
     o_proj: Projection,
     post_norm: torch.Tensor,
     post_eps: float,
@@ -195,13 +196,14 @@ def cached_layer(
         keys, values: (layers, Hkv, S, D) float16, the cache's storage, written in place.
         origin: the position of view index view_start (KVCache.origin).
         window: the layer's sliding window over slots of consecutive positions, or None.
+        segment: cache_attention's keys per segment (kernels.attention.segment_keys).
         The rest: attention_input's and layer_output's.
     Returns:
         The layer's output (T, C) and its queries (Hq, T, D), float32.
     """
     return torch.ops.triforce_cpu.cached_layer(
         x, norm_weight, eps, qkv.operands, qkv.features, rotation, q_heads, kv_heads, q_norm, k_norm,
-        keys, values, layer, write_slot, view_start, scale, origin, window or 0,
+        keys, values, layer, write_slot, view_start, scale, origin, window or 0, segment,
         o_proj.operands, o_proj.features, post_norm, post_eps, gate_up.operands, gate_up.features,
         down.operands, down.features,
     )  # fmt: skip
@@ -251,6 +253,7 @@ def cached_layers(
     view_starts: list[int],
     origin: int,
     windowed: bool,
+    segment: int,
     keep_queries: bool,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Every layer of stack in turn in one call, each as cached_layer computes it (the same bits, the same cache
@@ -261,12 +264,13 @@ def cached_layers(
         keys, values: (layers, Hkv, S, D) float16, the cache's storage, written in place.
         view_starts: each layer's first slot read, by its index in the storage.
         windowed: whether the layers' sliding windows apply (views of consecutive positions).
+        segment: cache_attention's keys per segment (kernels.attention.segment_keys).
         keep_queries: whether to return the layers' queries.
     Returns:
         The last layer's output (T, C), and with keep_queries each layer's queries (Hq, T, D) in the stack's order.
     """
     return torch.ops.triforce_cpu.cached_layers(
-        stack, x, rotation, keys, values, write_slot, view_starts, origin, windowed, keep_queries
+        stack, x, rotation, keys, values, write_slot, view_starts, origin, windowed, segment, keep_queries
     )
 
 
@@ -323,7 +327,7 @@ def register_fake_kernels() -> None:
     @lib.register_fake("triforce_cpu::cached_layer")
     def _(
         x, norm_weight, eps, qkv, qkv_features, rotation, q_heads, kv_heads, q_norm, k_norm, keys, values, layer,
-        write_slot, view_start, scale, origin, window, o_proj, o_features, post_norm, post_eps, gate_up,
+        write_slot, view_start, scale, origin, window, segment, o_proj, o_features, post_norm, post_eps, gate_up,
         gate_up_features, down, down_features,
     ):  # fmt: skip
         heads = fake_attention_input(x, qkv_features, q_heads, kv_heads)  # queries, keys, values

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from triforce_cli.kernels.attention import cache_attention
+from triforce_cli.kernels.attention import POSITION_SEGMENT, SLOT_SEGMENT, cache_attention
 
 from triforce_cli.runtime.native import kernel_error
 
@@ -20,7 +20,6 @@ pytestmark = pytest.mark.skipif(KERNEL_ERROR is not None, reason=f"no CPU kernel
 
 # float32 rounding of the scores, exponentials and sums over a few thousand keys, against float64
 TOLERANCE = {"rtol": 1e-5, "atol": 2e-5}
-SEGMENT = 2048  # the kernel's segments of keys, aligned to absolute positions
 
 
 def reference(q, k, v, scale, window=None):
@@ -78,16 +77,17 @@ CASES = [  # (origin, window, context): the first new query's view index is `con
     (0, None, 40),
     (1990, None, 120),  # the view's start and the new rows on either side of a segment's boundary
     (37, 200, 330),  # a window that cuts every query's keys
-    (SEGMENT - 50, 100, 20),  # a window reaching across a segment's boundary
+    (POSITION_SEGMENT - 50, 100, 20),  # a window reaching across a segment's boundary (of either size)
 ]
 
 
+@pytest.mark.parametrize("segment", [POSITION_SEGMENT, SLOT_SEGMENT])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("origin", "window", "context"), CASES)
-def test_a_row_gives_the_same_bits_in_any_batch(body, origin, window, context, threads):
+def test_a_row_gives_the_same_bits_in_any_batch(body, origin, window, context, threads, segment):
     """T rows (1 to 300) in one call, in chunks at random split points, and each alone on the view cut at its
     position: every row the same bits, whether its keys were read directly (up to 6 rows: a decode or verification
-    step) or packed once for many rows."""
+    step) or packed once for many rows, with the full cache's segments and the small caches'."""
     rng = random.Random(origin + context + threads)
     queries = rng.randint(1, 300) if body != "scalar" else rng.randint(1, 60)
     q_heads, kv_heads, dim = rng.choice([(9, 3, 64), (8, 2, 128), (6, 2, 48)])  # 48: a vector body's any-D path
@@ -98,17 +98,17 @@ def test_a_row_gives_the_same_bits_in_any_batch(body, origin, window, context, t
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        whole = cache_attention(q, k, v, scale, origin, window)  # (Hq, T, D)
+        whole = cache_attention(q, k, v, scale, origin, window, segment)  # (Hq, T, D)
         splits = sorted(rng.sample(range(1, queries), min(queries - 1, 4))) if queries > 1 else []
         chunked = []
         for start, stop in zip([0, *splits], [*splits, queries]):
             seen = context + stop  # the view up to the chunk's last query's own key
-            chunked.append(cache_attention(q[:, start:stop], k[:, :seen], v[:, :seen], scale, origin, window))
+            chunked.append(cache_attention(q[:, start:stop], k[:, :seen], v[:, :seen], scale, origin, window, segment))
         assert torch.equal(torch.cat(chunked, dim=1), whole)
         rows = range(queries) if body != "scalar" else rng.sample(range(queries), min(queries, 8))
         for t in rows:
             seen = context + t + 1
-            alone = cache_attention(q[:, t : t + 1], k[:, :seen], v[:, :seen], scale, origin, window)
+            alone = cache_attention(q[:, t : t + 1], k[:, :seen], v[:, :seen], scale, origin, window, segment)
             assert torch.equal(alone[:, 0], whole[:, t]), f"row {t} of {queries}"
     finally:
         torch.set_num_threads(before)
@@ -143,16 +143,18 @@ def test_a_verification_row_gives_its_decode_and_prefill_bits(body, q_heads, kv_
         torch.set_num_threads(before)
 
 
-def test_two_threads_give_one_threads_bits(body):
-    """A 1-row decode splits its keys into segments over the threads; the merge order is fixed."""
+@pytest.mark.parametrize(("length", "segment"), [(9000, POSITION_SEGMENT), (9000, SLOT_SEGMENT), (1040, SLOT_SEGMENT)])
+def test_two_threads_give_one_threads_bits(body, length, segment):
+    """A 1-row decode splits its keys into segments over the threads, each taking a run of about equal keys (1,040:
+    the retrieval tier's view, 512 + 512 + 16 keys a head); the merge order is fixed."""
     q = torch.randn(8, 3, 128, generator=torch.Generator().manual_seed(1))
-    k, v = cache_views(2, 9000, 128, seed=1)
+    k, v = cache_views(2, length, 128, seed=1)
     before = torch.get_num_threads()
     outs = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(cache_attention(q, k, v, 0.1, 123))
+            outs.append(cache_attention(q, k, v, 0.1, 123, None, segment))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
@@ -171,3 +173,5 @@ def test_rejects_what_it_cannot_read():
         cache_attention(q, k.transpose(1, 2)[:, :, :10], v, 1.0)
     with pytest.raises(RuntimeError, match="origin"):
         cache_attention(q, k, v, 1.0, -1)
+    with pytest.raises(RuntimeError, match="segment: a positive multiple of 64"):
+        cache_attention(q, k, v, 1.0, 0, None, 100)

@@ -6,11 +6,12 @@
 // and row strides, each row's D contiguous; origin: the absolute position of view index 0. Query t sits at view
 // index i = L - T + t and reads keys j <= i, and j > i - window with a window (window <= 0: none). Output
 // (Hq, T, D) float32 = softmax(scale q k^T) v on the float16 keys and values (widened exactly), up to float32
-// rounding.
+// rounding. segment: the keys a segment holds (kernels/attention.py segment_keys: 2,048 where view indices are
+// positions, 512 for the retrieval and StreamingLLM caches' slots).
 //
 // The order of arithmetic of one output element depends only on its query's position and the keys it reads:
-// - keys are cut into blocks of kBlock and segments of kSegment keys, both aligned to absolute positions
-//   (origin + j), never to the view's start or to the batch;
+// - keys are cut into blocks of kBlock and segments of `segment` keys (a multiple of kBlock), both aligned to
+//   absolute positions (origin + j), never to the view's start or to the batch;
 // - a score is one row's dot product with one key in an order fixed per body, the same for a pair (row, key)
 //   whichever rows and keys are scored with it. AVX-512: lane l of 4 takes the FMA chain over m = 0 .. D/4-1 of
 //   q[4 m + l] k[4 m + l], then (p_0 + p_1) + (p_2 + p_3); 16 keys go together in 4 groups of 4 (one key a 128-bit
@@ -25,7 +26,8 @@
 //   in one FMA. Keys a row does not read get weight 0 exactly, which leaves every sum as it was, so a row gives the
 //   same bits whichever other rows share its tiles;
 // - a row's segments are merged in segment order, then its output divided by its sum.
-// Threads split the work only by (KV head, group of rows, segment): no element's order depends on them.
+// Threads split the work only by (KV head, group of rows, segment), each taking a run of units of about equal
+// work: no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
 // position (t G + g), in groups of kGroupRows. A unit of work with more than Ops::kDirectRows rows (a verification
@@ -63,7 +65,6 @@ using triforce_cpu::chosen_isa;
 using triforce_cpu::Isa;
 
 constexpr int64_t kBlock = 64;        // keys per online-softmax step, aligned to absolute positions
-constexpr int64_t kSegment = 2048;    // keys per segment merged at the end, aligned to absolute positions
 constexpr int64_t kGroupRows = 96;    // query rows per unit of work, which share each block's packed keys
 constexpr int64_t kTileRows = 24;     // rows whose scores and weights are taken together before their values
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
@@ -111,18 +112,19 @@ struct Stream {
 };
 
 inline int64_t floor_to(int64_t x, int64_t step) { return x / step * step; }  // x >= 0
-inline int64_t segment_of(int64_t position) { return position / kSegment; }
 
 struct Problem {
   const float* q;  // (Hkv, R, D) scaled queries, row r = t G + g being query head h G + g, query t
   const at::Half *k, *v;
   int64_t k_head, k_row, v_head, v_row;  // strides, in elements
   int64_t rows, group, queries, keys, dim, origin, window;
+  int64_t segment;                  // keys a segment holds, aligned to absolute positions
   int64_t first_segment, segments;  // the segments any row reads
   float* partials;                  // (Hkv, segments, R, 2 + D): maximum, sum of exponentials, unnormalised output
 
   int64_t last_key(int64_t r) const { return keys - queries + r / group; }
   int64_t first_key(int64_t r) const { return window > 0 ? std::max<int64_t>(0, last_key(r) - window + 1) : 0; }
+  int64_t segment_of(int64_t position) const { return position / segment; }
   float* partial(int64_t head, int64_t segment, int64_t r) const {
     return partials + ((head * segments + segment - first_segment) * rows + r) * (2 + dim);
   }
@@ -453,7 +455,7 @@ void check_views(const at::Tensor& k, const at::Tensor& v, int64_t q_heads, int6
 
 // q (Hq, T, D) float32, k, v (Hkv, L, D) float16 -> (Hq, T, D) float32; see the top of the file.
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                           int64_t origin, int64_t window) {
+                           int64_t origin, int64_t window, int64_t segment) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.scalar_type() == at::kFloat,
               "q: a float32 CPU tensor (query heads, queries, head dim)");
   const int64_t q_heads = q.size(0), queries = q.size(1), dim = q.size(2);
@@ -464,7 +466,7 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const at::Tensor scaled =
       q.mul(float(scale * 1.4426950408889634)).view({kv_heads, group, queries, dim}).transpose(1, 2).contiguous();
   at::Tensor out = at::empty({kv_heads, queries, group, dim}, q.options());  // rows in the scaled queries' order
-  triforce_cpu::cache_attention_rows(scaled.data_ptr<float>(), q_heads, queries, k, v, origin, window,
+  triforce_cpu::cache_attention_rows(scaled.data_ptr<float>(), q_heads, queries, k, v, origin, window, segment,
                                      out.data_ptr<float>(), queries * group * dim, group * dim);
   return out.transpose(1, 2).reshape({q_heads, queries, dim});
 }
@@ -474,26 +476,47 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 namespace triforce_cpu {
 
 void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries, const at::Tensor& k,
-                          const at::Tensor& v, int64_t origin, int64_t window, float* out, int64_t head_stride,
-                          int64_t time_stride) {
+                          const at::Tensor& v, int64_t origin, int64_t window, int64_t segment, float* out,
+                          int64_t head_stride, int64_t time_stride) {
   check_cache(k, "k");
   const int64_t dim = k.size(2), kv_heads = k.size(0), keys = k.size(1);
   check_views(k, v, q_heads, queries, dim);
   TORCH_CHECK(origin >= 0, "origin: an absolute position, >= 0");
+  TORCH_CHECK(segment > 0 && segment % kBlock == 0, "segment: a positive multiple of ", kBlock, " keys");
   const int64_t group = q_heads / kv_heads, rows = group * queries;
   Problem p{scaled, k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            rows, group, queries, keys, dim, origin, window, 0, 0, nullptr};
-  p.first_segment = segment_of(origin + p.first_key(0));
-  p.segments = segment_of(origin + keys - 1) - p.first_segment + 1;
+            rows, group, queries, keys, dim, origin, window, segment, 0, 0, nullptr};
+  p.first_segment = p.segment_of(origin + p.first_key(0));
+  p.segments = p.segment_of(origin + keys - 1) - p.first_segment + 1;
   at::Tensor partials = at::empty({kv_heads, p.segments, rows, 2 + dim}, at::kFloat);
   p.partials = partials.data_ptr<float>();
 
   const Body body = chosen_body(dim);
   const int64_t row_groups = (rows + kGroupRows - 1) / kGroupRows;
-  at::parallel_for(0, kv_heads * row_groups * p.segments, 1, [&](int64_t begin, int64_t end) {
+  const int64_t units = kv_heads * row_groups * p.segments;
+  const auto unit_work = [&](int64_t unit) {  // the keys of its segment within the view x its rows
+    const int64_t segment = p.first_segment + unit % p.segments, row0 = unit / p.segments % row_groups * kGroupRows;
+    const int64_t first = std::max<int64_t>(0, segment * p.segment - origin);
+    return double(std::min(keys, (segment + 1) * p.segment - origin) - first) * std::min(kGroupRows, rows - row0);
+  };
+  // Threads take runs of consecutive units of about equal work, not of equal count: a view's last segment may hold
+  // a few keys (3 heads of 1,040 keys in segments of 512, 512 and 16: split by count, one thread reads twice the
+  // keys of the other). A unit is the same work whichever thread runs it.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  std::vector<int64_t> first_unit(threads + 1, units);  // thread t runs units [first_unit[t], first_unit[t + 1])
+  first_unit[0] = 0;
+  double total = 0, done = 0;
+  for (int64_t unit = 0; unit < units; ++unit) total += unit_work(unit);
+  for (int64_t unit = 0, t = 0; unit < units; ++unit) {  // a unit goes to the thread its middle falls to
+    const double work = unit_work(unit);
+    const int64_t owner = std::min<int64_t>(threads - 1, int64_t((done + work / 2) * threads / total));
+    while (t < owner) first_unit[++t] = unit;
+    done += work;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(body.scratch(dim));
-    for (int64_t unit = begin; unit < end; ++unit) {
+    for (int64_t unit = first_unit[begin]; unit < first_unit[end]; ++unit) {
       const int64_t segment = unit % p.segments, row_group = unit / p.segments % row_groups;
       const int64_t head = unit / p.segments / row_groups, row0 = row_group * kGroupRows;
       body.attend_unit(p, head, row0, std::min(kGroupRows, rows - row0), p.first_segment + segment,
@@ -511,6 +534,6 @@ void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries,
 }  // namespace triforce_cpu
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
-  lib.def("cache_attention(Tensor q, Tensor k, Tensor v, float scale, int origin, int window) -> Tensor",
+  lib.def("cache_attention(Tensor q, Tensor k, Tensor v, float scale, int origin, int window, int segment) -> Tensor",
           &cache_attention);
 }

@@ -138,8 +138,8 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   std::fill(state.out, state.out + rows * dim, 0.f);
 
   // the keys the segment holds, as view indices, and the part of them these rows read
-  const int64_t seg_begin = std::max<int64_t>(0, segment * kSegment - p.origin);
-  const int64_t seg_end = std::min<int64_t>(p.keys, (segment + 1) * kSegment - p.origin);
+  const int64_t seg_begin = std::max<int64_t>(0, segment * p.segment - p.origin);
+  const int64_t seg_end = std::min<int64_t>(p.keys, (segment + 1) * p.segment - p.origin);
   int64_t first = seg_end, last = seg_begin - 1;
   for (int64_t r = row0; r < row0 + rows; ++r) {
     first = std::min(first, p.first_key(r));
@@ -256,7 +256,7 @@ inline int64_t unit_scratch(int64_t dim) {
 template <int kDim>
 void combine_row(const Problem& p, int64_t head, int64_t r, float* out) {
   const int64_t dim = kDim ? kDim : p.dim;
-  const int64_t first = segment_of(p.origin + p.first_key(r)), last = segment_of(p.origin + p.last_key(r));
+  const int64_t first = p.segment_of(p.origin + p.first_key(r)), last = p.segment_of(p.origin + p.last_key(r));
   float top = kMinusInf;
   for (int64_t s = first; s <= last; ++s) top = std::max(top, p.partial(head, s, r)[0]);
   float total = 0.f;

@@ -17,10 +17,11 @@ void blocks_linear_rows(const float* x, int64_t rows, const at::Tensor& q, const
                         const std::optional<at::Tensor>& m, float* out, int64_t out_stride, float* sums);
 
 // cache_attention over the float16 views k, v (Hkv, L, D) of queries already scaled by scale * log2(e) and laid out
-// (Hkv, T, G, D) contiguous (scaled; row t G + g of KV head h is query head h G + g at query t), T = queries ->
-// query head h G + g of query t written at out + h * head_stride + t * time_stride + g * D.
+// (Hkv, T, G, D) contiguous (scaled; row t G + g of KV head h is query head h G + g at query t), T = queries, the
+// keys in segments of `segment` -> query head h G + g of query t written at out + h * head_stride +
+// t * time_stride + g * D.
 void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries, const at::Tensor& k,
-                          const at::Tensor& v, int64_t origin, int64_t window, float* out, int64_t head_stride,
-                          int64_t time_stride);
+                          const at::Tensor& v, int64_t origin, int64_t window, int64_t segment, float* out,
+                          int64_t head_stride, int64_t time_stride);
 
 }  // namespace triforce_cpu

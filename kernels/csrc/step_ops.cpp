@@ -333,7 +333,7 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
 }
 
 using AttentionSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                                      int64_t);
+                                      int64_t, int64_t);
 
 const c10::TypedOperatorHandle<AttentionSignature>& cache_attention_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -383,14 +383,14 @@ at::Tensor layer_output(const at::Tensor& x, const at::Tensor& attended,
 
 // A whole decoder layer over a float16 cache's storage keys, values (layers, Hkv, S, D): attention_input of x (T, C),
 // its keys and values written to layer's slots [write_slot, write_slot + T), its queries' attention over the slots
-// [view_start, write_slot + T) (cache_attention: view index 0 at position origin, window W or 0 for none),
-// layer_output. Returns the layer's output (T, C) and the queries (Hq, T, D).
+// [view_start, write_slot + T) (cache_attention: view index 0 at position origin, window W or 0 for none, segments
+// of `segment` keys), layer_output. Returns the layer's output (T, C) and the queries (Hq, T, D).
 std::tuple<at::Tensor, at::Tensor> cached_layer(
     const at::Tensor& x, const at::Tensor& norm_weight, double eps, const c10::List<std::optional<at::Tensor>>& qkv,
     at::IntArrayRef qkv_features, const at::Tensor& rotation, int64_t q_heads, int64_t kv_heads,
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, at::Tensor& keys,
     at::Tensor& values, int64_t layer, int64_t write_slot, int64_t view_start, double scale, int64_t origin,
-    int64_t window, const c10::List<std::optional<at::Tensor>>& o_proj, at::IntArrayRef o_features,
+    int64_t window, int64_t segment, const c10::List<std::optional<at::Tensor>>& o_proj, at::IntArrayRef o_features,
     const at::Tensor& post_norm, double post_eps, const c10::List<std::optional<at::Tensor>>& gate_up,
     at::IntArrayRef gate_up_features, const c10::List<std::optional<at::Tensor>>& down,
     at::IntArrayRef down_features) {
@@ -411,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor> cached_layer(
   const int64_t stop = write_slot + rows;
   at::Tensor attended = cache_attention_op().call(q, layer_keys.narrow(1, view_start, stop - view_start),
                                                   layer_values.narrow(1, view_start, stop - view_start), scale,
-                                                  origin, window);  // (Hq, T, D)
+                                                  origin, window, segment);  // (Hq, T, D)
   at::Tensor out = layer_output(x, attended, o_proj, o_features, post_norm, post_eps, gate_up, gate_up_features, down,
                                 down_features);
   return {out, q};
@@ -520,7 +520,7 @@ struct LayerRows {  // cached_layers' rows for T = rows, shared by every layer o
 template <typename Layer>
 void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const float* rotation, at::Tensor& keys,
                 at::Tensor& values, int64_t write_slot, int64_t view_start, int64_t origin, int64_t window,
-                float* kept) {
+                int64_t segment, float* kept) {
   const int64_t rows = b.rows, hidden = b.hidden, heads = l.q_heads + 2 * l.kv_heads;
   const int64_t width = outputs(l.qkv_features), gates = outputs(l.gate_up_features);
   const int64_t dim = width / heads, half = dim / 2, group = l.q_heads / l.kv_heads;
@@ -575,8 +575,8 @@ void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const 
   const at::Tensor layer_keys = keys.select(0, l.index).narrow(1, view_start, stop - view_start);
   const at::Tensor layer_values = values.select(0, l.index).narrow(1, view_start, stop - view_start);
   float* attended = b.attended.data_ptr<float>();
-  triforce_cpu::cache_attention_rows(scaled, l.q_heads, rows, layer_keys, layer_values, origin, window, attended,
-                                     group * dim, l.q_heads * dim);
+  triforce_cpu::cache_attention_rows(scaled, l.q_heads, rows, layer_keys, layer_values, origin, window, segment,
+                                     attended, group * dim, l.q_heads * dim);
 
   // layer_output: the output projection and residual add, RMSNorm, gate/up, SiLU(gate) * up, down and residual add
   float* mixed = b.mixed.data_ptr<float>();
@@ -642,7 +642,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
                                                               const at::Tensor& x, const at::Tensor& rotation,
                                                               at::Tensor& keys, at::Tensor& values,
                                                               int64_t write_slot, at::IntArrayRef view_starts,
-                                                              int64_t origin, bool windowed, bool keep_queries) {
+                                                              int64_t origin, bool windowed, int64_t segment,
+                                                              bool keep_queries) {
   check_rows(x, "x");
   std::vector<at::Tensor> queries;
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -677,8 +678,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
     if (!l.direct || l.norm_weight.numel() != hidden) {
       auto [out, q] = cached_layer(h, l.norm_weight, l.eps, l.qkv, l.qkv_features, rotation, l.q_heads, l.kv_heads,
                                    l.q_norm, l.k_norm, keys, values, l.index, write_slot, view_start, l.scale,
-                                   origin, window, l.o_proj, l.o_features, l.post_norm, l.post_eps, l.gate_up,
-                                   l.gate_up_features, l.down, l.down_features);
+                                   origin, window, segment, l.o_proj, l.o_features, l.post_norm, l.post_eps,
+                                   l.gate_up, l.gate_up_features, l.down, l.down_features);
       h = std::move(out);
       if (keep_queries) queries.push_back(std::move(q));
       continue;
@@ -690,7 +691,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
     at::Tensor kept = keep_queries ? at::empty({l.q_heads, rows, dim}, x.options()) : at::Tensor();
     at::Tensor out = at::empty({rows, hidden}, x.options());
     layer_rows(l, *shared, h.data_ptr<float>(), out.data_ptr<float>(), rc->data_ptr<float>(), keys, values,
-               write_slot, view_start, origin, window, keep_queries ? kept.data_ptr<float>() : nullptr);
+               write_slot, view_start, origin, window, segment, keep_queries ? kept.data_ptr<float>() : nullptr);
     h = std::move(out);
     if (keep_queries) queries.push_back(std::move(kept));
   }
@@ -707,7 +708,7 @@ TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def(
       "cached_layers(__torch__.torch.classes.triforce_cpu.LayerStack stack, Tensor x, Tensor rotation, "
       "Tensor(a!) keys, Tensor(b!) values, int write_slot, int[] view_starts, int origin, bool windowed, "
-      "bool keep_queries) -> (Tensor, Tensor[])");
+      "int segment, bool keep_queries) -> (Tensor, Tensor[])");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("silu_mul(Tensor gate_up) -> Tensor");
   lib.def(
@@ -722,9 +723,9 @@ TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def(
       "cached_layer(Tensor x, Tensor norm_weight, float eps, Tensor?[] qkv, int[] qkv_features, Tensor rotation, "
       "int q_heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, Tensor(a!) keys, Tensor(b!) values, int layer, "
-      "int write_slot, int view_start, float scale, int origin, int window, Tensor?[] o_proj, int[] o_features, "
-      "Tensor post_norm, float post_eps, Tensor?[] gate_up, int[] gate_up_features, Tensor?[] down, "
-      "int[] down_features) -> (Tensor, Tensor)");
+      "int write_slot, int view_start, float scale, int origin, int window, int segment, Tensor?[] o_proj, "
+      "int[] o_features, Tensor post_norm, float post_eps, Tensor?[] gate_up, int[] gate_up_features, "
+      "Tensor?[] down, int[] down_features) -> (Tensor, Tensor)");
 }
 
 // CPU kernels, so that each op is one dispatch whatever it calls inside

@@ -44,7 +44,14 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from triforce_cli.cache import EagerWrite, FullCache, KVCache, LayerwiseWrite, StaticStep
-from triforce_cli.kernels import attention, attention_backend, attention_in_cache, linear, runs_cache_attention
+from triforce_cli.kernels import (
+    attention,
+    attention_backend,
+    attention_in_cache,
+    linear,
+    runs_cache_attention,
+    segment_keys,
+)
 from triforce_cli.kernels.step import (
     Projection,
     attention_input,
@@ -376,7 +383,8 @@ class Attention(nn.Module):
             )  # (Hq, T, D) laid out as (T, Hq, D)
         else:
             keys, values = cache.update(self.layer, q, k, v)  # (Hkv, L, D), in the cache's dtype
-            out = attention(q, keys, values, self.scale, self.backend, window, cache.origin)  # (Hq, T, D)
+            segment = segment_keys(cache.slots_are_positions)
+            out = attention(q, keys, values, self.scale, self.backend, window, cache.origin, segment)  # (Hq, T, D)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -498,11 +506,12 @@ class DecoderLayer(nn.Module):
         layer's first half in one call, the cache's update, attention, the second half in one call."""
         attn = operands.attention
         window = attn.window if cache.slots_are_positions else None
+        segment = segment_keys(cache.slots_are_positions)
         if isinstance(cache, EagerWrite) and runs_cache_attention(attn.backend, x, cache.keys):
             x, q = cached_layer(
                 x, operands.input_norm, operands.input_eps, operands.qkv, rotation, attn.num_heads,
                 attn.num_kv_heads, operands.q_norm, operands.k_norm, cache.keys, cache.values, attn.layer,
-                cache.slots.start, cache.first_slots[attn.layer], attn.scale, cache.origin, window,
+                cache.slots.start, cache.first_slots[attn.layer], attn.scale, cache.origin, window, segment,
                 operands.o_proj, operands.post_norm, operands.post_eps, operands.gate_up, operands.down,
             )  # fmt: skip
             cache.keep_queries(attn.layer, q)
@@ -512,7 +521,7 @@ class DecoderLayer(nn.Module):
             operands.q_norm, operands.k_norm,
         )  # fmt: skip
         keys, values = cache.update(attn.layer, q, k, v)  # (Hkv, L, D)
-        out = attention(q, keys, values, attn.scale, attn.backend, window, cache.origin)  # (Hq, T, D)
+        out = attention(q, keys, values, attn.scale, attn.backend, window, cache.origin, segment)  # (Hq, T, D)
         return layer_output(
             x, out, operands.o_proj, operands.post_norm, operands.post_eps, operands.gate_up, operands.down
         )
@@ -791,7 +800,7 @@ class Transformer(nn.Module):
         keep = step.queries is not None
         x, queries = cached_layers(
             stack, x, rotation, step.keys, step.values, step.slots.start, step.first_slots, step.origin,
-            step.slots_are_positions, keep,
+            step.slots_are_positions, segment_keys(step.slots_are_positions), keep,
         )  # fmt: skip
         for o, q in zip(self._stack_of, queries):
             step.keep_queries(o.attention.layer, q)
