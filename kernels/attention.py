@@ -117,8 +117,9 @@ def segment_keys(slots_are_positions: bool) -> int:
 
     A segment is the work a thread takes for one KV head, and its boundaries are part of the order of arithmetic.
     The full cache's views hold positions and keep 2,048: prefill chunks of a long prompt, which read every segment
-    once per group of rows, lost 15% of their speed with 512 at 32K tokens. The retrieval and StreamingLLM caches
-    hold about a thousand slots or fewer, one segment of 2,048 for each of the embedded model's 3 KV heads, which
+    once per group of rows, lost 15% of their speed with 512 at 32K tokens. The retrieval and StreamingLLM caches'
+    views are read by a few rows at a time (steps and verifications) or hold a window; at the default budget a
+    retrieval view is about 1,040 slots, one segment of 2,048 for each of the embedded model's 3 KV heads, which
     leaves one of two threads idle a third of its time; segments of 512 give both the same keys to read
     (docs/performance.md, "Segments for the small caches").
     """

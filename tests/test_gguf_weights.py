@@ -89,6 +89,8 @@ def test_rows_outside_the_blocks_are_refused():
     packed = pack_blocks(weight_bytes(40, width("Q8_0"), "Q8_0", seed=0), "Q8_0")
     with pytest.raises(RuntimeError, match="rows 0 to 47 of the blocks, not 48"):
         blocks_rows(packed, torch.tensor([3, 48]))
+    with pytest.raises(RuntimeError, match="on the CPU"):
+        blocks_rows(packed, torch.tensor([3], device="meta"))
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)

@@ -297,7 +297,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
 at::Tensor blocks_rows(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
                        const at::Tensor& ids) {
   const Blocks w = check_blocks(q, d, m);
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 (R,)");
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 (R,) on the CPU");
   const at::Tensor rows = ids.contiguous();
   const int64_t count = rows.size(0), k = w.blocks * kBlock, n = w.tiles * kLanes;
   const int64_t* row = rows.data_ptr<int64_t>();

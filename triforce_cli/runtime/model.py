@@ -722,7 +722,7 @@ class Transformer(nn.Module):
     def compute_logits(
         self, tokens: torch.Tensor, positions: torch.Tensor | int, cache: KVCache, num_logits: int | None = None
     ) -> torch.Tensor:
-        """Logits (num_logits or T, V) for tokens (T,) at positions (T,), on a cache prepared for them.
+        """Logits (num_logits or T, V) for tokens (T,) at their positions, on a cache prepared for them.
 
         The step forward() runs, eager or recorded; a fixed-shape step (the cache prepared with padding) compiles
         with fullgraph=True, without a graph break, once for every position, and records as one CUDA graph.
