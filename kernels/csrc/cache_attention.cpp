@@ -125,6 +125,9 @@ struct Problem {
   int64_t last_key(int64_t r) const { return keys - queries + r / group; }
   int64_t first_key(int64_t r) const { return window > 0 ? std::max<int64_t>(0, last_key(r) - window + 1) : 0; }
   int64_t segment_of(int64_t position) const { return position / segment; }
+  // the view indices [segment_begin(s), segment_end(s)) of the keys segment s holds
+  int64_t segment_begin(int64_t s) const { return std::max<int64_t>(0, s * segment - origin); }
+  int64_t segment_end(int64_t s) const { return std::min<int64_t>(keys, (s + 1) * segment - origin); }
   float* partial(int64_t head, int64_t segment, int64_t r) const {
     return partials + ((head * segments + segment - first_segment) * rows + r) * (2 + dim);
   }
@@ -495,10 +498,17 @@ void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries,
   const Body body = chosen_body(dim);
   const int64_t row_groups = (rows + kGroupRows - 1) / kGroupRows;
   const int64_t units = kv_heads * row_groups * p.segments;
+  struct Unit {
+    int64_t head, row0, rows, segment;
+  };
+  const auto unit_at = [&](int64_t unit) {  // KV head, then group of rows, then segment
+    const int64_t row0 = unit / p.segments % row_groups * kGroupRows;
+    return Unit{unit / p.segments / row_groups, row0, std::min(kGroupRows, rows - row0),
+                p.first_segment + unit % p.segments};
+  };
   const auto unit_work = [&](int64_t unit) {  // the keys of its segment within the view x its rows
-    const int64_t segment = p.first_segment + unit % p.segments, row0 = unit / p.segments % row_groups * kGroupRows;
-    const int64_t first = std::max<int64_t>(0, segment * p.segment - origin);
-    return double(std::min(keys, (segment + 1) * p.segment - origin) - first) * std::min(kGroupRows, rows - row0);
+    const Unit u = unit_at(unit);
+    return double(p.segment_end(u.segment) - p.segment_begin(u.segment)) * u.rows;
   };
   // Threads take runs of consecutive units of about equal work, not of equal count: a view's last segment may hold
   // a few keys (3 heads of 1,040 keys in segments of 512, 512 and 16: split by count, one thread reads twice the
@@ -517,10 +527,8 @@ void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries,
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(body.scratch(dim));
     for (int64_t unit = first_unit[begin]; unit < first_unit[end]; ++unit) {
-      const int64_t segment = unit % p.segments, row_group = unit / p.segments % row_groups;
-      const int64_t head = unit / p.segments / row_groups, row0 = row_group * kGroupRows;
-      body.attend_unit(p, head, row0, std::min(kGroupRows, rows - row0), p.first_segment + segment,
-                       scratch.data());
+      const Unit u = unit_at(unit);
+      body.attend_unit(p, u.head, u.row0, u.rows, u.segment, scratch.data());
     }
   });
   at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {

@@ -138,8 +138,7 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   std::fill(state.out, state.out + rows * dim, 0.f);
 
   // the keys the segment holds, as view indices, and the part of them these rows read
-  const int64_t seg_begin = std::max<int64_t>(0, segment * p.segment - p.origin);
-  const int64_t seg_end = std::min<int64_t>(p.keys, (segment + 1) * p.segment - p.origin);
+  const int64_t seg_begin = p.segment_begin(segment), seg_end = p.segment_end(segment);
   int64_t first = seg_end, last = seg_begin - 1;
   for (int64_t r = row0; r < row0 + rows; ++r) {
     first = std::min(first, p.first_key(r));
