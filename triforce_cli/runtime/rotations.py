@@ -21,8 +21,9 @@ class RotationTable:
     """The rotations (T, 2, 2, D/2) of runs of consecutive positions, from blocks of BLOCK positions each computed by
     rotate(positions (BLOCK,), dtype). A run within one block (a decode step, a verification, an aligned prefill
     chunk) is a view of that block, which is kept for the next steps while the frequencies rotate reads stay the same
-    tensor, unchanged; a run over several blocks (a longer prefill chunk) is put together from blocks computed for it
-    alone, so that the table never holds more than KEPT blocks.
+    tensor, unchanged; a run over several blocks (a longer prefill chunk, a verification across a boundary) is put
+    together from the kept blocks and others computed for it alone, so that the table never holds more than KEPT
+    blocks.
 
     Args:
         rotate: the model's rotation of positions (Transformer.rotary).
@@ -46,7 +47,7 @@ class RotationTable:
             self.made_from = made_from
         stop = start + count
         first, last = start // BLOCK, (stop - 1) // BLOCK
-        if first < last:  # each block written into the run's rows, then dropped: one block held at a time
+        if first < last:  # each block (kept, or computed and dropped) written into the run's rows
             rotation = None
             for index in range(first, last + 1):
                 block = self._block(index, dtype, frequencies.device)
@@ -55,9 +56,8 @@ class RotationTable:
                 low, high = max(start, index * BLOCK), min(stop, (index + 1) * BLOCK)
                 rotation[low - start : high - start] = block[low - index * BLOCK : high - index * BLOCK]
             return rotation
-        block = self.blocks.pop(first, None)
-        if block is None:
-            block = self._block(first, dtype, frequencies.device)
+        block = self._block(first, dtype, frequencies.device)
+        self.blocks.pop(first, None)
         self.blocks[first] = block  # now the most recently read
         while len(self.blocks) > KEPT:
             self.blocks.popitem(last=False)
@@ -65,5 +65,9 @@ class RotationTable:
         return block[offset : offset + count]
 
     def _block(self, index: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Block index (BLOCK, 2, 2, D/2): the kept one, else computed."""
+        kept = self.blocks.get(index)
+        if kept is not None:
+            return kept
         first = index * BLOCK
         return self.rotate(torch.arange(first, first + BLOCK, device=device), dtype)
