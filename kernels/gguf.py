@@ -10,7 +10,9 @@ float32 scale d (and for some a minimum m), so that the weight is d * q + m as g
   Q5_K: (d * sc) * q - dmin * mn as Q4_K with 5-bit q; Q6_K: (d * sc) * (q - 32) with an int8 sc per 16 weights.
 unpack_blocks turns a tensor's bytes into those q, d and m; pack_blocks lays them out in tiles of 16 rows for the
 C++ kernel (csrc/gguf_blocks.cpp): q's of 4 bits two to a byte, others (5, 6 and 8 bits) one int8 each, d and m in
-float32. The kernel sums d * sum(q x) + m * sum(x) per group, in one order of arithmetic for every number of
+float32, each block of a tile one record of whole cache lines holding its q's, then its d's, then its m's, so that a
+product reads one stream of memory (three streams, q's, d's and m's apart, ran a decode step's products at about
+three quarters of the rate on the 2-core EPYC the figures in docs/performance.md come from). The kernel sums d * sum(q x) + m * sum(x) per group, in one order of arithmetic for every number of
 activation rows and threads: a row's output has the same bits in a decode step, a verification and a prefill chunk.
 The activations stay float32, so the product differs from the product with the dequantized weights only by float32
 rounding.
@@ -61,32 +63,63 @@ BLOCK_KINDS = tuple(BLOCK_TYPES)
 
 @dataclass
 class PackedBlocks:
-    """A weight (N, K) as tiled blocks. q: (N/16, K/32, 16, 16) uint8 (4-bit, two weights a byte) or
-    (N/16, K/32, 32, 16) int8; d: (N/16, K/G, 16) float32 for groups of G = 32 or 16 weights; m: as d, or None. N is
-    padded to a multiple of 16 with zero rows; out_features is the weight's own N."""
+    """A weight (N, K) as tiles of 16 rows, N padded to a multiple of 16 with zero rows (out_features is the
+    weight's own N). records: (N/16, K/32, R) uint8, the record of block b of a tile being its q's (Q bytes), its
+    scales d (float32 (groups, 16): one or two a block for each of the tile's rows) and, with minimums, m (float32
+    (16,)), R = Q + 64 (groups + minimums) bytes. q's layout (csrc/gguf_blocks.cpp): 4-bit, Q = 256: byte
+    64 g + 4 lane + i = q[lane, 4 g + i] | q[lane, 16 + 4 g + i] << 4; 8-bit, Q = 512: byte 16 j + lane = q[lane, j]
+    as int8."""
 
-    q: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None
+    records: torch.Tensor
+    four_bit: bool
+    groups: int  # scales a block: 1, or 2 (one per 16 weights)
+    minimums: bool
     out_features: int
 
     @property
+    def q_bytes(self) -> int:
+        return BLOCK * LANES // (2 if self.four_bit else 1)
+
+    @property
+    def q(self) -> torch.Tensor:
+        """(N/16, K/32, Q) uint8: the records' q's, a view."""
+        return self.records[..., : self.q_bytes]
+
+    @property
+    def d(self) -> torch.Tensor:
+        """(N/16, K/32, 16 groups) float32: the records' scales, a view."""
+        start = self.q_bytes
+        return self.records[..., start : start + 4 * LANES * self.groups].view(torch.float32)
+
+    @property
+    def m(self) -> torch.Tensor | None:
+        """(N/16, K/32, 16) float32: the records' minimums, a view; None without."""
+        if not self.minimums:
+            return None
+        start = self.q_bytes + 4 * LANES * self.groups
+        return self.records[..., start : start + 4 * LANES].view(torch.float32)
+
+    @property
     def in_features(self) -> int:
-        return self.q.shape[1] * BLOCK
+        return self.records.shape[1] * BLOCK
 
     @property
     def group(self) -> int:
         """Weights per scale: 32, or 16."""
-        return self.in_features // self.d.shape[1]
+        return BLOCK // self.groups
 
     @property
     def form(self) -> tuple[bool, bool, int]:
         """(4-bit, has minimums, group): parts of one form can be stacked into one set of tiles."""
-        return self.q.dtype == torch.uint8, self.m is not None, self.group
+        return self.four_bit, self.minimums, self.group
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+        return self.records.numel()
+
+    def operands(self) -> list[torch.Tensor | None]:
+        """q, d and m (or None): the three views the extension's ops take (it reads the records through them)."""
+        return [self.q, self.d, self.m]
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -145,10 +178,15 @@ def unpack_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, n
 
 
 def _tiled(values: torch.Tensor, rows: int) -> torch.Tensor:
-    """(N, K/32, ...) per-row values -> (N/16, K/32, ..., 16): rows padded to whole tiles, each tile's 16 rows last."""
-    padded = torch.nn.functional.pad(values, (0, 0) * (values.dim() - 1) + (0, -rows % LANES))
-    tiles = padded.reshape(-1, LANES, *padded.shape[1:])  # (N/16, 16, K/32, ...)
+    """(N, K/32, W) per-row values -> (N/16, K/32, W, 16): rows padded to whole tiles, each tile's 16 rows last."""
+    padded = torch.nn.functional.pad(values, (0, 0, 0, 0, 0, -rows % LANES))
+    tiles = padded.reshape(-1, LANES, *padded.shape[1:])  # (N/16, 16, K/32, W)
     return tiles.movedim(1, -1).contiguous()
+
+
+def _bytes(values: torch.Tensor) -> torch.Tensor:
+    """(N/16, K/32, ...) tensor -> (N/16, K/32, bytes) uint8, its bytes in order."""
+    return values.contiguous().view(torch.uint8).reshape(*values.shape[:2], -1)
 
 
 def pack_blocks(raw: torch.Tensor, kind: str) -> PackedBlocks:
@@ -157,35 +195,46 @@ def pack_blocks(raw: torch.Tensor, kind: str) -> PackedBlocks:
     kind_of = BLOCK_TYPES[kind]
     q, d, m = (None if t is None else torch.from_numpy(t) for t in unpack_blocks(raw.numpy(), kind))
     q = q.reshape(rows, -1, BLOCK)  # (N, K/32, 32)
+    groups = BLOCK // kind_of.group
     if kind_of.four_bit:
-        q = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)  # byte j: weights j and j + 16 of its block
+        pairs = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)  # byte j: weights j and j + 16 of its block
+        tiles = _tiled(pairs, rows)  # (N/16, K/32, 16 j, 16 lane)
+        q_part = tiles.reshape(*tiles.shape[:2], 4, 4, LANES).transpose(-1, -2)  # (.., 4 g, 16 lane, 4 i)
     else:
-        q = q.to(torch.int8)
-    d, m = (None if t is None else _tiled(t.reshape(rows, -1), rows) for t in (d, m))  # (N/16, K/G, 16)
-    return PackedBlocks(_tiled(q, rows), d, m, rows)
+        q_part = _tiled(q.to(torch.int8), rows)  # (N/16, K/32, 32 j, 16 lane)
+    parts = [q_part, _tiled(d.reshape(rows, -1, groups), rows)]  # d: (N/16, K/32, groups, 16)
+    if m is not None:
+        parts.append(_tiled(m.reshape(rows, -1, 1), rows))
+    records = torch.cat([_bytes(part) for part in parts], dim=-1)
+    return PackedBlocks(records, kind_of.four_bit, groups, m is not None, rows)
 
 
 def dequantize(packed: PackedBlocks) -> torch.Tensor:
     """The float32 weight (N, K) the blocks hold: d * q + m, rounded as gguf-py's dequantization and the kernel's
     rebuilt tiles round it."""
-    q = packed.q.movedim(-1, 1).reshape(-1, *packed.q.shape[1:3])[: packed.out_features]  # (N, K/32, 16|32)
-    scales = [t.movedim(-1, 1).reshape(-1, t.shape[1])[: packed.out_features, :, None] for t in (packed.d, packed.m)
-              if t is not None]  # fmt: skip
-    if packed.q.dtype == torch.uint8:
-        q = torch.cat((q & 0xF, q >> 4), dim=-1)  # weights j, then j + 16 of each block
-    weight = q.float().reshape(q.shape[0], -1, packed.group) * scales[0]  # (N, K/G, G)
+    tiles, blocks = packed.records.shape[:2]
+    if packed.four_bit:
+        pairs = packed.q.reshape(tiles, blocks, 4, LANES, 4).transpose(-1, -2).reshape(tiles, blocks, 16, LANES)
+        q = torch.cat((pairs & 0xF, pairs >> 4), dim=2)  # (N/16, K/32, 32 j, 16 lane): weights j, then j + 16
+    else:
+        q = packed.q.view(torch.int8).reshape(tiles, blocks, BLOCK, LANES)
+    rows = tiles * LANES
+    weight = q.permute(0, 3, 1, 2).reshape(rows, blocks, packed.groups, packed.group).float()
+    weight = weight * packed.d.reshape(tiles, blocks, packed.groups, LANES).permute(0, 3, 1, 2).reshape(
+        rows, blocks, packed.groups, 1
+    )
     if packed.m is not None:
-        weight = weight + scales[1]
-    return weight.reshape(weight.shape[0], -1)
+        weight = weight + packed.m.permute(0, 2, 1).reshape(rows, blocks, 1, 1)
+    return weight.reshape(rows, -1)[: packed.out_features]
 
 
 def blocks_rows(packed: PackedBlocks, ids: torch.Tensor) -> torch.Tensor:
     """Rows ids (R,) of the weight dequantize gives, (R, K) float32, the same bits, rebuilt by the extension
     (kernels.native.load_native first): one call where dequantizing rows takes a dozen torch ops."""
-    return torch.ops.triforce_cpu.blocks_rows(packed.q, packed.d, packed.m, ids)
+    return torch.ops.triforce_cpu.blocks_rows(*packed.operands(), ids)
 
 
 def blocks_linear(x: torch.Tensor, packed: PackedBlocks) -> torch.Tensor:
     """x (T, K) float32 @ W.T -> (T, N) by the block kernel (kernels.native.load_native first)."""
-    out = torch.ops.triforce_cpu.blocks_linear(x, packed.q, packed.d, packed.m)
+    out = torch.ops.triforce_cpu.blocks_linear(x, *packed.operands())
     return out if out.shape[1] == packed.out_features else out[:, : packed.out_features]

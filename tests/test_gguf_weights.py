@@ -27,7 +27,15 @@ from helpers import (
 )
 from torch import nn
 from triforce_cli.cache import FullCache
-from triforce_cli.kernels.gguf import BLOCK_KINDS, BLOCK_TYPES, blocks_linear, blocks_rows, dequantize, pack_blocks
+from triforce_cli.kernels.gguf import (
+    BLOCK_KINDS,
+    BLOCK_TYPES,
+    PackedBlocks,
+    blocks_linear,
+    blocks_rows,
+    dequantize,
+    pack_blocks,
+)
 from typer.testing import CliRunner
 
 from triforce_cli.decoding.config import EngineConfig
@@ -164,6 +172,27 @@ def test_a_wrong_input_is_one_clear_error():
     packed = pack_blocks(quantized(torch.randn(16, 64), "Q4_1"), "Q4_1")
     with pytest.raises(RuntimeError, match="K = 32 \\* blocks"):
         blocks_linear(torch.randn(2, 96), packed)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "Q8_0"])
+def test_a_block_is_one_record_of_whole_cache_lines(kind):
+    """q, d and m are views of one record a block, whole 64-byte lines (one stream of memory for the kernel); q, d
+    and m as tensors of their own are refused, not read as if they were records."""
+    packed = pack_blocks(weight_bytes(40, width(kind), kind, seed=2), kind)
+    record = packed.records.shape[2]
+    assert record % 64 == 0 and packed.records.is_contiguous()
+    assert record == packed.q_bytes + 64 * (packed.groups + packed.minimums)
+    for view in packed.operands():
+        if view is not None:
+            assert view.untyped_storage().data_ptr() == packed.records.untyped_storage().data_ptr()
+    x = torch.randn(3, width(kind))
+    expected = blocks_linear(x, packed)
+    apart = [None if t is None else t.contiguous() for t in packed.operands()]
+    with pytest.raises(RuntimeError, match="in the records after q"):
+        torch.ops.triforce_cpu.blocks_linear(x, *apart)
+    stacked = PackedBlocks(torch.cat([packed.records, packed.records]), packed.four_bit, packed.groups,
+                           packed.minimums, 2 * 48)  # fmt: skip
+    assert torch.equal(blocks_linear(x, stacked)[:, 48:88], expected)  # tiles stacked: records stay whole
 
 
 def classic_types(name: str) -> str:
@@ -386,7 +415,7 @@ def test_a_gguf_file_gives_its_weights_in_hugging_face_row_order_and_is_kept_whi
     kept = gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
     assert len(reads) == 1  # the second time from the kept copy
     for name in held:
-        assert torch.equal(kept[name].q, blocks[name].q) and torch.equal(kept[name].d, blocks[name].d)
+        assert torch.equal(kept[name].records, blocks[name].records) and kept[name].form == blocks[name].form
 
     stat = gguf.stat()  # touched, the same bytes (a copy installed elsewhere, say): still the kept copy
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))

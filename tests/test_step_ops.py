@@ -116,10 +116,10 @@ def blocks_projection(out_features: int, in_features: int, seed: int) -> Project
     """Random 4-bit blocks with minimums (as Q4_1 holds them): out_features a multiple of 16."""
     g = generator(seed)
     tiles, blocks = out_features // LANES, in_features // 32
-    q = torch.randint(0, 256, (tiles, blocks, 16, LANES), generator=g, dtype=torch.uint8)
+    q = torch.randint(0, 256, (tiles, blocks, 256), generator=g, dtype=torch.uint8)
     d = torch.rand(tiles, blocks, LANES, generator=g) * 0.02
-    m = -8 * d
-    return Projection([q, d, m], [out_features])
+    records = torch.cat([q, d.view(torch.uint8), (-8 * d).view(torch.uint8)], dim=-1)
+    return Projection(PackedBlocks(records, True, 1, True, out_features).operands(), [out_features])
 
 
 def reference_projection(x: torch.Tensor, projection: Projection) -> torch.Tensor:
@@ -127,8 +127,8 @@ def reference_projection(x: torch.Tensor, projection: Projection) -> torch.Tenso
     outs = []
     for part, features in enumerate(projection.features):
         first, second, third = projection.operands[3 * part : 3 * part + 3]
-        if first.dim() == 4:
-            outs.append(blocks_linear(x, PackedBlocks(first, second, third, features)))
+        if second is not None:  # GGUF blocks: views of their records
+            outs.append(torch.ops.triforce_cpu.blocks_linear(x, first, second, third)[:, :features])
         else:
             outs.append(tiled_linear(x, first, third, features))
     return torch.cat(outs, dim=-1)

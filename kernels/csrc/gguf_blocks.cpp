@@ -4,13 +4,16 @@
 // A block holds w = d * q + m for its 32 weights (m = 0 where there are no minimums), d and m float32 here (the
 // loader, kernels/gguf.py, computes them from the file's float16 and 6- or 8-bit scales exactly as gguf-py's
 // dequantization does). Q6_K has a d per 16 weights: two a block. The loader lays the blocks out in tiles of 16
-// output rows:
-//   4-bit: q (N/16, K/32, 16, 16) uint8, byte [j][lane] = q[row lane, 32 b + j] | q[row lane, 32 b + 16 + j] << 4
-//   8-bit: q (N/16, K/32, 32, 16) int8,  byte [j][lane] = q[row lane, 32 b + j]
-//   d:     (N/16, K/32 * groups, 16) float32, groups = 1 or 2 scales a block (the second for weights 16..31)
-//   m:     (N/16, K/32, 16) float32, or none (groups = 1 only)
-// so that one 16-byte load gives one weight column for 16 output rows, and a tile's 16 outputs are one AVX-512
-// register (two AVX2 ones).
+// output rows, block b of a tile being one record of R bytes, (N/16, K/32, R), that holds in turn
+//   q:  4-bit: 256 bytes, byte 64 g + 4 lane + i = q[row lane, 32 b + 4 g + i] | q[row lane, 32 b + 16 + 4 g + i] << 4
+//       8-bit: 512 bytes, byte 16 j + lane = q[row lane, 32 b + j] as int8
+//   d:  float32 (groups, 16), groups = 1 or 2 scales a block (the second for weights 16..31)
+//   m:  float32 (16), or none (groups = 1 only)
+// so that a product reads one stream of whole cache lines (q's, d's and m's in three arrays of their own, a decode
+// step's products ran at 0.75-0.8x the rate from memory, on the AMD EPYC below), one 64-byte load gives a 4-bit
+// column quad of 4 weights (and their partners 16 on) for 16 output rows, shifted into place for a permutation that
+// turns 4-bit q's into floats, and one 16-byte load an 8-bit column; a tile's 16 outputs are one AVX-512 register
+// (two AVX2 ones).
 //
 // Every output element is computed in one order of arithmetic, whatever the number of activation rows T and the
 // number of threads, so that a row gets the same bits in a decode step, a verification of drafts and a prefill chunk.
@@ -62,20 +65,21 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kLanes = 16;  // output rows in a tile
 
 struct Blocks {
-  const uint8_t* q;
-  const float* d;
-  const float* m;  // nullptr where there are no minimums
+  const uint8_t* records;
+  int64_t record;  // bytes a record
   int64_t tiles, blocks;
-  bool four_bit;
+  bool four_bit, minimums;
   int64_t groups;  // scales a block: 1, or 2 (one per 16 weights)
 
-  int64_t block_bytes() const { return four_bit ? kBlock / 2 * kLanes : kBlock * kLanes; }
-  const uint8_t* q_at(int64_t tile, int64_t b) const { return q + (tile * blocks + b) * block_bytes(); }
-  // the 16 lanes' scale of block b's weights 16 * half.., (minimums: half 0, one a block)
-  int64_t scale_at(int64_t tile, int64_t b, int64_t half = 0) const {
-    return ((tile * blocks + b) * groups + (groups == 2 ? half : 0)) * kLanes;
+  int64_t q_bytes() const { return four_bit ? kBlock / 2 * kLanes : kBlock * kLanes; }
+  const uint8_t* q_at(int64_t tile, int64_t b) const { return records + (tile * blocks + b) * record; }
+  // the 16 lanes' scale of block b's weights 16 * half..
+  const float* d_at(int64_t tile, int64_t b, int64_t half = 0) const {
+    return reinterpret_cast<const float*>(q_at(tile, b) + q_bytes()) + (groups == 2 ? half : 0) * kLanes;
   }
-  int64_t minimum_at(int64_t tile, int64_t b) const { return (tile * blocks + b) * kLanes; }
+  const float* m_at(int64_t tile, int64_t b) const {  // minimums only
+    return reinterpret_cast<const float*>(q_at(tile, b) + q_bytes()) + groups * kLanes;
+  }
 };
 
 struct Rows {  // activations x (T, K), their sums over each block (T, K/32) and outputs (T, N), row-major
@@ -91,11 +95,11 @@ struct Rows {  // activations x (T, K), their sums over each block (T, K/32) and
 // plain dequantization, kernels/gguf.py's dequantize).
 inline float weight_at(const Blocks& w, int64_t tile, int64_t b, int64_t i, int64_t lane) {
   const uint8_t* qb = w.q_at(tile, b);
-  const int64_t half = i / 16;
-  const float q = w.four_bit ? float((qb[(i % 16) * kLanes + lane] >> (4 * half)) & 0xF)
+  const int64_t half = i / 16, j = i % 16;
+  const float q = w.four_bit ? float((qb[j / 4 * 64 + lane * 4 + j % 4] >> (4 * half)) & 0xF)
                              : float(reinterpret_cast<const int8_t*>(qb)[i * kLanes + lane]);
-  const float scaled = w.d[w.scale_at(tile, b, half) + lane] * q;
-  return w.m ? scaled + w.m[w.minimum_at(tile, b) + lane] : scaled;
+  const float scaled = w.d_at(tile, b, half)[lane] * q;
+  return w.minimums ? scaled + w.m_at(tile, b)[lane] : scaled;
 }
 
 // A tile's weights rebuilt (weight_at): buffer (K, 16).
@@ -123,7 +127,20 @@ void tiles_scalar(const Blocks& w, const Rows& io, int64_t rows, int64_t tile_be
 // AVX-512, few rows: a tile's 16 outputs are one register. For each block, R activation rows accumulate
 // q * x in two registers each (the block's first and second 16 weights, so that consecutive multiply-adds do not
 // wait on each other); then acc += d * that + m * sum(x over the block). A 4-bit q becomes a float by a table
-// lookup (vpermps reads the low 4 bits of each index), an 8-bit one by conversion.
+// lookup (vpermps reads the low 4 bits of each index: a quad's dword shifted by 8 i for weight 4 g + i, by 8 i + 4
+// for its partner 16 on), an 8-bit one by conversion.
+// Columns j and j + 16 of a block (first, second: the tile's 16 rows) times R rows' activations xb (rows k apart),
+// added to dot[r][0] and dot[r][1].
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void add_columns512(__m512 (&dot)[R][2], const float* xb,
+                                                                                int64_t k, int j, __m512 first,
+                                                                                __m512 second) {
+  for (int r = 0; r < R; ++r) {
+    dot[r][0] = _mm512_fmadd_ps(first, _mm512_set1_ps(xb[r * k + j]), dot[r][0]);
+    dot[r][1] = _mm512_fmadd_ps(second, _mm512_set1_ps(xb[r * k + 16 + j]), dot[r][1]);
+  }
+}
+
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void tiles_avx512(const Blocks& w, const Rows& io,
                                                                        int64_t tile_begin, int64_t tile_end) {
@@ -136,31 +153,30 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tiles_avx512(const Blo
       const float* xb = io.x + b * kBlock;
       __m512 dot[R][2];
       for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_ps();
-      for (int j = 0; j < 16; ++j) {
-        __m512 first, second;  // columns j and j + 16 of the block, for the tile's 16 rows
-        if (w.four_bit) {
-          const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + j * kLanes)));
-          first = _mm512_permutexvar_ps(bytes, integers);
-          second = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), integers);
-        } else {
-          const __m128i* column = reinterpret_cast<const __m128i*>(qb + j * kLanes);
-          first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(column)));
-          second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(column + 16)));
+      if (w.four_bit) {
+        for (int g = 0; g < 4; ++g) {
+          const __m512i quads = _mm512_loadu_si512(qb + g * 64);
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i)
+            add_columns512<R>(dot, xb, io.k, 4 * g + i, _mm512_permutexvar_ps(i ? _mm512_srli_epi32(quads, 8 * i) : quads, integers),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32(quads, 8 * i + 4), integers));
         }
-        for (int r = 0; r < R; ++r) {
-          dot[r][0] = _mm512_fmadd_ps(first, _mm512_set1_ps(xb[r * io.k + j]), dot[r][0]);
-          dot[r][1] = _mm512_fmadd_ps(second, _mm512_set1_ps(xb[r * io.k + 16 + j]), dot[r][1]);
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          const __m128i* column = reinterpret_cast<const __m128i*>(qb + j * kLanes);
+          add_columns512<R>(dot, xb, io.k, j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(column))),
+                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(column + 16))));
         }
       }
-      const __m512 d = _mm512_loadu_ps(w.d + w.scale_at(tile, b));
+      const __m512 d = _mm512_loadu_ps(w.d_at(tile, b));
       if (w.groups == 2) {
-        const __m512 d_second = _mm512_loadu_ps(w.d + w.scale_at(tile, b, 1));
+        const __m512 d_second = _mm512_loadu_ps(w.d_at(tile, b, 1));
         for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(dot[r][1], d_second, _mm512_fmadd_ps(dot[r][0], d, acc[r]));
       } else {
         for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(dot[r][0], dot[r][1]), d, acc[r]);
       }
-      if (w.m) {
-        const __m512 m = _mm512_loadu_ps(w.m + w.minimum_at(tile, b));
+      if (w.minimums) {
+        const __m512 m = _mm512_loadu_ps(w.m_at(tile, b));
         for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(io.sums[r * w.blocks + b]), acc[r]);
       }
     }
@@ -169,7 +185,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tiles_avx512(const Blo
 }
 
 // AVX2, few rows: as AVX-512, the tile's 16 outputs as two registers done one after the other, 4-bit q's
-// converted (an 8-entry permute cannot hold the 16 values).
+// masked and converted (an 8-entry permute cannot hold the 16 values).
+template <int R>
+__attribute__((target("avx2,fma"))) inline void add_columns256(__m256 (&dot)[R][2], const float* xb, int64_t k, int j,
+                                                               __m256 first, __m256 second) {
+  for (int r = 0; r < R; ++r) {
+    dot[r][0] = _mm256_fmadd_ps(first, _mm256_set1_ps(xb[r * k + j]), dot[r][0]);
+    dot[r][1] = _mm256_fmadd_ps(second, _mm256_set1_ps(xb[r * k + 16 + j]), dot[r][1]);
+  }
+}
+
 template <int R>
 __attribute__((target("avx2,fma"))) void tiles_avx2(const Blocks& w, const Rows& io, int64_t tile_begin,
                                                     int64_t tile_end) {
@@ -179,37 +204,37 @@ __attribute__((target("avx2,fma"))) void tiles_avx2(const Blocks& w, const Rows&
       __m256 acc[R];
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t b = 0; b < w.blocks; ++b) {
-        const uint8_t* qb = w.q_at(tile, b) + half * 8;
+        const uint8_t* qb = w.q_at(tile, b);
         const float* xb = io.x + b * kBlock;
         __m256 dot[R][2];
         for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_ps();
-        for (int j = 0; j < 16; ++j) {
-          __m256 first, second;
-          if (w.four_bit) {
-            const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + j * kLanes)));
-            first = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
-            second = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-          } else {
-            const uint8_t* column = qb + j * kLanes;
-            first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column))));
-            second = _mm256_cvtepi32_ps(
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 16 * kLanes))));
+        if (w.four_bit) {
+          for (int g = 0; g < 4; ++g) {
+            const __m256i quads = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + g * 64 + half * 32));
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i)
+              add_columns256<R>(dot, xb, io.k, 4 * g + i, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(quads, 8 * i), low)),
+                          _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(quads, 8 * i + 4), low)));
           }
-          for (int r = 0; r < R; ++r) {
-            dot[r][0] = _mm256_fmadd_ps(first, _mm256_set1_ps(xb[r * io.k + j]), dot[r][0]);
-            dot[r][1] = _mm256_fmadd_ps(second, _mm256_set1_ps(xb[r * io.k + 16 + j]), dot[r][1]);
+        } else {
+          for (int j = 0; j < 16; ++j) {
+            const uint8_t* column = qb + j * kLanes + half * 8;
+            add_columns256<R>(
+                dot, xb, io.k, j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column)))),
+                _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 16 * kLanes)))));
           }
         }
-        const __m256 d = _mm256_loadu_ps(w.d + w.scale_at(tile, b) + half * 8);
+        const __m256 d = _mm256_loadu_ps(w.d_at(tile, b) + half * 8);
         if (w.groups == 2) {
-          const __m256 d_second = _mm256_loadu_ps(w.d + w.scale_at(tile, b, 1) + half * 8);
+          const __m256 d_second = _mm256_loadu_ps(w.d_at(tile, b, 1) + half * 8);
           for (int r = 0; r < R; ++r)
             acc[r] = _mm256_fmadd_ps(dot[r][1], d_second, _mm256_fmadd_ps(dot[r][0], d, acc[r]));
         } else {
           for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(dot[r][0], dot[r][1]), d, acc[r]);
         }
-        if (w.m) {
-          const __m256 m = _mm256_loadu_ps(w.m + w.minimum_at(tile, b) + half * 8);
+        if (w.minimums) {
+          const __m256 m = _mm256_loadu_ps(w.m_at(tile, b) + half * 8);
           for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(io.sums[r * w.blocks + b]), acc[r]);
         }
       }
@@ -254,26 +279,35 @@ void block_sums(const float* x, int64_t count, float* sums) {
   }
 }
 
+// q, d and m (or none): views of one (N/16, K/32, R) uint8 tensor of records (kernels.gguf.PackedBlocks), q
+// (N/16, K/32, 256 or 512) uint8, d (N/16, K/32, 16 groups) float32, m (N/16, K/32, 16) float32, each at its place
+// in every record.
 Blocks check_blocks(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
-  TORCH_CHECK(q.device().is_cpu() && q.is_contiguous() && q.dim() == 4 && q.size(3) == kLanes,
-              "blocks: a contiguous CPU tensor (N/16, K/32, 16 or 32, 16)");
-  const bool four_bit = q.scalar_type() == at::kByte;
-  TORCH_CHECK((four_bit && q.size(2) == 16) || (q.scalar_type() == at::kChar && q.size(2) == kBlock),
-              "blocks: uint8 with 16 bytes a column pair (4-bit) or int8 with 32 (8-bit)");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == q.size(0) &&
-                  (d.size(1) == q.size(1) || d.size(1) == 2 * q.size(1)) && d.size(2) == kLanes,
-              "scales: float32 (N/16, K/32 or K/16, 16)");
-  const int64_t groups = d.size(1) / q.size(1);
-  const float* minimums = nullptr;
-  if (m.has_value()) {
-    TORCH_CHECK(groups == 1, "minimums: blocks with one scale only");
-    TORCH_CHECK(m->scalar_type() == at::kFloat && m->is_contiguous() && m->sizes() == d.sizes(),
-                "minimums: float32 (N/16, K/32, 16)");
-    minimums = m->data_ptr<float>();
-  }
-  TORCH_CHECK(!four_bit || minimums, "4-bit blocks: with minimums");
-  return Blocks{static_cast<const uint8_t*>(q.data_ptr()), d.data_ptr<float>(), minimums, q.size(0), q.size(1),
-                four_bit, groups};
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 3 && q.stride(2) == 1 &&
+                  (q.size(2) == kBlock * kLanes / 2 || q.size(2) == kBlock * kLanes),
+              "blocks: q, a CPU uint8 view (N/16, K/32, 256 or 512) of records");
+  const bool four_bit = q.size(2) == kBlock * kLanes / 2;
+  const int64_t record = q.stride(1), tiles = q.size(0), blocks = q.size(1);
+  const auto at_offset = [&](const at::Tensor& t, int64_t offset, int64_t width) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == tiles &&
+           t.size(1) == blocks && t.size(2) == width && t.stride(2) == 1 &&
+           t.stride(1) * int64_t(sizeof(float)) == record &&
+           (tiles == 1 || t.stride(0) * int64_t(sizeof(float)) == q.stride(0)) &&
+           static_cast<const uint8_t*>(t.data_ptr()) == static_cast<const uint8_t*>(q.data_ptr()) + offset;
+  };
+  const int64_t groups = d.dim() == 3 ? d.size(2) / kLanes : 0;
+  TORCH_CHECK((groups == 1 || groups == 2) && at_offset(d, q.size(2), groups * kLanes),
+              "blocks: d, float32 (N/16, K/32, 16 or 32) in the records after q");
+  if (m.has_value())
+    TORCH_CHECK(groups == 1 && at_offset(*m, q.size(2) + groups * kLanes * int64_t(sizeof(float)), kLanes),
+                "blocks: m, float32 (N/16, K/32, 16) in the records after d, with one scale a block");
+  TORCH_CHECK(!four_bit || m.has_value(), "4-bit blocks: with minimums");
+  TORCH_CHECK(record == q.size(2) + (groups + m.has_value()) * kLanes * int64_t(sizeof(float)) &&
+                  (tiles == 1 || q.stride(0) == blocks * record),
+              "blocks: records of q, d and m back to back");
+  TORCH_CHECK(q.storage_offset() + tiles * blocks * record <= int64_t(q.storage().nbytes()),
+              "blocks: every record inside q's storage");
+  return Blocks{static_cast<const uint8_t*>(q.data_ptr()), record, tiles, blocks, four_bit, m.has_value(), groups};
 }
 
 // x (T, K) float32 -> (T, N): x @ W.T for the weight W (N, K) the blocks hold.
@@ -338,12 +372,12 @@ void blocks_linear_rows(const float* x, int64_t rows, const at::Tensor& q, const
   const Blocks w = check_blocks(q, d, m);
   const int64_t k = w.blocks * kBlock;
   TORCH_CHECK(out_stride >= w.tiles * kLanes, "out: a row holds the product's ", w.tiles * kLanes, " outputs");
-  if (w.m && chosen_isa() != Isa::scalar) block_sums(x, rows * w.blocks, sums);
+  if (w.minimums && chosen_isa() != Isa::scalar) block_sums(x, rows * w.blocks, sums);
   const Rows io{x, sums, out, k, out_stride};
   // Tiles split over the threads; within a thread, chunks of tiles one after the other, and each group of rows
   // passes over a chunk's tiles, whose blocks stay in its caches for the next group.
   const int64_t per_pass = chosen_isa() == Isa::avx2 ? kMaxRowsAvx2 : kMaxRows;
-  const int64_t tile_bytes = w.blocks * (w.block_bytes() + (w.groups + (w.m != nullptr)) * kLanes * sizeof(float));
+  const int64_t tile_bytes = w.blocks * w.record;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / tile_bytes);
   at::parallel_for(0, w.tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
     for (int64_t begin = tile_begin; begin < tile_end; begin += chunk)

@@ -319,8 +319,7 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
                                     third = parts.get(3 * p + 2);
     TORCH_CHECK(first.has_value(), "a projection's part: its weight first");
     at::Tensor out;
-    if (first->dim() == 4) {
-      TORCH_CHECK(second.has_value(), "GGUF blocks: q, d and m or None");
+    if (second.has_value()) {  // GGUF blocks: q, d and m or None
       out = blocks_linear_op().call(x, *first, *second, third);
     } else {
       out = dense_linear_op().call(x, *first, third);
@@ -465,7 +464,7 @@ bool direct_projection(const c10::List<std::optional<at::Tensor>>& parts, const 
   if (features.empty() || parts.size() != 3 * features.size()) return false;
   for (size_t p = 0; p < features.size(); ++p) {
     const std::optional<at::Tensor> q = parts.get(3 * p), d = parts.get(3 * p + 1);
-    if (!q.has_value() || !d.has_value() || q->dim() != 4 || q->size(0) * 16 != features[p] ||
+    if (!q.has_value() || !d.has_value() || q->dim() != 3 || q->size(0) * 16 != features[p] ||
         q->size(1) * 32 != inputs)
       return false;
   }

@@ -37,7 +37,7 @@ from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkp
 from triforce_cli.runtime.store import content_identity, write_atomically
 
 BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # in a converted checkpoint's folder: its packed blocks
-BLOCKS_LAYOUT = "tiles-of-16/2"  # kernels.gguf's layout; a kept copy in another is read anew
+BLOCKS_LAYOUT = "records-of-16/3"  # kernels.gguf's layout; a kept copy in another is read anew
 TYPES_FILE = "gguf-blocks/types.json"  # in a converted checkpoint's folder: the file's weight types, counted
 
 
@@ -47,13 +47,12 @@ class GGUFLinear(nn.Module):
     def __init__(self, packed: PackedBlocks):
         super().__init__()
         self.out_features, self.in_features = packed.out_features, packed.in_features
-        self.register_buffer("q", packed.q)
-        self.register_buffer("d", packed.d)
-        self.register_buffer("m", packed.m)
+        self.four_bit, self.groups, self.minimums = packed.four_bit, packed.groups, packed.minimums
+        self.register_buffer("records", packed.records)
 
     @property
     def packed(self) -> PackedBlocks:
-        return PackedBlocks(self.q, self.d, self.m, self.out_features)
+        return PackedBlocks(self.records, self.four_bit, self.groups, self.minimums, self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -65,9 +64,9 @@ class GGUFLinear(nn.Module):
 
     def projection(self) -> Projection | None:
         """The blocks as the CPU step ops take them (kernels.step), None off the CPU."""
-        if self.q.device.type != "cpu":
+        if self.records.device.type != "cpu":
             return None
-        return Projection([self.q, self.d, self.m], [self.out_features])
+        return Projection(self.packed.operands(), [self.out_features])
 
 
 class GGUFEmbedding(nn.Module):
@@ -92,14 +91,11 @@ def stack(parts: list[GGUFLinear]) -> nn.Module:
     forms = {part.packed.form for part in parts}
     if len(forms) > 1 or any(part.out_features % LANES for part in parts):
         return ConcatLinear(parts)
-    m = None if parts[0].m is None else torch.cat([part.m for part in parts])
-    packed = PackedBlocks(
-        torch.cat([part.q for part in parts]),
-        torch.cat([part.d for part in parts]),
-        m,
-        sum(part.out_features for part in parts),
+    first = parts[0].packed
+    records = torch.cat([part.records for part in parts])
+    return GGUFLinear(
+        PackedBlocks(records, first.four_bit, first.groups, first.minimums, sum(part.out_features for part in parts))
     )
-    return GGUFLinear(packed)
 
 
 def read_gguf_blocks(gguf: Path, hf_config: PretrainedConfig) -> dict[str, PackedBlocks]:
@@ -135,24 +131,18 @@ def gguf_blocks(gguf: Path, hf_config: PretrainedConfig, folder: Path) -> dict[s
             with safe_open(stored, framework="pt") as handle:
                 metadata = handle.metadata() or {}
                 if metadata.get("source") == source:
-                    tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
                     return {
-                        name: PackedBlocks(tensors[f"{name}.q"], tensors[f"{name}.d"], tensors.get(f"{name}.m"), rows)
-                        for name, rows in json.loads(metadata["rows"]).items()
+                        name: PackedBlocks(handle.get_tensor(name), four_bit, groups, minimums, rows)
+                        for name, (rows, four_bit, groups, minimums) in json.loads(metadata["forms"]).items()
                     }
         except (OSError, SafetensorError, KeyError, ValueError):
             pass  # unreadable: written anew below
     found = read_gguf_blocks(gguf, hf_config)
-    tensors = {
-        f"{name}.{part}": t
-        for name, p in found.items()
-        for part, t in (("q", p.q), ("d", p.d), ("m", p.m))
-        if t is not None
-    }
-    rows = json.dumps({name: p.out_features for name, p in found.items()})
+    tensors = {name: p.records for name, p in found.items()}
+    forms = json.dumps({name: (p.out_features, p.four_bit, p.groups, p.minimums) for name, p in found.items()})
     try:
         stored.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(stored, lambda partial: save_file(tensors, partial, metadata={"source": source, "rows": rows}))
+        write_atomically(stored, lambda partial: save_file(tensors, partial, metadata={"source": source, "forms": forms}))
     except OSError:
         pass  # a read-only cache: read the file again next time
     return found
