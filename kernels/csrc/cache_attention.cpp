@@ -68,6 +68,7 @@ constexpr int64_t kBlock = 64;        // keys per online-softmax step, aligned t
 constexpr int64_t kGroupRows = 96;    // query rows per unit of work, which share each block's packed keys
 constexpr int64_t kTileRows = 24;     // rows whose scores and weights are taken together before their values
 constexpr int64_t kMaxDim = 256;     // the widest head the vector bodies take
+constexpr int64_t kCombineRows = 64;  // rows whose segments a thread merges at least
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // The next block's key and value rows (`keys` of each, rows k_row and v_row elements apart, `dim` float16 each),
@@ -525,13 +526,17 @@ void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries,
     done += work;
   }
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(body.scratch(dim));
+    // a thread's scratch, kept from call to call (allocating and zeroing it took a few microseconds a call, 30 calls
+    // a decode step); a unit writes every part of it before reading it
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < size_t(body.scratch(dim))) scratch.resize(body.scratch(dim));
     for (int64_t unit = first_unit[begin]; unit < first_unit[end]; ++unit) {
       const Unit u = unit_at(unit);
       body.attend_unit(p, u.head, u.row0, u.rows, u.segment, scratch.data());
     }
   });
-  at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
+  // merging a row's segments is a few vectors a segment: a decode step's rows are merged by the calling thread
+  at::parallel_for(0, kv_heads * rows, kCombineRows, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t head = i / rows, r = i % rows;  // r = t G + g
       body.combine_row(p, head, r, out + head * head_stride + r / group * time_stride + r % group * dim);
