@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triforce_cli.cache import FullCache, RetrievalCache, StreamingCache
 from triforce_cli.cache.base import SlotCache
 from triforce_cli.kernels import pack_tiles, pad_bias
-from triforce_cli.kernels.gguf import LANES, PackedBlocks, blocks_linear
+from triforce_cli.kernels.gguf import LANES, PackedBlocks
 from triforce_cli.kernels.linear import tiled_linear
 from triforce_cli.kernels.step import (
     Projection,

@@ -142,7 +142,9 @@ def gguf_blocks(gguf: Path, hf_config: PretrainedConfig, folder: Path) -> dict[s
     forms = json.dumps({name: (p.out_features, p.four_bit, p.groups, p.minimums) for name, p in found.items()})
     try:
         stored.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(stored, lambda partial: save_file(tensors, partial, metadata={"source": source, "forms": forms}))
+        write_atomically(
+            stored, lambda partial: save_file(tensors, partial, metadata={"source": source, "forms": forms})
+        )
     except OSError:
         pass  # a read-only cache: read the file again next time
     return found
