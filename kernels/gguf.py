@@ -12,8 +12,9 @@ unpack_blocks turns a tensor's bytes into those q, d and m; pack_blocks lays the
 C++ kernel (csrc/gguf_blocks.cpp): q's of 4 bits two to a byte, others (5, 6 and 8 bits) one int8 each, d and m in
 float32, each block of a tile one record of whole cache lines holding its q's, then its d's, then its m's, so that a
 product reads one stream of memory (three streams, q's, d's and m's apart, ran a decode step's products at about
-three quarters of the rate on the 2-core EPYC the figures in docs/performance.md come from). The kernel sums d * sum(q x) + m * sum(x) per group, in one order of arithmetic for every number of
-activation rows and threads: a row's output has the same bits in a decode step, a verification and a prefill chunk.
+three quarters of the rate on the 2-core EPYC the figures in docs/performance.md come from). The kernel sums
+d * sum(q x) + m * sum(x) per group, in one order of arithmetic for every number of activation rows and threads: a
+row's output has the same bits in a decode step, a verification and a prefill chunk.
 The activations stay float32, so the product differs from the product with the dequantized weights only by float32
 rounding.
 

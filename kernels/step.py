@@ -11,8 +11,8 @@ so a position keeps the same bits in a decode step, a verification and a prefill
 torch's (its norm's and SiLU's vectorised reductions and exp): every position of the path is computed by these.
 
 A projection is handed over as its operands (Projection): for each part (one, but for GGUF blocks of different kinds
-side by side) three tensors, GGUF blocks (q, d and m or None: views of a kernels.gguf.PackedBlocks's records) or tiles (tiles, None, bias
-or None: kernels.linear.pack_tiles, pad_bias), and the part's own output features.
+side by side) three tensors, GGUF blocks (q, d and m or None: views of a kernels.gguf.PackedBlocks's records) or
+tiles (tiles, None, bias or None: kernels.linear.pack_tiles, pad_bias), and the part's own output features.
 """
 
 from dataclasses import dataclass

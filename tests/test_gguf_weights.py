@@ -416,6 +416,7 @@ def test_a_gguf_file_gives_its_weights_in_hugging_face_row_order_and_is_kept_whi
     assert len(reads) == 1  # the second time from the kept copy
     for name in held:
         assert torch.equal(kept[name].records, blocks[name].records) and kept[name].form == blocks[name].form
+        assert kept[name].records.data_ptr() % 64 == 0  # whole cache lines, wherever the file put the tensor
 
     stat = gguf.stat()  # touched, the same bytes (a copy installed elsewhere, say): still the kept copy
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
@@ -428,6 +429,36 @@ def test_a_gguf_file_gives_its_weights_in_hugging_face_row_order_and_is_kept_whi
         handle.write(bytes([last ^ 1]))
     gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
     assert len(reads) == 2
+
+
+def test_a_kept_copy_whose_records_do_not_fit_their_form_is_read_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from triforce_cli.runtime import gguf_weights
+
+    hf_config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, hf_config)
+    reads = []
+    read = gguf_weights.read_gguf_blocks
+    monkeypatch.setattr(gguf_weights, "read_gguf_blocks", lambda *args: reads.append(1) or read(*args))
+    blocks = gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
+    stored = tmp_path / "converted" / gguf_weights.BLOCKS_FILE
+    with safe_open(stored, framework="pt") as handle:
+        metadata = handle.metadata()
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    forms = json.loads(metadata["forms"])
+    rows, four_bit, _, minimums = forms["model.layers.0.self_attn.o_proj"]
+    forms["model.layers.0.self_attn.o_proj"] = [rows, four_bit, 2, minimums]  # a record a line short of that form
+    save_file(tensors, stored, metadata={**metadata, "forms": json.dumps(forms)})
+
+    again = gguf_weights.gguf_blocks(gguf, hf_config, tmp_path / "converted")
+    assert len(reads) == 2  # read from the file again, not served from a copy that does not match its form
+    assert again["model.layers.0.self_attn.o_proj"].form == blocks["model.layers.0.self_attn.o_proj"].form
 
 
 def every_packed_type(name: str) -> str:

@@ -123,7 +123,7 @@ def blocks_projection(out_features: int, in_features: int, seed: int) -> Project
 
 
 def reference_projection(x: torch.Tensor, projection: Projection) -> torch.Tensor:
-    """The parts' products by the extension's own ops (kernels.tiled_linear, kernels.gguf.blocks_linear)."""
+    """The parts' products by the extension's own ops (kernels.tiled_linear, the blocks_linear op)."""
     outs = []
     for part, features in enumerate(projection.features):
         first, second, third = projection.operands[3 * part : 3 * part + 3]
@@ -224,6 +224,11 @@ def test_a_wrong_input_is_one_clear_error():
     with pytest.raises(RuntimeError, match="three operands"):
         layer_output(torch.randn(1, 64), torch.randn(4, 1, 16), Projection([], [64]), torch.randn(64), EPS,
                      Projection([], [64]), Projection([], [64]))  # fmt: skip
+    blocks = blocks_projection(64, 64, seed=1)
+    without_scales = Projection([blocks.operands[0], None, blocks.operands[2]], [64])
+    with pytest.raises(RuntimeError, match="GGUF blocks: q, d and m or None"):
+        layer_output(torch.randn(1, 64), torch.randn(4, 1, 16), without_scales, torch.randn(64), EPS,
+                     blocks, blocks)  # fmt: skip
 
 
 class Dispatches(TorchDispatchMode):

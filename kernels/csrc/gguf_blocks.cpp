@@ -158,14 +158,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tiles_avx512(const Blo
           const __m512i quads = _mm512_loadu_si512(qb + g * 64);
 #pragma GCC unroll 4
           for (int i = 0; i < 4; ++i)
-            add_columns512<R>(dot, xb, io.k, 4 * g + i, _mm512_permutexvar_ps(i ? _mm512_srli_epi32(quads, 8 * i) : quads, integers),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32(quads, 8 * i + 4), integers));
+            add_columns512<R>(dot, xb, io.k, 4 * g + i,
+                              _mm512_permutexvar_ps(i ? _mm512_srli_epi32(quads, 8 * i) : quads, integers),
+                              _mm512_permutexvar_ps(_mm512_srli_epi32(quads, 8 * i + 4), integers));
         }
       } else {
         for (int j = 0; j < 16; ++j) {
           const __m128i* column = reinterpret_cast<const __m128i*>(qb + j * kLanes);
           add_columns512<R>(dot, xb, io.k, j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(column))),
-                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(column + 16))));
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(column + 16))));
         }
       }
       const __m512 d = _mm512_loadu_ps(w.d_at(tile, b));
@@ -213,16 +214,17 @@ __attribute__((target("avx2,fma"))) void tiles_avx2(const Blocks& w, const Rows&
             const __m256i quads = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + g * 64 + half * 32));
 #pragma GCC unroll 4
             for (int i = 0; i < 4; ++i)
-              add_columns256<R>(dot, xb, io.k, 4 * g + i, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(quads, 8 * i), low)),
-                          _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(quads, 8 * i + 4), low)));
+              add_columns256<R>(dot, xb, io.k, 4 * g + i,
+                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(quads, 8 * i), low)),
+                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(quads, 8 * i + 4), low)));
           }
         } else {
           for (int j = 0; j < 16; ++j) {
             const uint8_t* column = qb + j * kLanes + half * 8;
-            add_columns256<R>(
-                dot, xb, io.k, j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column)))),
-                _mm256_cvtepi32_ps(
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 16 * kLanes)))));
+            const __m128i* first = reinterpret_cast<const __m128i*>(column);
+            const __m128i* second = reinterpret_cast<const __m128i*>(column + 16 * kLanes);
+            add_columns256<R>(dot, xb, io.k, j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(first))),
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(second))));
           }
         }
         const __m256 d = _mm256_loadu_ps(w.d_at(tile, b) + half * 8);
@@ -287,23 +289,24 @@ Blocks check_blocks(const at::Tensor& q, const at::Tensor& d, const std::optiona
                   (q.size(2) == kBlock * kLanes / 2 || q.size(2) == kBlock * kLanes),
               "blocks: q, a CPU uint8 view (N/16, K/32, 256 or 512) of records");
   const bool four_bit = q.size(2) == kBlock * kLanes / 2;
-  const int64_t record = q.stride(1), tiles = q.size(0), blocks = q.size(1);
+  const int64_t tiles = q.size(0), blocks = q.size(1);
+  const int64_t groups = d.dim() == 3 ? d.size(2) / kLanes : 0;
+  const int64_t record = q.size(2) + (groups + m.has_value()) * kLanes * int64_t(sizeof(float));  // bytes
+  // t (N/16, K/32, width) float32 at `offset` bytes into every record
   const auto at_offset = [&](const at::Tensor& t, int64_t offset, int64_t width) {
     return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == tiles &&
            t.size(1) == blocks && t.size(2) == width && t.stride(2) == 1 &&
-           t.stride(1) * int64_t(sizeof(float)) == record &&
-           (tiles == 1 || t.stride(0) * int64_t(sizeof(float)) == q.stride(0)) &&
+           (blocks == 1 || t.stride(1) * int64_t(sizeof(float)) == record) &&
+           (tiles == 1 || t.stride(0) * int64_t(sizeof(float)) == blocks * record) &&
            static_cast<const uint8_t*>(t.data_ptr()) == static_cast<const uint8_t*>(q.data_ptr()) + offset;
   };
-  const int64_t groups = d.dim() == 3 ? d.size(2) / kLanes : 0;
   TORCH_CHECK((groups == 1 || groups == 2) && at_offset(d, q.size(2), groups * kLanes),
               "blocks: d, float32 (N/16, K/32, 16 or 32) in the records after q");
   if (m.has_value())
     TORCH_CHECK(groups == 1 && at_offset(*m, q.size(2) + groups * kLanes * int64_t(sizeof(float)), kLanes),
                 "blocks: m, float32 (N/16, K/32, 16) in the records after d, with one scale a block");
   TORCH_CHECK(!four_bit || m.has_value(), "4-bit blocks: with minimums");
-  TORCH_CHECK(record == q.size(2) + (groups + m.has_value()) * kLanes * int64_t(sizeof(float)) &&
-                  (tiles == 1 || q.stride(0) == blocks * record),
+  TORCH_CHECK((blocks == 1 || q.stride(1) == record) && (tiles == 1 || q.stride(0) == blocks * record),
               "blocks: records of q, d and m back to back");
   TORCH_CHECK(q.storage_offset() + tiles * blocks * record <= int64_t(q.storage().nbytes()),
               "blocks: every record inside q's storage");

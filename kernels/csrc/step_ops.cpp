@@ -319,7 +319,8 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
                                     third = parts.get(3 * p + 2);
     TORCH_CHECK(first.has_value(), "a projection's part: its weight first");
     at::Tensor out;
-    if (second.has_value()) {  // GGUF blocks: q, d and m or None
+    TORCH_CHECK(first->scalar_type() != at::kByte || second.has_value(), "GGUF blocks: q, d and m or None");
+    if (second.has_value()) {  // GGUF blocks
       out = blocks_linear_op().call(x, *first, *second, third);
     } else {
       out = dense_linear_op().call(x, *first, third);

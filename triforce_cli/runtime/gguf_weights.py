@@ -39,6 +39,7 @@ from triforce_cli.runtime.store import content_identity, write_atomically
 BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # in a converted checkpoint's folder: its packed blocks
 BLOCKS_LAYOUT = "records-of-16/3"  # kernels.gguf's layout; a kept copy in another is read anew
 TYPES_FILE = "gguf-blocks/types.json"  # in a converted checkpoint's folder: the file's weight types, counted
+CACHE_LINE = 64  # bytes: a block's record is whole lines of it
 
 
 class GGUFLinear(nn.Module):
@@ -119,6 +120,18 @@ def read_gguf_blocks(gguf: Path, hf_config: PretrainedConfig) -> dict[str, Packe
     return found
 
 
+def kept_blocks(records: torch.Tensor, rows: int, four_bit: bool, groups: int, minimums: bool) -> PackedBlocks:
+    """PackedBlocks from a kept copy's records and form; a ValueError where the records cannot be of that form. A
+    file's tensors lie where its header ends, seldom on a 64-byte boundary: copied to one, so that every record is
+    whole cache lines as pack_blocks lays them out."""
+    packed = PackedBlocks(records, four_bit, groups, minimums, rows)
+    if records.dim() != 3 or records.shape[2] != packed.q_bytes + 4 * LANES * (groups + minimums):
+        raise ValueError(f"records of {tuple(records.shape)} bytes are not blocks of their form")
+    if records.data_ptr() % CACHE_LINE:
+        packed.records = records.clone()
+    return packed
+
+
 def gguf_blocks(gguf: Path, hf_config: PretrainedConfig, folder: Path) -> dict[str, PackedBlocks]:
     """read_gguf_blocks, kept in folder (the checkpoint's converted folder) after the first time: reading the file's
     metadata and name map takes seconds. The copy is used only while the GGUF file's content (store.content_identity:
@@ -132,10 +145,10 @@ def gguf_blocks(gguf: Path, hf_config: PretrainedConfig, folder: Path) -> dict[s
                 metadata = handle.metadata() or {}
                 if metadata.get("source") == source:
                     return {
-                        name: PackedBlocks(handle.get_tensor(name), four_bit, groups, minimums, rows)
-                        for name, (rows, four_bit, groups, minimums) in json.loads(metadata["forms"]).items()
+                        name: kept_blocks(handle.get_tensor(name), *form)
+                        for name, form in json.loads(metadata["forms"]).items()
                     }
-        except (OSError, SafetensorError, KeyError, ValueError):
+        except (OSError, SafetensorError, KeyError, ValueError, TypeError):
             pass  # unreadable: written anew below
     found = read_gguf_blocks(gguf, hf_config)
     tensors = {name: p.records for name, p in found.items()}
