@@ -82,6 +82,11 @@ class PackedBlocks:
         return BLOCK * LANES // (2 if self.four_bit else 1)
 
     @property
+    def record_bytes(self) -> int:
+        """R: a record's q's, d's and m's."""
+        return self.q_bytes + 4 * LANES * (self.groups + self.minimums)
+
+    @property
     def q(self) -> torch.Tensor:
         """(N/16, K/32, Q) uint8: the records' q's, a view."""
         return self.records[..., : self.q_bytes]

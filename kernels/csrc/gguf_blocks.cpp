@@ -124,11 +124,6 @@ void tiles_scalar(const Blocks& w, const Rows& io, int64_t rows, int64_t tile_be
   }
 }
 
-// AVX-512, few rows: a tile's 16 outputs are one register. For each block, R activation rows accumulate
-// q * x in two registers each (the block's first and second 16 weights, so that consecutive multiply-adds do not
-// wait on each other); then acc += d * that + m * sum(x over the block). A 4-bit q becomes a float by a table
-// lookup (vpermps reads the low 4 bits of each index: a quad's dword shifted by 8 i for weight 4 g + i, by 8 i + 4
-// for its partner 16 on), an 8-bit one by conversion.
 // Columns j and j + 16 of a block (first, second: the tile's 16 rows) times R rows' activations xb (rows k apart),
 // added to dot[r][0] and dot[r][1].
 template <int R>
@@ -141,6 +136,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void add_columns512(
   }
 }
 
+// AVX-512, few rows: a tile's 16 outputs are one register. For each block, R activation rows accumulate
+// q * x in two registers each (the block's first and second 16 weights, so that consecutive multiply-adds do not
+// wait on each other); then acc += d * that + m * sum(x over the block). A 4-bit q becomes a float by a table
+// lookup (vpermps reads the low 4 bits of each index: a quad's dword shifted by 8 i for weight 4 g + i, by 8 i + 4
+// for its partner 16 on), an 8-bit one by conversion.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void tiles_avx512(const Blocks& w, const Rows& io,
                                                                        int64_t tile_begin, int64_t tile_end) {
@@ -185,8 +185,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tiles_avx512(const Blo
   }
 }
 
-// AVX2, few rows: as AVX-512, the tile's 16 outputs as two registers done one after the other, 4-bit q's
-// masked and converted (an 8-entry permute cannot hold the 16 values).
+// add_columns512's AVX2 twin for half a tile (8 rows).
 template <int R>
 __attribute__((target("avx2,fma"))) inline void add_columns256(__m256 (&dot)[R][2], const float* xb, int64_t k, int j,
                                                                __m256 first, __m256 second) {
@@ -196,6 +195,8 @@ __attribute__((target("avx2,fma"))) inline void add_columns256(__m256 (&dot)[R][
   }
 }
 
+// AVX2, few rows: as AVX-512, the tile's 16 outputs as two registers done one after the other, 4-bit q's
+// masked and converted (an 8-entry permute cannot hold the 16 values).
 template <int R>
 __attribute__((target("avx2,fma"))) void tiles_avx2(const Blocks& w, const Rows& io, int64_t tile_begin,
                                                     int64_t tile_end) {

@@ -124,11 +124,11 @@ def kept_blocks(records: torch.Tensor, rows: int, four_bit: bool, groups: int, m
     """PackedBlocks from a kept copy's records and form; a ValueError where the records cannot be of that form. A
     file's tensors lie where its header ends, seldom on a 64-byte boundary: copied to one, so that every record is
     whole cache lines as pack_blocks lays them out."""
-    packed = PackedBlocks(records, four_bit, groups, minimums, rows)
-    if records.dim() != 3 or records.shape[2] != packed.q_bytes + 4 * LANES * (groups + minimums):
-        raise ValueError(f"records of {tuple(records.shape)} bytes are not blocks of their form")
     if records.data_ptr() % CACHE_LINE:
-        packed.records = records.clone()
+        records = records.clone()
+    packed = PackedBlocks(records, four_bit, groups, minimums, rows)
+    if records.dim() != 3 or records.shape[2] != packed.record_bytes:
+        raise ValueError(f"records of {tuple(records.shape)} bytes are not blocks of their form")
     return packed
 
 
