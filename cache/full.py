@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 from triforce_cli.cache.base import CacheCapacityError, EagerWrite, KVCache, StaticStep
+from triforce_cli.kernels.memory import huge_page_zeros
 
 
 class StorageStream(Protocol):
@@ -84,8 +85,8 @@ class FullCache(KVCache):
                 cache's chunk size, so that each of its chunks is held whole or not at all.
         """
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = huge_page_zeros(shape, dtype, device)
+        self.values = huge_page_zeros(shape, dtype, device)
         self.stream: StorageStream | None = None  # set by offload.offload_kv
         self.capacity = capacity
         self.window = window

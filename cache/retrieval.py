@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from triforce_cli.cache.base import CacheCapacityError, SlotCache
 from triforce_cli.cache.full import FullCache
 from triforce_cli.kernels import CHUNK_SCORES, SUMMARIES, chunk_summaries, gather_chunks, summary_scores, top_chunks
+from triforce_cli.kernels.memory import huge_page_zeros
 
 
 class RetrievalCache(SlotCache):
@@ -65,8 +66,8 @@ class RetrievalCache(SlotCache):
         num_layers, num_kv_heads, capacity, head_dim = full.keys.shape
         device = full.keys.device if device is None else device
         shape = (num_layers, num_kv_heads, budget + recent_capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=full.keys.dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self.keys = huge_page_zeros(shape, full.keys.dtype, device)
+        self.values = huge_page_zeros(shape, full.keys.dtype, device)
         # one (mean) or two (min and max) keys per chunk, in the cache dtype: 1/(2 chunk_size) of the full cache's
         # bytes each, scored in float32
         self.chunk_keys = torch.zeros(

@@ -13,6 +13,7 @@ window is shorter than ``window``. The step's later queries read as the first do
 import torch
 from triforce_cli.cache.base import CacheCapacityError, SlotCache
 from triforce_cli.cache.full import FullCache
+from triforce_cli.kernels.memory import huge_page_zeros
 
 
 class StreamingCache(SlotCache):
@@ -34,8 +35,8 @@ class StreamingCache(SlotCache):
         self.max_step = max_step
         self.capacity = sink_tokens + window + max_step
         shape = (num_layers, num_kv_heads, self.capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = huge_page_zeros(shape, dtype, device)
+        self.values = huge_page_zeros(shape, dtype, device)
         self.length = 0
         self.window_start = sink_tokens
         self._write = slice(0, 0)

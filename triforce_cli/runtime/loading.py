@@ -29,6 +29,7 @@ from transformers import (
 from triforce_cli import offload
 from triforce_cli.errors import ConfigError, ModelLoadError
 from triforce_cli.kernels import half_weights_available
+from triforce_cli.kernels.memory import huge_pages_available, onto_huge_pages
 from triforce_cli.runtime.context_window import extend_context
 from triforce_cli.runtime.embedded import EMBEDDED_NAME, embedded_gguf_path
 from triforce_cli.runtime.forms import WEIGHT_FORMATS, OffloadMode, StepMode, WeightForm
@@ -66,6 +67,7 @@ SHARED_WEIGHTS = (EMBEDDING_WEIGHT, "lm_head.weight")  # what a distilled drafte
 DRAFTER_METADATA = "triforce_drafter"  # config.json key written by `triforce distill`
 CONVERSION_RECORD = "triforce-conversion.json"  # the sizes of a converted checkpoint's files, to check it whole
 HEADER_BYTES = 1 << 20  # of each weight file, hashed into a checkpoint's fingerprint
+HUGE_PAGE_GROUP = 16 << 20  # bytes: the least a buffer of weights copied onto huge pages holds (keep_on_huge_pages)
 
 
 def token_id_set(ids: int | list[int] | None) -> set[int]:
@@ -358,12 +360,10 @@ def read_host_state(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def move_to_device(model: nn.Module, device: torch.device) -> None:
-    """Move model's parameters and buffers to device one tensor at a time, so that each host copy is freed (where
-    nothing else holds it) as its device copy exists; a tensor several modules share (a tied output layer) moves
-    once and stays shared, and one on the device already (a drafter's borrowed embedding) stays as it is. The
-    layers whose weights stream from host memory (model.weight_stream) stay there.
-    """
+def tensor_places(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Each parameter and buffer of model once, in module order, as the (module, name) places that hold it (a tensor
+    several modules share, a tied output layer, is one entry), leaving out the layers whose weights stream from host
+    memory (model.weight_stream)."""
     stream = getattr(model, "weight_stream", None)
     layers = [] if stream is None else stream.streamed_layers
     streamed = {id(module) for layer in layers for module in layer.modules()}
@@ -372,16 +372,51 @@ def move_to_device(model: nn.Module, device: torch.device) -> None:
         if id(module) not in streamed:
             for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 holders.setdefault(id(tensor), []).append((module, name))
+    return list(holders.values())
+
+
+def put_in_places(places: list[tuple[nn.Module, str]], tensor: torch.Tensor, was: torch.Tensor) -> None:
+    """tensor where `was` was held (tensor_places), a Parameter where it was one."""
+    if isinstance(was, nn.Parameter):
+        tensor = nn.Parameter(tensor, was.requires_grad)
+    for module, name in places:
+        setattr(module, name, tensor)
+
+
+def move_to_device(model: nn.Module, device: torch.device) -> None:
+    """Move model's parameters and buffers (tensor_places) to device one tensor at a time, so that each host copy is
+    freed (where nothing else holds it) as its device copy exists; a shared tensor moves once and stays shared, and
+    one on the device already (a drafter's borrowed embedding) stays as it is."""
     with torch.no_grad():
-        for places in holders.values():
+        for places in tensor_places(model):
             tensor = getattr(*places[0])
             on_device = tensor.to(device)
-            if on_device is tensor:
-                continue
-            if isinstance(tensor, nn.Parameter):
-                on_device = nn.Parameter(on_device, tensor.requires_grad)
-            for module, name in places:
-                setattr(module, name, on_device)
+            if on_device is not tensor:
+                put_in_places(places, on_device, tensor)
+
+
+def owns_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether tensor is on the CPU and all of its storage, so that a copy of it shares nothing with any other."""
+    return tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes
+
+
+def keep_on_huge_pages(model: nn.Module) -> None:
+    """Copy model's CPU parameters and buffers (tensor_places) onto huge pages (kernels.memory), where this machine
+    has them: consecutive tensors side by side in buffers of at least HUGE_PAGE_GROUP bytes (a decoder layer's
+    GGUF blocks fill no huge page alone); a view of a larger storage stays where it is, one buffer at a time, each original freed as its copy exists, so that
+    loading holds at most one buffer more than the model. The values are the same bits."""
+    if not huge_pages_available():
+        return
+    group: list[tuple[list[tuple[nn.Module, str]], torch.Tensor]] = []
+    with torch.no_grad():
+        for places in [*tensor_places(model), None]:  # None: the end, the last group goes too
+            tensor = None if places is None else getattr(*places[0])
+            if tensor is not None and owns_its_storage(tensor):
+                group.append((places, tensor))
+            if group and (tensor is None or sum(t.nbytes for _, t in group) >= HUGE_PAGE_GROUP):
+                for (where, was), copy in zip(group, onto_huge_pages([t for _, t in group]), strict=True):
+                    put_in_places(where, copy, was)
+                group = []
 
 
 def build_model(
@@ -442,7 +477,8 @@ def transform_model(
     2. shard the decoder layers (options.tensor_parallel, parallel.apply_tp);
     3. weight offload (options.offload_weights): the streamed layers stay in host memory, page-locked for a CUDA
        device, and their two-slot ring is allocated on the device;
-    4. every other tensor crosses to the device, once, already cast and sharded (move_to_device);
+    4. every other tensor crosses to the device, once, already cast and sharded (move_to_device); on the CPU, the
+       weights are copied onto huge pages instead (keep_on_huge_pages), which a decode step reads faster;
     5. the attention kernels (options.attention, Transformer.use_attention), then the step mode (options.steps,
        Transformer.use_steps).
 
@@ -475,6 +511,8 @@ def transform_model(
         except ValueError as err:
             raise ConfigError(f"`offload` {OffloadMode.KV_WEIGHTS}: {err}") from None
     move_to_device(model, options.device)
+    if options.device.type == "cpu":
+        keep_on_huge_pages(model)
     if model.output_ids is not None:  # a plain attribute, no buffer: move_to_device leaves it
         model.output_ids = model.output_ids.to(options.device)
     if options.attention is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from triforce_cli.kernels.memory import huge_pages_available
 from triforce_cli.runtime.environment import cpu_description, package_version
 from triforce_cli.runtime.store import cache_root
 
@@ -18,9 +19,11 @@ def tuning_folder() -> Path:
 
 
 def machine_key() -> str:
-    """The machine part of what a measurement holds for: the CPU (model, features, cores), torch and this tool."""
+    """The machine part of what a measurement holds for: the CPU (model, features, cores), whether its memory comes
+    on huge pages (kernels.memory: the weights and caches are read faster), torch and this tool."""
     cpu, features = cpu_description()
-    return f"{cpu}|{','.join(features)}|{os.cpu_count()}|{torch.__version__}|{package_version('triforce-cli')}"
+    pages = "huge pages" if huge_pages_available() else "small pages"
+    return f"{cpu}|{','.join(features)}|{os.cpu_count()}|{pages}|{torch.__version__}|{package_version('triforce-cli')}"
 
 
 def kept_machine_rates() -> dict | None:
