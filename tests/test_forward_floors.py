@@ -16,9 +16,10 @@ from triforce_cli.bench.forward_costs import ForwardCost, attended, forward_floo
 from triforce_cli.cli.app import app
 from triforce_cli.decoding import tuning
 from triforce_cli.decoding.stats import as_record
-from triforce_cli.plan import rates
+from triforce_cli.plan import measure, rates
 from triforce_cli.runtime.half_weights import use_half_weights
 from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.native import kernel_error
 
 # llama_config's shape: 2 layers, hidden 32, MLP 48, 4 query heads and 2 KV heads of 8, vocabulary 32, no biases
 LINEAR_WEIGHTS = 32 * (32 + 2 * 16) + 32 * 32 + 3 * 32 * 48  # q, k, v, o and the MLP of one layer: 7,680
@@ -26,7 +27,7 @@ LAYER_BYTES = 4 * (LINEAR_WEIGHTS + 2 * 32)  # float32, with its two norms
 OUTPUT_BYTES = 4 * (32 + 32 * 32)  # the final norm and the output layer
 ROW_BYTES = 4 * 32  # one row of the embedding table
 CONTEXT, TOKENS = 40, 3
-RATES = rates.MachineRates("Test CPU", tuning.machine_key(), 1e9, 1e10, 2, "now", 0.1, 0.01)
+RATES = rates.MachineRates("Test CPU", tuning.machine_key(), 1e9, 5e9, 1e10, 2, "now", 0.1, 0.01)
 
 
 def prefilled(tied: bool = False) -> tuple[Transformer, FullCache]:
@@ -51,8 +52,10 @@ def test_a_full_cache_forward_reads_every_weight_and_position_and_computes_every
     assert floor.read_ms == pytest.approx(1e3 * (floor.weight_bytes + floor.kv_bytes) / 1e9)
     assert floor.arithmetic_ms == pytest.approx(1e3 * (floor.linear_flops + floor.attention_flops) / 1e10)
     assert floor.bound == "read" and floor.ms == floor.read_ms
-    slow_arithmetic = forward_floor(model, full, CONTEXT, TOKENS, dataclasses.replace(RATES, flops=1e8))
+    slow_arithmetic = forward_floor(model, full, CONTEXT, TOKENS, dataclasses.replace(RATES, peak_flops=1e8))
     assert slow_arithmetic.bound == "arithmetic" and slow_arithmetic.ms == slow_arithmetic.arithmetic_ms
+    no_peak = forward_floor(model, full, CONTEXT, TOKENS, dataclasses.replace(RATES, peak_flops=None))
+    assert no_peak.arithmetic_ms == pytest.approx(1e3 * (floor.linear_flops + floor.attention_flops) / 5e9)
 
 
 def test_keys_and_values_count_at_the_cache_element_size_and_a_tied_table_once():
@@ -111,6 +114,7 @@ def measured_rates(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(rates, "read_bandwidth", lambda: calls.append("read") or 12.5e9)
     monkeypatch.setattr(rates, "matmul_flops", lambda: calls.append("flops") or 150e9)
+    monkeypatch.setattr(rates, "peak_flops", lambda: calls.append("peak") or 200e9)
     monkeypatch.setattr(rates, "others_share", lambda before, after: 0.02)
     return calls
 
@@ -118,13 +122,14 @@ def measured_rates(tmp_path, monkeypatch):
 def test_rates_are_measured_once_kept_beside_the_set_ups_and_shown_by_info(measured_rates):
     notes = []
     first = rates.machine_rates(notes.append)
-    assert (first.read_bandwidth, first.flops) == (12.5e9, 150e9) and notes[0].startswith("measuring")
+    assert (first.read_bandwidth, first.flops, first.peak_flops) == (12.5e9, 150e9, 200e9)
+    assert first.arithmetic_rate == 200e9 and notes[0].startswith("measuring")
     again = rates.machine_rates(notes.append)
-    assert again == first and measured_rates == ["read", "flops"] and len(notes) == 1  # read back
+    assert again == first and measured_rates == ["read", "flops", "peak"] and len(notes) == 1  # read back
     assert tuning.remembered_tunings() == [] and rates.rates_path().exists()  # no set-up, and not dropped as one
 
     shown = " ".join(CliRunner().invoke(app, ["info"]).output.split())
-    assert "read bandwidth 12.5 GB/s, float32 matrix product 150.0 GFLOP/s" in shown
+    assert "read bandwidth 12.5 GB/s, float32 FMA peak 200.0 GFLOP/s, float32 matrix product 150.0 GFLOP/s" in shown
     assert "other programs 2% of the CPU" in shown
     assert json.loads(CliRunner().invoke(app, ["info", "--json"]).output)["rates"]["read_bandwidth"] == 12.5e9
 
@@ -147,4 +152,26 @@ def test_rates_of_another_machine_are_measured_anew(measured_rates):
     rates.rates_path().write_text(json.dumps({**record, "machine": "another CPU"}))
     assert rates.remembered_rates() is None
     rates.machine_rates()
-    assert measured_rates == ["read", "flops"] * 2
+    assert measured_rates == ["read", "flops", "peak"] * 2
+
+
+def test_rates_kept_before_the_fma_peak_was_measured_are_measured_anew(measured_rates):
+    rates.machine_rates()
+    record = json.loads(rates.rates_path().read_text())
+    del record["peak_flops"]
+    rates.rates_path().write_text(json.dumps(record))
+    assert rates.remembered_rates() is None
+
+
+LANES = {"avx512": 16, "avx2": 8, "scalar": 1}
+
+
+@pytest.mark.skipif(kernel_error() is not None, reason="the CPU extension is not built here")
+def test_the_fma_peak_counts_every_lane_of_the_body_that_runs(body):
+    """Each body's FMA chains, counted by its lanes: a vector body's rate over the plain one's is near its lane
+    count (every lane an FMA a cycle or two), so a miscounted lane or a chain the compiler dropped shows."""
+    rate = measure.peak_flops(1 << 16)
+    torch.ops.triforce_cpu.use_isa("scalar")
+    plain = measure.peak_flops(1 << 16)
+    torch.ops.triforce_cpu.use_isa(body)
+    assert 0 < plain and LANES[body] / 3 <= rate / plain <= 3 * LANES[body]

@@ -7,7 +7,8 @@ repeat, with the logits of all T positions as a verification needs them.
 Beside each cost stands its floor on this machine (ForwardFloor): what the forward must read, the weights as they
 are stored and the keys and values of every position its layers attend to in the cache's dtype, over the measured
 read bandwidth; and what it must compute, the linears' and attention's float32 multiply-adds, over the measured
-arithmetic rate (plan.rates). The larger is the floor, and cost over floor shows how far a forward is from it.
+arithmetic rate (plan.rates: the vector units' FMA peak, the most any kernel computes). The larger is the floor,
+and cost over floor shows how far a forward is from it.
 """
 
 import statistics
@@ -35,7 +36,7 @@ class ForwardFloor:
     linear_flops: int  # 2 per weight of every linear and token
     attention_flops: int  # 4 per query head, head dimension and (query, key) pair a causal (windowed) mask keeps
     read_bandwidth: float  # bytes/s
-    flops_rate: float  # float32 FLOP/s
+    flops_rate: float  # float32 FLOP/s (MachineRates.arithmetic_rate)
 
     DERIVED: ClassVar[tuple[str, ...]] = ("read_ms", "arithmetic_ms", "ms", "bound")
 
@@ -128,7 +129,7 @@ def forward_floor(model: Transformer, cache: KVCache, start: int, tokens: int, r
         linear_flops=2 * tokens * linear_weights(model),
         attention_flops=4 * cfg.num_heads * cfg.head_dim * pairs,
         read_bandwidth=rates.read_bandwidth,
-        flops_rate=rates.flops,
+        flops_rate=rates.arithmetic_rate,
     )
 
 

@@ -5,6 +5,8 @@ time on a machine, after the CPU extension's build, which any command that runs 
 - read bandwidth (for the floors of `triforce bench --forward-costs`, plan.rates): the best of a few sums over a
   COPY_BYTES tensor, which read it once and write nothing;
 - FLOP/s: the best of a few float32 matrix products of MATMUL_SIZE (what the CPU computes in, half weights too);
+- peak FLOP/s: the best of a few runs of independent float32 FMA chains on every thread (peak_flops), the most
+  any kernel can compute, where the extension is loaded;
 - the fixed cost per decoder layer: a decode step of this tool's own model, tiny enough that its arithmetic and
   bytes are negligible, over its layers (Python, dispatch, threads meeting and the small kernels every layer runs),
   in the form decoding takes on this CPU: weights in the extension's tiles and a float16 KV cache, so that the
@@ -31,6 +33,7 @@ from transformers import LlamaConfig
 from triforce_cli.cache import FullCache, kv_dtype
 from triforce_cli.errors import ConfigError
 from triforce_cli.kernels.memory import huge_page_zeros
+from triforce_cli.kernels.native import native_loaded
 from triforce_cli.plan.model import Hardware
 from triforce_cli.plan.presets import CUDA_GRAPH_LAYER_OVERHEAD_S, THIS_GPU
 from triforce_cli.runtime.model import Transformer
@@ -39,6 +42,7 @@ from triforce_cli.runtime.tiled_weights import tiled_weights_apply, use_tiled_we
 
 COPY_BYTES = 256 * 2**20
 MATMUL_SIZE = 2048
+PEAK_ROUNDS = 1 << 21  # of 12 FMA chains a thread: 0.8 GFLOP of AVX-512 ones, about 8 ms on a Zen 4 core
 REPEATS = 3
 PROBE_LAYERS = 24  # the tiny model timed for the per-layer cost: deep enough that a step's own costs spread thin
 PROBE_STEPS = 40  # decode steps of it; the first half warms up
@@ -80,6 +84,14 @@ def read_bandwidth(num_bytes: int = COPY_BYTES) -> float:
     the tensor on huge pages where the machine has them, as the weights and caches are (kernels.memory)."""
     source = huge_page_zeros((num_bytes // 4,), torch.float32).fill_(1)
     return num_bytes / best_seconds(source.sum)
+
+
+def peak_flops(rounds: int = PEAK_ROUNDS) -> float | None:
+    """The float32 FLOP/s of independent FMA chains on every torch thread, no memory read (csrc/peak_rate.cpp): the
+    most arithmetic this CPU's vector units do, the best of a few; None where the extension is not loaded."""
+    if not native_loaded():
+        return None
+    return max(torch.ops.triforce_cpu.peak_flops(rounds) for _ in range(REPEATS))
 
 
 def matmul_flops(device: torch.device = CPU, dtype: torch.dtype = torch.float32, size: int = MATMUL_SIZE) -> float:

@@ -2,9 +2,11 @@
 set-ups (decoding.tuning: the same folder and machine key; `triforce cache clear --measurements` forgets both).
 
 - read bandwidth: plan.measure.read_bandwidth, the best of a few sums over a 256 MiB float32 tensor;
-- arithmetic rate: plan.measure.matmul_flops, the best of a few float32 products of two 2048 x 2048 matrices (the
-  FMA rate torch's GEMM reaches; every kernel of a CPU forward, GGUF and half weights included, computes in float32);
-both on every physical core. Rates taken while other programs used more than tuning.BUSY_SHARE of the CPU serve the
+- arithmetic rate: plan.measure.peak_flops, the best of a few runs of independent float32 FMA chains (the most
+  arithmetic the vector units do: every kernel of a CPU forward, GGUF and half weights included, computes in
+  float32), and beside it plan.measure.matmul_flops, the best of a few float32 products of two 2048 x 2048 matrices
+  (what torch's GEMM reaches); a floor divides by the peak where the extension measured it, else by the product's;
+all on every physical core. Rates taken while other programs used more than tuning.BUSY_SHARE of the CPU serve the
 run that measured them and are not kept.
 """
 
@@ -14,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from triforce_cli.decoding.tuning import BUSY_SHARE, measured_conditions
-from triforce_cli.plan.measure import matmul_flops, read_bandwidth
+from triforce_cli.plan.measure import matmul_flops, peak_flops, read_bandwidth
 from triforce_cli.runtime.environment import (
     cpu_description,
     cpu_sample,
@@ -37,10 +39,16 @@ class MachineRates:
     machine: str  # tuning.machine_key() where they were measured
     read_bandwidth: float  # bytes/s
     flops: float  # float32 FLOP/s of a matrix product
+    peak_flops: float | None  # float32 FLOP/s of FMA chains (plan.measure.peak_flops), None without the extension
     threads: int  # torch threads while measuring: every physical core
     measured: str  # UTC date and time
     load: float | None  # one-minute load average when the measurement began
     others_share: float | None  # share of the CPU other programs used while measuring
+
+    @property
+    def arithmetic_rate(self) -> float:
+        """What a forward's arithmetic floor divides by: the FMA peak where measured, else the matrix product's rate."""
+        return self.flops if self.peak_flops is None else self.peak_flops
 
     @property
     def busy_reason(self) -> str | None:
@@ -52,8 +60,9 @@ class MachineRates:
     @property
     def label(self) -> str:
         """The rates in words."""
+        peak = "" if self.peak_flops is None else f"float32 FMA peak {self.peak_flops / 1e9:.1f} GFLOP/s, "
         return (
-            f"read bandwidth {self.read_bandwidth / 1e9:.1f} GB/s, float32 matrix product"
+            f"read bandwidth {self.read_bandwidth / 1e9:.1f} GB/s, {peak}float32 matrix product"
             f" {self.flops / 1e9:.1f} GFLOP/s, {self.threads} thread{'s' * (self.threads > 1)}"
         )
 
@@ -83,7 +92,7 @@ def measure_rates() -> MachineRates:
     load = load_average()
     before = cpu_sample()
     with torch_threads(physical_cores()):
-        bandwidth, flops = read_bandwidth(), matmul_flops()
+        bandwidth, flops, peak = read_bandwidth(), matmul_flops(), peak_flops()
         threads = physical_cores()
     share = others_share(before, cpu_sample())
     return MachineRates(
@@ -91,6 +100,7 @@ def measure_rates() -> MachineRates:
         machine_key(),
         bandwidth,
         flops,
+        peak,
         threads,
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         None if load is None else round(load, 2),
