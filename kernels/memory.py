@@ -7,13 +7,13 @@ on the 2-core AMD EPYC of docs/performance.md ("Huge pages").
 
 Linux backs a range of anonymous memory with huge pages when the range asks for them (madvise(MADV_HUGEPAGE); the
 kernel's transparent-huge-page mode "madvise", a common default) or always (mode "always"), and only as its pages
-are first touched. So a buffer here is allocated untouched, a little larger than asked, its part from a 2 MiB
-boundary advised first and written after. Elsewhere (another OS, huge pages off) the same calls return plain
+are first touched. So a buffer here is a fresh mapping a little larger than asked, advised before anything writes
+it, and the tensor starts at its first 2 MiB boundary. Elsewhere (another OS, huge pages off) the same calls return plain
 buffers: the values are the same either way, only the speed of reading them differs.
 """
 
-import ctypes
 import math
+import mmap
 import sys
 from collections.abc import Sequence
 from functools import cache
@@ -23,7 +23,6 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
-MADV_HUGEPAGE = 14  # linux/mman.h
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGNMENT = 64  # bytes: where each tensor of a shared buffer starts (a cache line)
 
@@ -41,25 +40,22 @@ def huge_pages_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-@cache
-def _madvise():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc.madvise
-
-
 def huge_page_bytes(num_bytes: int) -> torch.Tensor:
     """An uninitialised CPU uint8 tensor of num_bytes that starts on a huge-page boundary, its pages advised to be
     huge where the machine has them (huge_pages_available) and num_bytes fills at least one; else a plain one (also
-    under a fake-tensor mode, which has no memory to place: tests count a load's bytes that way)."""
+    under a fake-tensor mode, which has no memory to place: tests count a load's bytes that way).
+
+    The memory is a private anonymous mapping of its own, never touched before: memory malloc hands back may have
+    been written already, as 4 KiB pages, which advice does not change. It is unmapped when the last tensor viewing
+    it goes.
+    """
     plain = torch.empty(num_bytes if num_bytes < HUGE_PAGE else 0, dtype=torch.uint8)
     if num_bytes < HUGE_PAGE or not huge_pages_available() or is_fake(plain):
         return plain if plain.numel() == num_bytes else torch.empty(num_bytes, dtype=torch.uint8)
-    raw = torch.empty(num_bytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: malloc maps large sizes anew
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping
+    mapping.madvise(mmap.MADV_HUGEPAGE)  # the 2 MiB-aligned parts of it, as they are first touched
     start = -raw.data_ptr() % HUGE_PAGE
-    span = math.ceil(num_bytes / HUGE_PAGE) * HUGE_PAGE  # inside raw: start + span <= num_bytes + HUGE_PAGE
-    _madvise()(raw.data_ptr() + start, span, MADV_HUGEPAGE)  # a refusal leaves plain pages: nothing to do
     return raw[start : start + num_bytes]
 
 

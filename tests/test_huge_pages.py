@@ -1,5 +1,5 @@
 """Weights and KV caches on huge pages (kernels/memory.py, runtime.loading.keep_on_huge_pages): where they start,
-that the machine backs them with huge pages, and that moving a model there changes no bit of what it computes."""
+that they are advised to take huge pages, and that moving a model there changes no bit of what it computes."""
 
 import pytest
 import torch
@@ -20,29 +20,37 @@ from triforce_cli.runtime.loading import keep_on_huge_pages, tensor_places
 needs_huge_pages = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages on this machine")
 
 
-def huge_bytes_backing(tensor: torch.Tensor) -> int:
-    """Bytes of tensor's memory the kernel backs with huge pages, from /proc/self/smaps: each mapping that overlaps
-    it counts its AnonHugePages within the overlap (a huge page lies inside the mapping's range)."""
+def advised_for_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether every mapping that holds tensor's memory was advised to take huge pages (its VmFlags in
+    /proc/self/smaps hold "hg", set by madvise(MADV_HUGEPAGE)): what this process asks for. Whether the kernel then
+    finds free 2 MiB pages depends on the machine's memory at that moment, so the tests do not ask it."""
     begin, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-    total, overlap = 0, False
+    flags, overlap = [], False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             fields = line.split()
             if "-" in fields[0] and not fields[0].endswith(":"):
                 low, high = (int(x, 16) for x in fields[0].split("-"))
                 overlap = low < end and high > begin
-            elif overlap and fields[0] == "AnonHugePages:":
-                total += int(fields[1]) * 1024
-    return total
+            elif overlap and fields[0] == "VmFlags:":
+                flags.append("hg" in fields[1:])
+    return bool(flags) and all(flags)
 
 
 @needs_huge_pages
-def test_a_buffer_of_huge_pages_starts_on_one_and_the_machine_backs_it():
+def test_a_buffer_of_huge_pages_starts_on_one_and_is_advised_to_take_them():
     zeros = huge_page_zeros((3, 1024, 1024), torch.float32)  # 12 MiB
     assert zeros.shape == (3, 1024, 1024) and zeros.dtype == torch.float32
     assert zeros.data_ptr() % HUGE_PAGE == 0
     assert not zeros.any()
-    assert huge_bytes_backing(zeros) >= HUGE_PAGE
+    assert advised_for_huge_pages(zeros)
+    assert not advised_for_huge_pages(torch.zeros(3, 1024, 1024))
+
+
+@needs_huge_pages
+def test_weights_copied_side_by_side_are_advised_to_take_huge_pages():
+    copies = onto_huge_pages([torch.ones(1 << 20) for _ in range(5)])  # 20 MiB of 4 MiB tensors
+    assert all(bool((copy == 1).all()) and advised_for_huge_pages(copy) for copy in copies)
 
 
 def test_a_buffer_under_a_huge_page_is_a_plain_one():
