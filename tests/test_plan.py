@@ -341,6 +341,32 @@ class TestCommandLine:
             positions = 4096 + DEFAULTS.max_new_tokens + 2 * DEFAULTS.speculation_depth
             assert target == 2 * 4 * 2 * 32 * -(-positions // SPLIT_SLOTS) * SPLIT_SLOTS * 2  # CUDA graphs' split
 
+    def test_a_config_of_a_presets_shape_gets_the_drafter_shipped_for_it(self, tmp_path):
+        config = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+        )
+        folder = tmp_path / "my-smollm2"
+        config.save_pretrained(folder)
+        model = plan_json("--model", str(folder), "--hardware", "this-cpu", "--context", "2k")["model"]
+        assert model["name"] == "my-smollm2" and model["drafter"] == "smollm2-135m-instruct drafter"
+        config.num_hidden_layers = 29  # another shape: the paper's drafter shape
+        config.save_pretrained(folder)
+        assert plan_json("--model", str(folder), "--context", "2k")["model"]["drafter"] == "llama-68m-shaped drafter"
+
+    @pytest.mark.embedded
+    def test_the_embedded_gguf_file_is_named_by_its_file_and_gets_its_drafter(self):
+        from triforce_cli.runtime.embedded import embedded_gguf_path
+
+        path = embedded_gguf_path()
+        model = plan_json("--model", str(path), "--hardware", "this-cpu", "--context", "2k")["model"]
+        assert model["name"] == path.stem and model["drafter"] == "smollm2-135m-instruct drafter"
+
     def test_this_cpu_is_the_measured_machine(self):
         payload = plan_json("--context", "2k")
         assert payload["model"]["name"] == SMOLLM2_135M.name

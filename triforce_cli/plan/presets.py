@@ -229,7 +229,8 @@ def hardware_name(spelling: str) -> str:
 
 def model_preset(name_or_path: str) -> ModelPreset:
     """A preset by name, spelled any way spelling_key reads alike, else the config.json of a local folder or file (or
-    the config a GGUF file's metadata implies), read with transformers; its drafter is then a llama-68m-shaped one with its vocabulary. A preset's exact name
+    the config a GGUF file's metadata implies), read with transformers; its drafter is then the one shipped for a
+    preset of its shape (shipped_drafter), else a llama-68m-shaped one with its vocabulary. A preset's exact name
     (any case) wins over a file of that name, another spelling only where no such file exists. Nothing is
     downloaded."""
     path = Path(name_or_path).expanduser()
@@ -254,9 +255,18 @@ def model_preset(name_or_path: str) -> ModelPreset:
         raise ConfigError(f"{path}: {err}") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ConfigError(f"{path} is not a readable model config: {err}") from None
-    name = (path.parent if path.is_file() else path).name or str(path)
+    name = path.stem if path.suffix == ".gguf" else (path.parent if path.is_file() else path).name or str(path)
     target = ModelShape.from_config(name=name, config=config)
-    return ModelPreset(target, llama_68m_drafter(target.vocab_size))
+    return ModelPreset(target, shipped_drafter(target) or llama_68m_drafter(target.vocab_size))
+
+
+def shipped_drafter(target: ModelShape) -> ModelShape | None:
+    """The drafter the tool ships for a preset whose shape target has (its file or folder under any name: the
+    embedded default's GGUF file is SmolLM2-135M's shape), else None."""
+    for preset in MODELS.values():
+        if replace(preset.target, name=target.name) == target:
+            return preset.drafter
+    return None
 
 
 def with_figures(
