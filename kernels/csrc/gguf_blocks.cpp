@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "peak_rate.h"
 #include "step_kernels.h"
 
 namespace {
@@ -397,4 +398,5 @@ TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def("blocks_rows(Tensor q, Tensor d, Tensor? m, Tensor ids) -> Tensor", &blocks_rows);
   lib.def("isa() -> str", &isa_name);
   lib.def("use_isa(str name) -> ()", &use_isa);
+  lib.def("peak_flops(int rounds) -> float", &triforce_cpu::peak_flops);
 }

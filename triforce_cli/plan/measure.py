@@ -87,7 +87,7 @@ def read_bandwidth(num_bytes: int = COPY_BYTES) -> float:
 
 
 def peak_flops(rounds: int = PEAK_ROUNDS) -> float | None:
-    """The float32 FLOP/s of independent FMA chains on every torch thread, no memory read (csrc/peak_rate.cpp): the
+    """The float32 FLOP/s of independent FMA chains on every torch thread, no memory read (csrc/peak_rate.h): the
     most arithmetic this CPU's vector units do, the best of a few; None where the extension is not loaded."""
     if not native_loaded():
         return None
