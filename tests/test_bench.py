@@ -327,7 +327,7 @@ def test_forward_costs_time_each_token_count_on_both_caches(pipe):
 
 
 def test_forward_costs_stand_beside_their_floors(pipe):
-    rates = MachineRates("Test CPU", "key", 1e10, 1e11, None, 2, "now", None, None)
+    rates = MachineRates("Test CPU", "key", 1e10, 1e11, None, None, 2, "now", None, None)
     config = BenchConfig(modes=("hf",), contexts=(CONTEXT,), forward_tokens=(1, 3), **FAST)
     runner = Bench(pipe, config, rates)
     runner.run_context("p", random_prompt(CONTEXT, 30, seed=3))

@@ -27,7 +27,7 @@ LAYER_BYTES = 4 * (LINEAR_WEIGHTS + 2 * 32)  # float32, with its two norms
 OUTPUT_BYTES = 4 * (32 + 32 * 32)  # the final norm and the output layer
 ROW_BYTES = 4 * 32  # one row of the embedding table
 CONTEXT, TOKENS = 40, 3
-RATES = rates.MachineRates("Test CPU", tuning.machine_key(), 1e9, 5e9, 1e10, 2, "now", 0.1, 0.01)
+RATES = rates.MachineRates("Test CPU", tuning.machine_key(), 1e9, 5e9, 1e10, 5e9, 2, "now", 0.1, 0.01)
 
 
 def prefilled(tied: bool = False) -> tuple[Transformer, FullCache]:
@@ -114,7 +114,9 @@ def measured_rates(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(rates, "read_bandwidth", lambda: calls.append("read") or 12.5e9)
     monkeypatch.setattr(rates, "matmul_flops", lambda: calls.append("flops") or 150e9)
-    monkeypatch.setattr(rates, "peak_flops", lambda: calls.append("peak") or 200e9)
+    # 100 GFLOP/s a core, on as many cores as torch runs threads
+    monkeypatch.setattr(rates, "peak_flops", lambda: calls.append("peak") or 100e9 * torch.get_num_threads())
+    monkeypatch.setattr(rates, "physical_cores", lambda: 2)
     monkeypatch.setattr(rates, "others_share", lambda before, after: 0.02)
     return calls
 
@@ -122,10 +124,10 @@ def measured_rates(tmp_path, monkeypatch):
 def test_rates_are_measured_once_kept_beside_the_set_ups_and_shown_by_info(measured_rates):
     notes = []
     first = rates.machine_rates(notes.append)
-    assert (first.read_bandwidth, first.flops, first.peak_flops) == (12.5e9, 150e9, 200e9)
+    assert (first.read_bandwidth, first.flops, first.peak_flops, first.core_peak_flops) == (12.5e9, 150e9, 200e9, 100e9)
     assert first.arithmetic_rate == 200e9 and notes[0].startswith("measuring")
     again = rates.machine_rates(notes.append)
-    assert again == first and measured_rates == ["read", "flops", "peak"] and len(notes) == 1  # read back
+    assert again == first and measured_rates == ["read", "flops", "peak", "peak"] and len(notes) == 1  # read back
     assert tuning.remembered_tunings() == [] and rates.rates_path().exists()  # no set-up, and not dropped as one
 
     shown = " ".join(CliRunner().invoke(app, ["info"]).output.split())
@@ -146,13 +148,22 @@ def test_rates_measured_on_a_busy_machine_serve_the_run_and_are_not_kept(measure
     assert rates.remembered_rates() is None
 
 
+def test_rates_measured_while_something_outside_took_the_cores_are_not_kept(measured_rates, monkeypatch):
+    """Two cores computing what one does: another virtual machine on the host had one, which no process here shows."""
+    monkeypatch.setattr(rates, "peak_flops", lambda: 110e9)
+    notes = []
+    shared = rates.machine_rates(notes.append)
+    assert shared.peak_flops == 110e9 and rates.remembered_rates() is None
+    assert "its 2 cores computed 50% of 2 times one core's rate" in notes[-1] and "not kept" in notes[-1]
+
+
 def test_rates_of_another_machine_are_measured_anew(measured_rates):
     rates.machine_rates()
     record = json.loads(rates.rates_path().read_text())
     rates.rates_path().write_text(json.dumps({**record, "machine": "another CPU"}))
     assert rates.remembered_rates() is None
     rates.machine_rates()
-    assert measured_rates == ["read", "flops", "peak"] * 2
+    assert measured_rates == ["read", "flops", "peak", "peak"] * 2
 
 
 def test_rates_kept_before_the_fma_peak_was_measured_are_measured_anew(measured_rates):

@@ -56,7 +56,7 @@ def test_the_lower_tiers_cost_less_than_the_full_cache():
 def test_the_rates_plan_keeps_price_the_cpu_else_nominal_figures(monkeypatch, tmp_path):
     monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path))
     assert machine_balance("cpu") == NOMINAL["cpu"]  # none kept
-    kept = MachineRates("Test CPU", machine_key(), 5e9, 7e10, None, 2, "now", None, None)
+    kept = MachineRates("Test CPU", machine_key(), 5e9, 7e10, None, None, 2, "now", None, None)
     rates_path().parent.mkdir(parents=True, exist_ok=True)
     rates_path().write_text(json.dumps(dataclasses.asdict(kept)))  # as plan.rates.machine_rates keeps them
     balance = machine_balance("cpu")

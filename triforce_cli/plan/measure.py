@@ -33,7 +33,6 @@ from transformers import LlamaConfig
 from triforce_cli.cache import FullCache, kv_dtype
 from triforce_cli.errors import ConfigError
 from triforce_cli.kernels.memory import huge_page_zeros
-from triforce_cli.kernels.native import native_loaded
 from triforce_cli.plan.model import Hardware
 from triforce_cli.plan.presets import CUDA_GRAPH_LAYER_OVERHEAD_S, THIS_GPU
 from triforce_cli.runtime.model import Transformer
@@ -88,8 +87,8 @@ def read_bandwidth(num_bytes: int = COPY_BYTES) -> float:
 
 def peak_flops(rounds: int = PEAK_ROUNDS) -> float | None:
     """The float32 FLOP/s of independent FMA chains on every torch thread, no memory read (csrc/peak_rate.h): the
-    most arithmetic this CPU's vector units do, the best of a few; None where the extension is not loaded."""
-    if not native_loaded():
+    most arithmetic this CPU's vector units do, the best of a few; None where the extension cannot be built here."""
+    if kernel_error() is not None:
         return None
     return max(torch.ops.triforce_cpu.peak_flops(rounds) for _ in range(REPEATS))
 

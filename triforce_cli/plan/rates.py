@@ -6,8 +6,10 @@ set-ups (decoding.tuning: the same folder and machine key; `triforce cache clear
   arithmetic the vector units do: every kernel of a CPU forward, GGUF and half weights included, computes in
   float32), and beside it plan.measure.matmul_flops, the best of a few float32 products of two 2048 x 2048 matrices
   (what torch's GEMM reaches); a floor divides by the peak where the extension measured it, else by the product's;
-all on every physical core. Rates taken while other programs used more than tuning.BUSY_SHARE of the CPU serve the
-run that measured them and are not kept.
+all on every physical core, and the FMA peak on one core too. Rates taken while other programs used more than
+tuning.BUSY_SHARE of the CPU, or while the cores together computed less than SHARED_CORES of their number times one
+core's peak (something this system does not see, another virtual machine on the same host, took part of them: its
+processes use no CPU here), serve the run that measured them and are not kept.
 """
 
 import json
@@ -29,6 +31,8 @@ from triforce_cli.runtime.loading import StatusCallback
 from triforce_cli.runtime.measurements import MACHINE_RATES_FILE, kept_machine_rates, machine_key, tuning_folder
 from triforce_cli.runtime.store import mark_used, write_atomically
 
+SHARED_CORES = 0.8  # the cores' FMA peak together under this share of their number times one core's: not kept
+
 
 @dataclass
 class MachineRates:
@@ -40,6 +44,7 @@ class MachineRates:
     read_bandwidth: float  # bytes/s
     flops: float  # float32 FLOP/s of a matrix product
     peak_flops: float | None  # float32 FLOP/s of FMA chains (plan.measure.peak_flops), None without the extension
+    core_peak_flops: float | None  # the same on one core
     threads: int  # torch threads while measuring: every physical core
     measured: str  # UTC date and time
     load: float | None  # one-minute load average when the measurement began
@@ -55,6 +60,13 @@ class MachineRates:
         """Why the machine was too busy for these rates to be kept, or None."""
         if self.others_share is not None and self.others_share > BUSY_SHARE:
             return f"other programs used {self.others_share:.0%} of the CPU"
+        if self.peak_flops and self.core_peak_flops and self.threads > 1:
+            scaling = self.peak_flops / (self.threads * self.core_peak_flops)
+            if scaling < SHARED_CORES:
+                return (
+                    f"its {self.threads} cores computed {scaling:.0%} of {self.threads} times one core's rate:"
+                    " something outside this system was using them"
+                )
         return None
 
     @property
@@ -94,6 +106,8 @@ def measure_rates() -> MachineRates:
     with torch_threads(physical_cores()):
         bandwidth, flops, peak = read_bandwidth(), matmul_flops(), peak_flops()
         threads = physical_cores()
+    with torch_threads(1):
+        core_peak = peak_flops()
     share = others_share(before, cpu_sample())
     return MachineRates(
         cpu_description()[0],
@@ -101,6 +115,7 @@ def measure_rates() -> MachineRates:
         bandwidth,
         flops,
         peak,
+        core_peak,
         threads,
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         None if load is None else round(load, 2),
