@@ -1,7 +1,7 @@
 """This CPU's rates for the floors of `triforce bench --forward-costs`, measured once and kept beside the measured
 set-ups (decoding.tuning: the same folder and machine key; `triforce cache clear --measurements` forgets both).
 
-- read bandwidth: plan.measure.read_bandwidth, the best of a few sums over a 256 MiB float32 tensor;
+- read bandwidth: plan.measure.read_bandwidth, the best of a few sums over a 256 MiB float32 tensor on huge pages;
 - arithmetic rate: plan.measure.peak_flops, the best of a few runs of independent float32 FMA chains (the most
   arithmetic the vector units do: every kernel of a CPU forward, GGUF and half weights included, computes in
   float32), and beside it plan.measure.matmul_flops, the best of a few float32 products of two 2048 x 2048 matrices
