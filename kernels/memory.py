@@ -49,9 +49,8 @@ def huge_page_bytes(num_bytes: int) -> torch.Tensor:
     been written already, as 4 KiB pages, which advice does not change. It is unmapped when the last tensor viewing
     it goes.
     """
-    plain = torch.empty(num_bytes if num_bytes < HUGE_PAGE else 0, dtype=torch.uint8)
-    if num_bytes < HUGE_PAGE or not huge_pages_available() or is_fake(plain):
-        return plain if plain.numel() == num_bytes else torch.empty(num_bytes, dtype=torch.uint8)
+    if num_bytes < HUGE_PAGE or not huge_pages_available() or is_fake(torch.empty(0)):
+        return torch.empty(num_bytes, dtype=torch.uint8)
     mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping
     mapping.madvise(mmap.MADV_HUGEPAGE)  # the 2 MiB-aligned parts of it, as they are first touched

@@ -32,7 +32,7 @@ from transformers import LlamaConfig
 
 from triforce_cli.cache import FullCache, kv_dtype
 from triforce_cli.errors import ConfigError
-from triforce_cli.kernels.memory import huge_page_zeros
+from triforce_cli.kernels.memory import huge_page_bytes
 from triforce_cli.plan.model import Hardware
 from triforce_cli.plan.presets import CUDA_GRAPH_LAYER_OVERHEAD_S, THIS_GPU
 from triforce_cli.runtime.model import Transformer
@@ -81,7 +81,7 @@ def copy_bandwidth(device: torch.device = CPU, num_bytes: int = COPY_BYTES) -> f
 def read_bandwidth(num_bytes: int = COPY_BYTES) -> float:
     """Bytes/s of reading the CPU's memory: a sum over a large float32 tensor reads every byte once and writes none;
     the tensor on huge pages where the machine has them, as the weights and caches are (kernels.memory)."""
-    source = huge_page_zeros((num_bytes // 4,), torch.float32).fill_(1)
+    source = huge_page_bytes(num_bytes // 4 * 4).view(torch.float32).fill_(1)
     return num_bytes / best_seconds(source.sum)
 
 

@@ -402,21 +402,30 @@ def owns_its_storage(tensor: torch.Tensor) -> bool:
 
 def keep_on_huge_pages(model: nn.Module) -> None:
     """Copy model's CPU parameters and buffers (tensor_places) onto huge pages (kernels.memory), where this machine
-    has them: consecutive tensors side by side in buffers of at least HUGE_PAGE_GROUP bytes (a decoder layer's
-    GGUF blocks fill no huge page alone); a view of a larger storage stays where it is, one buffer at a time, each original freed as its copy exists, so that
-    loading holds at most one buffer more than the model. The values are the same bits."""
+    has them: consecutive tensors side by side in buffers of at least HUGE_PAGE_GROUP bytes (a decoder layer's GGUF
+    blocks fill no huge page alone), one buffer at a time, each original freed as its copy exists, so that loading
+    holds at most one buffer more than the model. A view of a larger storage stays where it is. The values are the
+    same bits."""
     if not huge_pages_available():
         return
-    group: list[tuple[list[tuple[nn.Module, str]], torch.Tensor]] = []
+    group: list[tuple[list[tuple[nn.Module, str]], torch.Tensor]] = []  # (places, tensor) for the next buffer
     with torch.no_grad():
-        for places in [*tensor_places(model), None]:  # None: the end, the last group goes too
-            tensor = None if places is None else getattr(*places[0])
-            if tensor is not None and owns_its_storage(tensor):
+        for places in tensor_places(model):
+            tensor = getattr(*places[0])
+            if owns_its_storage(tensor):
                 group.append((places, tensor))
-            if group and (tensor is None or sum(t.nbytes for _, t in group) >= HUGE_PAGE_GROUP):
-                for (where, was), copy in zip(group, onto_huge_pages([t for _, t in group]), strict=True):
-                    put_in_places(where, copy, was)
+            if sum(t.nbytes for _, t in group) >= HUGE_PAGE_GROUP:
+                copy_onto_huge_pages(group)
                 group = []
+        if group:
+            copy_onto_huge_pages(group)
+
+
+def copy_onto_huge_pages(group: list[tuple[list[tuple[nn.Module, str]], torch.Tensor]]) -> None:
+    """Each (places, tensor) of group's tensor replaced in its places by its copy in one buffer (onto_huge_pages)."""
+    copies = onto_huge_pages([tensor for _, tensor in group])
+    for (places, tensor), copy in zip(group, copies, strict=True):
+        put_in_places(places, copy, tensor)
 
 
 def build_model(
