@@ -86,8 +86,8 @@ CASES = [  # (origin, window, context): the first new query's view index is `con
 @pytest.mark.parametrize(("origin", "window", "context"), CASES)
 def test_a_row_gives_the_same_bits_in_any_batch(body, origin, window, context, threads, segment):
     """T rows (1 to 300) in one call, in chunks at random split points, and each alone on the view cut at its
-    position: every row the same bits, whether its keys were read directly (up to 6 rows: a decode or verification
-    step) or packed once for many rows, with the full cache's segments and the small caches'."""
+    position: every row the same bits, whether its keys were read directly (up to 9 rows with AVX-512: a decode or
+    short verification step) or packed once for many rows, with the full cache's segments and the small caches'."""
     rng = random.Random(origin + context + threads)
     queries = rng.randint(1, 300) if body != "scalar" else rng.randint(1, 60)
     q_heads, kv_heads, dim = rng.choice([(9, 3, 64), (8, 2, 128), (6, 2, 48)])  # 48: a vector body's any-D path

@@ -30,17 +30,17 @@
 // work: no element's order depends on them.
 //
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
-// position (t G + g), in groups of kGroupRows. A unit of work with more than Ops::kDirectRows rows (a verification
-// step or a prefill chunk) packs each block's keys (Ops::pack_keys) once for the group; a smaller one (a decode
-// step's grouped heads) reads them as float16 directly. Tiles of rows then take their scores (AVX-512: up to 6 rows
-// against 16 keys), the softmax step, and the values' product (rows x D columns in registers), which every value
-// tile reads from the float16 cache itself. Segments give a 1-row decode its parallelism (flash-decoding). A decode
-// step reads the cache in increasing address, four key rows after four, and leaves it to the hardware's prefetchers
-// (software prefetches of whole blocks stalled it: their instructions waited for free miss buffers); a unit of many
-// rows works on a block long enough for those to stop, so it asks for the next block's rows a few lines at a time,
-// spread over the block's work (Stream). Three bodies: AVX-512 and AVX2 (F16C) for
-// D a multiple of their width, 64 and 128 compiled for their size, and plain C++ for everything else, picked by
-// isa.h.
+// position (t G + g), in groups of kGroupRows. A unit of work with more than Ops::kDirectRows rows (a prefill chunk,
+// a long verification) packs each block's keys (Ops::pack_keys) once for the group; a smaller one (a decode step's
+// grouped heads, a verification of a few tokens) reads them as float16 directly, packing them in registers on the
+// way. Tiles of rows then take their scores (AVX-512: up to 6 rows against 16 keys), the softmax step, and the
+// values' product (rows x D columns in registers), which every value tile reads from the float16 cache itself.
+// Segments give a 1-row decode its parallelism (flash-decoding). Every unit asks for the next block's key and value
+// rows a few lines at a time, spread over the current block's work (Stream): left to the hardware's prefetchers, a
+// decode step's value loads waited on memory (a 1-token forward over 7,168 positions took 1.2x, over 32,768 1.4x
+// its time with the stream), and prefetches of whole blocks at once stalled it (their instructions waited for
+// free miss buffers). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled
+// for their size, and plain C++ for everything else, picked by isa.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -72,8 +72,8 @@ constexpr int64_t kCombineRows = 64;  // rows whose segments a thread merges at 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // The next block's key and value rows (`keys` of each, rows k_row and v_row elements apart, `dim` float16 each),
-// asked for into L1 (prefetcht0; into L2 was slower) a few lines at a time while a unit of many rows works on the
-// current block, so that the cache is read while the block's arithmetic runs rather than before it. The block's
+// asked for into L1 (prefetcht0; into L2 was slower, and so was asking two blocks ahead) a few lines at a time while
+// a unit works on the current block, so that the cache is read while the block's arithmetic runs rather than before it. The block's
 // work is counted in units (a row tile's scores of one key vector: kScoreUnits, its values for one key: 1);
 // advance(n) issues the share of the lines that n of the block's `units` earn, which spreads them at the rate that
 // reads them in the block's time.
@@ -101,7 +101,7 @@ struct Stream {
     }
     ++issued;
   }
-  void advance(int64_t n) {
+  __attribute__((always_inline)) void advance(int64_t n) {
     if (!k) return;
     credit += n * lines;
     for (; credit >= units && issued < lines; credit -= units) issue();
@@ -164,7 +164,7 @@ struct Ops {
   static constexpr int64_t kLanes = 16;
   static constexpr int kValueRows = 6;     // x 4 column vectors: 24 accumulators
   static constexpr int kValueColumns = 4;
-  static constexpr int64_t kDirectRows = 4;  // a decode step of up to 4 grouped heads; 2 queries of 3 pack
+  static constexpr int64_t kDirectRows = 9;  // a decode step's grouped heads, a verification of up to 3 tokens of 3
   using V = __m512;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
@@ -254,20 +254,46 @@ struct Ops {
   }
   // The same scores of 16 float16 keys read as they lie (rows `stride` apart), 4 rows after 4 (the order a stream
   // of the cache is read in best), packed in registers on the way; the rows as copy_query leaves them, 4 D apart.
+  // Each accumulator takes its FMAs in the same order either way: up to 3 rows keep all 4 groups' accumulators and
+  // their quads of 16 columns in registers (the groups' loop over columns within, compiled with every index fixed,
+  // so that nothing spills), more rows take a group at a time.
   template <int kDim, int R>
   static void score_direct(const float* copies, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
+    if constexpr (R > 3) {  // R accumulators, the rows' quads read as the FMAs' operands
+      V part[R][4];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        V acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = zero();
+        for (int64_t c = 0; c < d_end; c += 16) {
+          V k[4];
+          for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
+          transpose_quads(k);
+          for (int m = 0; m < 4; ++m)
+            for (int r = 0; r < R; ++r) acc[r] = fma(load(copies + r * 4 * d_end + 4 * c + 16 * m), k[m], acc[r]);
+        }
+        for (int r = 0; r < R; ++r) part[r][g] = acc[r];
+      }
+      for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(part[r]));
+      return;
+    }
     V acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < 4; ++g) acc[r][g] = zero();
-    for (int g = 0; g < 4; ++g)
-      for (int64_t c = 0; c < d_end; c += 16) {
+    for (int64_t c = 0; c < d_end; c += 16) {
+      V query[R][4];  // quads c/4 .. c/4 + 3 of each row, for every group
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < 4; ++m) query[r][m] = load(copies + r * 4 * d_end + 4 * c + 16 * m);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
         V k[4];
         for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
         transpose_quads(k);
         for (int m = 0; m < 4; ++m)
-          for (int r = 0; r < R; ++r) acc[r][g] = fma(load(copies + r * 4 * d_end + 4 * c + 16 * m), k[m], acc[r][g]);
+          for (int r = 0; r < R; ++r) acc[r][g] = fma(query[r][m], k[m], acc[r][g]);
       }
+    }
     for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(acc[r]));
   }
 };

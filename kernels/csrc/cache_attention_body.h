@@ -158,11 +158,11 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
       const int64_t ja = std::max(block_start, first) - block_start;
       const int64_t jb = std::min(block_start + kBlock, last + 1) - block_start;
       const at::Half* k_block = k_head + block_start * p.k_row;
-      // a unit of many rows reads the next block while it works on this one: its work, counted as the stream
-      // counts it, were every tile to read every key of [ja, jb)
+      // the unit reads the next block while it works on this one: its work, counted as the stream counts it, were
+      // every tile to read every key of [ja, jb)
       Stream stream;
       const int64_t next = block_start + kBlock;
-      if (kPacked && next < p.keys) {
+      if (next < p.keys) {
         const int64_t vectors = (jb + W - 1) / W - ja / W;
         int64_t units = 0;
         for (int64_t t0 = 0; t0 < rows; t0 += kTileRows) {
@@ -235,9 +235,9 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   }
 }
 
-// A group of up to Ops::kDirectRows rows (a decode step's grouped heads) reads the float16 keys directly (but for
-// the keys of vectors the rows read in part); larger ones (a verification step's or a prefill chunk's) pack them
-// once for all.
+// A group of up to Ops::kDirectRows rows (a decode step's grouped heads, a short verification's) reads the float16
+// keys directly (but for the keys of vectors the rows read in part); larger ones (a prefill chunk's) pack them once
+// for all.
 template <int kDim>
 void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int64_t segment, float* scratch) {
   if (rows > Ops::kDirectRows)
