@@ -73,10 +73,10 @@ constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // The next block's key and value rows (`keys` of each, rows k_row and v_row elements apart, `dim` float16 each),
 // asked for into L1 (prefetcht0; into L2 was slower, and so was asking two blocks ahead) a few lines at a time while
-// a unit works on the current block, so that the cache is read while the block's arithmetic runs rather than before it. The block's
-// work is counted in units (a row tile's scores of one key vector: kScoreUnits, its values for one key: 1);
-// advance(n) issues the share of the lines that n of the block's `units` earn, which spreads them at the rate that
-// reads them in the block's time.
+// a unit works on the current block, so that the cache is read while the block's arithmetic runs rather than before
+// it. The block's work is counted in units (a row tile's scores of one key vector: kScoreUnits, its values for one
+// key: 1); advance(n) issues the share of the lines that n of the block's `units` earn, which spreads them at the
+// rate that reads them in the block's time.
 struct Stream {
   static constexpr int64_t kScoreUnits = 16;
   static constexpr int64_t kLineHalves = 32;  // float16 a 64-byte line
