@@ -37,9 +37,8 @@
 // values' product (rows x D columns in registers), which every value tile reads from the float16 cache itself.
 // Segments give a 1-row decode its parallelism (flash-decoding). Every unit asks for the next block's key and value
 // rows a few lines at a time, spread over the current block's work (Stream): left to the hardware's prefetchers, a
-// decode step's value loads waited on memory (a 1-token forward over 7,168 positions took 1.2x, over 32,768 1.4x
-// its time with the stream), and prefetches of whole blocks at once stalled it (their instructions waited for
-// free miss buffers). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled
+// decode step's value loads waited on memory (a 1-token forward over 7,168 positions took 1.16x its time with the
+// stream), and prefetches of whole blocks at once stalled it (their instructions waited for free miss buffers). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled
 // for their size, and plain C++ for everything else, picked by isa.h.
 
 #include <ATen/ATen.h>
@@ -164,7 +163,7 @@ struct Ops {
   static constexpr int64_t kLanes = 16;
   static constexpr int kValueRows = 6;     // x 4 column vectors: 24 accumulators
   static constexpr int kValueColumns = 4;
-  static constexpr int64_t kDirectRows = 9;  // a decode step's grouped heads, a verification of up to 3 tokens of 3
+  static constexpr int64_t kDirectRows = 9;  // 3 grouped heads: a decode step, a verification of 2 or 3 tokens
   using V = __m512;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
