@@ -38,8 +38,9 @@
 // Segments give a 1-row decode its parallelism (flash-decoding). Every unit asks for the next block's key and value
 // rows a few lines at a time, spread over the current block's work (Stream): left to the hardware's prefetchers, a
 // decode step's value loads waited on memory (a 1-token forward over 7,168 positions took 1.16x its time with the
-// stream), and prefetches of whole blocks at once stalled it (their instructions waited for free miss buffers). Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled
-// for their size, and plain C++ for everything else, picked by isa.h.
+// stream), and prefetches of whole blocks at once stalled it (their instructions waited for free miss buffers).
+// Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled for their size, and
+// plain C++ for everything else, picked by isa.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -200,8 +201,10 @@ struct Ops {
   // and one permutation leave key j's score in lane j. A pair's order depends on nothing else: the same bits for it
   // whichever rows and keys go with it, packed or read directly.
   static constexpr int kScoreRows = 6;  // x 4 groups: 24 accumulators
-  // k[i] (16 columns of key i) to k[m] = quad m of keys 0..3: a 4 x 4 transpose of 128-bit blocks
-  static void transpose_quads(V k[4]) {
+  // k[m] = quad m of 4 keys' 16 float16 columns (rows `stride` apart), key i in lanes 4 i .. 4 i + 3: each row
+  // widened, then a 4 x 4 transpose of 128-bit blocks
+  static void key_quads(const at::Half* keys, int64_t stride, V k[4]) {
+    for (int i = 0; i < 4; ++i) k[i] = widen16(keys + i * stride);
     const V t0 = _mm512_shuffle_f32x4(k[0], k[1], 0x44), t1 = _mm512_shuffle_f32x4(k[0], k[1], 0xEE);
     const V t2 = _mm512_shuffle_f32x4(k[2], k[3], 0x44), t3 = _mm512_shuffle_f32x4(k[2], k[3], 0xEE);
     k[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
@@ -224,8 +227,7 @@ struct Ops {
     for (int g = 0; g < 4; ++g)
       for (int64_t c = 0; c < dim; c += 16) {
         V k[4];
-        for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
-        transpose_quads(k);
+        key_quads(keys + 4 * g * stride + c, stride, k);
         for (int m = 0; m < 4; ++m) store(packed + ((c / 4 + m) * 4 + g) * 16, k[m]);
       }
   }
@@ -267,8 +269,7 @@ struct Ops {
         for (int r = 0; r < R; ++r) acc[r] = zero();
         for (int64_t c = 0; c < d_end; c += 16) {
           V k[4];
-          for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
-          transpose_quads(k);
+          key_quads(keys + 4 * g * stride + c, stride, k);
           for (int m = 0; m < 4; ++m)
             for (int r = 0; r < R; ++r) acc[r] = fma(load(copies + r * 4 * d_end + 4 * c + 16 * m), k[m], acc[r]);
         }
@@ -287,8 +288,7 @@ struct Ops {
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         V k[4];
-        for (int i = 0; i < 4; ++i) k[i] = widen16(keys + (4 * g + i) * stride + c);
-        transpose_quads(k);
+        key_quads(keys + 4 * g * stride + c, stride, k);
         for (int m = 0; m < 4; ++m)
           for (int r = 0; r < R; ++r) acc[r][g] = fma(query[r][m], k[m], acc[r][g]);
       }
