@@ -13,12 +13,11 @@
 // - keys are cut into blocks of kBlock and segments of `segment` keys (a multiple of kBlock), both aligned to
 //   absolute positions (origin + j), never to the view's start or to the batch;
 // - a score is one row's dot product with one key in an order fixed per body, the same for a pair (row, key)
-//   whichever rows and keys are scored with it. AVX-512: lane l of 4 takes the FMA chain over m = 0 .. D/4-1 of
-//   q[4 m + l] k[4 m + l], then (p_0 + p_1) + (p_2 + p_3); 16 keys go together in 4 groups of 4 (one key a 128-bit
-//   lane, its quads of columns transposed into place once per block for many rows, in registers for a decode
-//   step), so a row's 16 scores need two levels of in-lane shuffles and no butterfly. AVX2 and plain: with W lanes,
-//   lane l holds the FMA chain over c = 0 .. D/W-1 of q[W c + l] k[W c + l] (the key read in its own row-major
-//   layout), then a fixed tree, which a butterfly runs for W keys at once;
+//   whichever rows and keys are scored with it. AVX-512 and AVX2: lane l of 8 takes the FMA chain over
+//   c = 0 .. D/8-1 of q[8 c + l] k[8 c + l] (a key's 8 columns as they lie), then
+//   ((p_0 + p_4) + (p_2 + p_6)) + ((p_1 + p_5) + (p_3 + p_7)), which AVX-512 runs for two keys a register (the tree
+//   as levels of shuffles over a row's 16 keys) and AVX2 for one (a butterfly over 8 keys); plain: the FMA chain over
+//   d = 0 .. D-1;
 // - within a segment, an online softmax runs over its blocks in increasing position: per block the row's maximum
 //   (exact, in any order), its weights 2^(s - m) (vector_exp.h; scores in base 2, the queries scaled by log2(e)
 //   beforehand), their sum added lane-wise to a running vector of
@@ -32,13 +31,15 @@
 // For many rows the G = Hq / Hkv query heads of a KV head and the T queries are R = G T rows, ordered position by
 // position (t G + g), in groups of kGroupRows. A unit of work with more than Ops::kDirectRows rows (a prefill chunk,
 // a long verification) packs each block's keys (Ops::pack_keys) once for the group; a smaller one (a decode step's
-// grouped heads, a verification of a few tokens) reads them as float16 directly, packing them in registers on the
-// way. Tiles of rows then take their scores (AVX-512: up to 6 rows against 16 keys), the softmax step, and the
-// values' product (rows x D columns in registers), which every value tile reads from the float16 cache itself.
-// Segments give a 1-row decode its parallelism (flash-decoding). Every unit asks for the next block's key and value
-// rows a few lines at a time, spread over the current block's work (Stream): left to the hardware's prefetchers, a
-// decode step's value loads waited on memory (a 1-token forward over 7,168 positions took 1.16x its time with the
-// stream), and prefetches of whole blocks at once stalled it (their instructions waited for free miss buffers).
+// grouped heads, a verification of a few tokens) reads them as float16 directly, widened as the FMAs take them.
+// Tiles of rows then take their scores (AVX-512: up to 6 rows against 16 packed keys, 3 read directly), the softmax
+// step, and the values' product (rows x D columns in registers), which every value tile reads from the float16
+// cache itself. Segments give a 1-row decode its parallelism (flash-decoding). Every unit asks for the next block's
+// key and value rows a few lines at a time, spread over the current block's work (Stream): left to the hardware's
+// prefetchers, a decode step's value loads waited on memory, and prefetches of whole blocks at once stalled it
+// (their instructions waited for free miss buffers). A unit that reads its keys directly also asks for the block
+// three ahead into L2, line for line with the next one: its scores transpose no keys, and what it waits on is
+// memory.
 // Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled for their size, and
 // plain C++ for everything else, picked by isa.h.
 
@@ -72,30 +73,41 @@ constexpr int64_t kCombineRows = 64;  // rows whose segments a thread merges at 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // The next block's key and value rows (`keys` of each, rows k_row and v_row elements apart, `dim` float16 each),
-// asked for into L1 (prefetcht0; into L2 was slower, and so was asking two blocks ahead) a few lines at a time while
-// a unit works on the current block, so that the cache is read while the block's arithmetic runs rather than before
-// it. The block's work is counted in units (a row tile's scores of one key vector: kScoreUnits, its values for one
-// key: 1); advance(n) issues the share of the lines that n of the block's `units` earn, which spreads them at the
-// rate that reads them in the block's time.
+// asked for into L1 (prefetcht0) a few lines at a time while a unit works on the current block, so that the cache is
+// read while the block's arithmetic runs rather than before it; with each line, the same line of the block
+// kFarBlocks after the current one (`far_keys` rows of it) into L2 (prefetcht2), so that the line the next L1
+// request asks for is near. Lines go in pairs, line i of the keys with line i of the values. The block's work is
+// counted in units (a row tile's scores of one key vector: kScoreUnits, its values for one key: 1); advance(n)
+// issues the share of the pairs that n of the block's `units` earn, which spreads them at the rate that reads them
+// in the block's time.
 struct Stream {
   static constexpr int64_t kScoreUnits = 16;
   static constexpr int64_t kLineHalves = 32;  // float16 a 64-byte line
-  const at::Half *k = nullptr, *v = nullptr;
+  static constexpr int64_t kFarBlocks = 3;
+  const at::Half *k = nullptr, *v = nullptr, *far_k = nullptr, *far_v = nullptr;
   int64_t k_row = 0, v_row = 0, row_lines = 0;
-  int64_t lines = 0, issued = 0, units = 1, credit = 0;
-  int64_t row = 0, line = 0;  // the next line: line of key row `row` (line < row_lines), else of its value row
+  int64_t pairs = 0, far_pairs = 0, issued = 0, units = 1, credit = 0;
+  int64_t row = 0, line = 0;  // the next pair's row and line in it, where rows are not dim apart
+  bool contiguous = false;    // key rows and value rows each dim apart, dim a whole number of lines: one range each
 
   Stream() = default;
+  // k, v: the next block's first rows; far_k, far_v: those of the block kFarBlocks after the current one
   Stream(const at::Half* k, const at::Half* v, int64_t k_row, int64_t v_row, int64_t keys, int64_t dim,
-         int64_t units)
-      : k(k), v(v), k_row(k_row), v_row(v_row), row_lines((dim + kLineHalves - 1) / kLineHalves),
-        lines(2 * keys * row_lines), units(std::max<int64_t>(1, units)) {}
+         int64_t units, const at::Half* far_k, const at::Half* far_v, int64_t far_keys)
+      : k(k), v(v), far_k(far_k), far_v(far_v), k_row(k_row), v_row(v_row),
+        row_lines((dim + kLineHalves - 1) / kLineHalves), pairs(keys * row_lines), far_pairs(far_keys * row_lines),
+        units(std::max<int64_t>(1, units)), contiguous(k_row == dim && v_row == dim && dim % kLineHalves == 0) {}
 
-  void issue() {
-    const at::Half* at = line < row_lines ? k + row * k_row + line * kLineHalves
-                                          : v + row * v_row + (line - row_lines) * kLineHalves;
-    asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(at)));
-    if (++line == 2 * row_lines) {
+  __attribute__((always_inline)) void issue() {
+    const int64_t k_at = contiguous ? issued * kLineHalves : row * k_row + line * kLineHalves;
+    const int64_t v_at = contiguous ? issued * kLineHalves : row * v_row + line * kLineHalves;
+    asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(k + k_at)));
+    asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(v + v_at)));
+    if (issued < far_pairs) {
+      asm volatile("prefetcht2 %0" : : "m"(*reinterpret_cast<const char*>(far_k + k_at)));
+      asm volatile("prefetcht2 %0" : : "m"(*reinterpret_cast<const char*>(far_v + v_at)));
+    }
+    if (!contiguous && ++line == row_lines) {
       line = 0;
       ++row;
     }
@@ -103,12 +115,12 @@ struct Stream {
   }
   __attribute__((always_inline)) void advance(int64_t n) {
     if (!k) return;
-    credit += n * lines;
-    for (; credit >= units && issued < lines; credit -= units) issue();
+    credit += n * pairs;
+    for (; credit >= units && issued < pairs; credit -= units) issue();
   }
   void finish() {
     if (k)
-      while (issued < lines) issue();
+      while (issued < pairs) issue();
   }
 };
 
@@ -194,15 +206,45 @@ struct Ops {
   static void widen(const at::Half* from, float* to, int64_t n) {
     for (int64_t i = 0; i < n; i += kLanes) store(to + i, widen16(from + i));
   }
-  // Scores take one vector of 16 keys at a time, in 4 groups of 4: group g holds keys 4 g .. 4 g + 3, key 4 g + i
-  // in lanes 4 i .. 4 i + 3, which hold its columns d = 4 m + l (l = 0..3) of quad m of D. Lane l of a pair (row r,
-  // key j) takes p_l = the FMA chain over m = 0 .. D/4-1 of q_r[4 m + l] k_j[4 m + l] (quad m of the row broadcast
-  // to every group's lanes), then (p_0 + p_1) + (p_2 + p_3): two levels of in-lane shuffles over a row's 4 groups
-  // and one permutation leave key j's score in lane j. A pair's order depends on nothing else: the same bits for it
-  // whichever rows and keys go with it, packed or read directly.
-  static constexpr int kScoreRows = 6;  // x 4 groups: 24 accumulators
-  // k[m] = quad m of 4 keys' 16 float16 columns (rows `stride` apart), key i in lanes 4 i .. 4 i + 3: each row
-  // widened, then a 4 x 4 transpose of 128-bit blocks
+  // Scores take one vector of 16 keys at a time. Lane l (0..7) of a pair (row r, key j) takes p_l = the FMA chain
+  // over c = 0 .. D/8-1 of q_r[8 c + l] k_j[8 c + l], then ((p_0 + p_4) + (p_2 + p_6)) + ((p_1 + p_5) + (p_3 + p_7)):
+  // the AVX2 body's order, in which a key's 8 columns serve as they lie. Read directly (a decode step's few rows),
+  // the keys go in 8 pairs, pair p holding key 2 p's columns 8 c .. 8 c + 7 in lanes 0..7 and key 2 p + 1's in lanes
+  // 8..15, against the row's 8 columns in both halves (octet); packed for many rows, in 4 groups of 4, group g
+  // holding keys 4 g .. 4 g + 3, key 4 g + i in 128-bit block i, one quad (4 columns) at a time, against the row's
+  // quad in every block (quad), the even quads (p_0..p_3) and the odd ones (p_4..p_7) in accumulators of their
+  // own. Either way the sums then run level by level (pair_sum or the groups' two accumulators added, half_sum,
+  // scores_of), and a pair's order depends on nothing else: the same bits for it whichever rows and keys go with
+  // it, packed or read directly.
+  static constexpr int kScoreRows = 6;  // packed: two groups at a time, x 2 accumulators each: 24
+  // columns 8 c .. 8 c + 7 of two keys, a and b, widened into one vector
+  __attribute__((always_inline)) static V key_pair(const at::Half* a, const at::Half* b) {
+    const __m256i low = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(low, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+  }
+  // 8 columns of a row in both halves (vbroadcastf64x4: AVX-512F's broadcast of 256 bits)
+  static V octet(const float* at) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(at))));
+  }
+  // quad m of a row in every block
+  static V quad(const float* at) { return _mm512_broadcast_f32x4(_mm_loadu_ps(at)); }
+  // The sums of a row's p_l, level by level. t: keys 4 i .. 4 i + 3, key 4 i + b in 128-bit block b, whose lane l
+  // holds s_l = p_l + p_l+4; pair_sum takes it from pairs 2 i and 2 i + 1.
+  __attribute__((always_inline)) static V pair_sum(V a, V b) {
+    return add(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  // u from two t: block b holds (s_0 + s_2), (s_1 + s_3) of the first t's key, then of the second's
+  __attribute__((always_inline)) static V half_sum(V t0, V t1) {
+    return add(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+  }
+  // the 16 scores from keys 0..7's u and keys 8..15's: lane i of block b holds key 4 i + b's, which the permutation
+  // puts in lane 4 i + b
+  __attribute__((always_inline)) static V scores_of(V u0, V u1) {
+    const V s = add(_mm512_shuffle_ps(u0, u1, 0x88), _mm512_shuffle_ps(u0, u1, 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+  }
+  // k[m] = quad m of 4 keys' 16 float16 columns (rows `stride` apart), key i in block i: each row widened, then a
+  // 4 x 4 transpose of 128-bit blocks
   static void key_quads(const at::Half* keys, int64_t stride, V k[4]) {
     for (int i = 0; i < 4; ++i) k[i] = widen16(keys + i * stride);
     const V t0 = _mm512_shuffle_f32x4(k[0], k[1], 0x44), t1 = _mm512_shuffle_f32x4(k[0], k[1], 0xEE);
@@ -211,16 +253,6 @@ struct Ops {
     k[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
     k[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
     k[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
-  }
-  // quad m of a row in every group's lanes
-  static V quad(const float* at) { return _mm512_broadcast_f32x4(_mm_loadu_ps(at)); }
-  // groups 0..3 of a row's p_l to its 16 scores: (p_0 + p_1) + (p_2 + p_3) of key 4 g + i lands in lane 4 i + g,
-  // and the permutation puts it in lane 4 g + i
-  static V sum_quads(const V a[4]) {
-    const V x = add(_mm512_shuffle_ps(a[0], a[1], 0x88), _mm512_shuffle_ps(a[0], a[1], 0xDD));
-    const V y = add(_mm512_shuffle_ps(a[2], a[3], 0x88), _mm512_shuffle_ps(a[2], a[3], 0xDD));
-    const V s = add(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
   }
   // 16 keys (rows `stride` apart) to packed (16 D): quad m of group g at (4 m + g) 16
   static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
@@ -231,69 +263,66 @@ struct Ops {
         for (int m = 0; m < 4; ++m) store(packed + ((c / 4 + m) * 4 + g) * 16, k[m]);
       }
   }
-  // The scores of R query rows q (R, D) against 16 packed keys into scores (R, 16), rows kBlock apart.
+  // The scores of R query rows q (R, D) against 16 packed keys into scores (R, 16), rows kBlock apart: groups 0, 1,
+  // then 2, 3, the first pass's u left in the row's scores until the second one's is taken with it.
   template <int kDim, int R>
   static void score(const float* q, const float* packed, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
-    V acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < 4; ++g) acc[r][g] = zero();
-    for (int64_t d = 0; d < d_end; d += 4) {
-      V key[4];
-      for (int g = 0; g < 4; ++g) key[g] = load(packed + (d + g) * 16);
+    for (int pass = 0; pass < 2; ++pass) {
+      V acc[R][4];  // group 2 pass + j's even quads at 2 j, its odd ones at 2 j + 1
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = zero();
+      for (int64_t c = 0; c < d_end; c += 8) {
+        const float* at = packed + (c + 2 * pass) * 16;  // quad c / 4 of group 2 pass; quad c / 4 + 1 is 4 after
+        const V even0 = load(at), even1 = load(at + 16), odd0 = load(at + 64), odd1 = load(at + 80);
+        for (int r = 0; r < R; ++r) {
+          const V even = quad(q + r * d_end + c), odd = quad(q + r * d_end + c + 4);
+          acc[r][0] = fma(even, even0, acc[r][0]);
+          acc[r][1] = fma(odd, odd0, acc[r][1]);
+          acc[r][2] = fma(even, even1, acc[r][2]);
+          acc[r][3] = fma(odd, odd1, acc[r][3]);
+        }
+      }
       for (int r = 0; r < R; ++r) {
-        const V query = quad(q + r * d_end + d);
-        for (int g = 0; g < 4; ++g) acc[r][g] = fma(query, key[g], acc[r][g]);
+        const V u = half_sum(add(acc[r][0], acc[r][1]), add(acc[r][2], acc[r][3]));
+        float* row = scores + r * kBlock;
+        if (pass == 0)
+          store(row, u);
+        else
+          store(row, scores_of(load(row), u));
       }
     }
-    for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(acc[r]));
   }
-  // A decode step's rows copied for score_direct: quad m of a row in every group's lanes, at 16 m
-  static constexpr int64_t kQueryCopies = 4;
-  static void copy_query(const float* q, int64_t dim, float* copies) {
-    for (int64_t d = 0; d < dim; d += 4) store(copies + 4 * d, quad(q + d));
-  }
-  // The same scores of 16 float16 keys read as they lie (rows `stride` apart), 4 rows after 4 (the order a stream
-  // of the cache is read in best), packed in registers on the way; the rows as copy_query leaves them, 4 D apart.
-  // Each accumulator takes its FMAs in the same order either way: up to 3 rows keep all 4 groups' accumulators and
-  // their quads of 16 columns in registers (the groups' loop over columns within, compiled with every index fixed,
-  // so that nothing spills), more rows take a group at a time.
+  // A decode step's rows as they are
+  static constexpr int64_t kQueryCopies = 1;
+  static void copy_query(const float* q, int64_t dim, float* copies) { std::copy(q, q + dim, copies); }
+  // The same scores of 16 float16 keys read as they lie (rows `stride` apart), each pair widened as the FMAs take
+  // it; the rows as copy_query leaves them, D apart.
   template <int kDim, int R>
-  static void score_direct(const float* copies, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
+  static void score_direct(const float* q, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
-    if constexpr (R > 3) {  // R accumulators, the rows' quads read as the FMAs' operands
-      V part[R][4];
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {
-        V acc[R];
-        for (int r = 0; r < R; ++r) acc[r] = zero();
-        for (int64_t c = 0; c < d_end; c += 16) {
-          V k[4];
-          key_quads(keys + 4 * g * stride + c, stride, k);
-          for (int m = 0; m < 4; ++m)
-            for (int r = 0; r < R; ++r) acc[r] = fma(load(copies + r * 4 * d_end + 4 * c + 16 * m), k[m], acc[r]);
-        }
-        for (int r = 0; r < R; ++r) part[r][g] = acc[r];
-      }
-      for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(part[r]));
+    if constexpr (R > 3) {  // 8 accumulators a row: 3 rows at a time
+      score_direct<kDim, 3>(q, keys, stride, dim, scores);
+      score_direct<kDim, R - 3>(q + 3 * d_end, keys, stride, dim, scores + 3 * kBlock);
       return;
     }
-    V acc[R][4];
+    V acc[R][8];
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < 4; ++g) acc[r][g] = zero();
-    for (int64_t c = 0; c < d_end; c += 16) {
-      V query[R][4];  // quads c/4 .. c/4 + 3 of each row, for every group
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < 4; ++m) query[r][m] = load(copies + r * 4 * d_end + 4 * c + 16 * m);
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {
-        V k[4];
-        key_quads(keys + 4 * g * stride + c, stride, k);
-        for (int m = 0; m < 4; ++m)
-          for (int r = 0; r < R; ++r) acc[r][g] = fma(query[r][m], k[m], acc[r][g]);
+      for (int p = 0; p < 8; ++p) acc[r][p] = zero();
+    for (int64_t c = 0; c < d_end; c += 8) {
+      V query[R];
+      for (int r = 0; r < R; ++r) query[r] = octet(q + r * d_end + c);
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const V key = key_pair(keys + 2 * p * stride + c, keys + (2 * p + 1) * stride + c);
+        for (int r = 0; r < R; ++r) acc[r][p] = fma(query[r], key, acc[r][p]);
       }
     }
-    for (int r = 0; r < R; ++r) store(scores + r * kBlock, sum_quads(acc[r]));
+    for (int r = 0; r < R; ++r) {
+      const V u0 = half_sum(pair_sum(acc[r][0], acc[r][1]), pair_sum(acc[r][2], acc[r][3]));
+      const V u1 = half_sum(pair_sum(acc[r][4], acc[r][5]), pair_sum(acc[r][6], acc[r][7]));
+      store(scores + r * kBlock, scores_of(u0, u1));
+    }
   }
 };
 
