@@ -301,9 +301,35 @@ struct Ops {
   template <int kDim, int R>
   static void score_direct(const float* q, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
-    if constexpr (R > 3) {  // 8 accumulators a row: 3 rows at a time
-      score_direct<kDim, 3>(q, keys, stride, dim, scores);
-      score_direct<kDim, R - 3>(q + 3 * d_end, keys, stride, dim, scores + 3 * kBlock);
+    if constexpr (R > 6) {
+      score_direct<kDim, 6>(q, keys, stride, dim, scores);
+      score_direct<kDim, R - 6>(q + 6 * d_end, keys, stride, dim, scores + 6 * kBlock);
+      return;
+    } else if constexpr (R > 3) {  // pairs 0..3, then 4..7, each widened once for every row; as score's passes
+      for (int pass = 0; pass < 2; ++pass) {
+        V acc[R][4];
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 4; ++j) acc[r][j] = zero();
+        for (int64_t c = 0; c < d_end; c += 8) {
+          V key[4];
+          for (int j = 0; j < 4; ++j) {
+            const int p = 4 * pass + j;
+            key[j] = key_pair(keys + 2 * p * stride + c, keys + (2 * p + 1) * stride + c);
+          }
+          for (int r = 0; r < R; ++r) {
+            const V query = octet(q + r * d_end + c);
+            for (int j = 0; j < 4; ++j) acc[r][j] = fma(query, key[j], acc[r][j]);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const V u = half_sum(pair_sum(acc[r][0], acc[r][1]), pair_sum(acc[r][2], acc[r][3]));
+          float* row = scores + r * kBlock;
+          if (pass == 0)
+            store(row, u);
+          else
+            store(row, scores_of(load(row), u));
+        }
+      }
       return;
     }
     V acc[R][8];
