@@ -32,7 +32,7 @@
 // position (t G + g), in groups of kGroupRows. A unit of work with more than Ops::kDirectRows rows (a prefill chunk,
 // a long verification) packs each block's keys (Ops::pack_keys) once for the group; a smaller one (a decode step's
 // grouped heads, a verification of a few tokens) reads them as float16 directly, widened as the FMAs take them.
-// Tiles of rows then take their scores (AVX-512: up to 6 rows against 16 packed keys, 3 read directly), the softmax
+// Tiles of rows then take their scores (AVX-512: up to 6 rows against 16 keys, packed or read directly), the softmax
 // step, and the values' product (rows x D columns in registers), which every value tile reads from the float16
 // cache itself. Segments give a 1-row decode its parallelism (flash-decoding). Every unit asks for the next block's
 // key and value rows a few lines at a time, spread over the current block's work (Stream): left to the hardware's
