@@ -293,11 +293,7 @@ struct Ops {
       }
     }
   }
-  // A decode step's rows as they are
-  static constexpr int64_t kQueryCopies = 1;
-  static void copy_query(const float* q, int64_t dim, float* copies) { std::copy(q, q + dim, copies); }
-  // The same scores of 16 float16 keys read as they lie (rows `stride` apart), each pair widened as the FMAs take
-  // it; the rows as copy_query leaves them, D apart.
+  // The same scores of 16 float16 keys read as they lie (rows `stride` apart), each pair widened as the FMAs take it.
   template <int kDim, int R>
   static void score_direct(const float* q, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
@@ -427,10 +423,7 @@ struct Ops {
       u[i] = add(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
     store(scores, add(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD)));
   }
-  // Packed keys are the widened rows, one after the other; their scores and the direct ones are score_keys', the
-  // direct ones' rows as they are.
-  static constexpr int64_t kQueryCopies = 1;
-  static void copy_query(const float* q, int64_t dim, float* copies) { std::copy(q, q + dim, copies); }
+  // Packed keys are the widened rows, one after the other; their scores and the direct ones are score_keys'.
   static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
     for (int64_t j = 0; j < kLanes; ++j) widen(keys + j * stride, packed + j * dim, dim);
   }
@@ -488,10 +481,7 @@ struct Ops {
     for (int64_t d = 0; d < d_end; ++d) acc = std::fma(q[d], load(key + d), acc);
     *scores = acc;
   }
-  // Packed keys are the widened rows, one after the other; their scores and the direct ones are score_keys', the
-  // direct ones' rows as they are.
-  static constexpr int64_t kQueryCopies = 1;
-  static void copy_query(const float* q, int64_t dim, float* copies) { std::copy(q, q + dim, copies); }
+  // Packed keys are the widened rows, one after the other; their scores and the direct ones are score_keys'.
   static void pack_keys(const at::Half* keys, int64_t stride, int64_t dim, float* packed) {
     for (int64_t j = 0; j < kLanes; ++j) widen(keys + j * stride, packed + j * dim, dim);
   }

@@ -6,9 +6,9 @@
 // first (lane 0), reduce_add (a fixed order) and reduce_max, hide (-inf outside a range of lanes), widen (n float16
 // to float32, n a multiple of W); for the scores, each in an order of the set's own that the other rows and keys do
 // not change: pack_keys (W float16 keys to the set's layout), score (kScoreRows query rows against W packed keys),
-// score_direct (the same scores of W float16 keys read as they lie, from the rows as copy_query leaves them,
-// kQueryCopies D floats a row); kValueRows (rows of a tile for the values product) and kValueColumns (vectors of D a
-// pass of it takes); kDirectRows (the most rows of a unit that reads its keys directly rather than packed).
+// score_direct (the same scores of W float16 keys read as they lie); kValueRows (rows of a tile for the values
+// product) and kValueColumns (vectors of D a pass of it takes); kDirectRows (the most rows of a unit that reads its
+// keys directly rather than packed).
 
 // The softmax state of one query row within a unit's segment: its running maximum, the lanes of its running sum of
 // exponentials and its unnormalised output (D).
@@ -40,28 +40,28 @@ inline void pack_block_keys(const at::Half* block, int64_t row_stride, int64_t j
 
 // scores (rows, kBlock) = q (rows, D) . keys^T for the key vectors [k0, k1) of the block: from the packed keys, or,
 // with `block` (not null), the vectors that [ja, jb) fills from the block's float16 rows (row_stride apart)
-// directly, with the rows' copies (Ops::copy_query, kQueryCopies D apart); tiles of Ops::kScoreRows rows against
-// one vector. Every score is Ops::score's fixed order, a row's alone, whatever the tile.
+// directly; tiles of Ops::kScoreRows rows against one vector. Every score is Ops::score's fixed order, a row's alone,
+// whatever the tile.
 template <int kDim, int R = Ops::kScoreRows>
-inline void score_rows(int64_t rows, const float* q, const float* copies, int64_t dim, const float* keys,
-                       const at::Half* block, int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1,
-                       float* scores, Stream& stream) {
+inline void score_rows(int64_t rows, const float* q, int64_t dim, const float* keys, const at::Half* block,
+                       int64_t row_stride, int64_t ja, int64_t jb, int64_t k0, int64_t k1, float* scores,
+                       Stream& stream) {
   constexpr int64_t W = Ops::kLanes;
   const int64_t d_end = kDim ? kDim : dim;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
     for (int64_t vector = k0 * W; vector < k1 * W; vector += W) {
       if (block && vector >= ja && vector + W <= jb)
-        Ops::template score_direct<kDim, R>(copies + r * Ops::kQueryCopies * d_end, block + vector * row_stride,
-                                            row_stride, dim, scores + r * kBlock + vector);
+        Ops::template score_direct<kDim, R>(q + r * d_end, block + vector * row_stride, row_stride, dim,
+                                            scores + r * kBlock + vector);
       else
         Ops::template score<kDim, R>(q + r * d_end, keys + vector * d_end, dim, scores + r * kBlock + vector);
       stream.advance(Stream::kScoreUnits);
     }
   if constexpr (R > 1) {
     if (r < rows)
-      score_rows<kDim, R - 1>(rows - r, q + r * d_end, copies + r * Ops::kQueryCopies * d_end, dim, keys, block,
-                              row_stride, ja, jb, k0, k1, scores + r * kBlock, stream);
+      score_rows<kDim, R - 1>(rows - r, q + r * d_end, dim, keys, block, row_stride, ja, jb, k0, k1,
+                              scores + r * kBlock, stream);
   }
 }
 
@@ -132,7 +132,6 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   float* weights = keys + kBlock * dim;       // (rows, kBlock)
   float* rescale = weights + rows * kBlock;   // (rows)
   RowState state{rescale + rows, rescale + 2 * rows, rescale + 2 * rows + rows * W};
-  float* copies = state.out + rows * dim;     // (rows, kQueryCopies D), for a group that reads K directly
   std::fill(state.max, state.max + rows, kMinusInf);
   std::fill(state.total, state.total + rows * W, 0.f);
   std::fill(state.out, state.out + rows * dim, 0.f);
@@ -149,8 +148,6 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   const float* q = p.q + (head * p.rows + row0) * dim;
   const at::Half* k_head = p.k + head * p.k_head;
   const at::Half* v_head = p.v + head * p.v_head;
-  if constexpr (!kPacked)
-    for (int64_t r = 0; r < rows; ++r) Ops::copy_query(q + r * dim, dim, copies + r * Ops::kQueryCopies * dim);
   if (first <= last) {
     for (int64_t block_start = floor_to(p.origin + first, kBlock) - p.origin; block_start <= last;
          block_start += kBlock) {
@@ -195,8 +192,8 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
         if (tile_lo > tile_hi) continue;  // no row of the tile reads a key of the block: nothing changes
         const int64_t k0 = tile_lo / W, k1 = tile_hi / W + 1;  // the key vectors the tile reads
         float* tile_weights = weights + t0 * kBlock;
-        score_rows<kDim>(tile, q + t0 * dim, copies + t0 * Ops::kQueryCopies * dim, dim, keys,
-                         kPacked ? nullptr : k_block, p.k_row, ja, jb, k0, k1, tile_weights, stream);
+        score_rows<kDim>(tile, q + t0 * dim, dim, keys, kPacked ? nullptr : k_block, p.k_row, ja, jb, k0, k1,
+                         tile_weights, stream);
         for (int64_t r = 0; r < tile; ++r) {
           const int64_t row = t0 + r;
           float* s = tile_weights + r * kBlock;
@@ -252,7 +249,7 @@ void attend_unit(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
 }
 
 inline int64_t unit_scratch(int64_t dim) {
-  return dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim) + Ops::kDirectRows * Ops::kQueryCopies * dim;
+  return dim * kBlock + kGroupRows * (kBlock + 2 + Ops::kLanes + dim);
 }
 
 // Row r of KV head `head`: its segments' partials merged in segment order into out (D): with M the largest
