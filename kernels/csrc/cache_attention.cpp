@@ -243,6 +243,11 @@ struct Ops {
     const V s = add(_mm512_shuffle_ps(u0, u1, 0x88), _mm512_shuffle_ps(u0, u1, 0xDD));
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
   }
+  // A row's u of keys 0..7 (pass 0), parked in its 16 scores, or of keys 8..15 (pass 1), taken with the parked one
+  // into the scores
+  __attribute__((always_inline)) static void finish_pass(int pass, float* row, V u) {
+    store(row, pass == 0 ? u : scores_of(load(row), u));
+  }
   // k[m] = quad m of 4 keys' 16 float16 columns (rows `stride` apart), key i in block i: each row widened, then a
   // 4 x 4 transpose of 128-bit blocks
   static void key_quads(const at::Half* keys, int64_t stride, V k[4]) {
@@ -283,14 +288,8 @@ struct Ops {
           acc[r][3] = fma(odd, odd1, acc[r][3]);
         }
       }
-      for (int r = 0; r < R; ++r) {
-        const V u = half_sum(add(acc[r][0], acc[r][1]), add(acc[r][2], acc[r][3]));
-        float* row = scores + r * kBlock;
-        if (pass == 0)
-          store(row, u);
-        else
-          store(row, scores_of(load(row), u));
-      }
+      for (int r = 0; r < R; ++r)
+        finish_pass(pass, scores + r * kBlock, half_sum(add(acc[r][0], acc[r][1]), add(acc[r][2], acc[r][3])));
     }
   }
   // The same scores of 16 float16 keys read as they lie (rows `stride` apart), each pair widened as the FMAs take it.
@@ -319,11 +318,7 @@ struct Ops {
         }
         for (int r = 0; r < R; ++r) {
           const V u = half_sum(pair_sum(acc[r][0], acc[r][1]), pair_sum(acc[r][2], acc[r][3]));
-          float* row = scores + r * kBlock;
-          if (pass == 0)
-            store(row, u);
-          else
-            store(row, scores_of(load(row), u));
+          finish_pass(pass, scores + r * kBlock, u);
         }
       }
       return;
