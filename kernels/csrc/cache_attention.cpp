@@ -91,10 +91,12 @@ struct Stream {
   bool contiguous = false;    // key rows and value rows each dim apart, dim a whole number of lines: one range each
 
   Stream() = default;
-  // k, v: the next block's first rows; far_k, far_v: those of the block kFarBlocks after the current one
+  // k, v: the next block's first rows, of kBlock-key blocks; the block kFarBlocks after the current one lies
+  // (kFarBlocks - 1) blocks after them
   Stream(const at::Half* k, const at::Half* v, int64_t k_row, int64_t v_row, int64_t keys, int64_t dim,
-         int64_t units, const at::Half* far_k, const at::Half* far_v, int64_t far_keys)
-      : k(k), v(v), far_k(far_k), far_v(far_v), k_row(k_row), v_row(v_row),
+         int64_t units, int64_t far_keys)
+      : k(k), v(v), far_k(far_keys ? k + (kFarBlocks - 1) * kBlock * k_row : nullptr),
+        far_v(far_keys ? v + (kFarBlocks - 1) * kBlock * v_row : nullptr), k_row(k_row), v_row(v_row),
         row_lines((dim + kLineHalves - 1) / kLineHalves), pairs(keys * row_lines), far_pairs(far_keys * row_lines),
         units(std::max<int64_t>(1, units)), contiguous(k_row == dim && v_row == dim && dim % kLineHalves == 0) {}
 
@@ -296,11 +298,8 @@ struct Ops {
   template <int kDim, int R>
   static void score_direct(const float* q, const at::Half* keys, int64_t stride, int64_t dim, float* scores) {
     const int64_t d_end = kDim ? kDim : dim;
-    if constexpr (R > 6) {
-      score_direct<kDim, 6>(q, keys, stride, dim, scores);
-      score_direct<kDim, R - 6>(q + 6 * d_end, keys, stride, dim, scores + 6 * kBlock);
-      return;
-    } else if constexpr (R > 3) {  // pairs 0..3, then 4..7, each widened once for every row; as score's passes
+    static_assert(R <= kScoreRows, "score_rows tiles rows by kScoreRows");
+    if constexpr (R > 3) {  // pairs 0..3, then 4..7, each widened once for every row; as score's passes
       for (int pass = 0; pass < 2; ++pass) {
         V acc[R][4];
         for (int r = 0; r < R; ++r)

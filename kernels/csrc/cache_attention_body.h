@@ -172,8 +172,7 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
         const int64_t far = block_start + Stream::kFarBlocks * kBlock;
         const int64_t far_keys = !kPacked && far < p.keys ? std::min(kBlock, p.keys - far) : 0;
         stream = Stream(k_head + next * p.k_row, v_head + next * p.v_row, p.k_row, p.v_row,
-                        std::min(kBlock, p.keys - next), dim, units, far_keys ? k_head + far * p.k_row : nullptr,
-                        far_keys ? v_head + far * p.v_row : nullptr, far_keys);
+                        std::min(kBlock, p.keys - next), dim, units, far_keys);
       }
       pack_block_keys(k_block, p.k_row, ja, jb, dim, keys, !kPacked);
       for (int64_t t0 = 0; t0 < rows; t0 += kTileRows) {
