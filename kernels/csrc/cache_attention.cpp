@@ -510,15 +510,13 @@ void check_cache(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(2) == 1 || t.size(2) <= 1, name, ": each row's head dim contiguous");
 }
 
-// The checks cache_attention makes of k and v, for q_heads query heads of dim D and T = queries queries.
-void check_views(const at::Tensor& k, const at::Tensor& v, int64_t q_heads, int64_t queries, int64_t dim) {
-  check_cache(k, "k");
-  check_cache(v, "v");
-  const int64_t kv_heads = k.size(0);
+// The checks cache_attention makes of its view against q_heads query heads of dim D and T = queries queries.
+void check_queries(const triforce_cpu::CacheView& view, int64_t q_heads, int64_t queries, int64_t dim) {
   TORCH_CHECK(queries >= 1 && dim >= 1, "q: at least one query and one dimension");
-  TORCH_CHECK(k.size(2) == dim && v.sizes() == k.sizes(), "k, v: (Hkv, L, D) with q's D");
-  TORCH_CHECK(kv_heads >= 1 && q_heads % kv_heads == 0, "q: a multiple of the ", kv_heads, " KV heads");
-  TORCH_CHECK(k.size(1) >= queries, "k: the queries' own keys last, at least T = ", queries, " of them");
+  TORCH_CHECK(view.dim == dim, "k, v: (Hkv, L, D) with q's D");
+  TORCH_CHECK(view.kv_heads >= 1 && q_heads % view.kv_heads == 0, "q: a multiple of the ", view.kv_heads,
+              " KV heads");
+  TORCH_CHECK(view.keys >= queries, "k: the queries' own keys last, at least T = ", queries, " of them");
 }
 
 // q (Hq, T, D) float32, k, v (Hkv, L, D) float16 -> (Hq, T, D) float32; see the top of the file.
@@ -527,14 +525,15 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.scalar_type() == at::kFloat,
               "q: a float32 CPU tensor (query heads, queries, head dim)");
   const int64_t q_heads = q.size(0), queries = q.size(1), dim = q.size(2);
-  check_views(k, v, q_heads, queries, dim);
-  const int64_t kv_heads = k.size(0), group = q_heads / kv_heads;
+  const triforce_cpu::CacheView view = triforce_cpu::cache_view(k, v);
+  check_queries(view, q_heads, queries, dim);
+  const int64_t kv_heads = view.kv_heads, group = q_heads / kv_heads;
   // (Hkv, T, G, D) queries scaled by scale log2(e), for scores in base 2: row r = t G + g of KV head h is query t
   // of head h G + g
   const at::Tensor scaled =
       q.mul(float(scale * 1.4426950408889634)).view({kv_heads, group, queries, dim}).transpose(1, 2).contiguous();
   at::Tensor out = at::empty({kv_heads, queries, group, dim}, q.options());  // rows in the scaled queries' order
-  triforce_cpu::cache_attention_rows(scaled.data_ptr<float>(), q_heads, queries, k, v, origin, window, segment,
+  triforce_cpu::cache_attention_rows(scaled.data_ptr<float>(), q_heads, queries, view, origin, window, segment,
                                      out.data_ptr<float>(), queries * group * dim, group * dim);
   return out.transpose(1, 2).reshape({q_heads, queries, dim});
 }
@@ -543,22 +542,31 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 namespace triforce_cpu {
 
-void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries, const at::Tensor& k,
-                          const at::Tensor& v, int64_t origin, int64_t window, int64_t segment, float* out,
-                          int64_t head_stride, int64_t time_stride) {
+CacheView cache_view(const at::Tensor& k, const at::Tensor& v) {
   check_cache(k, "k");
-  const int64_t dim = k.size(2), kv_heads = k.size(0), keys = k.size(1);
-  check_views(k, v, q_heads, queries, dim);
+  check_cache(v, "v");
+  TORCH_CHECK(v.sizes() == k.sizes(), "k, v: (Hkv, L, D) both");
+  return CacheView{k.data_ptr<at::Half>(), v.data_ptr<at::Half>(), k.size(0), k.size(1), k.size(2),
+                   k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
+}
+
+void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries, const CacheView& view,
+                          int64_t origin, int64_t window, int64_t segment, float* out, int64_t head_stride,
+                          int64_t time_stride) {
+  const int64_t dim = view.dim, kv_heads = view.kv_heads, keys = view.keys;
+  check_queries(view, q_heads, queries, dim);
   TORCH_CHECK(origin >= 0, "origin: an absolute position, >= 0");
   TORCH_CHECK(segment > 0 && segment % kBlock == 0, "segment: a positive multiple of ", kBlock, " keys");
   const int64_t group = q_heads / kv_heads, rows = group * queries;
-  Problem p{scaled, k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+  Problem p{scaled, view.k, view.v, view.k_head, view.k_row, view.v_head, view.v_row,
             rows, group, queries, keys, dim, origin, window, segment, 0, 0, nullptr};
   p.first_segment = p.segment_of(origin + p.first_key(0));
   p.segments = p.segment_of(origin + keys - 1) - p.first_segment + 1;
-  at::Tensor partials = at::empty({kv_heads, p.segments, rows, 2 + dim}, at::kFloat);
-  p.partials = partials.data_ptr<float>();
+  // the calling thread's partials, kept from call to call as the units' scratch is
+  thread_local std::vector<float> partials;
+  const size_t partial_floats = size_t(kv_heads * p.segments * rows * (2 + dim));
+  if (partials.size() < partial_floats) partials.resize(partial_floats);
+  p.partials = partials.data();
 
   const Body body = chosen_body(dim);
   const int64_t row_groups = (rows + kGroupRows - 1) / kGroupRows;

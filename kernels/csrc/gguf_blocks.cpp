@@ -59,29 +59,12 @@
 namespace {
 
 using triforce_cpu::best_isa;
+using triforce_cpu::Blocks;
 using triforce_cpu::chosen_isa;
 using triforce_cpu::Isa;
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kLanes = 16;  // output rows in a tile
-
-struct Blocks {
-  const uint8_t* records;
-  int64_t record;  // bytes a record
-  int64_t tiles, blocks;
-  bool four_bit, minimums;
-  int64_t groups;  // scales a block: 1, or 2 (one per 16 weights)
-
-  int64_t q_bytes() const { return four_bit ? kBlock / 2 * kLanes : kBlock * kLanes; }
-  const uint8_t* q_at(int64_t tile, int64_t b) const { return records + (tile * blocks + b) * record; }
-  // the 16 lanes' scale of block b's weights 16 * half..
-  const float* d_at(int64_t tile, int64_t b, int64_t half = 0) const {
-    return reinterpret_cast<const float*>(q_at(tile, b) + q_bytes()) + (groups == 2 ? half : 0) * kLanes;
-  }
-  const float* m_at(int64_t tile, int64_t b) const {  // minimums only
-    return reinterpret_cast<const float*>(q_at(tile, b) + q_bytes()) + groups * kLanes;
-  }
-};
+constexpr int64_t kBlock = Blocks::kWeights;
+constexpr int64_t kLanes = Blocks::kRows;  // output rows in a tile
 
 struct Rows {  // activations x (T, K), their sums over each block (T, K/32) and outputs (T, N), row-major
   const float* x;
@@ -283,42 +266,10 @@ void block_sums(const float* x, int64_t count, float* sums) {
   }
 }
 
-// q, d and m (or none): views of one (N/16, K/32, R) uint8 tensor of records (kernels.gguf.PackedBlocks), q
-// (N/16, K/32, 256 or 512) uint8, d (N/16, K/32, 16 groups) float32, m (N/16, K/32, 16) float32, each at its place
-// in every record.
-Blocks check_blocks(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 3 && q.stride(2) == 1 &&
-                  (q.size(2) == kBlock * kLanes / 2 || q.size(2) == kBlock * kLanes),
-              "blocks: q, a CPU uint8 view (N/16, K/32, 256 or 512) of records");
-  const bool four_bit = q.size(2) == kBlock * kLanes / 2;
-  const int64_t tiles = q.size(0), blocks = q.size(1);
-  const int64_t groups = d.dim() == 3 ? d.size(2) / kLanes : 0;
-  const int64_t record = q.size(2) + (groups + m.has_value()) * kLanes * int64_t(sizeof(float));  // bytes
-  // t (N/16, K/32, width) float32 at `offset` bytes into every record
-  const auto at_offset = [&](const at::Tensor& t, int64_t offset, int64_t width) {
-    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == tiles &&
-           t.size(1) == blocks && t.size(2) == width && t.stride(2) == 1 &&
-           (blocks == 1 || t.stride(1) * int64_t(sizeof(float)) == record) &&
-           (tiles == 1 || t.stride(0) * int64_t(sizeof(float)) == blocks * record) &&
-           static_cast<const uint8_t*>(t.data_ptr()) == static_cast<const uint8_t*>(q.data_ptr()) + offset;
-  };
-  TORCH_CHECK((groups == 1 || groups == 2) && at_offset(d, q.size(2), groups * kLanes),
-              "blocks: d, float32 (N/16, K/32, 16 or 32) in the records after q");
-  if (m.has_value())
-    TORCH_CHECK(groups == 1 && at_offset(*m, q.size(2) + groups * kLanes * int64_t(sizeof(float)), kLanes),
-                "blocks: m, float32 (N/16, K/32, 16) in the records after d, with one scale a block");
-  TORCH_CHECK(!four_bit || m.has_value(), "4-bit blocks: with minimums");
-  TORCH_CHECK((blocks == 1 || q.stride(1) == record) && (tiles == 1 || q.stride(0) == blocks * record),
-              "blocks: records of q, d and m back to back");
-  TORCH_CHECK(q.storage_offset() + tiles * blocks * record <= int64_t(q.storage().nbytes()),
-              "blocks: every record inside q's storage");
-  return Blocks{static_cast<const uint8_t*>(q.data_ptr()), record, tiles, blocks, four_bit, m.has_value(), groups};
-}
-
 // x (T, K) float32 -> (T, N): x @ W.T for the weight W (N, K) the blocks hold.
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
                          const std::optional<at::Tensor>& m) {
-  const Blocks w = check_blocks(q, d, m);
+  const Blocks w = triforce_cpu::checked_blocks(q, d, m);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.blocks * kBlock,
               "x: float32 (T, K) with K = 32 * blocks");
   const at::Tensor xc = x.contiguous();
@@ -326,8 +277,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
   at::Tensor out = at::empty({rows, n}, xc.options());
   // the activations' sums over each block, for the minimums' part of the vector bodies: (T, K/32)
   const at::Tensor sums = at::empty({rows, w.blocks}, xc.options());
-  triforce_cpu::blocks_linear_rows(xc.data_ptr<float>(), rows, q, d, m, out.data_ptr<float>(), n,
-                                   sums.data_ptr<float>());
+  triforce_cpu::blocks_linear_rows(xc.data_ptr<float>(), rows, w, out.data_ptr<float>(), n, sums.data_ptr<float>());
   return out;
 }
 
@@ -335,7 +285,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
 // kept as blocks, looked up without a torch op per step of the rebuilding.
 at::Tensor blocks_rows(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
                        const at::Tensor& ids) {
-  const Blocks w = check_blocks(q, d, m);
+  const Blocks w = triforce_cpu::checked_blocks(q, d, m);
   TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 (R,) on the CPU");
   const at::Tensor rows = ids.contiguous();
   const int64_t count = rows.size(0), k = w.blocks * kBlock, n = w.tiles * kLanes;
@@ -372,9 +322,39 @@ void use_isa(const std::string& name) {
 
 namespace triforce_cpu {
 
-void blocks_linear_rows(const float* x, int64_t rows, const at::Tensor& q, const at::Tensor& d,
-                        const std::optional<at::Tensor>& m, float* out, int64_t out_stride, float* sums) {
-  const Blocks w = check_blocks(q, d, m);
+// q, d and m (or none): views of one (N/16, K/32, R) uint8 tensor of records (kernels.gguf.PackedBlocks), q
+// (N/16, K/32, 256 or 512) uint8, d (N/16, K/32, 16 groups) float32, m (N/16, K/32, 16) float32, each at its place
+// in every record.
+Blocks checked_blocks(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 3 && q.stride(2) == 1 &&
+                  (q.size(2) == kBlock * kLanes / 2 || q.size(2) == kBlock * kLanes),
+              "blocks: q, a CPU uint8 view (N/16, K/32, 256 or 512) of records");
+  const bool four_bit = q.size(2) == kBlock * kLanes / 2;
+  const int64_t tiles = q.size(0), blocks = q.size(1);
+  const int64_t groups = d.dim() == 3 ? d.size(2) / kLanes : 0;
+  const int64_t record = q.size(2) + (groups + m.has_value()) * kLanes * int64_t(sizeof(float));  // bytes
+  // t (N/16, K/32, width) float32 at `offset` bytes into every record
+  const auto at_offset = [&](const at::Tensor& t, int64_t offset, int64_t width) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == tiles &&
+           t.size(1) == blocks && t.size(2) == width && t.stride(2) == 1 &&
+           (blocks == 1 || t.stride(1) * int64_t(sizeof(float)) == record) &&
+           (tiles == 1 || t.stride(0) * int64_t(sizeof(float)) == blocks * record) &&
+           static_cast<const uint8_t*>(t.data_ptr()) == static_cast<const uint8_t*>(q.data_ptr()) + offset;
+  };
+  TORCH_CHECK((groups == 1 || groups == 2) && at_offset(d, q.size(2), groups * kLanes),
+              "blocks: d, float32 (N/16, K/32, 16 or 32) in the records after q");
+  if (m.has_value())
+    TORCH_CHECK(groups == 1 && at_offset(*m, q.size(2) + groups * kLanes * int64_t(sizeof(float)), kLanes),
+                "blocks: m, float32 (N/16, K/32, 16) in the records after d, with one scale a block");
+  TORCH_CHECK(!four_bit || m.has_value(), "4-bit blocks: with minimums");
+  TORCH_CHECK((blocks == 1 || q.stride(1) == record) && (tiles == 1 || q.stride(0) == blocks * record),
+              "blocks: records of q, d and m back to back");
+  TORCH_CHECK(q.storage_offset() + tiles * blocks * record <= int64_t(q.storage().nbytes()),
+              "blocks: every record inside q's storage");
+  return Blocks{static_cast<const uint8_t*>(q.data_ptr()), record, tiles, blocks, four_bit, m.has_value(), groups};
+}
+
+void blocks_linear_rows(const float* x, int64_t rows, const Blocks& w, float* out, int64_t out_stride, float* sums) {
   const int64_t k = w.blocks * kBlock;
   TORCH_CHECK(out_stride >= w.tiles * kLanes, "out: a row holds the product's ", w.tiles * kLanes, " outputs");
   if (w.minimums && chosen_isa() != Isa::scalar) block_sums(x, rows * w.blocks, sums);

@@ -11,17 +11,52 @@
 
 namespace triforce_cpu {
 
-// x (rows, K) row-major float32 -> out (rows, N) at out_stride floats a row: x @ W.T for the GGUF blocks q, d, m
-// (blocks_linear's operands; N = 16 * q.size(0)). sums: rows * K / 32 floats of scratch.
-void blocks_linear_rows(const float* x, int64_t rows, const at::Tensor& q, const at::Tensor& d,
-                        const std::optional<at::Tensor>& m, float* out, int64_t out_stride, float* sums);
+// GGUF weight blocks as the products read them (gguf_blocks.cpp, top): tiles of 16 output rows, a record of `record`
+// bytes per block of 32 inputs, (N/16, K/32) records back to back, each q's then its scales (and minimums).
+struct Blocks {
+  static constexpr int64_t kWeights = 32, kRows = 16;  // a block's inputs, a tile's output rows
+  const uint8_t* records;
+  int64_t record;  // bytes a record
+  int64_t tiles, blocks;
+  bool four_bit, minimums;
+  int64_t groups;  // scales a block: 1, or 2 (one per 16 weights)
 
-// cache_attention over the float16 views k, v (Hkv, L, D) of queries already scaled by scale * log2(e) and laid out
+  int64_t q_bytes() const { return four_bit ? kWeights / 2 * kRows : kWeights * kRows; }
+  const uint8_t* q_at(int64_t tile, int64_t b) const { return records + (tile * blocks + b) * record; }
+  // the 16 lanes' scale of block b's weights 16 * half..
+  const float* d_at(int64_t tile, int64_t b, int64_t half = 0) const {
+    return reinterpret_cast<const float*>(q_at(tile, b) + q_bytes()) + (groups == 2 ? half : 0) * kRows;
+  }
+  const float* m_at(int64_t tile, int64_t b) const {  // minimums only
+    return reinterpret_cast<const float*>(q_at(tile, b) + q_bytes()) + groups * kRows;
+  }
+};
+
+// The records blocks_linear's operands q, d and m (or none) are views of, checked: step_ops.cpp's layers check them
+// once, when a stack takes the layer, rather than on every product.
+Blocks checked_blocks(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m);
+
+// x (rows, K) row-major float32 -> out (rows, N) at out_stride floats a row: x @ W.T for the blocks w (N = 16 *
+// w.tiles). sums: rows * K / 32 floats of scratch.
+void blocks_linear_rows(const float* x, int64_t rows, const Blocks& w, float* out, int64_t out_stride, float* sums);
+
+// A float16 cache view (Hkv, L, D) of keys and values, each row's D contiguous: pointers and strides in elements,
+// taken from the cache's storage without making tensors of its views (a decode step takes one a layer).
+struct CacheView {
+  const at::Half *k, *v;
+  int64_t kv_heads, keys, dim;
+  int64_t k_head, k_row, v_head, v_row;
+};
+
+// The view of the float16 tensors k, v (Hkv, L, D), checked as cache_attention takes them.
+CacheView cache_view(const at::Tensor& k, const at::Tensor& v);
+
+// cache_attention over the float16 view (Hkv, L, D) of queries already scaled by scale * log2(e) and laid out
 // (Hkv, T, G, D) contiguous (scaled; row t G + g of KV head h is query head h G + g at query t), T = queries, the
 // keys in segments of `segment` -> query head h G + g of query t written at out + h * head_stride +
 // t * time_stride + g * D.
-void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries, const at::Tensor& k,
-                          const at::Tensor& v, int64_t origin, int64_t window, int64_t segment, float* out,
-                          int64_t head_stride, int64_t time_stride);
+void cache_attention_rows(const float* scaled, int64_t q_heads, int64_t queries, const CacheView& view,
+                          int64_t origin, int64_t window, int64_t segment, float* out, int64_t head_stride,
+                          int64_t time_stride);
 
 }  // namespace triforce_cpu

@@ -486,14 +486,21 @@ bool direct_layer(const Layer& l) {
 }
 
 // x (T, K) -> out (T, sum of features) at out_stride floats a row: each part's outputs in its columns, as project()
-void project_rows(const float* x, int64_t rows, const c10::List<std::optional<at::Tensor>>& parts,
+void project_rows(const float* x, int64_t rows, const std::vector<triforce_cpu::Blocks>& parts,
                   const std::vector<int64_t>& features, float* out, int64_t out_stride, float* sums) {
   int64_t column = 0;
   for (size_t p = 0; p < features.size(); ++p) {
-    triforce_cpu::blocks_linear_rows(x, rows, *parts.get(3 * p), *parts.get(3 * p + 1), parts.get(3 * p + 2),
-                                     out + column, out_stride, sums);
+    triforce_cpu::blocks_linear_rows(x, rows, parts[p], out + column, out_stride, sums);
     column += features[p];
   }
+}
+
+// A direct projection's parts' blocks, checked (triforce_cpu::checked_blocks)
+std::vector<triforce_cpu::Blocks> checked_parts(const c10::List<std::optional<at::Tensor>>& parts) {
+  std::vector<triforce_cpu::Blocks> blocks;
+  for (size_t p = 0; p + 2 < parts.size(); p += 3)
+    blocks.push_back(triforce_cpu::checked_blocks(*parts.get(p), *parts.get(p + 1), parts.get(p + 2)));
+  return blocks;
 }
 
 struct LayerRows {  // cached_layers' rows for T = rows, shared by every layer of a step, sized for the widest
@@ -532,7 +539,7 @@ void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const 
   // attention_input: RMSNorm, the q/k/v projection, then per (row, head): (Qwen3) the head's RMSNorm, RoPE; the
   // queries to q (Hq, T, D), the keys and values rounded into the layer's slots
   rms_rows(x, l.norm_weight.template data_ptr<float>(), float(l.eps), rows, hidden, normed);
-  project_rows(normed, rows, l.qkv, l.qkv_features, qkv, width, sums);
+  project_rows(normed, rows, l.qkv_blocks, l.qkv_features, qkv, width, sums);
   const float* qn = l.q_norm.has_value() ? l.q_norm->template data_ptr<float>() : nullptr;
   const float* kn = l.k_norm.has_value() ? l.k_norm->template data_ptr<float>() : nullptr;
   at::Half *k_cache = keys.data_ptr<at::Half>(), *v_cache = values.data_ptr<at::Half>();
@@ -571,22 +578,24 @@ void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const 
       for (int64_t i = 0; i < dim; ++i) to[i] = from[i] * multiplier;
     }
   });
-  const int64_t stop = write_slot + rows;
-  const at::Tensor layer_keys = keys.select(0, l.index).narrow(1, view_start, stop - view_start);
-  const at::Tensor layer_values = values.select(0, l.index).narrow(1, view_start, stop - view_start);
+  // the layer's view [view_start, write_slot + T) of the storage, by its strides (cached_layers checked them)
+  const int64_t k_layer = l.index * keys.stride(0) + view_start * k_row;
+  const int64_t v_layer = l.index * values.stride(0) + view_start * v_row;
+  const triforce_cpu::CacheView view{keys.data_ptr<at::Half>() + k_layer, values.data_ptr<at::Half>() + v_layer,
+                                     l.kv_heads, write_slot + rows - view_start, dim, k_head, k_row, v_head, v_row};
   float* attended = b.attended.data_ptr<float>();
-  triforce_cpu::cache_attention_rows(scaled, l.q_heads, rows, layer_keys, layer_values, origin, window, segment,
-                                     attended, group * dim, l.q_heads * dim);
+  triforce_cpu::cache_attention_rows(scaled, l.q_heads, rows, view, origin, window, segment, attended, group * dim,
+                                     l.q_heads * dim);
 
   // layer_output: the output projection and residual add, RMSNorm, gate/up, SiLU(gate) * up, down and residual add
   float* mixed = b.mixed.data_ptr<float>();
-  project_rows(attended, rows, l.o_proj, l.o_features, mixed, hidden, sums);
+  project_rows(attended, rows, l.o_blocks, l.o_features, mixed, hidden, sums);
   add_rows(mixed, x, rows * hidden);
   rms_rows(mixed, l.post_norm.template data_ptr<float>(), float(l.post_eps), rows, hidden, normed);
   float *gated = b.gated.data_ptr<float>(), *activated = b.activated.data_ptr<float>();
-  project_rows(normed, rows, l.gate_up, l.gate_up_features, gated, gates, sums);
+  project_rows(normed, rows, l.gate_up_blocks, l.gate_up_features, gated, gates, sums);
   silu_rows(gated, rows, gates / 2, activated);
-  project_rows(activated, rows, l.down, l.down_features, out, hidden, sums);
+  project_rows(activated, rows, l.down_blocks, l.down_features, out, hidden, sums);
   add_rows(out, mixed, rows * hidden);
 }
 
@@ -612,6 +621,7 @@ struct LayerStack : torch::CustomClassHolder {
     c10::List<std::optional<at::Tensor>> down;
     std::vector<int64_t> down_features;
     bool direct;  // runs on cached_layers' rows (direct_layer)
+    std::vector<triforce_cpu::Blocks> qkv_blocks, o_blocks, gate_up_blocks, down_blocks;  // a direct layer's
   };
   std::vector<Layer> layers;
 
@@ -626,7 +636,14 @@ struct LayerStack : torch::CustomClassHolder {
                            std::move(q_norm), std::move(k_norm), index, scale, window, std::move(o_proj),
                            std::move(o_features), std::move(post_norm), post_eps, std::move(gate_up),
                            std::move(gate_up_features), std::move(down), std::move(down_features), false});
-    layers.back().direct = direct_layer(layers.back());
+    Layer& l = layers.back();
+    l.direct = direct_layer(l);
+    if (l.direct) {
+      l.qkv_blocks = checked_parts(l.qkv);
+      l.o_blocks = checked_parts(l.o_proj);
+      l.gate_up_blocks = checked_parts(l.gate_up);
+      l.down_blocks = checked_parts(l.down);
+    }
   }
 
   // How many layers run on cached_layers' rows (the others through cached_layer)
@@ -664,6 +681,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
     TORCH_CHECK(keys.device().is_cpu() && keys.scalar_type() == at::kHalf && keys.dim() == 4 &&
                     values.sizes() == keys.sizes() && values.scalar_type() == at::kHalf && values.device().is_cpu(),
                 "keys, values: float16 CPU tensors (layers, Hkv, S, D) of one shape");
+    TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "keys, values: each row's head dim contiguous");
     TORCH_CHECK(write_slot >= 0 && write_slot + rows <= keys.size(2), "slots: write_slot + T <= S");
     TORCH_CHECK(rotation.device().is_cpu() && rotation.scalar_type() == at::kFloat && rotation.dim() == 4 &&
                     rotation.size(0) == rows && rotation.size(1) == 2 && rotation.size(2) == 2,
@@ -672,6 +690,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
     rc = rotation.contiguous();
   }
   at::Tensor h = x.contiguous();
+  at::Tensor outputs[2];
   for (const LayerStack::Layer& l : stack->layers) {
     TORCH_CHECK(l.index < int64_t(view_starts.size()), "view_starts: one for each layer of the storage");
     const int64_t view_start = view_starts[l.index], window = windowed ? l.window : 0;
@@ -689,10 +708,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
     const int64_t dim = keys.size(3);
     TORCH_CHECK(rc->size(3) * 2 == dim, "rotation: (T, 2, 2, D/2) for the cache's head dim");
     at::Tensor kept = keep_queries ? at::empty({l.q_heads, rows, dim}, x.options()) : at::Tensor();
-    at::Tensor out = at::empty({rows, hidden}, x.options());
+    // the direct layers take turns between two outputs, each the next one's input
+    at::Tensor& out = outputs[0].is_same(h) ? outputs[1] : outputs[0];
+    if (!out.defined()) out = at::empty({rows, hidden}, x.options());
     layer_rows(l, *shared, h.data_ptr<float>(), out.data_ptr<float>(), rc->data_ptr<float>(), keys, values,
                write_slot, view_start, origin, window, segment, keep_queries ? kept.data_ptr<float>() : nullptr);
-    h = std::move(out);
+    h = out;
     if (keep_queries) queries.push_back(std::move(kept));
   }
   return {h, queries};
