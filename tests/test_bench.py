@@ -24,6 +24,7 @@ import triforce_cli.bench.llama_cpp
 import triforce_cli.bench.runner
 import triforce_cli.plan.rates
 import triforce_cli.runtime.environment
+from triforce_cli.bench.forward_costs import MIN_ROUNDS
 from triforce_cli.bench.llama_cpp import (
     LLAMA_CPP_PEER,
     LlamaCppPeer,
@@ -322,8 +323,9 @@ def test_forward_costs_time_each_token_count_on_both_caches(pipe):
         ("retrieval", 1, CONTEXT),
         ("retrieval", 3, CONTEXT),
     ]
-    assert all(len(c.ms) == 2 and min(c.ms) > 0 for c in runner.forward_costs)
-    assert all(c.floor is None for c in runner.forward_costs)  # no rates given: no floors
+    # every forward timed once a round, at least MIN_ROUNDS rounds whatever the repeats
+    assert all(len(c.ms) == MIN_ROUNDS and min(c.ms) > 0 for c in runner.forward_costs)
+    assert all(c.floor is None and c.moment_floor is None for c in runner.forward_costs)  # no rates: no floors
 
 
 def test_forward_costs_stand_beside_their_floors(pipe):
@@ -335,11 +337,17 @@ def test_forward_costs_stand_beside_their_floors(pipe):
     assert full.floor.weight_bytes == retrieval.floor.weight_bytes > 0  # the same weights on either cache
     assert full.floor.kv_bytes > retrieval.floor.kv_bytes > 0  # the whole context against the chosen chunks
     assert all(c.over_floor == c.median_ms / c.floor.ms for c in runner.forward_costs)
-    console = Console(width=160, record=True, file=io.StringIO())
+    # the read bandwidth of the rounds' minutes, one figure for the prompt's forwards, and the floors at it
+    assert len({c.moment_bandwidth for c in runner.forward_costs}) == 1 and full.moment_bandwidth > 0
+    assert full.moment_floor.read_ms == pytest.approx(full.floor.read_ms * 1e10 / full.moment_bandwidth)
+    assert full.moment_floor.arithmetic_ms == full.floor.arithmetic_ms
+    assert all(c.over_moment_floor == c.median_ms / c.moment_floor.ms for c in runner.forward_costs)
+    console = Console(width=200, record=True, file=io.StringIO())
     console.print(forward_cost_table(runner.forward_costs))
     table = " ".join(console.export_text().split())
-    assert all(column in table for column in ("MB read", "floor ms", "×floor"))
+    assert all(column in table for column in ("MB read", "floor ms", "×floor", "GB/s now", "×floor now"))
     assert f"{full.over_floor:.2f}×" in table and f"{retrieval.floor.ms:.2g} read" in table
+    assert f"{full.moment_bandwidth / 1e9:.1f}" in table and f"{full.over_moment_floor:.2f}×" in table
 
 
 @pytest.mark.parametrize(

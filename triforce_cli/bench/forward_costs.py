@@ -13,7 +13,7 @@ and cost over floor shows how far a forward is from it.
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -22,6 +22,7 @@ from triforce_cli.cache import FullCache, KVCache, RetrievalCache, kv_dtype
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.stats import summary_of
 from triforce_cli.decoding.step_costs import linear_weights
+from triforce_cli.plan.measure import best_seconds, read_probe
 from triforce_cli.plan.rates import MachineRates
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer, weight_bytes
@@ -67,10 +68,11 @@ class ForwardCost:
     context: int
     cache: str  # "full" or "retrieval"
     tokens: int
-    ms: list[float]  # one per repeat
+    ms: list[float]  # one per round
     floor: ForwardFloor | None = None  # None where no rates were measured (a GPU)
+    moment_bandwidth: float | None = None  # bytes/s read beside the rounds (measure_forward_costs), else None
 
-    DERIVED: ClassVar[tuple[str, ...]] = ("median_ms", "min_ms", "max_ms", "over_floor")
+    DERIVED: ClassVar[tuple[str, ...]] = ("median_ms", "min_ms", "max_ms", "over_floor", "over_moment_floor")
 
     median_ms = summary_of("ms", statistics.median)
     min_ms = summary_of("ms", min)
@@ -80,6 +82,20 @@ class ForwardCost:
     def over_floor(self) -> float | None:
         """The median cost as a multiple of the floor."""
         return None if self.floor is None else self.median_ms / self.floor.ms
+
+    @property
+    def moment_floor(self) -> ForwardFloor | None:
+        """The floor at the read bandwidth measured beside the rounds: what the memory gave in that minute, where
+        other programs (another virtual machine on the same host) read from it too."""
+        if self.floor is None or self.moment_bandwidth is None:
+            return None
+        return replace(self.floor, read_bandwidth=self.moment_bandwidth)
+
+    @property
+    def over_moment_floor(self) -> float | None:
+        """The median cost as a multiple of the moment's floor."""
+        floor = self.moment_floor
+        return None if floor is None else self.median_ms / floor.ms
 
 
 def forward_weight_bytes(model: Transformer, tokens: int) -> int:
@@ -133,18 +149,20 @@ def forward_floor(model: Transformer, cache: KVCache, start: int, tokens: int, r
     )
 
 
-def _time_forward(target: LoadedModel, cache, new_ids: torch.Tensor, start: int, repeats: int) -> list[float]:
-    """Milliseconds of each forward; on a GPU each ends when the device has finished it, not when it was queued."""
-    times = []
-    for _ in range(repeats + 1):  # the first call warms up
-        began = time.perf_counter()
-        with torch.inference_mode():
-            target.model(new_ids, start, cache, num_logits=len(new_ids))
-        if new_ids.is_cuda:
-            torch.cuda.synchronize(new_ids.device)
-        times.append(1000 * (time.perf_counter() - began))
-        cache.rollback(start)
-    return times[1:]
+MIN_ROUNDS = 9  # rounds of every forward at least: a median of 3 moved with the machine's minute
+PROBE_BYTES = 64 * 2**20  # read for the moment's rate after each round: a few milliseconds
+
+
+def _time_forward(target: LoadedModel, cache: KVCache, new_ids: torch.Tensor, start: int) -> float:
+    """Milliseconds of one forward; on a GPU it ends when the device has finished it, not when it was queued."""
+    began = time.perf_counter()
+    with torch.inference_mode():
+        target.model(new_ids, start, cache, num_logits=len(new_ids))
+    if new_ids.is_cuda:
+        torch.cuda.synchronize(new_ids.device)
+    elapsed = 1000 * (time.perf_counter() - began)
+    cache.rollback(start)
+    return elapsed
 
 
 def measure_forward_costs(
@@ -158,7 +176,13 @@ def measure_forward_costs(
     rates: MachineRates | None = None,
 ) -> list[ForwardCost]:
     """Median-ready timings of forwards of each token count, full cache first, then the retrieval cache; each with
-    its floor where rates are given."""
+    its floor where rates are given.
+
+    Every forward is timed once a round, in turn with the others, for max(repeats, MIN_ROUNDS) rounds after one
+    untimed round, so that what the machine does meanwhile falls on all of them alike. Where rates are given, each
+    round ends by reading PROBE_BYTES as the rates' read bandwidth was measured: the rate of that minute, beside the
+    set-up's (ForwardCost.moment_bandwidth).
+    """
     cfg = target.model.config
     context, held = state.prompt_ids.shape[0], state.keys.shape[2]
     most = max(token_counts)
@@ -170,10 +194,29 @@ def measure_forward_costs(
     retrieval = RetrievalCache(full, budget, chunk_size, chunk_size + most, windows=cfg.sliding_windows)
     retrieval.select_chunks()
     new_ids = state.prompt_ids[-most:].to(target.device)  # any tokens: only the cost is measured
-    costs = []
-    for name, cache in (("full", full), ("retrieval", retrieval)):
-        for count in token_counts:
-            floor = None if rates is None else forward_floor(target.model, cache, context, count, rates)
-            ms = _time_forward(target, cache, new_ids[:count], context, repeats)
-            costs.append(ForwardCost(prompt, context, name, count, ms, floor))
-    return costs
+    forwards = [
+        (name, cache, count) for name, cache in (("full", full), ("retrieval", retrieval)) for count in token_counts
+    ]
+    times: list[list[float]] = [[] for _ in forwards]
+    probe = None if rates is None else read_probe(PROBE_BYTES)
+    bandwidths = []
+    for round_ in range(max(repeats, MIN_ROUNDS) + 1):  # the first round warms up
+        for timed, (_, cache, count) in zip(times, forwards, strict=True):
+            ms = _time_forward(target, cache, new_ids[:count], context)
+            if round_:
+                timed.append(ms)
+        if probe is not None and round_:
+            bandwidths.append(PROBE_BYTES / best_seconds(probe, repeats=2))
+    moment = statistics.median(bandwidths) if bandwidths else None
+    return [
+        ForwardCost(
+            prompt,
+            context,
+            name,
+            count,
+            ms,
+            None if rates is None else forward_floor(target.model, cache, context, count, rates),
+            moment,
+        )
+        for (name, cache, count), ms in zip(forwards, times, strict=True)
+    ]

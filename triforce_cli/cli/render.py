@@ -399,9 +399,11 @@ def _mode_cell(row: BenchRow | OverPrompts, swept: bool) -> Text:
 def forward_cost_table(costs: list[ForwardCost]) -> Table:
     """One line per prompt, context and cache; the cost of T tokens also as a multiple of one token's, and beside
     it the floor (bench.forward_costs.ForwardFloor): the megabytes the forward must read, the floor in ms with what
-    sets it (reading them, or the arithmetic), and the cost as a multiple of the floor."""
+    sets it (reading them, or the arithmetic), and the cost as a multiple of the floor; then the read bandwidth
+    measured beside the forwards and the cost as a multiple of the floor at that rate (ForwardCost.moment_floor)."""
     table = Table(title=Text("one target forward of T new tokens, ms (median [min-max])"), title_justify="left")
     columns = ("prompt", "context", "cache", "T", "ms", "[min-max]", "×T=1", "MB read", "floor ms", "×floor")
+    columns += ("GB/s now", "×floor now")
     for column in columns:
         table.add_column(Text(column), justify="left" if column in ("prompt", "cache") else "right")
     single = {(c.prompt, c.context, c.cache): c.median_ms for c in costs if c.tokens == 1}
@@ -419,5 +421,7 @@ def forward_cost_table(costs: list[ForwardCost]) -> Table:
             "-" if floor is None else _figure((floor.weight_bytes + floor.kv_bytes) / 1e6),
             "-" if floor is None else f"{_figure(floor.ms)} {FLOOR_BOUNDS[floor.bound]}",
             _ratio(cost.over_floor),
+            "-" if cost.moment_bandwidth is None else f"{cost.moment_bandwidth / 1e9:.1f}",
+            _ratio(cost.over_moment_floor),
         )
     return table

@@ -26,6 +26,7 @@ The `this-gpu` machine: the current CUDA device measured the same way, its work 
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import LlamaConfig
@@ -78,11 +79,15 @@ def copy_bandwidth(device: torch.device = CPU, num_bytes: int = COPY_BYTES) -> f
     return 2 * num_bytes / best_seconds(lambda: target.copy_(source), device=device)
 
 
-def read_bandwidth(num_bytes: int = COPY_BYTES) -> float:
-    """Bytes/s of reading the CPU's memory: a sum over a large float32 tensor reads every byte once and writes none;
+def read_probe(num_bytes: int) -> Callable[[], object]:
+    """A read of num_bytes of the CPU's memory: a sum over a float32 tensor reads every byte once and writes none;
     the tensor on huge pages where the machine has them, as the weights and caches are (kernels.memory)."""
-    source = huge_page_bytes(num_bytes // 4 * 4).view(torch.float32).fill_(1)
-    return num_bytes / best_seconds(source.sum)
+    return huge_page_bytes(num_bytes // 4 * 4).view(torch.float32).fill_(1).sum
+
+
+def read_bandwidth(num_bytes: int = COPY_BYTES) -> float:
+    """Bytes/s of reading the CPU's memory (read_probe), the best of a few."""
+    return num_bytes / best_seconds(read_probe(num_bytes))
 
 
 def peak_flops(rounds: int = PEAK_ROUNDS) -> float | None:
