@@ -22,7 +22,7 @@ from triforce_cli.cache import FullCache, KVCache, RetrievalCache, kv_dtype
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.stats import summary_of
 from triforce_cli.decoding.step_costs import linear_weights
-from triforce_cli.plan.measure import best_seconds, read_probe
+from triforce_cli.plan.measure import COPY_BYTES, best_seconds, read_probe
 from triforce_cli.plan.rates import MachineRates
 from triforce_cli.runtime.loading import LoadedModel
 from triforce_cli.runtime.model import Transformer, weight_bytes
@@ -150,7 +150,6 @@ def forward_floor(model: Transformer, cache: KVCache, start: int, tokens: int, r
 
 
 MIN_ROUNDS = 9  # rounds of every forward at least: a median of 3 moved with the machine's minute
-PROBE_BYTES = 64 * 2**20  # read for the moment's rate after each round: a few milliseconds
 
 
 def _time_forward(target: LoadedModel, cache: KVCache, new_ids: torch.Tensor, start: int) -> float:
@@ -180,8 +179,9 @@ def measure_forward_costs(
 
     Every forward is timed once a round, in turn with the others, for max(repeats, MIN_ROUNDS) rounds after one
     untimed round, so that what the machine does meanwhile falls on all of them alike. Where rates are given, each
-    round ends by reading PROBE_BYTES as the rates' read bandwidth was measured: the rate of that minute, beside the
-    set-up's (ForwardCost.moment_bandwidth).
+    round ends by reading COPY_BYTES as the rates' read bandwidth was measured (eight times a 32 MiB L3 cache: a
+    smaller read was served from it in part): the rate of that minute, beside the set-up's
+    (ForwardCost.moment_bandwidth).
     """
     cfg = target.model.config
     context, held = state.prompt_ids.shape[0], state.keys.shape[2]
@@ -198,7 +198,7 @@ def measure_forward_costs(
         (name, cache, count) for name, cache in (("full", full), ("retrieval", retrieval)) for count in token_counts
     ]
     times: list[list[float]] = [[] for _ in forwards]
-    probe = None if rates is None else read_probe(PROBE_BYTES)
+    probe = None if rates is None else read_probe(COPY_BYTES)
     bandwidths = []
     for round_ in range(max(repeats, MIN_ROUNDS) + 1):  # the first round warms up
         for timed, (_, cache, count) in zip(times, forwards, strict=True):
@@ -206,7 +206,7 @@ def measure_forward_costs(
             if round_:
                 timed.append(ms)
         if probe is not None and round_:
-            bandwidths.append(PROBE_BYTES / best_seconds(probe, repeats=2))
+            bandwidths.append(COPY_BYTES / best_seconds(probe, repeats=2))
     moment = statistics.median(bandwidths) if bandwidths else None
     return [
         ForwardCost(
