@@ -562,6 +562,20 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
         assert row["repeats_new_tokens"] == "4" and float(row["time_to_answer_seconds"]) > 0
 
 
+def test_bench_tables_written_to_a_file_keep_every_figure(checkpoint, prompt_file, tmp_path, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # stdout a pipe, as `triforce bench ... > file` makes it
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(triforce_cli.plan.rates, "read_bandwidth", lambda: 12e9)
+    monkeypatch.setattr(triforce_cli.plan.rates, "matmul_flops", lambda: 90e9)
+    args = ["--target", checkpoint, "-p", prompt_file, "--context", CONTEXT, "--max-new-tokens", 4, "--repeats", 1]
+    result = invoke_bench(*args, "--warmup", 0, "--modes", "autoregressive", "--forward-costs", 1)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout and max(map(len, lines)) > 80  # wider than Rich's default rather than cut
+    header = next(i for i, line in enumerate(lines) if "one target forward" in line)
+    assert all(column in " ".join(lines[header : header + 6]) for column in ("floor ms", "×floor", "GB/s now"))
+
+
 def test_bench_command_gives_the_ratios_over_several_prompts(chat_checkpoint, tmp_path):
     prompts = ["summary-stdlib-a", "code-stdlib-b"]  # a chat turn and a continuation
     result = invoke_bench(

@@ -14,7 +14,7 @@ from triforce_cli.bench.qa import QA_PEERS, QABench, qa_modes
 from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_qa_results, write_results
 from triforce_cli.bench.runner import ALL_MODES, Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
-from triforce_cli.cli.console import StdoutConsole, command_console, print_note
+from triforce_cli.cli.console import command_console, print_note, table_console
 from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table, qa_tables
 from triforce_cli.cli.settings import engine_config, load_pipeline, sampling_config
 from triforce_cli.corpus import BENCH_DEFAULT, BENCH_PROMPTS, DOCUMENT_QUESTIONS, QA_QUESTIONS, builtin_document
@@ -209,7 +209,7 @@ def bench(
         for (name, length), ids in cut.items():
             print_note(err, f"{name} at {length} tokens: prefill, then {len(config.modes)} modes...")
             rows += runner.run_context(name, ids)
-        console = StdoutConsole()
+        console = table_console()
         console.print(bench_header(machine_description(), pipe.target))
         for table in bench_tables(rows):
             console.print(table)
@@ -267,7 +267,7 @@ def _qa(
     for (name, length), (document, questions) in cut.items():
         print_note(err, f"{name} at {length} tokens: {len(questions)} questions, {len(config.modes)} modes...")
         rows += runner.run_document(name, document, questions)
-    console = StdoutConsole()
+    console = table_console()
     console.print(bench_header(machine_description(), pipe.target))
     for table in qa_tables(rows):
         console.print(table)

@@ -30,6 +30,7 @@ CPU_ALLOCATION_FAILURES = ("can't allocate memory", "Storage size calculation ov
 # 128 + SIGPIPE (13): what a shell reports for `yes | head` and every coreutils program whose reader went away, so that
 # `set -o pipefail` treats the tool like any other; 0 would claim the whole output was delivered.
 CLOSED_STDOUT_EXIT_CODE = 141
+FILE_COLUMNS = 200  # the width of tables written to a file or a pipe, where no terminal gives one
 ITEM_END = re.compile(r"(?<=[,;:)]) ")  # a space after the punctuation that ends an item of a note
 NOTE_INDENT = "  "  # before a note's continuation lines
 
@@ -86,6 +87,15 @@ class StdoutConsole(Console):
 
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+def table_console() -> StdoutConsole:
+    """stdout for wide tables: the terminal's width, COLUMNS where it is set, else FILE_COLUMNS where stdout is a
+    file or a pipe (Rich's 80 columns there cut a bench's figures to '1.…')."""
+    console = StdoutConsole()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = FILE_COLUMNS
+    return console
 
 
 def drop_stdout() -> None:
