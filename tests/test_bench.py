@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import CHAT_TEMPLATE, fixed_drafts_at_least, random_prompt, save_checkpoint, save_tokenizer
 from rich.console import Console
+from triforce_cli.cache import kv_dtype
 from triforce_cli.kernels import half_weights_available
 from typer.testing import CliRunner
 
@@ -24,7 +25,7 @@ import triforce_cli.bench.llama_cpp
 import triforce_cli.bench.runner
 import triforce_cli.plan.rates
 import triforce_cli.runtime.environment
-from triforce_cli.bench.forward_costs import MIN_ROUNDS
+from triforce_cli.bench.forward_costs import MIN_ROUNDS, forward_weight_bytes
 from triforce_cli.bench.llama_cpp import (
     LLAMA_CPP_PEER,
     LlamaCppPeer,
@@ -45,6 +46,7 @@ from triforce_cli.cli.app import app
 from triforce_cli.cli.render import bench_tables, forward_cost_table
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.prefill import DRAFTER_READS
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.decoding.stats import as_record
@@ -134,6 +136,31 @@ def test_with_a_separate_drafter_only_the_ngram_modes_put_the_ngram_first(checkp
         "streaming-ngram": {"ngram/drafter"},
         "triforce-ngram": {"retrieval", "ngram/drafter"},
     }
+
+
+def test_a_drafter_step_stands_beside_its_floor_on_the_cache_the_prompt_leaves_it(checkpoint, tmp_path):
+    drafter_folder = tmp_path / "drafter"
+    save_checkpoint(drafter_folder, seed=6, max_position_embeddings=128, num_layers=1)
+    config = EngineConfig(gamma1=2, gamma2=4, sink_tokens=4, draft_window=16, max_new_tokens=NEW_TOKENS)
+    options = LoadOptions(target=str(checkpoint), draft=str(drafter_folder), dtype="float32", device="cpu")
+    pipe = Pipeline.load(options, config=config)
+    rates = MachineRates("Test CPU", "key", 1e10, 1e11, None, None, 2, "now", None, None)
+    runner = Bench(pipe, BenchConfig(modes=("hf",), contexts=(CONTEXT,), forward_tokens=(1,), **FAST), rates)
+    runner.run_context("p", random_prompt(CONTEXT, 30, seed=3))
+    full, _, step = runner.forward_costs
+    assert (step.cache, step.tokens, step.context, len(step.ms)) == ("drafter", 1, CONTEXT, MIN_ROUNDS)
+    drafter = pipe.drafter.model
+    assert step.floor.weight_bytes == forward_weight_bytes(drafter, 1) < full.floor.weight_bytes
+    # in its one layer, its 4 sinks, the last DRAFTER_READS windows of 16 its prefill wrote and the new token; the
+    # target's full cache holds every position
+    cfg = drafter.config
+    element = kv_dtype(torch.device("cpu"), torch.float32).itemsize  # the caches' float16
+    assert step.floor.kv_bytes == (4 + DRAFTER_READS * 16 + 1) * 2 * cfg.num_kv_heads * cfg.head_dim * element
+    assert full.floor.kv_bytes > step.floor.kv_bytes
+    assert step.over_floor == step.median_ms / step.floor.ms and step.moment_bandwidth == full.moment_bandwidth
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(forward_cost_table(runner.forward_costs))
+    assert "drafter" in console.export_text()
 
 
 def test_repeats_and_sweeps_make_one_row_per_setting(pipe):
@@ -322,6 +349,7 @@ def test_forward_costs_time_each_token_count_on_both_caches(pipe):
         ("full", 3, CONTEXT),
         ("retrieval", 1, CONTEXT),
         ("retrieval", 3, CONTEXT),
+        ("drafter", 1, CONTEXT),  # one step of the drafter tier: here the target on the StreamingLLM cache
     ]
     # every forward timed once a round, at least MIN_ROUNDS rounds whatever the repeats
     assert all(len(c.ms) == MIN_ROUNDS and min(c.ms) > 0 for c in runner.forward_costs)
@@ -333,9 +361,11 @@ def test_forward_costs_stand_beside_their_floors(pipe):
     config = BenchConfig(modes=("hf",), contexts=(CONTEXT,), forward_tokens=(1, 3), **FAST)
     runner = Bench(pipe, config, rates)
     runner.run_context("p", random_prompt(CONTEXT, 30, seed=3))
-    full, _, retrieval, _ = runner.forward_costs
+    full, _, retrieval, _, drafter = runner.forward_costs
     assert full.floor.weight_bytes == retrieval.floor.weight_bytes > 0  # the same weights on either cache
     assert full.floor.kv_bytes > retrieval.floor.kv_bytes > 0  # the whole context against the chosen chunks
+    # without a drafter of its own the target drafts, on a StreamingLLM cache that holds this short prompt whole
+    assert (drafter.floor.weight_bytes, drafter.floor.kv_bytes) == (full.floor.weight_bytes, full.floor.kv_bytes)
     assert all(c.over_floor == c.median_ms / c.floor.ms for c in runner.forward_costs)
     # the read bandwidth of the rounds' minutes, one figure for the prompt's forwards, and the floors at it
     assert len({c.moment_bandwidth for c in runner.forward_costs}) == 1 and full.moment_bandwidth > 0
@@ -530,7 +560,7 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("CPU: Test CPU 9000, vector extensions avx2, avx512f;")
     assert "triforce" in result.stdout and "autoregressive" in result.stdout
-    assert "one target forward of T new tokens" in result.stdout and "×floor" in result.stdout
+    assert "one forward of T new tokens" in result.stdout and "×floor" in result.stdout
     assert "measuring this CPU's read bandwidth" in result.stderr
     assert "seconds a user waits" in result.stdout
     payload = json.loads((tmp_path / "rows.json").read_text())
@@ -539,6 +569,7 @@ def test_bench_command_writes_json_csv_and_plot(checkpoint, prompt_file, tmp_pat
         ("full", 2),
         ("retrieval", 1),
         ("retrieval", 2),
+        ("drafter", 1),
     ]
     assert all(c["floor"]["read_bandwidth"] == 12e9 and c["over_floor"] > 0 for c in payload["forward_costs"])
     assert payload["command"] == f"triforce bench --target {checkpoint}"

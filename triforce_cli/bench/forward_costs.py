@@ -1,8 +1,10 @@
-"""What one target forward of T new tokens costs after a long prompt, against the full and the retrieval cache.
+"""What one target forward of T new tokens costs after a long prompt, against the full and the retrieval cache, and
+what one step of the drafter costs on its StreamingLLM cache.
 
 Speculation pays only when verifying T tokens costs little more than one decode step, so `triforce bench
 --forward-costs 1,2,4,8` times exactly that: T tokens appended to the prefilled prompt, rolled back after each
-repeat, with the logits of all T positions as a verification needs them.
+repeat, with the logits of all T positions as a verification needs them. A drafter's step is one token on the cache the
+prompt leaves it (decoding.prefill.prefill_drafter): the sinks and the last window.
 
 Beside each cost stands its floor on this machine (ForwardFloor): what the forward must read, the weights as they
 are stored and the keys and values of every position its layers attend to in the cache's dtype, over the measured
@@ -18,7 +20,9 @@ from typing import ClassVar
 
 import torch
 
-from triforce_cli.cache import FullCache, KVCache, RetrievalCache, kv_dtype
+from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache, kv_dtype
+from triforce_cli.decoding.config import EngineConfig
+from triforce_cli.decoding.prefill import prefill_drafter
 from triforce_cli.decoding.prompt_state import PromptState
 from triforce_cli.decoding.stats import summary_of
 from triforce_cli.decoding.step_costs import linear_weights
@@ -66,7 +70,7 @@ class ForwardCost:
 
     prompt: str
     context: int
-    cache: str  # "full" or "retrieval"
+    cache: str  # "full" or "retrieval" (the target's), or "drafter" (the drafter's StreamingLLM cache)
     tokens: int
     ms: list[float]  # one per round
     floor: ForwardFloor | None = None  # None where no rates were measured (a GPU)
@@ -110,10 +114,13 @@ def forward_weight_bytes(model: Transformer, tokens: int) -> int:
 
 def view_lengths(cache: KVCache, start: int, tokens: int) -> list[int]:
     """Per layer, the slots of the view [context | the new tokens] a forward of `tokens` tokens from position `start`
-    attends to: the full cache's positions held, the retrieval cache's chosen chunks and recent positions."""
+    attends to: the full cache's positions held, the retrieval cache's chosen chunks and recent positions, the
+    StreamingLLM cache's sinks and window."""
     if isinstance(cache, RetrievalCache):
         held = cache.budget + start - cache.selected_until + tokens
         return [held - first for first in cache.first_slots]
+    if isinstance(cache, StreamingCache):
+        return [cache.slot(start) + tokens - first for first in cache.first_slots]
     if isinstance(cache, FullCache):
         return [start + tokens - cache.offset] * cache.keys.shape[0]
     raise TypeError(f"no view lengths for a {type(cache).__name__}")
@@ -152,16 +159,37 @@ def forward_floor(model: Transformer, cache: KVCache, start: int, tokens: int, r
 MIN_ROUNDS = 9  # rounds of every forward at least: a median of 3 moved with the machine's minute
 
 
-def _time_forward(target: LoadedModel, cache: KVCache, new_ids: torch.Tensor, start: int) -> float:
+def _time_forward(model: LoadedModel, cache: KVCache, new_ids: torch.Tensor, start: int) -> float:
     """Milliseconds of one forward; on a GPU it ends when the device has finished it, not when it was queued."""
     began = time.perf_counter()
     with torch.inference_mode():
-        target.model(new_ids, start, cache, num_logits=len(new_ids))
+        model.model(new_ids, start, cache, num_logits=len(new_ids))
     if new_ids.is_cuda:
         torch.cuda.synchronize(new_ids.device)
     elapsed = 1000 * (time.perf_counter() - began)
     cache.rollback(start)
     return elapsed
+
+
+def drafter_cache(drafter: LoadedModel, prompt_ids: list[int], config: EngineConfig) -> StreamingCache:
+    """The drafter's StreamingLLM cache as decoding leaves it after the prompt: its sinks and the positions after
+    them that prefill.prefill_drafter leaves, which a drafter step reads; a prefill block's slots past the window,
+    as the engine sizes it (decoding.sizing)."""
+    cfg = drafter.model.config
+    block = config.prefill_block_on(drafter.device.type)
+    streaming = StreamingCache(
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        config.sink_tokens,
+        config.draft_window,
+        block,
+        kv_dtype(drafter.device, drafter.dtype),
+        drafter.device,
+        cfg.sliding_windows,
+    )
+    prefill_drafter(drafter, streaming, prompt_ids, block, config)
+    return streaming
 
 
 def measure_forward_costs(
@@ -173,9 +201,12 @@ def measure_forward_costs(
     budget: int,
     chunk_size: int,
     rates: MachineRates | None = None,
+    drafter: LoadedModel | None = None,
+    config: EngineConfig | None = None,
 ) -> list[ForwardCost]:
     """Median-ready timings of forwards of each token count, full cache first, then the retrieval cache; each with
-    its floor where rates are given.
+    its floor where rates are given. With a drafter, last one drafter step (one token) on its cache as config's
+    sinks and window leave it after the prompt (drafter_cache).
 
     Every forward is timed once a round, in turn with the others, for max(repeats, MIN_ROUNDS) rounds after one
     untimed round, so that what the machine does meanwhile falls on all of them alike. Where rates are given, each
@@ -195,14 +226,19 @@ def measure_forward_costs(
     retrieval.select_chunks()
     new_ids = state.prompt_ids[-most:].to(target.device)  # any tokens: only the cost is measured
     forwards = [
-        (name, cache, count) for name, cache in (("full", full), ("retrieval", retrieval)) for count in token_counts
+        (name, target, cache, count)
+        for name, cache in (("full", full), ("retrieval", retrieval))
+        for count in token_counts
     ]
+    if drafter is not None:
+        streaming = drafter_cache(drafter, state.prompt_ids.tolist(), config or EngineConfig())
+        forwards.append(("drafter", drafter, streaming, 1))
     times: list[list[float]] = [[] for _ in forwards]
     probe = None if rates is None else read_probe(COPY_BYTES)
     bandwidths = []
     for round_ in range(max(repeats, MIN_ROUNDS) + 1):  # the first round warms up
-        for timed, (_, cache, count) in zip(times, forwards, strict=True):
-            ms = _time_forward(target, cache, new_ids[:count], context)
+        for timed, (_, model, cache, count) in zip(times, forwards, strict=True):
+            ms = _time_forward(model, cache, new_ids[:count], context)
             if round_:
                 timed.append(ms)
         if probe is not None and round_:
@@ -215,8 +251,8 @@ def measure_forward_costs(
             name,
             count,
             ms,
-            None if rates is None else forward_floor(target.model, cache, context, count, rates),
+            None if rates is None else forward_floor(model.model, cache, context, count, rates),
             moment,
         )
-        for (name, cache, count), ms in zip(forwards, times, strict=True)
+        for (name, model, cache, count), ms in zip(forwards, times, strict=True)
     ]

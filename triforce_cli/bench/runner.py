@@ -325,6 +325,8 @@ class Bench:
                 retrieval.budget_for(len(prompt_ids)),
                 retrieval.chunk_size,
                 self.rates,
+                self.pipe.drafter or self.pipe.target,  # without one of its own the target drafts on the cache
+                self.base_config,
             )
         for repeat in range(-self.config.warmup, self.config.repeats):
             for variant in variants:

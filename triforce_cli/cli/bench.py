@@ -59,7 +59,9 @@ GammaPolicySweep = o.some_of("--gamma-policy", GAMMA_POLICIES, "POLICY", "Specul
 ForwardCosts = Annotated[
     tuple | None,
     typer.Option(
-        parser=o.token_counts, metavar="T,...", help="Also time one target forward of T tokens, e.g. 1,2,4,8."
+        parser=o.token_counts,
+        metavar="T,...",
+        help="Also time one target forward of T tokens, e.g. 1,2,4,8, and one drafter step.",
     ),
 ]
 

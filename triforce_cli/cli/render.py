@@ -401,7 +401,8 @@ def forward_cost_table(costs: list[ForwardCost]) -> Table:
     it the floor (bench.forward_costs.ForwardFloor): the megabytes the forward must read, the floor in ms with what
     sets it (reading them, or the arithmetic), and the cost as a multiple of the floor; then the read bandwidth
     measured beside the forwards and the cost as a multiple of the floor at that rate (ForwardCost.moment_floor)."""
-    table = Table(title=Text("one target forward of T new tokens, ms (median [min-max])"), title_justify="left")
+    title = "one forward of T new tokens (the target on the full and retrieval caches, the drafter on its own), ms"
+    table = Table(title=Text(f"{title} (median [min-max])"), title_justify="left")
     columns = ("prompt", "context", "cache", "T", "ms", "[min-max]", "×T=1", "MB read", "floor ms", "×floor")
     columns += ("GB/s now", "×floor now")
     for column in columns:
