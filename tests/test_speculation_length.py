@@ -759,6 +759,39 @@ def test_costed_retries_the_other_source_with_one_draft_while_drafting_pays():
     assert all(n == 1 for _, n in retries) and all(n == 4 for n, shortcut in steps[4:] if not shortcut)
 
 
+def retries_committing(length: SpeculationLength, rounds: int) -> list[tuple[int, int]]:
+    """(verification, tokens committed before it) of each retry of the shortcut over `rounds` verifications whose
+    drafts are all accepted, the shortcut's set-up running at its first drafts, as ModelTier says to the policy."""
+    retries, committed = [], 0
+    for i in range(rounds):
+        n = length.current
+        if length.use_shortcut:
+            retries.append((i, committed))
+            length.set_up_due = ()
+        length.record(n, n, 0.0, 0.0)
+        committed += n + 1
+    assert length.tokens_taken == committed
+    return retries
+
+
+def test_costed_retries_a_source_with_a_set_up_due_once_the_tokens_so_far_pay_for_it():
+    """Drafting from the proposer pays, every draft accepted; the shortcut, retried every SHORTCUT_RETRY-th
+    verification, has a set-up of 0.6 plain steps due: with its draft (0.5) and a verification of one (1.2) for the
+    token a plain step gives, 1.3, which is 2% of 65 tokens. No retry comes before the tier has committed 65
+    tokens; then they come SHORTCUT_RETRY verifications apart, as for a shortcut with nothing to set up."""
+    costs = StepCosts(SLOPE, proposer=0.01, shortcut=0.5, shortcut_set_up=0.6)
+    priors = {False: DEFAULT_PRIOR, True: DEFAULT_PRIOR}
+    length = SpeculationLength("costed", ceiling=4, own_steps=True, has_shortcut=True)
+    length.price(costs, priors, set_up_due=(True,))
+    assert length.current > 0 and not length.use_shortcut  # drafting pays from the prior, from the proposer
+    retries = retries_committing(length, 40)
+    assert len(retries) >= 2 and retries[0][1] >= 65
+    assert retries[1][0] - retries[0][0] == SHORTCUT_RETRY
+    free = SpeculationLength("costed", ceiling=4, own_steps=True, has_shortcut=True)
+    free.price(costs, priors)  # nothing to set up: retried from the start
+    assert [i for i, _ in retries_committing(free, 20)] == [SHORTCUT_RETRY - 1, 2 * SHORTCUT_RETRY - 1]
+
+
 @pytest.mark.parametrize("pays", [False, True])
 def test_pipeline_is_exact_under_the_costed_policy(monkeypatch, pays):
     """Seeded runs at temperature 1 under the default policy: as priced here (own steps at the top and middle

@@ -59,8 +59,9 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   the drafter behind it waiting the same; a probe that finds nothing to draft goes back to own steps. Where
   drafting pays from the priors (long contexts, whose full forwards cost most), the first step drafts, and a
   set-up runs with the prefill. With a shortcut, the source that promises less drafts one token every
-  SHORTCUT_RETRY-th verification while drafting pays, so that its estimate follows the text. (A tier not priced
-  drafts its ceiling, as under fixed.)
+  SHORTCUT_RETRY-th verification while drafting pays, so that its estimate follows the text; where its set-up is
+  still due, only once the tokens the tier committed pay for it as the own steps before a probe would. (A tier not
+  priced drafts its ceiling, as under fixed.)
 
   Every choice follows the prices, fixed before decoding, and the acceptance counts, never the clock, so a seeded
   sampled run repeats its tokens exactly from run to run and gets the same protection as any other. The prices
@@ -300,6 +301,7 @@ class SpeculationLength:
     set_up_due: tuple[bool, ...] = field(init=False, default=())
     drafts_before_set_up: tuple[bool, ...] = field(init=False, default=())
     set_up_wait: int = field(init=False, default=0)  # costed: own steps before the first probe, as priced
+    tokens_taken: int = field(init=False, default=0)  # costed: tokens the tier committed, own steps and verified
 
     @property
     def drafting(self) -> bool:
@@ -333,6 +335,7 @@ class SpeculationLength:
         elif self.policy == "costed" and self.costs is not None:
             counts = self.shortcut_counts if self.use_shortcut else self.proposer_counts
             counts.record(drafted, accepted)
+            self.tokens_taken += accepted + 1
             self._plan(drafted, accepted)
 
     def record_own_step(self, seconds: float) -> None:
@@ -341,6 +344,7 @@ class SpeculationLength:
         self.own_steps_taken += 1
         self.own_steps_left -= 1
         if self.policy == "costed":
+            self.tokens_taken += 1
             if self.own_steps_left <= 0:
                 self._probe()
             return
@@ -406,12 +410,17 @@ class SpeculationLength:
     def _draft_if_it_pays(self) -> bool:
         """Draft with the best source and length where that promises DRAFT_MARGIN times the tokens per second of
         own steps (or where the tier has none); return whether it does. The source not in use drafts one token
-        every SHORTCUT_RETRY-th verification (choose_source), so that its estimate follows the text too."""
+        every SHORTCUT_RETRY-th verification (choose_source), so that its estimate follows the text too, once the
+        tokens so far pay for its set-up where it has one due (_retry_may_set_up)."""
         if not self._pays():
             return False
         options = self._options()
-        self.current = max(options.values())[1]
-        rates = {shortcut: rate for shortcut, (rate, _) in options.items() if shortcut in self.payable}
+        best_rate, self.current = max(options.values())
+        rates = {
+            shortcut: rate
+            for shortcut, (rate, _) in options.items()
+            if shortcut in self.payable and (rate == best_rate or self._retry_may_set_up(shortcut))
+        }
         if len(rates) > 1:
             self.use_shortcut, self.since_retry = choose_source(rates, self.since_retry)
             if self.since_retry == 0:
@@ -436,6 +445,13 @@ class SpeculationLength:
             self.probe_wait = min(MAX_PROBE_WAIT, 2 * self.probe_wait)
         self.dropped += 1
         self.current = 0
+
+    def _retry_may_set_up(self, shortcut: bool) -> bool:
+        """Whether a retry of the source not in use may draft from it: it drafts without a set-up, or the tokens
+        the tier committed so far pay for its set-up as the own steps before a probe do (_set_up_wait). A drafter
+        retried under the retrieval tier at 32K would otherwise prefill its cache (about five plain steps) within
+        a short answer, to draft one token that verifies no cheaper than the retrieval tier's."""
+        return shortcut in self.drafts_before_set_up or self._set_up_wait(shortcut) <= self.tokens_taken
 
     def _set_up_wait(self, shortcut: bool) -> int:
         """Own steps the tier takes before the first probe of a source whose set-up is due: as many as make the
