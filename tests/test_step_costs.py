@@ -60,7 +60,12 @@ def test_the_rates_plan_keeps_price_the_cpu_else_nominal_figures(monkeypatch, tm
     rates_path().parent.mkdir(parents=True, exist_ok=True)
     rates_path().write_text(json.dumps(dataclasses.asdict(kept)))  # as plan.rates.machine_rates keeps them
     balance = machine_balance("cpu")
-    assert (balance.read_bandwidth, balance.flops) == (5e9, 7e10)
+    assert (balance.read_bandwidth, balance.flops) == (5e9, 7e10)  # no FMA peak kept: the matrix product's rate
+    assert balance.arithmetic_efficiency == step_costs.CPU_ARITHMETIC_EFFICIENCY
+    with_peak = dataclasses.replace(kept, peak_flops=2e11, core_peak_flops=1e11)
+    rates_path().write_text(json.dumps(dataclasses.asdict(with_peak)))
+    balance = machine_balance("cpu")  # the FMA peak, which the minute moves less than a matrix product
+    assert (balance.flops, balance.arithmetic_efficiency) == (2e11, step_costs.CPU_PEAK_EFFICIENCY)
     assert machine_balance("cuda") == NOMINAL["cuda"]  # the CPU's rates are no GPU's
     another = dataclasses.replace(kept, machine="another machine")
     rates_path().write_text(json.dumps(dataclasses.asdict(another)))

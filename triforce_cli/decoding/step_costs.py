@@ -49,7 +49,11 @@ class MachineBalance:
 # `triforce bench --forward-costs` shows them on a 2-core EPYC (Zen 4) at 7,168 positions (module docstring); on
 # CUDA the planner's CUDA-graph figure (plan/presets.py)
 LAYER_OVERHEAD_S = {"cpu": 140e-6, "cuda": 15e-6}
-CPU_ARITHMETIC_EFFICIENCY = 0.9
+CPU_ARITHMETIC_EFFICIENCY = 0.9  # of a matrix product's rate, where no FMA peak was measured
+# of the FMA peak: the same prices, 0.9 of the 182 GFLOP/s of a matrix product measured beside 235 GFLOP/s of peak in
+# a quiet minute; the peak, bound by the cores alone, measures 221-235 GFLOP/s from minute to minute where the matrix
+# product measured 138-182, and a price that moved with it drafted at 32K in one set-up and not in the next
+CPU_PEAK_EFFICIENCY = 0.7
 PCIE_BANDWIDTH = 25e9  # the planner's PCIe 4.0 x16 with pinned memory (plan/presets.py)
 NOMINAL = {
     "cpu": MachineBalance(30e9, 186e9, LAYER_OVERHEAD_S["cpu"], 30e9, CPU_ARITHMETIC_EFFICIENCY),  # a 2-core EPYC's
@@ -58,12 +62,17 @@ NOMINAL = {
 }
 
 
-def kept_rates() -> tuple[float, float] | None:
-    """(read bandwidth, float32 FLOP/s) of this machine as plan/rates.py keeps them beside the measured set-ups, or
-    None where none are kept for this machine (or the record cannot be read)."""
+def kept_rates() -> tuple[float, float, float] | None:
+    """(read bandwidth, float32 FLOP/s, the share of it a forward's kernels reach) of this machine as plan/rates.py
+    keeps them beside the measured set-ups: the FMA peak where it was measured, else a matrix product's rate; None
+    where none are kept for this machine (or the record cannot be read)."""
     kept = kept_machine_rates()
     try:
-        return None if kept is None else (float(kept["read_bandwidth"]), float(kept["flops"]))
+        if kept is None:
+            return None
+        if kept.get("peak_flops"):
+            return float(kept["read_bandwidth"]), float(kept["peak_flops"]), CPU_PEAK_EFFICIENCY
+        return float(kept["read_bandwidth"]), float(kept["flops"]), CPU_ARITHMETIC_EFFICIENCY
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -73,8 +82,8 @@ def machine_balance(device_type: str) -> MachineBalance:
     rates = kept_rates() if device_type == "cpu" else None
     if rates is None:
         return NOMINAL.get(device_type, NOMINAL["cuda"])
-    read_bandwidth, flops = rates
-    return MachineBalance(read_bandwidth, flops, LAYER_OVERHEAD_S["cpu"], read_bandwidth, CPU_ARITHMETIC_EFFICIENCY)
+    read_bandwidth, flops, efficiency = rates
+    return MachineBalance(read_bandwidth, flops, LAYER_OVERHEAD_S["cpu"], read_bandwidth, efficiency)
 
 
 def linear_weights(model: Transformer) -> int:
