@@ -603,7 +603,7 @@ def test_bench_tables_written_to_a_file_keep_every_figure(checkpoint, prompt_fil
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert "…" not in result.stdout and max(map(len, lines)) > 80  # wider than Rich's default rather than cut
-    header = next(i for i, line in enumerate(lines) if "one target forward" in line)
+    header = next(i for i, line in enumerate(lines) if "one forward of T new tokens" in line)
     assert all(column in " ".join(lines[header : header + 6]) for column in ("floor ms", "×floor", "GB/s now"))
 
 
