@@ -21,9 +21,11 @@ from typing import ClassVar
 import torch
 
 from triforce_cli.cache import FullCache, KVCache, RetrievalCache, StreamingCache, kv_dtype
+from triforce_cli.decoding.cache_pool import new_streaming
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.prefill import prefill_drafter
 from triforce_cli.decoding.prompt_state import PromptState
+from triforce_cli.decoding.sizing import CacheSpec
 from triforce_cli.decoding.stats import summary_of
 from triforce_cli.decoding.step_costs import linear_weights
 from triforce_cli.plan.measure import COPY_BYTES, best_seconds, read_probe
@@ -171,24 +173,15 @@ def _time_forward(model: LoadedModel, cache: KVCache, new_ids: torch.Tensor, sta
     return elapsed
 
 
-def drafter_cache(drafter: LoadedModel, prompt_ids: list[int], config: EngineConfig) -> StreamingCache:
-    """The drafter's StreamingLLM cache as decoding leaves it after the prompt: its sinks and the positions after
-    them that prefill.prefill_drafter leaves, which a drafter step reads; a prefill block's slots past the window,
-    as the engine sizes it (decoding.sizing)."""
-    cfg = drafter.model.config
-    block = config.prefill_block_on(drafter.device.type)
-    streaming = StreamingCache(
-        cfg.num_layers,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        config.sink_tokens,
-        config.draft_window,
-        block,
-        kv_dtype(drafter.device, drafter.dtype),
-        drafter.device,
-        cfg.sliding_windows,
-    )
-    prefill_drafter(drafter, streaming, prompt_ids, block, config)
+def drafter_cache(
+    target: LoadedModel, drafter: LoadedModel, prompt_ids: list[int], config: EngineConfig
+) -> StreamingCache:
+    """The drafter's StreamingLLM cache as an engine of config builds it (cache_pool.new_streaming) and decoding
+    leaves it after the prompt: its sinks and the positions after them that prefill.prefill_drafter leaves, which a
+    drafter step reads."""
+    spec = CacheSpec(target, drafter.model, config, model_drafter=True)
+    streaming = new_streaming(spec, spec.capacities(len(prompt_ids)))
+    prefill_drafter(drafter, streaming, prompt_ids, spec.prefill_block, config)
     return streaming
 
 
@@ -231,7 +224,7 @@ def measure_forward_costs(
         for count in token_counts
     ]
     if drafter is not None:
-        streaming = drafter_cache(drafter, state.prompt_ids.tolist(), config or EngineConfig())
+        streaming = drafter_cache(target, drafter, state.prompt_ids.tolist(), config or EngineConfig())
         forwards.append(("drafter", drafter, streaming, 1))
     times: list[list[float]] = [[] for _ in forwards]
     probe = None if rates is None else read_probe(COPY_BYTES)
