@@ -1,7 +1,8 @@
 """A decoder layer's ops on the CPU's float32 activations in the extension (csrc/step_ops.cpp): RMSNorm, RoPE,
 SiLU(gate) * up, a layer's two halves around the cache write in one call each (attention_input, layer_output), and
 a whole layer over a float16 cache's storage in one call (cached_layer: the two halves, the cache write and
-cache_attention), and every layer of a model in one call (cached_layers, over a LayerStack built once per model).
+cache_attention), every layer of a model in one call (cached_layers, over a LayerStack built once per model), and
+the output layer in one call (output_logits: the final norm, the product, the logits spread over the vocabulary).
 
 A decode step of a float32 model with tiled or GGUF linears (runtime/model.py's DecoderLayer) then makes a few calls
 per layer, where torch's ops made dozens, each with its fixed cost: the norms' pow/mean/rsqrt/multiplies, RoPE's
@@ -272,6 +273,23 @@ def cached_layers(
     return torch.ops.triforce_cpu.cached_layers(
         stack, x, rotation, keys, values, write_slot, view_starts, origin, windowed, segment, keep_queries
     )
+
+
+def output_head(
+    norm_weight: torch.Tensor, eps: float, projection: Projection, output_ids: torch.Tensor | None, vocab_size: int
+) -> torch.ScriptObject:
+    """A model's output layer for output_logits: its final RMSNorm (norm_weight (C,) float32, eps), its projection,
+    and where that computes some tokens' logits only, their ids (V',) int64; vocab_size: V."""
+    return torch.classes.triforce_cpu.OutputHead(
+        norm_weight, eps, projection.operands, projection.features, output_ids, vocab_size
+    )
+
+
+def output_logits(head: torch.ScriptObject, x: torch.Tensor) -> torch.Tensor:
+    """The logits (T, V) float32 of the last hidden states x (T, C): head's RMSNorm, its projection, -inf for every
+    token it does not compute; the bits of rms_norm, the projection's product and an index_copy_ into -inf, in one
+    call."""
+    return torch.ops.triforce_cpu.output_logits(head, x)
 
 
 def register_fake_kernels() -> None:

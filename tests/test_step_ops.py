@@ -30,6 +30,7 @@ from triforce_cli.kernels.step import (
     silu_mul_reference,
 )
 
+from triforce_cli.runtime.half_weights import use_half_weights
 from triforce_cli.runtime.model import DecoderLayer, ModuleChanges, Transformer
 from triforce_cli.runtime.native import kernel_error
 
@@ -336,11 +337,16 @@ def cache_writes(model, through_update: bool, monkeypatch, per_layer: bool = Fal
         return outputs + [cache.keys for cache in caches] + [cache.values for cache in caches] + full.queries
 
 
-def test_a_layer_in_one_call_writes_what_the_caches_update_writes(monkeypatch):
-    """A tiled model's layers all in one call (cached_layers) and in one call each (cached_layer over
-    KVCache.eager_write) give the same logits, and leave the full, retrieval and StreamingLLM caches and the full
-    cache's queries the same bits, as the layer's three calls around the caches' update()."""
-    model = tiled(make_model(seed=6, num_layers=2).loaded).model
+@pytest.mark.parametrize("weights", ["float32", "half"])
+def test_a_layer_in_one_call_writes_what_the_caches_update_writes(monkeypatch, weights, body):
+    """A model of float32 or float16 tiles runs its layers all in one call (cached_layers) on rows allocated once a
+    step, the products straight into them, and in one call each (cached_layer over KVCache.eager_write): the same
+    logits, and the same bits in the full, retrieval and StreamingLLM caches and the full cache's queries, as the
+    layer's three calls around the caches' update(), in every kernel body."""
+    tiny = make_model(seed=6, num_layers=2)
+    if weights == "half":
+        use_half_weights(tiny.model)
+    model = tiled(tiny.loaded).model
     with Dispatches() as stacked_calls:
         stacked = cache_writes(model, False, monkeypatch)
     with Dispatches() as fused_calls:
@@ -352,7 +358,7 @@ def test_a_layer_in_one_call_writes_what_the_caches_update_writes(monkeypatch):
     assert update_calls.ops["triforce_cpu.cached_layer"] == 0 and update_calls.ops["triforce_cpu.cached_layers"] == 0
     for new, per_layer, old in zip(stacked, fused, through_update, strict=True):
         assert torch.equal(new, per_layer) and torch.equal(new, old)
-    assert model._stack.direct_layers() == 0  # tiles: each layer through cached_layer inside the one call
+    assert model._stack.direct_layers() == model.config.num_layers
 
 
 @pytest.mark.parametrize("shapes", [{}, K_QUANT_SHAPES], ids=["classic", "k-quants"])
@@ -369,3 +375,76 @@ def test_layers_on_rows_write_what_a_call_per_layer_writes(monkeypatch, shapes, 
     through_update = cache_writes(model, True, monkeypatch)
     for new, one_call, old in zip(on_rows, per_layer, through_update, strict=True):
         assert torch.equal(new, one_call) and torch.equal(new, old)
+
+
+def module_logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
+    """The logits of the last hidden states x as the output layer's modules compute them (Transformer.output without
+    output_logits): the final norm, the output projection, the logits spread over the vocabulary."""
+    logits = model.lm_head(model.final_norm(x)).float()
+    if model.output_ids is None:
+        return logits
+    full = logits.new_full((logits.shape[0], model.config.vocab_size), float("-inf"))
+    return full.index_copy_(1, model.output_ids, logits)
+
+
+RESTRICTED = torch.tensor([40, 3, 17, 0, 33, 8, 21, 47, 12, 5, 29, 44, 1, 36, 25, 10])  # 16 of 48 tokens
+
+
+def output_model(weights: str, restricted: bool = False) -> Transformer:
+    """A tiny model of 48 tokens as the loader builds it with float32 or float16 tiles or GGUF blocks; restricted:
+    its output restricted to RESTRICTED first, as a drafter's is (restrict_output)."""
+    if weights == "gguf":
+        return gguf_tiny_model(8, vocab_size=48)[2].model
+    tiny = make_model(seed=8, vocab_size=48, tie_word_embeddings=False)
+    if restricted:
+        tiny.model.restrict_output(RESTRICTED)
+    if weights == "half":
+        use_half_weights(tiny.model)
+    return tiled(tiny.loaded).model
+
+
+@pytest.mark.parametrize(
+    ("weights", "restricted"), [("float32", False), ("half", False), ("gguf", False), ("float32", True), ("half", True)]
+)
+def test_the_output_layer_in_one_call_gives_its_modules_bits(weights, restricted, body):
+    """The final norm, the output projection and the spreading of a restricted output over the vocabulary in one
+    call (output_logits): the modules' bits for float32 and float16 tiles and GGUF blocks, in one dispatch; with
+    autograd on, the modules compute (to float32 rounding)."""
+    model = output_model(weights, restricted)
+    x = torch.randn(5, model.config.hidden_size, generator=generator(9)) * 2
+    with torch.inference_mode():
+        model.output(x)  # reads the head (GGUF blocks' views)
+        with Dispatches() as calls:
+            logits = model.output(x)
+        assert calls.ops["triforce_cpu.output_logits"] == 1 and sum(calls.ops.values()) == 1
+        assert torch.equal(logits, module_logits(model, x))
+    assert logits.isinf().sum() == (5 * (48 - 16) if restricted else 0)
+    with torch.enable_grad(), Dispatches() as calls:  # the tiles' autograd path: torch's product
+        torch.testing.assert_close(model.output(x), logits, rtol=1e-5, atol=1e-5)
+    assert calls.ops["triforce_cpu.output_logits"] == 0
+
+
+def test_an_output_layer_replaced_is_read_anew():
+    """restrict_output on a tiled model replaces its output layer by one outside the extension's products: the next
+    output is the new layer's, through its modules."""
+    model = output_model("float32")
+    x = torch.randn(2, model.config.hidden_size, generator=generator(10))
+    with torch.inference_mode():
+        full = model.output(x)
+        model.restrict_output(RESTRICTED)
+        with Dispatches() as calls:
+            restricted = model.output(x)
+    assert calls.ops["triforce_cpu.output_logits"] == 0 and restricted.isinf().sum() == 2 * (48 - 16)
+    torch.testing.assert_close(restricted[:, RESTRICTED], full[:, RESTRICTED], rtol=1e-5, atol=1e-5)
+
+
+def test_an_output_layer_of_padded_tiles_spreads_its_outputs():
+    """An output projection whose rows are no multiple of a tile's 16 (its tiles padded) in one call: the
+    product's op and the spreading give the modules' bits."""
+    tiny = make_model(seed=10, vocab_size=40, tie_word_embeddings=False)
+    tiny.model.restrict_output(torch.arange(39, 0, -2))  # 20 tokens: two tiles, the second one's last 12 rows padding
+    model = tiled(tiny.loaded).model
+    x = torch.randn(3, model.config.hidden_size, generator=generator(11))
+    with torch.inference_mode():
+        assert not model.step_head(x).direct()
+        assert torch.equal(model.output(x), module_logits(model, x))

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "step_kernels.h"
 
 namespace {
 
@@ -250,14 +251,14 @@ void tiles_range(const Tiles<W>& w, const Rows& io, int64_t rows, Plan plan, int
   }
 }
 
-// x (T, K) float32 -> (T, N/16 * 16): x @ W.T + bias for the weight W (N, K) the tiles w (N/16, K, 16) hold, float32
-// or float16; bias: float32 (N/16 * 16,), or none.
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+}  // namespace
+
+namespace triforce_cpu {
+
+DenseTiles checked_tiles(const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 3 && w.size(2) == kLanes &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf),
               "weight: a contiguous CPU tensor (N/16, K, 16), float32 or float16");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.size(1),
-              "x: float32 (T, K) on the CPU");
   const int64_t n = w.size(0) * kLanes;
   const float* bias_data = nullptr;
   if (bias.has_value()) {
@@ -265,19 +266,42 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
                 "bias: float32 (N/16 * 16,)");
     bias_data = bias->data_ptr<float>();
   }
-  const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.size(0), k = xc.size(1);
-  at::Tensor out = at::empty({rows, n}, xc.options());
-  if (rows == 0) return out;
-  if (k == 0) return bias.has_value() ? bias->expand({rows, n}).clone() : out.zero_();
-  const Rows io{xc.data_ptr<float>(), bias_data, out.data_ptr<float>(), k, n};
+  return DenseTiles{w.data_ptr(), w.scalar_type() == at::kHalf, w.size(0), w.size(1), bias_data};
+}
+
+void dense_linear_rows(const float* x, int64_t rows, const DenseTiles& w, float* out, int64_t out_stride) {
+  TORCH_CHECK(out_stride >= w.tiles * kLanes, "out: a row holds the product's ", w.tiles * kLanes, " outputs");
+  if (rows == 0) return;
+  if (w.k == 0) {
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t j = 0; j < w.tiles * kLanes; ++j) out[t * out_stride + j] = w.bias ? w.bias[j] : 0.0f;
+    return;
+  }
+  const Rows io{x, w.bias, out, w.k, out_stride};
   const Plan plan = plan_for(rows);
-  at::parallel_for(0, w.size(0), 1, [&](int64_t tile_begin, int64_t tile_end) {
-    if (w.scalar_type() == at::kFloat)
-      tiles_range(Tiles<float>{w.data_ptr<float>(), w.size(0), k}, io, rows, plan, tile_begin, tile_end);
+  at::parallel_for(0, w.tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
+    if (w.half)
+      tiles_range(Tiles<at::Half>{static_cast<const at::Half*>(w.w), w.tiles, w.k}, io, rows, plan, tile_begin,
+                  tile_end);
     else
-      tiles_range(Tiles<at::Half>{w.data_ptr<at::Half>(), w.size(0), k}, io, rows, plan, tile_begin, tile_end);
+      tiles_range(Tiles<float>{static_cast<const float*>(w.w), w.tiles, w.k}, io, rows, plan, tile_begin, tile_end);
   });
+}
+
+}  // namespace triforce_cpu
+
+namespace {
+
+// x (T, K) float32 -> (T, N/16 * 16): x @ W.T + bias for the weight W (N, K) the tiles w (N/16, K, 16) hold, float32
+// or float16; bias: float32 (N/16 * 16,), or none.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  const triforce_cpu::DenseTiles tiles = triforce_cpu::checked_tiles(w, bias);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.size(1),
+              "x: float32 (T, K) on the CPU");
+  const at::Tensor xc = x.contiguous();
+  const int64_t n = tiles.tiles * kLanes;
+  at::Tensor out = at::empty({xc.size(0), n}, xc.options());
+  triforce_cpu::dense_linear_rows(xc.data_ptr<float>(), xc.size(0), tiles, out.data_ptr<float>(), n);
   return out;
 }
 

@@ -1,6 +1,7 @@
-// The GGUF product and the cache attention on raw rows, as step_ops.cpp's fused layers call them: no dispatcher, no
-// output allocated, outputs written at the caller's strides. Each computes exactly what its op does (blocks_linear in
-// gguf_blocks.cpp, cache_attention in cache_attention.cpp, which call these), so both paths give the same bits.
+// The GGUF and dense products and the cache attention on raw rows, as step_ops.cpp's fused layers call them: no
+// dispatcher, no output allocated, outputs written at the caller's strides. Each computes exactly what its op does
+// (blocks_linear in gguf_blocks.cpp, dense_linear in dense_linear.cpp, cache_attention in cache_attention.cpp, which
+// call these), so both paths give the same bits.
 
 #pragma once
 
@@ -39,6 +40,23 @@ Blocks checked_blocks(const at::Tensor& q, const at::Tensor& d, const std::optio
 // x (rows, K) row-major float32 -> out (rows, N) at out_stride floats a row: x @ W.T for the blocks w (N = 16 *
 // w.tiles). sums: rows * K / 32 floats of scratch.
 void blocks_linear_rows(const float* x, int64_t rows, const Blocks& w, float* out, int64_t out_stride, float* sums);
+
+// Dense weight tiles as dense_linear reads them (dense_linear.cpp, top): W (N, K) as (N/16, K, 16) float32 or
+// float16, and a float32 bias (N/16 * 16) or none.
+struct DenseTiles {
+  const void* w;
+  bool half;
+  int64_t tiles, k;
+  const float* bias;
+};
+
+// The tiles w (N/16, K, 16) and bias of a dense_linear's operands, checked as dense_linear takes them: step_ops.cpp's
+// layers check them once, when a stack takes the layer.
+DenseTiles checked_tiles(const at::Tensor& w, const std::optional<at::Tensor>& bias);
+
+// x (rows, K) row-major float32 -> out (rows, N) at out_stride floats a row: x @ W.T + bias for the tiles w (N = 16 *
+// w.tiles), the bits dense_linear gives.
+void dense_linear_rows(const float* x, int64_t rows, const DenseTiles& w, float* out, int64_t out_stride);
 
 // A float16 cache view (Hkv, L, D) of keys and values, each row's D contiguous: pointers and strides in elements,
 // taken from the cache's storage without making tensors of its views (a decode step takes one a layer).

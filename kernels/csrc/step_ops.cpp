@@ -10,8 +10,10 @@
 //     them), cache_attention over the layer's view, layer_output -> the layer's output and its queries;
 //   cached_layers: every layer of a model in turn, as cached_layer, in one call, its operands held by a LayerStack
 //     built once per model (a decode step then crosses from Python into the extension once, not once a layer); a
-//     layer whose projections are all GGUF blocks runs on rows allocated once a step (layer_rows), the products and
-//     the attention writing straight into them, with no torch op between its kernels.
+//     layer whose projections are all GGUF blocks or weight tiles runs on rows allocated once a step (layer_rows),
+//     the products and the attention writing straight into them, with no torch op between its kernels;
+//   output_logits: the final RMSNorm, the output projection and, for an output computing some tokens only (a
+//     drafter's), the logits spread over the vocabulary, -inf elsewhere, in one call over an OutputHead read once.
 // The projections run the extension's own products (blocks_linear, dense_linear: gguf_blocks.cpp, dense_linear.cpp)
 // through the dispatcher; a projection given in parts (GGUF blocks of different kinds) runs each and puts their
 // outputs side by side.
@@ -39,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <tuple>
@@ -417,7 +420,7 @@ std::tuple<at::Tensor, at::Tensor> cached_layer(
   return {out, q};
 }
 
-// ---- a layer on rows allocated once a step (cached_layers' path where every projection is GGUF blocks)
+// ---- a layer on rows allocated once a step (cached_layers' path where every projection is GGUF blocks or tiles)
 //
 // The same arithmetic as cached_layer, element for element: the products and the attention run the ops' own raw
 // entries (step_kernels.h) straight into rows allocated once for every layer, the queries are scaled and laid out
@@ -458,16 +461,26 @@ int64_t outputs(const std::vector<int64_t>& features) {
   return std::accumulate(features.begin(), features.end(), int64_t(0));
 }
 
-// Whether a projection's parts are all GGUF blocks taking `inputs` inputs whose padded outputs are their features
-// (so that each writes straight into its columns of the rows).
+// One part of a projection run on rows: GGUF blocks or dense tiles (float32 or float16), checked once
+struct Product {
+  bool dense;
+  triforce_cpu::Blocks blocks;
+  triforce_cpu::DenseTiles tiles;
+};
+
+// Whether a projection's parts are all GGUF blocks or dense tiles taking `inputs` inputs whose padded outputs are
+// their features (so that each writes straight into its columns of the rows).
 bool direct_projection(const c10::List<std::optional<at::Tensor>>& parts, const std::vector<int64_t>& features,
                        int64_t inputs) {
   if (features.empty() || parts.size() != 3 * features.size()) return false;
   for (size_t p = 0; p < features.size(); ++p) {
-    const std::optional<at::Tensor> q = parts.get(3 * p), d = parts.get(3 * p + 1);
-    if (!q.has_value() || !d.has_value() || q->dim() != 3 || q->size(0) * 16 != features[p] ||
-        q->size(1) * 32 != inputs)
-      return false;
+    const std::optional<at::Tensor> first = parts.get(3 * p), second = parts.get(3 * p + 1);
+    if (!first.has_value() || first->dim() != 3 || first->size(0) * 16 != features[p]) return false;
+    const bool fits = second.has_value() ? first->size(1) * 32 == inputs  // GGUF blocks: (N/16, K/32, record)
+                                         : first->size(1) == inputs && first->size(2) == 16 &&  // tiles (N/16, K, 16)
+                                               first->is_contiguous() &&
+                                               (first->scalar_type() == at::kFloat || first->scalar_type() == at::kHalf);
+    if (!fits) return false;
   }
   return true;
 }
@@ -486,21 +499,29 @@ bool direct_layer(const Layer& l) {
 }
 
 // x (T, K) -> out (T, sum of features) at out_stride floats a row: each part's outputs in its columns, as project()
-void project_rows(const float* x, int64_t rows, const std::vector<triforce_cpu::Blocks>& parts,
+void project_rows(const float* x, int64_t rows, const std::vector<Product>& parts,
                   const std::vector<int64_t>& features, float* out, int64_t out_stride, float* sums) {
   int64_t column = 0;
   for (size_t p = 0; p < features.size(); ++p) {
-    triforce_cpu::blocks_linear_rows(x, rows, parts[p], out + column, out_stride, sums);
+    if (parts[p].dense)
+      triforce_cpu::dense_linear_rows(x, rows, parts[p].tiles, out + column, out_stride);
+    else
+      triforce_cpu::blocks_linear_rows(x, rows, parts[p].blocks, out + column, out_stride, sums);
     column += features[p];
   }
 }
 
-// A direct projection's parts' blocks, checked (triforce_cpu::checked_blocks)
-std::vector<triforce_cpu::Blocks> checked_parts(const c10::List<std::optional<at::Tensor>>& parts) {
-  std::vector<triforce_cpu::Blocks> blocks;
-  for (size_t p = 0; p + 2 < parts.size(); p += 3)
-    blocks.push_back(triforce_cpu::checked_blocks(*parts.get(p), *parts.get(p + 1), parts.get(p + 2)));
-  return blocks;
+// A direct projection's parts, checked (triforce_cpu::checked_blocks, triforce_cpu::checked_tiles)
+std::vector<Product> checked_parts(const c10::List<std::optional<at::Tensor>>& parts) {
+  std::vector<Product> products;
+  for (size_t p = 0; p + 2 < parts.size(); p += 3) {
+    const std::optional<at::Tensor> second = parts.get(p + 1);
+    if (second.has_value())
+      products.push_back(Product{false, triforce_cpu::checked_blocks(*parts.get(p), *second, parts.get(p + 2)), {}});
+    else
+      products.push_back(Product{true, {}, triforce_cpu::checked_tiles(*parts.get(p), parts.get(p + 2))});
+  }
+  return products;
 }
 
 struct LayerRows {  // cached_layers' rows for T = rows, shared by every layer of a step, sized for the widest
@@ -539,7 +560,7 @@ void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const 
   // attention_input: RMSNorm, the q/k/v projection, then per (row, head): (Qwen3) the head's RMSNorm, RoPE; the
   // queries to q (Hq, T, D), the keys and values rounded into the layer's slots
   rms_rows(x, l.norm_weight.template data_ptr<float>(), float(l.eps), rows, hidden, normed);
-  project_rows(normed, rows, l.qkv_blocks, l.qkv_features, qkv, width, sums);
+  project_rows(normed, rows, l.qkv_products, l.qkv_features, qkv, width, sums);
   const float* qn = l.q_norm.has_value() ? l.q_norm->template data_ptr<float>() : nullptr;
   const float* kn = l.k_norm.has_value() ? l.k_norm->template data_ptr<float>() : nullptr;
   at::Half *k_cache = keys.data_ptr<at::Half>(), *v_cache = values.data_ptr<at::Half>();
@@ -589,13 +610,13 @@ void layer_rows(const Layer& l, LayerRows& b, const float* x, float* out, const 
 
   // layer_output: the output projection and residual add, RMSNorm, gate/up, SiLU(gate) * up, down and residual add
   float* mixed = b.mixed.data_ptr<float>();
-  project_rows(attended, rows, l.o_blocks, l.o_features, mixed, hidden, sums);
+  project_rows(attended, rows, l.o_products, l.o_features, mixed, hidden, sums);
   add_rows(mixed, x, rows * hidden);
   rms_rows(mixed, l.post_norm.template data_ptr<float>(), float(l.post_eps), rows, hidden, normed);
   float *gated = b.gated.data_ptr<float>(), *activated = b.activated.data_ptr<float>();
-  project_rows(normed, rows, l.gate_up_blocks, l.gate_up_features, gated, gates, sums);
+  project_rows(normed, rows, l.gate_up_products, l.gate_up_features, gated, gates, sums);
   silu_rows(gated, rows, gates / 2, activated);
-  project_rows(activated, rows, l.down_blocks, l.down_features, out, hidden, sums);
+  project_rows(activated, rows, l.down_products, l.down_features, out, hidden, sums);
   add_rows(out, mixed, rows * hidden);
 }
 
@@ -621,7 +642,7 @@ struct LayerStack : torch::CustomClassHolder {
     c10::List<std::optional<at::Tensor>> down;
     std::vector<int64_t> down_features;
     bool direct;  // runs on cached_layers' rows (direct_layer)
-    std::vector<triforce_cpu::Blocks> qkv_blocks, o_blocks, gate_up_blocks, down_blocks;  // a direct layer's
+    std::vector<Product> qkv_products, o_products, gate_up_products, down_products;  // a direct layer's
   };
   std::vector<Layer> layers;
 
@@ -639,10 +660,10 @@ struct LayerStack : torch::CustomClassHolder {
     Layer& l = layers.back();
     l.direct = direct_layer(l);
     if (l.direct) {
-      l.qkv_blocks = checked_parts(l.qkv);
-      l.o_blocks = checked_parts(l.o_proj);
-      l.gate_up_blocks = checked_parts(l.gate_up);
-      l.down_blocks = checked_parts(l.down);
+      l.qkv_products = checked_parts(l.qkv);
+      l.o_products = checked_parts(l.o_proj);
+      l.gate_up_products = checked_parts(l.gate_up);
+      l.down_products = checked_parts(l.down);
     }
   }
 
@@ -719,6 +740,75 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> cached_layers(const c10::intrusi
   return {h, queries};
 }
 
+// A model's output layer as output_logits runs it: the final RMSNorm (norm_weight, eps), the output projection
+// (parts, three operands each, as cached_layer's projections) and, where the projection computes the logits of some
+// tokens only (restrict_output), their ids (V',) int64 and the vocabulary's size V. Read once by runtime/model.py.
+struct OutputHead : torch::CustomClassHolder {
+  at::Tensor norm_weight;
+  double eps;
+  c10::List<std::optional<at::Tensor>> parts;
+  std::vector<int64_t> features;
+  std::optional<at::Tensor> output_ids;
+  int64_t vocab;
+  bool direct;  // the parts run on raw rows (direct_projection)
+  std::vector<Product> products;
+
+  OutputHead(at::Tensor norm_weight, double eps, c10::List<std::optional<at::Tensor>> parts,
+             std::vector<int64_t> features, std::optional<at::Tensor> output_ids, int64_t vocab)
+      : norm_weight(std::move(norm_weight)), eps(eps), parts(std::move(parts)), features(std::move(features)),
+        output_ids(std::move(output_ids)), vocab(vocab) {
+    TORCH_CHECK(this->norm_weight.dim() == 1, "norm_weight: (C,)");
+    check_weight(this->norm_weight, this->norm_weight.size(0), "norm_weight");
+    const int64_t computed = outputs(this->features);
+    if (this->output_ids.has_value()) {
+      const at::Tensor& ids = *this->output_ids;
+      TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous() &&
+                      ids.size(0) == computed,
+                  "output_ids: int64 (V',) on the CPU, one for each output");
+      TORCH_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < vocab),
+                  "output_ids: tokens of the vocabulary of ", vocab);
+    } else {
+      TORCH_CHECK(computed == vocab, "the output layer: one output for each token of the vocabulary");
+    }
+    direct = direct_projection(this->parts, this->features, this->norm_weight.size(0));
+    if (direct) products = checked_parts(this->parts);
+  }
+};
+
+// The logits (T, V) float32 of the last hidden states x (T, C): head's RMSNorm, then its projection, whose outputs
+// go to their tokens' columns, -inf in every other column where it computes some tokens only. The same bits as
+// rms_norm, the projection's op and an index_copy_ into a tensor of -inf.
+at::Tensor output_logits(const c10::intrusive_ptr<OutputHead>& head, const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(head->norm_weight.size(0) == hidden, "x: (T, C) for the head's C = ", head->norm_weight.size(0));
+  const at::Tensor xc = x.contiguous();
+  at::Tensor normed = at::empty_like(xc);
+  rms_rows(xc.data_ptr<float>(), head->norm_weight.data_ptr<float>(), float(head->eps), rows, hidden,
+           normed.data_ptr<float>());
+  at::Tensor computed;
+  if (head->direct) {
+    const int64_t n = outputs(head->features);
+    computed = at::empty({rows, n}, xc.options());
+    at::Tensor sums = at::empty({rows, (hidden + 31) / 32}, xc.options());
+    project_rows(normed.data_ptr<float>(), rows, head->products, head->features, computed.data_ptr<float>(), n,
+                 sums.data_ptr<float>());
+  } else {
+    computed = project(normed, head->parts, head->features);
+  }
+  if (!head->output_ids.has_value()) return computed;
+  at::Tensor out = at::empty({rows, head->vocab}, xc.options());
+  const int64_t n = computed.size(1), vocab = head->vocab;
+  const int64_t* ids = head->output_ids->data_ptr<int64_t>();
+  const float* from = computed.data_ptr<float>();
+  float* to = out.data_ptr<float>();
+  for (int64_t t = 0; t < rows; ++t) {
+    std::fill(to + t * vocab, to + (t + 1) * vocab, -std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; ++j) to[t * vocab + ids[j]] = from[t * n + j];
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
@@ -726,6 +816,11 @@ TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
       .def(torch::init<>())
       .def("add", &LayerStack::add)
       .def("direct_layers", &LayerStack::direct_layers);
+  lib.class_<OutputHead>("OutputHead")
+      .def(torch::init<at::Tensor, double, c10::List<std::optional<at::Tensor>>, std::vector<int64_t>,
+                       std::optional<at::Tensor>, int64_t>())
+      .def("direct", [](const c10::intrusive_ptr<OutputHead>& head) { return head->direct; });
+  lib.def("output_logits(__torch__.torch.classes.triforce_cpu.OutputHead head, Tensor x) -> Tensor");
   lib.def(
       "cached_layers(__torch__.torch.classes.triforce_cpu.LayerStack stack, Tensor x, Tensor rotation, "
       "Tensor(a!) keys, Tensor(b!) values, int write_slot, int[] view_starts, int origin, bool windowed, "
@@ -758,4 +853,5 @@ TORCH_LIBRARY_IMPL(triforce_cpu, CPU, lib) {
   lib.impl("layer_output", &layer_output);
   lib.impl("cached_layer", &cached_layer);
   lib.impl("cached_layers", &cached_layers);
+  lib.impl("output_logits", &output_logits);
 }

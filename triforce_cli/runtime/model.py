@@ -59,6 +59,8 @@ from triforce_cli.kernels.step import (
     cached_layers,
     layer_output,
     layer_stack,
+    output_head,
+    output_logits,
     rms_norm,
     stack_layer,
     step_ops_available,
@@ -568,6 +570,9 @@ class Transformer(nn.Module):
         self._stack_of: tuple[LayerOperands, ...] = ()
         self._operands: tuple[LayerOperands, ...] | None = None
         self._backends: frozenset[str | None] = frozenset()
+        # step_head's head, and ModuleChanges.count and output_ids when it was read
+        self._head: torch.ScriptObject | None = None
+        self._head_of: tuple[int, torch.Tensor | None] | None = None
         self._operands_read: int | None = None
         # weight_bytes_read's count and ModuleChanges.count when it was made
         self._weight_bytes: int = 0
@@ -703,21 +708,35 @@ class Transformer(nn.Module):
         """
         num_tokens = tokens.shape[0]
         keep = num_logits or num_tokens
-        padded = padded_length(num_tokens)
-        longest = min(MAX_STEP_TOKENS, self.step_graphs.longest(cache, MAX_STEP_TOKENS), cache.max_write or padded)
-        if decoding and self.fixed_step is not None and cache.write_start is not None and padded <= longest:
-            cache.prepare(start, num_tokens, padding=padded - num_tokens)
-            tokens = F.pad(tokens, (0, padded - num_tokens))  # padding rows: token 0, written past cache.length
-            positions = torch.arange(start, start + padded, device=tokens.device)
-            # an offloaded cache's step, with its copies and events, is recorded eager (runtime/graphs.py)
-            step = self.compute_logits if isinstance(cache, FullCache) and cache.stream is not None else self.fixed_step
-            slots = cache.step_slots(start + padded)
-            logits = self.step_graphs.run(step, tokens, positions, cache, slots)
-            # a copy: a recorded step's outputs are overwritten by its next replay
-            return logits[num_tokens - keep : num_tokens].clone()
+        if decoding and self.fixed_step is not None and cache.write_start is not None:
+            padded = padded_length(num_tokens)
+            longest = self.step_graphs.longest(cache, MAX_STEP_TOKENS)
+            if padded <= min(MAX_STEP_TOKENS, longest, cache.max_write or padded):
+                return self._fixed_shape_step(tokens, start, cache, keep, padded)
+        if torch.is_inference_mode_enabled():  # entering it again costs ~50 us once a step has emptied the caches
+            return self._eager_forward(tokens, start, cache, keep)
         with torch.inference_mode():
-            cache.prepare(start, num_tokens)
-            return self.compute_logits(tokens, start, cache, keep)
+            return self._eager_forward(tokens, start, cache, keep)
+
+    def _eager_forward(self, tokens: torch.Tensor, start: int, cache: KVCache, keep: int) -> torch.Tensor:
+        """forward()'s logits (keep, V) from an eager forward of tokens (T,)."""
+        cache.prepare(start, tokens.shape[0])
+        return self.compute_logits(tokens, start, cache, keep)
+
+    def _fixed_shape_step(
+        self, tokens: torch.Tensor, start: int, cache: KVCache, keep: int, padded: int
+    ) -> torch.Tensor:
+        """forward()'s logits (keep, V) from its fixed-shape step of tokens (T,) padded to `padded` rows."""
+        num_tokens = tokens.shape[0]
+        cache.prepare(start, num_tokens, padding=padded - num_tokens)
+        tokens = F.pad(tokens, (0, padded - num_tokens))  # padding rows: token 0, written past cache.length
+        positions = torch.arange(start, start + padded, device=tokens.device)
+        # an offloaded cache's step, with its copies and events, is recorded eager (runtime/graphs.py)
+        step = self.compute_logits if isinstance(cache, FullCache) and cache.stream is not None else self.fixed_step
+        slots = cache.step_slots(start + padded)
+        logits = self.step_graphs.run(step, tokens, positions, cache, slots)
+        # a copy: a recorded step's outputs are overwritten by its next replay
+        return logits[num_tokens - keep : num_tokens].clone()
 
     def compute_logits(
         self, tokens: torch.Tensor, positions: torch.Tensor | int, cache: KVCache, num_logits: int | None = None
@@ -748,7 +767,7 @@ class Transformer(nn.Module):
                 x = layer(x, rotation, step)
         if cache.static_step:
             step.finish()
-        if num_logits is not None:
+        if num_logits is not None and num_logits < x.shape[0]:
             x = x[-num_logits:]
         return self.output(x)
 
@@ -825,8 +844,30 @@ class Transformer(nn.Module):
             return rms_norm(x, norm.weight, norm.eps)
         return norm(x)
 
+    def step_head(self, x: torch.Tensor) -> torch.ScriptObject | None:
+        """The output layer as one call (kernels.step.output_logits) for the last layer's hidden states x (N, C),
+        where the step ops compute it (float32 on the CPU, the output layer in the extension's products); else None.
+        Read once, and again after a module change or restrict_output. A compiled step (use_steps) traces the
+        modules."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or isinstance(x, FakeTensor) or torch.is_grad_enabled():
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        if self._head_of is None or self._head_of[0] != ModuleChanges.count or self._head_of[1] is not self.output_ids:
+            norm, projection = self.model.norm, projection_of(self.lm_head)
+            usable = projection is not None and step_ops_available() and norm.weight.dtype == torch.float32
+            usable = usable and norm.weight.device.type == "cpu" and norm.weight.is_contiguous()
+            self._head = None
+            if usable:
+                self._head = output_head(norm.weight, norm.eps, projection, self.output_ids, self.config.vocab_size)
+            self._head_of = (ModuleChanges.count, self.output_ids)
+        return self._head
+
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits (N, V) of the last layer's hidden states x (N, C): -inf outside restrict_output's tokens."""
+        head = self.step_head(x)
+        if head is not None:
+            return output_logits(head, x)
         logits = self.lm_head(self.final_norm(x)).float()  # (N, V) or (N, V')
         if self.output_ids is None:
             return logits
