@@ -26,6 +26,7 @@ has (kernels.native.cpu_isa).
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ BLOCK_TYPES = {
 BLOCK_KINDS = tuple(BLOCK_TYPES)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackedBlocks:
     """A weight (N, K) as tiles of 16 rows, N padded to a multiple of 16 with zero rows (out_features is the
     weight's own N). records: (N/16, K/32, R) uint8, the record of block b of a tile being its q's (Q bytes), its
@@ -123,9 +124,14 @@ class PackedBlocks:
     def nbytes(self) -> int:
         return self.records.numel()
 
-    def operands(self) -> list[torch.Tensor | None]:
-        """q, d and m (or None): the three views the extension's ops take (it reads the records through them)."""
+    @cached_property
+    def _views(self) -> list[torch.Tensor | None]:
         return [self.q, self.d, self.m]
+
+    def operands(self) -> list[torch.Tensor | None]:
+        """q, d and m (or None): the three views the extension's ops take (it reads the records through them), made
+        once (with the caches cold after a step, making them cost twice the lookup of an embedding's row)."""
+        return self._views
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:

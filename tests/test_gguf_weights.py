@@ -256,6 +256,19 @@ def test_every_weight_computes_from_its_blocks(tie):
     assert isinstance(packed.model.lm_head, GGUFLinear)
 
 
+def test_a_linears_blocks_and_their_views_are_made_once_for_the_records_in_place():
+    """GGUFLinear.packed (and the q, d, m views its operands are) is made once and kept while the records stay the
+    same tensor; records moved (_apply) or replaced are read anew, and the kept blocks no longer hold the old ones."""
+    linear = gguf_tiny_model(1)[2].model.model.layers[0].mlp.down_proj
+    packed = linear.packed
+    assert linear.packed is packed and packed.operands() is linear.packed.operands()
+    linear._apply(lambda t: t.clone())
+    moved = linear.packed
+    assert moved is not packed and moved.records is linear.records and torch.equal(moved.records, packed.records)
+    linear.records = packed.records.clone()
+    assert linear.packed.records is linear.records
+
+
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_logits_match_transformers_on_the_dequantized_weights(tie):
     ref, dense, packed = gguf_tiny_model(2, tie=tie)

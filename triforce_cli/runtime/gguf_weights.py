@@ -50,10 +50,19 @@ class GGUFLinear(nn.Module):
         self.out_features, self.in_features = packed.out_features, packed.in_features
         self.four_bit, self.groups, self.minimums = packed.four_bit, packed.groups, packed.minimums
         self.register_buffer("records", packed.records)
+        self._packed: PackedBlocks | None = None  # packed's, for the records in place
 
     @property
     def packed(self) -> PackedBlocks:
-        return PackedBlocks(self.records, self.four_bit, self.groups, self.minimums, self.out_features)
+        """The blocks as kernels.gguf takes them, made once for the records in place (with its operands' views)."""
+        records = self._buffers["records"]
+        if self._packed is None or self._packed.records is not records:
+            self._packed = PackedBlocks(records, self.four_bit, self.groups, self.minimums, self.out_features)
+        return self._packed
+
+    def _apply(self, fn, recurse=True):
+        self._packed = None  # views of the records as they were: not kept alive past a move
+        return super()._apply(fn, recurse)
 
     @property
     def weight(self) -> torch.Tensor:
