@@ -162,10 +162,10 @@ MIN_ROUNDS = 9  # rounds of every forward at least: a median of 3 moved with the
 
 
 def _time_forward(model: LoadedModel, cache: KVCache, new_ids: torch.Tensor, start: int) -> float:
-    """Milliseconds of one forward; on a GPU it ends when the device has finished it, not when it was queued."""
+    """Milliseconds of one forward called as decoding calls it (outside inference mode, which the forward enters);
+    on a GPU it ends when the device has finished it, not when it was queued."""
     began = time.perf_counter()
-    with torch.inference_mode():
-        model.model(new_ids, start, cache, num_logits=len(new_ids))
+    model.model(new_ids, start, cache, num_logits=len(new_ids))
     if new_ids.is_cuda:
         torch.cuda.synchronize(new_ids.device)
     elapsed = 1000 * (time.perf_counter() - began)
