@@ -1,8 +1,9 @@
 """A decoder layer's ops on the CPU's float32 activations in the extension (csrc/step_ops.cpp): RMSNorm, RoPE,
 SiLU(gate) * up, a layer's two halves around the cache write in one call each (attention_input, layer_output), and
 a whole layer over a float16 cache's storage in one call (cached_layer: the two halves, the cache write and
-cache_attention), every layer of a model in one call (cached_layers, over a LayerStack built once per model), and
-the output layer in one call (output_logits: the final norm, the product, the logits spread over the vocabulary).
+cache_attention), every layer of a model in one call (cached_layers, over a LayerStack built once per model), the
+output layer in one call (output_logits: the final norm, the product, the logits spread over the vocabulary), and a
+whole eager step from token ids to logits in one call (cached_step).
 
 A decode step of a float32 model with tiled or GGUF linears (runtime/model.py's DecoderLayer) then makes a few calls
 per layer, where torch's ops made dozens, each with its fixed cost: the norms' pow/mean/rsqrt/multiplies, RoPE's
@@ -290,6 +291,38 @@ def output_logits(head: torch.ScriptObject, x: torch.Tensor) -> torch.Tensor:
     token it does not compute; the bits of rms_norm, the projection's product and an index_copy_ into -inf, in one
     call."""
     return torch.ops.triforce_cpu.output_logits(head, x)
+
+
+def cached_step(
+    stack: torch.ScriptObject,
+    embedding: list[torch.Tensor | None],
+    head: torch.ScriptObject,
+    ids: torch.Tensor,
+    rotation: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    write_slot: int,
+    view_starts: list[int],
+    origin: int,
+    windowed: bool,
+    segment: int,
+    keep_queries: bool,
+    num_logits: int,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An eager step from token ids to logits in one call: the embedding's rows of ids (T,), cached_layers over
+    them (its arguments from rotation on), output_logits of the last num_logits rows; the same bits as the three.
+
+    Args:
+        embedding: the token table as three operands: GGUF blocks (q, d, m or None), tiles (N/16, C, 16) float32 or
+            float16 with None, None (a tied output layer's), or a float32 table (V, C) with None, None.
+        head: output_head's.
+    Returns:
+        The logits (num_logits, V) float32, and with keep_queries each layer's queries (Hq, T, D).
+    """
+    return torch.ops.triforce_cpu.cached_step(
+        stack, embedding, head, ids, rotation, keys, values, write_slot, view_starts, origin, windowed, segment,
+        keep_queries, num_logits,
+    )  # fmt: skip
 
 
 def register_fake_kernels() -> None:

@@ -255,19 +255,21 @@ def step_dispatches(num_layers: int, hook_layer: int | None = None) -> Counter:
     tokens = torch.arange(11) % cfg.vocab_size
     with torch.inference_mode():
         model(tokens[:10], 0, cache)
+        last = tokens[10:]
         with Dispatches() as counted:
-            model(tokens[10:], 10, cache)
+            model(last, 10, cache)
     return counted.ops
 
 
-def test_a_decode_step_makes_one_dispatch_for_all_its_layers():
-    """Every layer in one call, cached_layers, where a layer in one call each (cached_layer) made one per layer, its
-    halves, the cache's write and views and the attention 13, and torch's ops 38; a layer with a hook (a streamed
-    layer's weights arrive in one) sends the step back to a call per layer."""
+def test_a_decode_step_makes_one_dispatch_from_ids_to_logits():
+    """The embedding, every layer and the output layer in one call, cached_step, and no other op but the view of the
+    step's rotation, where a layer in one call each (cached_layer) made one per layer, its halves, the cache's write
+    and views and the attention 13, and torch's ops 38; a layer with a hook (a streamed layer's weights arrive in
+    one) sends the step back to a call per layer."""
     two, four = step_dispatches(2), step_dispatches(4)
-    assert four == two and four["triforce_cpu.cached_layers"] == 1 and four["triforce_cpu.cached_layer"] == 0
+    assert four == two == Counter({"triforce_cpu.cached_step": 1, "aten.slice": 1})  # the rotation table's view
     hooked = step_dispatches(4, hook_layer=1)
-    assert hooked["triforce_cpu.cached_layers"] == 0 and hooked["triforce_cpu.cached_layer"] == 4
+    assert hooked["triforce_cpu.cached_step"] == 0 and hooked["triforce_cpu.cached_layer"] == 4
 
 
 def test_the_step_ops_give_the_models_logits(monkeypatch):
@@ -291,30 +293,39 @@ def test_the_step_ops_give_the_models_logits(monkeypatch):
         ModuleChanges.note()  # a patched method is no change torch's registration hooks see
         with Dispatches() as calls:
             torch.testing.assert_close(fused, logits(), rtol=1e-5, atol=1e-5)
-        assert calls.ops["triforce_cpu.cached_layers"] == calls.ops["triforce_cpu.cached_layer"] == 0
+        assert calls.ops["triforce_cpu.cached_step"] == calls.ops["triforce_cpu.cached_layer"] == 0
     ModuleChanges.note()
     with Dispatches() as calls:
         assert torch.equal(logits(), fused)
-    assert calls.ops["triforce_cpu.cached_layers"] == 3  # one a forward, the operands read once
+    assert calls.ops["triforce_cpu.cached_step"] == 3  # one a forward, the operands read once
     layer.mlp.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
     assert layer.step_operands() is None and model.model.layers[1].step_operands() is not None
     with Dispatches() as calls:  # the assignment is seen: no layer runs the one call with the old operands
         assert not torch.allclose(logits(), fused)
-    assert calls.ops["triforce_cpu.cached_layers"] == 0 and calls.ops["triforce_cpu.cached_layer"] == 3
+    assert calls.ops["triforce_cpu.cached_step"] == calls.ops["triforce_cpu.cached_layers"] == 0
+    assert calls.ops["triforce_cpu.cached_layer"] == 3
 
 
-def cache_writes(model, through_update: bool, monkeypatch, per_layer: bool = False) -> list[torch.Tensor]:
+PATHS = ("one call", "layers in one call", "a call per layer", "through update")
+
+
+def cache_writes(model, path: str, monkeypatch) -> tuple[list[torch.Tensor], Counter]:
     """Every output of a script of forwards over a full, a retrieval and a StreamingLLM cache (prefill chunks,
     verifications, rollbacks, single steps, the StreamingLLM window evicting), then each cache's keys and values
-    and the full cache's kept queries; through_update: every layer writes through the cache's update() (no
-    KVCache.eager_write), as the layer's three calls around it do; per_layer: a call per layer, not one for all."""
+    and the full cache's kept queries, and the dispatches made. path, one of PATHS: from ids to logits in one call
+    (cached_step); the layers in one call between the embedding's and the output layer's own (cached_layers); a call
+    per layer (cached_layer over KVCache.eager_write); every layer writing through the cache's update() (no
+    KVCache.eager_write), as the layer's three calls around it do."""
     cfg = model.config
-    with monkeypatch.context() as patched:
-        if per_layer:
+    with monkeypatch.context() as patched, Dispatches() as calls:
+        if path != "one call":
+            patched.setattr(Transformer, "step_embedding", lambda self: None)
+        if path == "a call per layer":
             patched.setattr(Transformer, "stacked_layers", lambda self, x, step: None)
-        if through_update:
+        if path == "through update":
             patched.setattr(FullCache, "eager_write", lambda self: None)
             patched.setattr(SlotCache, "eager_write", lambda self: None)
+        ModuleChanges.note()  # a patched method is no change torch's registration hooks see
         full = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float16)
         streaming = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 8, 4, torch.float16)
         tokens = torch.arange(60) * 7 % cfg.vocab_size
@@ -332,49 +343,73 @@ def cache_writes(model, through_update: bool, monkeypatch, per_layer: bool = Fal
             for start in range(0, 24, 4):
                 outputs.append(model(tokens[start : start + 4], start, streaming))
             streaming.rollback(22)
-            outputs.append(model(tokens[22:23], 22, streaming))
-        caches = (full, retrieval, streaming)
-        return outputs + [cache.keys for cache in caches] + [cache.values for cache in caches] + full.queries
+            outputs.append(model(tokens[22:23], 22, streaming, num_logits=1))
+    ModuleChanges.note()
+    caches = (full, retrieval, streaming)
+    return outputs + [cache.keys for cache in caches] + [cache.values for cache in caches] + full.queries, calls.ops
+
+
+def assert_every_path_writes_the_same_bits(model, monkeypatch) -> None:
+    """cache_writes' outputs and caches are the same bits on every path of PATHS, each path the one it names."""
+    writes = {path: cache_writes(model, path, monkeypatch) for path in PATHS}
+    ops = {path: calls for path, (_, calls) in writes.items()}
+    assert ops["one call"]["triforce_cpu.cached_step"] > 0 and ops["one call"]["triforce_cpu.cached_layers"] == 0
+    assert ops["layers in one call"]["triforce_cpu.cached_layers"] > 0
+    assert ops["layers in one call"]["triforce_cpu.cached_step"] == 0
+    assert ops["a call per layer"]["triforce_cpu.cached_layer"] > 0
+    assert ops["a call per layer"]["triforce_cpu.cached_layers"] == 0
+    assert ops["through update"]["triforce_cpu.cached_layer"] == ops["through update"]["triforce_cpu.cached_layers"] == 0
+    reference, _ = writes["through update"]
+    for path in PATHS[:-1]:
+        for new, old in zip(writes[path][0], reference, strict=True):
+            assert torch.equal(new, old), path
 
 
 @pytest.mark.parametrize("weights", ["float32", "half"])
 def test_a_layer_in_one_call_writes_what_the_caches_update_writes(monkeypatch, weights, body):
-    """A model of float32 or float16 tiles runs its layers all in one call (cached_layers) on rows allocated once a
-    step, the products straight into them, and in one call each (cached_layer over KVCache.eager_write): the same
-    logits, and the same bits in the full, retrieval and StreamingLLM caches and the full cache's queries, as the
-    layer's three calls around the caches' update(), in every kernel body."""
-    tiny = make_model(seed=6, num_layers=2)
+    """A model of float32 or float16 tiles runs each step from ids to logits in one call (cached_step), its layers
+    on rows allocated once a step, the products straight into them; or its layers in one call (cached_layers), or in
+    one call each (cached_layer over KVCache.eager_write): the same logits, and the same bits in the full, retrieval
+    and StreamingLLM caches and the full cache's queries, as the layer's three calls around the caches' update(), in
+    every kernel body; an untied float32 embedding (a plain table) and a tied one (the output layer's tiles)."""
+    tiny = make_model(seed=6, num_layers=2, tie_word_embeddings=weights == "half")
     if weights == "half":
         use_half_weights(tiny.model)
     model = tiled(tiny.loaded).model
-    with Dispatches() as stacked_calls:
-        stacked = cache_writes(model, False, monkeypatch)
-    with Dispatches() as fused_calls:
-        fused = cache_writes(model, False, monkeypatch, per_layer=True)
-    with Dispatches() as update_calls:
-        through_update = cache_writes(model, True, monkeypatch)
-    assert stacked_calls.ops["triforce_cpu.cached_layers"] > 0 and stacked_calls.ops["triforce_cpu.cached_layer"] == 0
-    assert fused_calls.ops["triforce_cpu.cached_layer"] > 0 and fused_calls.ops["triforce_cpu.cached_layers"] == 0
-    assert update_calls.ops["triforce_cpu.cached_layer"] == 0 and update_calls.ops["triforce_cpu.cached_layers"] == 0
-    for new, per_layer, old in zip(stacked, fused, through_update, strict=True):
-        assert torch.equal(new, per_layer) and torch.equal(new, old)
+    assert_every_path_writes_the_same_bits(model, monkeypatch)
     assert model._stack.direct_layers() == model.config.num_layers
 
 
 @pytest.mark.parametrize("shapes", [{}, K_QUANT_SHAPES], ids=["classic", "k-quants"])
 def test_layers_on_rows_write_what_a_call_per_layer_writes(monkeypatch, shapes, body):
     """A model of GGUF blocks runs every layer on rows allocated once a step (the products and the attention
-    straight into them, keys and values rounded straight into the cache): the same logits and the same bits in the
-    full, retrieval and StreamingLLM caches and the kept queries as a call per layer and as the layer's three calls
-    around the caches' update(), over prefill chunks, verifications, rollbacks and eviction, in every kernel body."""
+    straight into them, keys and values rounded straight into the cache), from ids to logits in one call: the same
+    logits and the same bits in the full, retrieval and StreamingLLM caches and the kept queries as its layers in one
+    call, a call per layer and the layer's three calls around the caches' update(), over prefill chunks,
+    verifications, rollbacks and eviction, in every kernel body."""
     _, _, packed = gguf_tiny_model(7, num_layers=3, **shapes)
     model = packed.model
-    on_rows = cache_writes(model, False, monkeypatch)
+    assert_every_path_writes_the_same_bits(model, monkeypatch)
     assert model._stack.direct_layers() == model.config.num_layers
-    per_layer = cache_writes(model, False, monkeypatch, per_layer=True)
-    through_update = cache_writes(model, True, monkeypatch)
-    for new, one_call, old in zip(on_rows, per_layer, through_update, strict=True):
-        assert torch.equal(new, one_call) and torch.equal(new, old)
+
+
+@pytest.mark.parametrize("table", ["float32", "float32 tied", "half tied", "gguf", "gguf tied"])
+def test_the_one_calls_embedding_rows_are_the_modules(table):
+    """A step's embedding looked up in the extension (kernels.step.cached_step's embedding_rows): the module's rows,
+    the same bits, for a float32 table, a tied output layer's float32 or float16 tiles and GGUF blocks; an id outside
+    the table is one clear error."""
+    if table.startswith("gguf"):
+        model = gguf_tiny_model(12, tie=table.endswith("tied"), vocab_size=48)[2].model
+    else:
+        tiny = make_model(seed=12, vocab_size=48, tie_word_embeddings=table.endswith("tied"))
+        if table.startswith("half"):
+            use_half_weights(tiny.model)
+        model = tiled(tiny.loaded).model
+    ids = torch.tensor([47, 0, 16, 15, 31, 5])
+    operands = model.step_embedding()
+    assert torch.equal(torch.ops.triforce_cpu.embedding_rows(operands, ids), model.model.embed_tokens(ids))
+    with pytest.raises(RuntimeError, match="ids: rows 0 to 4[78] of the"):
+        torch.ops.triforce_cpu.embedding_rows(operands, torch.tensor([3, 48 if "gguf" in table else 64]))
 
 
 def module_logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
@@ -446,5 +481,5 @@ def test_an_output_layer_of_padded_tiles_spreads_its_outputs():
     model = tiled(tiny.loaded).model
     x = torch.randn(3, model.config.hidden_size, generator=generator(11))
     with torch.inference_mode():
-        assert not model.step_head(x).direct()
+        assert not model.step_head().direct()
         assert torch.equal(model.output(x), module_logits(model, x))

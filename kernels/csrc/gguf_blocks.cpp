@@ -294,9 +294,7 @@ at::Tensor blocks_rows(const at::Tensor& q, const at::Tensor& d, const std::opti
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < count; ++r) {
     TORCH_CHECK(row[r] >= 0 && row[r] < n, "ids: rows 0 to ", n - 1, " of the blocks, not ", row[r]);
-    const int64_t tile = row[r] / kLanes, lane = row[r] % kLanes;
-    for (int64_t b = 0; b < w.blocks; ++b)
-      for (int64_t i = 0; i < kBlock; ++i) o[r * k + b * kBlock + i] = weight_at(w, tile, b, i, lane);
+    triforce_cpu::blocks_row(w, row[r], o + r * k);
   }
   return out;
 }
@@ -352,6 +350,12 @@ Blocks checked_blocks(const at::Tensor& q, const at::Tensor& d, const std::optio
   TORCH_CHECK(q.storage_offset() + tiles * blocks * record <= int64_t(q.storage().nbytes()),
               "blocks: every record inside q's storage");
   return Blocks{static_cast<const uint8_t*>(q.data_ptr()), record, tiles, blocks, four_bit, m.has_value(), groups};
+}
+
+void blocks_row(const Blocks& w, int64_t row, float* out) {
+  const int64_t tile = row / kLanes, lane = row % kLanes;
+  for (int64_t b = 0; b < w.blocks; ++b)
+    for (int64_t i = 0; i < kBlock; ++i) out[b * kBlock + i] = weight_at(w, tile, b, i, lane);
 }
 
 void blocks_linear_rows(const float* x, int64_t rows, const Blocks& w, float* out, int64_t out_stride, float* sums) {

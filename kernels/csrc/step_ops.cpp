@@ -13,7 +13,9 @@
 //     layer whose projections are all GGUF blocks or weight tiles runs on rows allocated once a step (layer_rows),
 //     the products and the attention writing straight into them, with no torch op between its kernels;
 //   output_logits: the final RMSNorm, the output projection and, for an output computing some tokens only (a
-//     drafter's), the logits spread over the vocabulary, -inf elsewhere, in one call over an OutputHead read once.
+//     drafter's), the logits spread over the vocabulary, -inf elsewhere, in one call over an OutputHead read once;
+//   cached_step: an eager step from token ids to logits in one call: the embedding's rows (embedding_rows),
+//     cached_layers, output_logits.
 // The projections run the extension's own products (blocks_linear, dense_linear: gguf_blocks.cpp, dense_linear.cpp)
 // through the dispatcher; a projection given in parts (GGUF blocks of different kinds) runs each and puts their
 // outputs side by side.
@@ -809,6 +811,64 @@ at::Tensor output_logits(const c10::intrusive_ptr<OutputHead>& head, const at::T
   return out;
 }
 
+// Rows ids (T,) of a token embedding's table, float32 (T, C): the table given as three operands, GGUF blocks (q, d,
+// m or None: rebuilt as blocks_rows rebuilds them), tiles (N/16, C, 16) float32 or float16 with None, None (a tied
+// output layer's, as runtime/tiled_weights.py's TiledEmbedding reads them) or a float32 table (V, C) with None, None.
+// Each is the module's lookup, the same bits.
+at::Tensor embedding_rows(const c10::List<std::optional<at::Tensor>>& table, const at::Tensor& ids) {
+  TORCH_CHECK(table.size() == 3 && table.get(0).has_value(), "embedding: three operands, the table's first");
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 (T,) on the CPU");
+  const at::Tensor first = *table.get(0);
+  const std::optional<at::Tensor> second = table.get(1);
+  const at::Tensor rows = ids.contiguous();
+  const int64_t count = rows.size(0);
+  const int64_t* id = rows.data_ptr<int64_t>();
+  if (second.has_value()) {  // GGUF blocks
+    const triforce_cpu::Blocks w = triforce_cpu::checked_blocks(first, *second, table.get(2));
+    const int64_t k = w.blocks * triforce_cpu::Blocks::kWeights, n = w.tiles * triforce_cpu::Blocks::kRows;
+    at::Tensor out = at::empty({count, k}, second->options());
+    for (int64_t r = 0; r < count; ++r) {
+      TORCH_CHECK(id[r] >= 0 && id[r] < n, "ids: rows 0 to ", n - 1, " of the blocks, not ", id[r]);
+      triforce_cpu::blocks_row(w, id[r], out.data_ptr<float>() + r * k);
+    }
+    return out;
+  }
+  TORCH_CHECK(first.device().is_cpu() && first.is_contiguous() && (first.dim() == 2 || first.dim() == 3),
+              "embedding: a contiguous CPU table (V, C) or tiles (N/16, C, 16)");
+  const bool tiles = first.dim() == 3;
+  TORCH_CHECK(tiles ? first.size(2) == 16 && (first.scalar_type() == at::kFloat || first.scalar_type() == at::kHalf)
+                    : first.scalar_type() == at::kFloat,
+              "embedding: float32 or float16 tiles (N/16, C, 16), or a float32 table (V, C)");
+  const int64_t k = first.size(1), n = tiles ? first.size(0) * 16 : first.size(0);
+  at::Tensor out = at::empty({count, k}, first.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < count; ++r) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < n, "ids: rows 0 to ", n - 1, " of the embedding, not ", id[r]);
+    if (!tiles) {
+      std::copy_n(first.data_ptr<float>() + id[r] * k, k, o + r * k);
+      continue;
+    }
+    const int64_t start = id[r] / 16 * k * 16 + id[r] % 16;  // tile id / 16, lane id % 16, column i at 16 i
+    for (int64_t i = 0; i < k; ++i)
+      o[r * k + i] = first.scalar_type() == at::kHalf ? float(first.data_ptr<at::Half>()[start + 16 * i])
+                                                      : first.data_ptr<float>()[start + 16 * i];
+  }
+  return out;
+}
+
+// A whole eager step in one call: embedding_rows of ids, cached_layers over them, and output_logits of the last
+// num_logits rows -> the logits (num_logits, V) and, with keep_queries, every layer's queries (cached_layers').
+std::tuple<at::Tensor, std::vector<at::Tensor>> cached_step(
+    const c10::intrusive_ptr<LayerStack>& stack, const c10::List<std::optional<at::Tensor>>& embedding,
+    const c10::intrusive_ptr<OutputHead>& head, const at::Tensor& ids, const at::Tensor& rotation, at::Tensor& keys,
+    at::Tensor& values, int64_t write_slot, at::IntArrayRef view_starts, int64_t origin, bool windowed,
+    int64_t segment, bool keep_queries, int64_t num_logits) {
+  auto [h, queries] = cached_layers(stack, embedding_rows(embedding, ids), rotation, keys, values, write_slot,
+                                    view_starts, origin, windowed, segment, keep_queries);
+  TORCH_CHECK(0 < num_logits && num_logits <= h.size(0), "num_logits: 1 to the step's ", h.size(0), " rows");
+  return {output_logits(head, h.narrow(0, h.size(0) - num_logits, num_logits)), std::move(queries)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
@@ -821,6 +881,12 @@ TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
                        std::optional<at::Tensor>, int64_t>())
       .def("direct", [](const c10::intrusive_ptr<OutputHead>& head) { return head->direct; });
   lib.def("output_logits(__torch__.torch.classes.triforce_cpu.OutputHead head, Tensor x) -> Tensor");
+  lib.def("embedding_rows(Tensor?[] table, Tensor ids) -> Tensor");
+  lib.def(
+      "cached_step(__torch__.torch.classes.triforce_cpu.LayerStack stack, Tensor?[] embedding, "
+      "__torch__.torch.classes.triforce_cpu.OutputHead head, Tensor ids, Tensor rotation, Tensor(a!) keys, "
+      "Tensor(b!) values, int write_slot, int[] view_starts, int origin, bool windowed, int segment, "
+      "bool keep_queries, int num_logits) -> (Tensor, Tensor[])");
   lib.def(
       "cached_layers(__torch__.torch.classes.triforce_cpu.LayerStack stack, Tensor x, Tensor rotation, "
       "Tensor(a!) keys, Tensor(b!) values, int write_slot, int[] view_starts, int origin, bool windowed, "
@@ -854,4 +920,6 @@ TORCH_LIBRARY_IMPL(triforce_cpu, CPU, lib) {
   lib.impl("cached_layer", &cached_layer);
   lib.impl("cached_layers", &cached_layers);
   lib.impl("output_logits", &output_logits);
+  lib.impl("embedding_rows", &embedding_rows);
+  lib.impl("cached_step", &cached_step);
 }

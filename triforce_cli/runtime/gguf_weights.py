@@ -33,7 +33,7 @@ from triforce_cli.kernels.gguf import (
     pack_blocks,
 )
 from triforce_cli.kernels.step import Projection
-from triforce_cli.runtime.model import ConcatLinear, Transformer, replace_checkpoint_linears
+from triforce_cli.runtime.model import ConcatLinear, ModuleChanges, Transformer, replace_checkpoint_linears
 from triforce_cli.runtime.store import content_identity, write_atomically
 
 BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # in a converted checkpoint's folder: its packed blocks
@@ -62,6 +62,7 @@ class GGUFLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._packed = None  # views of the records as they were: not kept alive past a move
+        ModuleChanges.note()  # nor by a model's embedding read for its one-call step (Transformer.step_embedding)
         return super()._apply(fn, recurse)
 
     @property
@@ -93,6 +94,11 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return blocks_rows(self.blocks.packed, ids)
+
+    def step_operands(self) -> list[torch.Tensor | None] | None:
+        """The blocks' q, d and m as kernels.step.cached_step looks rows up in them, None off the CPU."""
+        projection = self.blocks.projection()
+        return None if projection is None else projection.operands
 
 
 def stack(parts: list[GGUFLinear]) -> nn.Module:

@@ -24,9 +24,10 @@ A float32 model on the CPU whose linears are tiled or GGUF blocks runs every eag
 step ops (kernels.step: DecoderLayer.step_forward), each row computed in one order of arithmetic (the numeric
 contract): over a float16 cache in host memory a whole layer in one call (the cache's write read once per forward,
 KVCache.eager_write), and there every layer of the forward in one call where no layer has hooks (cached_layers over
-a LayerStack read once from the layers' operands: Transformer.stacked_layers), elsewhere its norm, projection and
-RoPE in one call, the cache's update and attention, then the rest of the layer in one call. Fixed-shape steps, other
-devices and dtypes, and dense linears run torch's ops.
+a LayerStack read once from the layers' operands: Transformer.stacked_layers), with the embedding's lookup and the
+output layer the whole forward from ids to logits in one call (cached_step: Transformer.one_call), elsewhere its
+norm, projection and RoPE in one call, the cache's update and attention, then the rest of the layer in one call.
+Fixed-shape steps, other devices and dtypes, and dense linears run torch's ops.
 
 prefill_layerwise() runs a prompt layer by layer instead of chunk by chunk (for a full cache in host memory, whose
 every forward streams every layer's prefix to the device): the same forwards of the same chunks, in another order.
@@ -57,6 +58,7 @@ from triforce_cli.kernels.step import (
     attention_input,
     cached_layer,
     cached_layers,
+    cached_step,
     layer_output,
     layer_stack,
     output_head,
@@ -95,6 +97,19 @@ for _register in (
     nn.modules.module.register_module_buffer_registration_hook,
 ):
     _register(ModuleChanges.note)  # returns None: the registered object stays as given
+
+
+FLOAT32_ROWS = torch.empty(0)  # any float32 rows on the CPU, where only their dtype and device are asked
+
+
+def stack_write(step: EagerWrite) -> tuple:
+    """The arguments of kernels.step.cached_layers (and cached_step) after the rotation, for a forward writing step:
+    the cache's storage, the write's first slot, each layer's first slot read, the views' origin, whether slots are
+    positions, the attention's segment, whether the cache keeps the queries."""
+    return (
+        step.keys, step.values, step.slots.start, step.first_slots, step.origin, step.slots_are_positions,
+        segment_keys(step.slots_are_positions), step.queries is not None,
+    )  # fmt: skip
 
 
 def padded_length(num_tokens: int) -> int:
@@ -570,9 +585,12 @@ class Transformer(nn.Module):
         self._stack_of: tuple[LayerOperands, ...] = ()
         self._operands: tuple[LayerOperands, ...] | None = None
         self._backends: frozenset[str | None] = frozenset()
-        # step_head's head, and ModuleChanges.count and output_ids when it was read
+        # step_head's head, and ModuleChanges.count and output_ids when it was read; step_embedding's operands, and
+        # ModuleChanges.count when they were read
         self._head: torch.ScriptObject | None = None
         self._head_of: tuple[int, torch.Tensor | None] | None = None
+        self._embedding: list[torch.Tensor | None] | None = None
+        self._embedding_read: int | None = None
         self._operands_read: int | None = None
         # weight_bytes_read's count and ModuleChanges.count when it was made
         self._weight_bytes: int = 0
@@ -750,15 +768,18 @@ class Transformer(nn.Module):
             positions: (T,) on the device (a fixed-shape step computes their rotation), or the first of T
                 consecutive positions (an eager forward reads theirs from the table: rotation).
         """
+        if cache.static_step:  # what every layer of a fixed-shape step shares, built once on the device
+            step = cache.begin_step(tokens.shape[0], self.config.num_heads // self.config.num_kv_heads)
+        else:  # an eager forward's write, read once for every layer where the cache's storage takes it
+            step = cache.eager_write() or cache
+            one_call = self.one_call(tokens, step) if isinstance(positions, int) else None
+            if one_call is not None:
+                return self.run_one_call(one_call, tokens, positions, step, num_logits)
         x = self.model.embed_tokens(tokens)  # (T, C)
         if isinstance(positions, int):
             rotation = self.rotation(positions, tokens.shape[0], x.dtype)
         else:
             rotation = self.rotary(positions, x.dtype)
-        if cache.static_step:  # what every layer of a fixed-shape step shares, built once on the device
-            step = cache.begin_step(tokens.shape[0], self.config.num_heads // self.config.num_kv_heads)
-        else:  # an eager forward's write, read once for every layer where the cache's storage takes it
-            step = cache.eager_write() or cache
         stack = None if cache.static_step else self.stacked_layers(x, step)
         if stack is not None:
             x = self.run_stack(stack, x, rotation, step)
@@ -775,9 +796,13 @@ class Transformer(nn.Module):
         """The layers as one call (kernels.step.cached_layers) for an eager forward of x (T, C) writing step, where
         each layer would run cached_layer (DecoderLayer.step_forward) and none has hooks (a streamed layer's weights
         arrive in its hooks); else None. Read from the layers' operands once, and again when those change."""
-        if not isinstance(step, EagerWrite) or isinstance(x, FakeTensor) or torch.is_grad_enabled():
+        if isinstance(x, FakeTensor) or x.device.type != "cpu" or x.dtype != torch.float32:
             return None
-        if x.device.type != "cpu" or x.dtype != torch.float32:
+        return self._layer_stack(step)
+
+    def _layer_stack(self, step: KVCache | EagerWrite) -> torch.ScriptObject | None:
+        """stacked_layers' stack for float32 rows on the CPU."""
+        if not isinstance(step, EagerWrite) or torch.is_grad_enabled():
             return None
         layers = self.model.layers
         if self._operands_read != ModuleChanges.count:
@@ -792,7 +817,7 @@ class Transformer(nn.Module):
         operands = self._operands
         if operands is None or any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
             return None
-        if not all(runs_cache_attention(b, x, step.keys) for b in self._backends):
+        if not all(runs_cache_attention(b, FLOAT32_ROWS, step.keys) for b in self._backends):
             return None
         if operands is not self._stack_of:
             self._stack, self._stack_of = self._build_stack(operands), operands
@@ -816,14 +841,45 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """The last layer's output (T, C) of stacked_layers' stack over x (T, C); the layers' queries kept where the
         cache keeps them, as each layer's own call keeps them."""
-        keep = step.queries is not None
-        x, queries = cached_layers(
-            stack, x, rotation, step.keys, step.values, step.slots.start, step.first_slots, step.origin,
-            step.slots_are_positions, segment_keys(step.slots_are_positions), keep,
-        )  # fmt: skip
+        x, queries = cached_layers(stack, x, rotation, *stack_write(step))
+        self._keep_stack_queries(step, queries)
+        return x
+
+    def _keep_stack_queries(self, step: EagerWrite, queries: list[torch.Tensor]) -> None:
+        """The stack's layers' queries (Hq, T, D), in its order, kept where the cache keeps them."""
         for o, q in zip(self._stack_of, queries):
             step.keep_queries(o.attention.layer, q)
-        return x
+
+    def one_call(
+        self, tokens: torch.Tensor, step: KVCache | EagerWrite
+    ) -> tuple[torch.ScriptObject, list[torch.Tensor | None], torch.ScriptObject] | None:
+        """What an eager forward of tokens (T,) writing step needs to run in one call from ids to logits
+        (kernels.step.cached_step): the layers' stack (stacked_layers'), the embedding's operands (step_embedding)
+        and the output layer's head (step_head), where each runs in the extension; else None."""
+        if isinstance(tokens, FakeTensor) or tokens.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        embedding, head = self.step_embedding(), self.step_head()
+        if embedding is None or head is None:
+            return None
+        stack = self._layer_stack(step)
+        return None if stack is None else (stack, embedding, head)
+
+    def run_one_call(
+        self,
+        one_call: tuple[torch.ScriptObject, list[torch.Tensor | None], torch.ScriptObject],
+        tokens: torch.Tensor,
+        start: int,
+        step: EagerWrite,
+        num_logits: int | None,
+    ) -> torch.Tensor:
+        """The logits (num_logits or T, V) of one_call's step over tokens (T,) from position start; the layers'
+        queries kept where the cache keeps them."""
+        stack, embedding, head = one_call
+        rotation = self.rotation(start, tokens.shape[0], torch.float32)
+        keep = num_logits or tokens.shape[0]
+        logits, queries = cached_step(stack, embedding, head, tokens, rotation, *stack_write(step), keep)
+        self._keep_stack_queries(step, queries)
+        return logits
 
     def weight_bytes_read(self) -> int:
         """Bytes of the weights every forward reads (the layers, the final norm, the output layer: weight_bytes),
@@ -844,15 +900,10 @@ class Transformer(nn.Module):
             return rms_norm(x, norm.weight, norm.eps)
         return norm(x)
 
-    def step_head(self, x: torch.Tensor) -> torch.ScriptObject | None:
-        """The output layer as one call (kernels.step.output_logits) for the last layer's hidden states x (N, C),
-        where the step ops compute it (float32 on the CPU, the output layer in the extension's products); else None.
-        Read once, and again after a module change or restrict_output. A compiled step (use_steps) traces the
-        modules."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or isinstance(x, FakeTensor) or torch.is_grad_enabled():
-            return None
-        if torch.compiler.is_compiling():
-            return None
+    def step_head(self) -> torch.ScriptObject | None:
+        """The output layer as one call (kernels.step.output_logits) for float32 hidden states on the CPU, where the
+        step ops compute it (a float32 norm on the CPU, the output layer in the extension's products); else None.
+        Read once, and again after a module change or restrict_output."""
         if self._head_of is None or self._head_of[0] != ModuleChanges.count or self._head_of[1] is not self.output_ids:
             norm, projection = self.model.norm, projection_of(self.lm_head)
             usable = projection is not None and step_ops_available() and norm.weight.dtype == torch.float32
@@ -863,9 +914,30 @@ class Transformer(nn.Module):
             self._head_of = (ModuleChanges.count, self.output_ids)
         return self._head
 
+    def step_embedding(self) -> list[torch.Tensor | None] | None:
+        """The token embedding's table as kernels.step.cached_step reads it (its module's step_operands; a plain
+        float32 table on the CPU: it, None, None), or None where the extension does not look it up. Read once, and
+        again after a module change."""
+        if self._embedding_read != ModuleChanges.count:
+            module = self.model.embed_tokens
+            operands = getattr(module, "step_operands", None)
+            if operands is not None:
+                self._embedding = operands()
+            elif isinstance(module, nn.Embedding) and module.max_norm is None:
+                table = module.weight
+                on_cpu = table.device.type == "cpu" and table.dtype == torch.float32 and table.is_contiguous()
+                self._embedding = [table, None, None] if on_cpu else None
+            else:
+                self._embedding = None
+            self._embedding_read = ModuleChanges.count
+        return self._embedding
+
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits (N, V) of the last layer's hidden states x (N, C): -inf outside restrict_output's tokens."""
-        head = self.step_head(x)
+        on_step_ops = x.device.type == "cpu" and x.dtype == torch.float32 and not isinstance(x, FakeTensor)
+        # a compiled step (use_steps) traces the modules
+        on_step_ops = on_step_ops and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        head = self.step_head() if on_step_ops else None
         if head is not None:
             return output_logits(head, x)
         logits = self.lm_head(self.final_norm(x)).float()  # (N, V) or (N, V')

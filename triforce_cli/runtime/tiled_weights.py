@@ -18,7 +18,7 @@ from torch import nn
 from triforce_cli.kernels import pack_tiles, pad_bias, tiled_linear, tiled_linear_available, unpack_tiles
 from triforce_cli.kernels.linear import LANES
 from triforce_cli.kernels.step import Projection
-from triforce_cli.runtime.model import Transformer
+from triforce_cli.runtime.model import ModuleChanges, Transformer
 
 
 def inference() -> bool:
@@ -77,6 +77,14 @@ class TiledEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tiles[ids // LANES, :, ids % LANES].float()  # (T, C)
+
+    def step_operands(self) -> list[torch.Tensor | None] | None:
+        """The tiles as kernels.step.cached_step looks rows up in them, None off the CPU."""
+        return [self.tiles, None, None] if self.tiles.device.type == "cpu" else None
+
+    def _apply(self, fn, recurse=True):
+        ModuleChanges.note()  # the tiles moved: a model's embedding read for its one-call step is stale
+        return super()._apply(fn, recurse)
 
 
 def use_tiled_weights(model: Transformer, tiled: Callable[[nn.Linear], TiledLinear] = TiledLinear) -> int:
