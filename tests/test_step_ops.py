@@ -358,7 +358,8 @@ def assert_every_path_writes_the_same_bits(model, monkeypatch) -> None:
     assert ops["layers in one call"]["triforce_cpu.cached_step"] == 0
     assert ops["a call per layer"]["triforce_cpu.cached_layer"] > 0
     assert ops["a call per layer"]["triforce_cpu.cached_layers"] == 0
-    assert ops["through update"]["triforce_cpu.cached_layer"] == ops["through update"]["triforce_cpu.cached_layers"] == 0
+    updates = ops["through update"]
+    assert updates["triforce_cpu.cached_layer"] == updates["triforce_cpu.cached_layers"] == 0
     reference, _ = writes["through update"]
     for path in PATHS[:-1]:
         for new, old in zip(writes[path][0], reference, strict=True):
