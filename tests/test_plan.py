@@ -562,12 +562,12 @@ class TestThisCpu:
 
     @pytest.mark.skipif(kernel_error() is not None, reason=f"the CPU kernels cannot be built here: {kernel_error()}")
     def test_the_layer_probe_takes_the_path_of_decoding(self, monkeypatch):
-        """The tiny model that prices a layer runs its layers in one call into the extension on a float16 cache, as
+        """The tiny model that prices a layer runs its step in one call into the extension on a float16 cache, as
         a loaded model's decode step does on this CPU; torch's op-by-op path costs several times more a layer."""
         measure, cpu = triforce_cli.plan.measure, torch.device("cpu")
         stacks = []
-        run_stack = Transformer.run_stack
-        monkeypatch.setattr(Transformer, "run_stack", lambda *args: stacks.append(args[1]) or run_stack(*args))
+        run_one_call = Transformer.run_one_call
+        monkeypatch.setattr(Transformer, "run_one_call", lambda *args: stacks.append(args[1]) or run_one_call(*args))
         model = measure.probe_model()
         cache = FullCache(measure.PROBE_LAYERS, 2, 16, 4, kv_dtype(cpu, torch.float32))
         assert cache.keys.dtype == torch.float16
