@@ -18,6 +18,7 @@ tiles (tiles, None, bias or None: kernels.linear.pack_tiles, pad_bias), and the 
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -245,35 +246,40 @@ def stack_layer(
     )  # fmt: skip
 
 
+class StackWrite(NamedTuple):
+    """What cached_layers and cached_step read and write of a cache, for a forward of T tokens.
+
+    keys, values: (layers, Hkv, S, D) float16, the cache's storage, written in place at slots [write_slot,
+    write_slot + T); view_starts: each layer's first slot read, by its index in the storage; origin: the position of
+    a view's first slot (KVCache.origin); windowed: whether the layers' sliding windows apply (views of consecutive
+    positions); segment: cache_attention's keys per segment (kernels.attention.segment_keys); keep_queries: whether to
+    return the layers' queries."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    write_slot: int
+    view_starts: list[int]
+    origin: int
+    windowed: bool
+    segment: int
+    keep_queries: bool
+
+
 def cached_layers(
-    stack: torch.ScriptObject,
-    x: torch.Tensor,
-    rotation: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    write_slot: int,
-    view_starts: list[int],
-    origin: int,
-    windowed: bool,
-    segment: int,
-    keep_queries: bool,
+    stack: torch.ScriptObject, x: torch.Tensor, rotation: torch.Tensor, write: StackWrite
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Every layer of stack in turn in one call, each as cached_layer computes it (the same bits, the same cache
     writes), so that a step crosses into the extension once rather than once a layer.
 
     Args:
         x: (T, C) float32, the first layer's input.
-        keys, values: (layers, Hkv, S, D) float16, the cache's storage, written in place.
-        view_starts: each layer's first slot read, by its index in the storage.
-        windowed: whether the layers' sliding windows apply (views of consecutive positions).
-        segment: cache_attention's keys per segment (kernels.attention.segment_keys).
-        keep_queries: whether to return the layers' queries.
+        rotation: (T, 2, 2, D/2) float32, the tokens' rotations.
+        write: the cache's storage and slots.
     Returns:
-        The last layer's output (T, C), and with keep_queries each layer's queries (Hq, T, D) in the stack's order.
+        The last layer's output (T, C), and with write.keep_queries each layer's queries (Hq, T, D) in the stack's
+        order.
     """
-    return torch.ops.triforce_cpu.cached_layers(
-        stack, x, rotation, keys, values, write_slot, view_starts, origin, windowed, segment, keep_queries
-    )
+    return torch.ops.triforce_cpu.cached_layers(stack, x, rotation, *write)
 
 
 def output_head(
@@ -299,30 +305,21 @@ def cached_step(
     head: torch.ScriptObject,
     ids: torch.Tensor,
     rotation: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    write_slot: int,
-    view_starts: list[int],
-    origin: int,
-    windowed: bool,
-    segment: int,
-    keep_queries: bool,
+    write: StackWrite,
     num_logits: int,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """An eager step from token ids to logits in one call: the embedding's rows of ids (T,), cached_layers over
-    them (its arguments from rotation on), output_logits of the last num_logits rows; the same bits as the three.
+    them, output_logits of the last num_logits rows; the same bits as the three.
 
     Args:
         embedding: the token table as three operands: GGUF blocks (q, d, m or None), tiles (N/16, C, 16) float32 or
             float16 with None, None (a tied output layer's), or a float32 table (V, C) with None, None.
         head: output_head's.
+        rotation, write: cached_layers'.
     Returns:
-        The logits (num_logits, V) float32, and with keep_queries each layer's queries (Hq, T, D).
+        The logits (num_logits, V) float32, and with write.keep_queries each layer's queries (Hq, T, D).
     """
-    return torch.ops.triforce_cpu.cached_step(
-        stack, embedding, head, ids, rotation, keys, values, write_slot, view_starts, origin, windowed, segment,
-        keep_queries, num_logits,
-    )  # fmt: skip
+    return torch.ops.triforce_cpu.cached_step(stack, embedding, head, ids, rotation, *write, num_logits)
 
 
 def register_fake_kernels() -> None:

@@ -55,6 +55,7 @@ from triforce_cli.kernels import (
 )
 from triforce_cli.kernels.step import (
     Projection,
+    StackWrite,
     attention_input,
     cached_layer,
     cached_layers,
@@ -102,11 +103,9 @@ for _register in (
 FLOAT32_ROWS = torch.empty(0)  # any float32 rows on the CPU, where only their dtype and device are asked
 
 
-def stack_write(step: EagerWrite) -> tuple:
-    """The arguments of kernels.step.cached_layers (and cached_step) after the rotation, for a forward writing step:
-    the cache's storage, the write's first slot, each layer's first slot read, the views' origin, whether slots are
-    positions, the attention's segment, whether the cache keeps the queries."""
-    return (
+def stack_write(step: EagerWrite) -> StackWrite:
+    """What kernels.step.cached_layers (and cached_step) read and write of the cache for a forward writing step."""
+    return StackWrite(
         step.keys, step.values, step.slots.start, step.first_slots, step.origin, step.slots_are_positions,
         segment_keys(step.slots_are_positions), step.queries is not None,
     )  # fmt: skip
@@ -841,7 +840,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """The last layer's output (T, C) of stacked_layers' stack over x (T, C); the layers' queries kept where the
         cache keeps them, as each layer's own call keeps them."""
-        x, queries = cached_layers(stack, x, rotation, *stack_write(step))
+        x, queries = cached_layers(stack, x, rotation, stack_write(step))
         self._keep_stack_queries(step, queries)
         return x
 
@@ -877,7 +876,7 @@ class Transformer(nn.Module):
         stack, embedding, head = one_call
         rotation = self.rotation(start, tokens.shape[0], torch.float32)
         keep = num_logits or tokens.shape[0]
-        logits, queries = cached_step(stack, embedding, head, tokens, rotation, *stack_write(step), keep)
+        logits, queries = cached_step(stack, embedding, head, tokens, rotation, stack_write(step), keep)
         self._keep_stack_queries(step, queries)
         return logits
 
