@@ -281,24 +281,6 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
   return out;
 }
 
-// Rows ids (R,) of the weight W (N, K) the blocks hold, rebuilt (weight_at) -> (R, K) float32: a token embedding
-// kept as blocks, looked up without a torch op per step of the rebuilding.
-at::Tensor blocks_rows(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                       const at::Tensor& ids) {
-  const Blocks w = triforce_cpu::checked_blocks(q, d, m);
-  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 (R,) on the CPU");
-  const at::Tensor rows = ids.contiguous();
-  const int64_t count = rows.size(0), k = w.blocks * kBlock, n = w.tiles * kLanes;
-  const int64_t* row = rows.data_ptr<int64_t>();
-  at::Tensor out = at::empty({count, k}, d.options());
-  float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < count; ++r) {
-    TORCH_CHECK(row[r] >= 0 && row[r] < n, "ids: rows 0 to ", n - 1, " of the blocks, not ", row[r]);
-    triforce_cpu::blocks_row(w, row[r], o + r * k);
-  }
-  return out;
-}
-
 std::string isa_name() {
   switch (chosen_isa()) {
     case Isa::avx512: return "avx512";
@@ -352,10 +334,22 @@ Blocks checked_blocks(const at::Tensor& q, const at::Tensor& d, const std::optio
   return Blocks{static_cast<const uint8_t*>(q.data_ptr()), record, tiles, blocks, four_bit, m.has_value(), groups};
 }
 
-void blocks_row(const Blocks& w, int64_t row, float* out) {
-  const int64_t tile = row / kLanes, lane = row % kLanes;
-  for (int64_t b = 0; b < w.blocks; ++b)
-    for (int64_t i = 0; i < kBlock; ++i) out[b * kBlock + i] = weight_at(w, tile, b, i, lane);
+at::Tensor blocks_rows(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                       const at::Tensor& ids) {
+  const Blocks w = checked_blocks(q, d, m);
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 (R,) on the CPU");
+  const at::Tensor rows = ids.contiguous();
+  const int64_t count = rows.size(0), k = w.blocks * kBlock, n = w.tiles * kLanes;
+  const int64_t* row = rows.data_ptr<int64_t>();
+  at::Tensor out = at::empty({count, k}, d.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < count; ++r) {
+    TORCH_CHECK(row[r] >= 0 && row[r] < n, "ids: rows 0 to ", n - 1, " of the blocks, not ", row[r]);
+    const int64_t tile = row[r] / kLanes, lane = row[r] % kLanes;
+    for (int64_t b = 0; b < w.blocks; ++b)
+      for (int64_t i = 0; i < kBlock; ++i) o[r * k + b * kBlock + i] = weight_at(w, tile, b, i, lane);
+  }
+  return out;
 }
 
 void blocks_linear_rows(const float* x, int64_t rows, const Blocks& w, float* out, int64_t out_stride, float* sums) {
@@ -379,7 +373,7 @@ void blocks_linear_rows(const float* x, int64_t rows, const Blocks& w, float* ou
 
 TORCH_LIBRARY_FRAGMENT(triforce_cpu, lib) {
   lib.def("blocks_linear(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor", &blocks_linear);
-  lib.def("blocks_rows(Tensor q, Tensor d, Tensor? m, Tensor ids) -> Tensor", &blocks_rows);
+  lib.def("blocks_rows(Tensor q, Tensor d, Tensor? m, Tensor ids) -> Tensor", &triforce_cpu::blocks_rows);
   lib.def("isa() -> str", &isa_name);
   lib.def("use_isa(str name) -> ()", &use_isa);
   lib.def("peak_flops(int rounds) -> float", &triforce_cpu::peak_flops);

@@ -41,8 +41,11 @@ Blocks checked_blocks(const at::Tensor& q, const at::Tensor& d, const std::optio
 // w.tiles). sums: rows * K / 32 floats of scratch.
 void blocks_linear_rows(const float* x, int64_t rows, const Blocks& w, float* out, int64_t out_stride, float* sums);
 
-// Row `row` of the weight W (N, K) the blocks hold, rebuilt as blocks_rows rebuilds it -> out (K) float32.
-void blocks_row(const Blocks& w, int64_t row, float* out);
+// Rows ids (R,) of the weight W (N, K) the blocks q, d, m hold, rebuilt (gguf_blocks.cpp's weight_at) -> (R, K)
+// float32: a token embedding kept as blocks, looked up without a torch op per step of the rebuilding (the op
+// blocks_rows, and step_ops.cpp's one-call step).
+at::Tensor blocks_rows(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                       const at::Tensor& ids);
 
 // Dense weight tiles as dense_linear reads them (dense_linear.cpp, top): W (N, K) as (N/16, K, 16) float32 or
 // float16, and a float32 bias (N/16 * 16) or none.

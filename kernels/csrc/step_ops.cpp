@@ -812,7 +812,7 @@ at::Tensor output_logits(const c10::intrusive_ptr<OutputHead>& head, const at::T
 }
 
 // Rows ids (T,) of a token embedding's table, float32 (T, C): the table given as three operands, GGUF blocks (q, d,
-// m or None: rebuilt as blocks_rows rebuilds them), tiles (N/16, C, 16) float32 or float16 with None, None (a tied
+// m or None: blocks_rows'), tiles (N/16, C, 16) float32 or float16 with None, None (a tied
 // output layer's, as runtime/tiled_weights.py's TiledEmbedding reads them) or a float32 table (V, C) with None, None.
 // Each is the module's lookup, the same bits.
 at::Tensor embedding_rows(const c10::List<std::optional<at::Tensor>>& table, const at::Tensor& ids) {
@@ -820,26 +820,16 @@ at::Tensor embedding_rows(const c10::List<std::optional<at::Tensor>>& table, con
   TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 (T,) on the CPU");
   const at::Tensor first = *table.get(0);
   const std::optional<at::Tensor> second = table.get(1);
-  const at::Tensor rows = ids.contiguous();
-  const int64_t count = rows.size(0);
-  const int64_t* id = rows.data_ptr<int64_t>();
-  if (second.has_value()) {  // GGUF blocks
-    const triforce_cpu::Blocks w = triforce_cpu::checked_blocks(first, *second, table.get(2));
-    const int64_t k = w.blocks * triforce_cpu::Blocks::kWeights, n = w.tiles * triforce_cpu::Blocks::kRows;
-    at::Tensor out = at::empty({count, k}, second->options());
-    for (int64_t r = 0; r < count; ++r) {
-      TORCH_CHECK(id[r] >= 0 && id[r] < n, "ids: rows 0 to ", n - 1, " of the blocks, not ", id[r]);
-      triforce_cpu::blocks_row(w, id[r], out.data_ptr<float>() + r * k);
-    }
-    return out;
-  }
+  if (second.has_value()) return triforce_cpu::blocks_rows(first, *second, table.get(2), ids);  // GGUF blocks
   TORCH_CHECK(first.device().is_cpu() && first.is_contiguous() && (first.dim() == 2 || first.dim() == 3),
               "embedding: a contiguous CPU table (V, C) or tiles (N/16, C, 16)");
-  const bool tiles = first.dim() == 3;
-  TORCH_CHECK(tiles ? first.size(2) == 16 && (first.scalar_type() == at::kFloat || first.scalar_type() == at::kHalf)
+  const bool tiles = first.dim() == 3, half = first.scalar_type() == at::kHalf;
+  TORCH_CHECK(tiles ? first.size(2) == 16 && (first.scalar_type() == at::kFloat || half)
                     : first.scalar_type() == at::kFloat,
               "embedding: float32 or float16 tiles (N/16, C, 16), or a float32 table (V, C)");
-  const int64_t k = first.size(1), n = tiles ? first.size(0) * 16 : first.size(0);
+  const at::Tensor rows = ids.contiguous();
+  const int64_t count = rows.size(0), k = first.size(1), n = tiles ? first.size(0) * 16 : first.size(0);
+  const int64_t* id = rows.data_ptr<int64_t>();
   at::Tensor out = at::empty({count, k}, first.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < count; ++r) {
@@ -849,9 +839,13 @@ at::Tensor embedding_rows(const c10::List<std::optional<at::Tensor>>& table, con
       continue;
     }
     const int64_t start = id[r] / 16 * k * 16 + id[r] % 16;  // tile id / 16, lane id % 16, column i at 16 i
-    for (int64_t i = 0; i < k; ++i)
-      o[r * k + i] = first.scalar_type() == at::kHalf ? float(first.data_ptr<at::Half>()[start + 16 * i])
-                                                      : first.data_ptr<float>()[start + 16 * i];
+    if (half) {
+      const at::Half* from = first.data_ptr<at::Half>() + start;
+      for (int64_t i = 0; i < k; ++i) o[r * k + i] = float(from[16 * i]);
+    } else {
+      const float* from = first.data_ptr<float>() + start;
+      for (int64_t i = 0; i < k; ++i) o[r * k + i] = from[16 * i];
+    }
   }
   return out;
 }
