@@ -13,12 +13,12 @@ import weakref
 
 import torch
 
-_pinned: dict[int, int] = {}  # id of each storage pin_exactly holds locked -> its bytes
+_pinned: dict[int, tuple[int, int]] = {}  # id of each storage pin_exactly holds locked -> (offset, bytes) locked
 
 
 def pinned_bytes() -> int:
     """Bytes pin_exactly holds page-locked now (counted, not locked, where CUDA is not there)."""
-    return sum(_pinned.values())
+    return sum(size for _, size in _pinned.values())
 
 
 def _release(key: int, pointer: int | None) -> None:
@@ -32,30 +32,39 @@ def pin_exactly(tensor: torch.Tensor) -> torch.Tensor:
     """Page-lock tensor's memory in place, exactly its bytes, until its storage is freed.
 
     Args:
-        tensor: a host tensor spanning its whole storage (a view of a larger storage would lock bytes it does not
-            hold); memory the process allocated, not a mapped file.
+        tensor: a contiguous host tensor, memory the process allocated, not a mapped file. It may be a view of a
+            larger storage (a cache on huge pages starts inside a mapping a huge page longer than it,
+            kernels.memory.huge_page_bytes): only its own bytes are locked.
     Returns:
-        tensor itself, its memory now pinned (a second call on the same storage changes nothing).
+        tensor itself, its memory now pinned (a second call on bytes already pinned changes nothing).
     Raises:
-        ValueError: where tensor is not in host memory or does not span its storage.
+        ValueError: where tensor is not in host memory, is not contiguous, or reaches outside the bytes already
+            pinned in its storage.
     """
-    storage = tensor.untyped_storage()
     if tensor.device.type != "cpu":
         raise ValueError(f"only host memory can be pinned, not memory on {tensor.device}")
-    if tensor.storage_offset() != 0 or tensor.nbytes != storage.nbytes():
-        raise ValueError(f"a tensor of {tensor.nbytes} bytes does not span its storage of {storage.nbytes()}")
+    if not tensor.is_contiguous():
+        raise ValueError("only a contiguous tensor can be pinned exactly: its bytes would not be one range")
+    storage = tensor.untyped_storage()
+    start, size = tensor.storage_offset() * tensor.element_size(), tensor.nbytes  # bytes into the storage
     key = id(storage)  # storages keep one Python object while they live, so the id names one storage
     if key in _pinned:
-        return tensor
+        held_start, held_size = _pinned[key]
+        if held_start <= start and start + size <= held_start + held_size:
+            return tensor
+        raise ValueError(
+            f"bytes {start}-{start + size} of a storage whose bytes {held_start}-"
+            f"{held_start + held_size} are pinned already"
+        )
     pointer = None
     holds_memory = storage.device.type == "cpu"  # not a fake tensor's (tests/memory_accounting.py), which has none
-    if torch.cuda.is_available() and holds_memory and storage.nbytes() > 0:
-        pointer = storage.data_ptr()
+    if torch.cuda.is_available() and holds_memory and size > 0:
+        pointer = storage.data_ptr() + start
         # flags 1: cudaHostRegisterPortable, pinned for every CUDA context of the process, not just the current one
-        error = torch.cuda.cudart().cudaHostRegister(pointer, storage.nbytes(), 1)
+        error = torch.cuda.cudart().cudaHostRegister(pointer, size, 1)
         if int(error) != 0:
-            raise RuntimeError(f"cudaHostRegister of {storage.nbytes()} bytes failed with CUDA error {int(error)}")
-    _pinned[key] = storage.nbytes()
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(error)}")
+    _pinned[key] = (start, size)
     # atexit=False: at interpreter exit the CUDA context may be gone, and the process's memory goes with it anyway
     weakref.finalize(storage, _release, key, pointer).atexit = False
     return tensor

@@ -13,6 +13,7 @@ from helpers import StubTokenizer
 from memory_accounting import DEVICE, MemoryLedger, checkpoint_shapes, fake_memory, fake_state
 from transformers import LlamaConfig
 from triforce_cli.cache import FullCache
+from triforce_cli.kernels.memory import HUGE_PAGE, huge_pages_available
 from triforce_cli.offload import HostQueue, offload_kv, pin_exactly, pinned_bytes
 from typer.testing import CliRunner
 
@@ -73,15 +74,35 @@ def test_the_ledger_counts_allocations_once_and_frees():
         assert (ledger.live(DEVICE), ledger.live("cpu"), ledger.peak(DEVICE)) == (0, 0, 2 << 20)
 
 
-def test_pinned_bytes_are_a_storages_own_bytes_counted_once_while_it_lives():
+def test_pinned_bytes_are_a_tensors_own_bytes_counted_once_while_it_lives():
     cache = torch.zeros(3, 1000)
     before = pinned_bytes()
-    assert pin_exactly(cache) is cache
-    pin_exactly(cache.view(1000, 3))  # the same storage: pinned once
-    assert pinned_bytes() - before == 12_000
-    with pytest.raises(ValueError, match="does not span its storage"):
-        pin_exactly(cache[1:])
-    del cache
+    view = cache[1:]
+    assert pin_exactly(view) is view
+    assert pinned_bytes() - before == 8_000  # the view's bytes, not its storage's
+    pin_exactly(cache[2:])  # within the bytes pinned: nothing more
+    assert pinned_bytes() - before == 8_000
+    with pytest.raises(ValueError, match=r"bytes 0-12000 of a storage whose bytes 4000-12000 are pinned already"):
+        pin_exactly(cache)
+    with pytest.raises(ValueError, match="only a contiguous tensor"):
+        pin_exactly(torch.zeros(4, 4).t())
+    del cache, view
+    assert pinned_bytes() == before
+
+
+def test_a_cache_on_huge_pages_pins_exactly_its_bytes():
+    """A full cache of at least a huge page lies inside a mapping a huge page longer than it
+    (kernels.memory.huge_page_bytes): offloading it pins the cache's bytes, not the mapping's (an offloaded 128K
+    cache was refused as 'not spanning its storage')."""
+    full = FullCache(2, 2, 64, 8192, torch.bfloat16)  # 4 MiB of keys
+    before = pinned_bytes()
+    pin_exactly(full.keys)
+    pin_exactly(full.values)
+    assert pinned_bytes() - before == 2 * full.keys.nbytes == 8 << 20
+    if huge_pages_available():
+        assert full.keys.untyped_storage().nbytes() == full.keys.nbytes + HUGE_PAGE  # the case this covers
+    del full
+    gc.collect()
     assert pinned_bytes() == before
 
 
