@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from typer.testing import CliRunner
 from triforce_cli.cli.app import app
 from triforce_cli.decoding import engine as engine_module
 from triforce_cli.decoding import prefill as prefill_module
-from triforce_cli.decoding import sizing
+from triforce_cli.decoding import rounds, sizing
 from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
@@ -705,6 +706,23 @@ class TestOnAGpu:
             expected = Engine(eager, config).generate(prompt).token_ids
             assert Engine(graphed, config).generate(prompt).token_ids == expected, mode
         assert graphed.model.step_graphs.captured > 0
+
+    def test_rounds_queued_ahead_of_their_reads_give_the_tokens_read_round_by_round(self, monkeypatch):
+        """On CUDA a round goes to the device before the round before it is read (rounds.decode's lookahead): graphed
+        plain decoding and the default give the tokens they give without it, and the reads were queued."""
+        graphed = self.gpu_model(steps=StepMode.GRAPHS)
+        prompt = random_prompt(PROMPT, 64, seed=3)
+        queued, read = [], rounds.queued_read
+        for mode in ("autoregressive", "triforce"):
+            config = small_config(mode=mode, sampling=SamplingConfig(temperature=0))
+            monkeypatch.setattr(engine_module, "decode", partial(rounds.decode, lookahead=False))
+            expected = Engine(graphed, config).generate(prompt).token_ids
+            monkeypatch.undo()
+            queued.clear()
+            monkeypatch.setattr(rounds, "queued_read", lambda ids: queued.append(ids) or read(ids))
+            assert Engine(graphed, config).generate(prompt).token_ids == expected, mode
+            monkeypatch.undo()
+            assert mode != "autoregressive" or len(queued) == config.max_new_tokens - 1
 
     @pytest.mark.parametrize("steps", [StepMode.GRAPHS, StepMode.COMPILED])
     def test_a_graphed_step_never_waits_for_the_host(self, steps):

@@ -73,6 +73,12 @@ class TokenSequence:
             self.host += host
         self.length = end
 
+    def learn(self, ids: list[int]) -> None:
+        """ids, read from the device, are the next of the sequence after its host copy: the host copy grows by them
+        where they are already in the sequence."""
+        if len(self.host) + len(ids) <= self.length:
+            self.host += ids
+
     def truncate(self, length: int) -> None:
         """Forget the ids from position length on."""
         self.length = length
