@@ -272,6 +272,32 @@ def test_a_decode_step_makes_one_dispatch_from_ids_to_logits():
     assert hooked["triforce_cpu.cached_step"] == 0 and hooked["triforce_cpu.cached_layer"] == 4
 
 
+def test_a_hook_registered_after_a_step_in_one_call_sends_the_next_back_to_its_layer():
+    """The one call's operands are kept from step to step (Transformer.one_call): a forward hook registered on a
+    layer after a step in one call runs in the next step, which calls the layers one by one and gives the same
+    logits; once the hook is removed, the step after is one call again."""
+    model = tiled(make_model(seed=4, num_layers=3).loaded).model
+    cfg = model.config
+    cache = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, torch.float16)
+    tokens = torch.arange(14) % cfg.vocab_size
+    seen = []
+    with torch.inference_mode():
+        model(tokens[:10], 0, cache)
+        with Dispatches() as one_call:
+            expected = model(tokens[10:11], 10, cache)
+        cache.rollback(10)
+        handle = model.model.layers[1].register_forward_hook(lambda module, args, output: seen.append(module))
+        with Dispatches() as hooked:
+            logits = model(tokens[10:11], 10, cache)
+        handle.remove()
+        with Dispatches() as again:
+            model(tokens[11:12], 11, cache)
+    assert one_call.ops["triforce_cpu.cached_step"] == 1 and seen == [model.model.layers[1]]
+    assert hooked.ops["triforce_cpu.cached_step"] == 0 and hooked.ops["triforce_cpu.cached_layer"] == 3
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert again.ops["triforce_cpu.cached_step"] == 1 and len(seen) == 1
+
+
 def test_the_step_ops_give_the_models_logits(monkeypatch):
     """A tiled model's forwards through the step ops and through torch's ops agree to float32 rounding; replacing a
     linear by one outside the extension's products sends its layer back to torch's ops."""

@@ -1,6 +1,6 @@
-"""The decoding loop (decoding/rounds.py): rounds of the top tier, and a round queued before the read of the one
-before it where that one's token was left unread on the device (lookahead, on by default where the model runs
-asynchronously: CUDA).
+"""The decoding loop (decoding/rounds.py): rounds of the top tier, the autograd mode their forwards run in, and a
+round queued before the read of the one before it where that one's token was left unread on the device (lookahead,
+on by default where the model runs asynchronously: CUDA).
 
 Queued ahead or not, a generation commits the same tokens, stops at the same end-of-sequence token and holds in its
 full cache only the keys of committed tokens; the lookahead takes no step past max_new_tokens, and one past an
@@ -17,6 +17,8 @@ from triforce_cli.decoding import rounds
 from triforce_cli.decoding.engine import Engine
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculative import ModelTier, Tier
+from triforce_cli.runtime.forms import StepMode
+from triforce_cli.runtime.model import Transformer
 
 VOCAB = 64
 PROMPT = random_prompt(70, VOCAB, seed=1)
@@ -106,3 +108,29 @@ def test_without_lookahead_on_the_cpu_every_round_is_read_before_the_next(model,
     monkeypatch.setattr(rounds, "queued_read", lambda ids: reads.append(ids) or ids.tolist)
     Engine(model, config("autoregressive", GREEDY)).generate(PROMPT)
     assert reads == []
+
+
+@pytest.mark.parametrize("steps", [StepMode.EAGER, StepMode.GRAPHS])
+def test_eager_decoding_runs_its_forwards_in_inference_mode_entered_once(steps, monkeypatch):
+    """Where every model steps eager, decoding enters inference mode once (rounds.forward_mode), so no forward
+    enters it again; where a model runs fixed-shape steps, which a compiler would key by that mode, it does not."""
+    loaded = make_model(seed=5, vocab_size=VOCAB, num_layers=2, initializer_range=0.3, tie_word_embeddings=False)
+    target = tiled(loaded.loaded)
+    target.model.use_steps(steps)
+    modes, decoding = [], []
+    forward, decode = Transformer.forward, engine_module.decode
+
+    def noted_forward(model, *args, **kwargs):
+        if decoding:
+            modes.append(torch.is_inference_mode_enabled())
+        return forward(model, *args, **kwargs)
+
+    def noted_decode(*args, **kwargs):
+        decoding.append(True)
+        decode(*args, **kwargs)
+        decoding.clear()
+
+    monkeypatch.setattr(Transformer, "forward", noted_forward)
+    monkeypatch.setattr(engine_module, "decode", noted_decode)
+    Engine(target, config("triforce", GREEDY, gamma_policy="fixed")).generate(PROMPT)
+    assert len(modes) > 10 and set(modes) == {steps == StepMode.EAGER}

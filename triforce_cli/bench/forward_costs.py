@@ -25,6 +25,7 @@ from triforce_cli.decoding.cache_pool import new_streaming
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.prefill import prefill_drafter
 from triforce_cli.decoding.prompt_state import PromptState
+from triforce_cli.decoding.rounds import forward_mode
 from triforce_cli.decoding.sizing import CacheSpec
 from triforce_cli.decoding.stats import summary_of
 from triforce_cli.decoding.step_costs import linear_weights
@@ -162,13 +163,14 @@ MIN_ROUNDS = 9  # rounds of every forward at least: a median of 3 moved with the
 
 
 def _time_forward(model: LoadedModel, cache: KVCache, new_ids: torch.Tensor, start: int) -> float:
-    """Milliseconds of one forward called as decoding calls it (outside inference mode, which the forward enters);
+    """Milliseconds of one forward called as decoding calls it (in the mode decoding runs it: rounds.forward_mode);
     on a GPU it ends when the device has finished it, not when it was queued."""
-    began = time.perf_counter()
-    model.model(new_ids, start, cache, num_logits=len(new_ids))
-    if new_ids.is_cuda:
-        torch.cuda.synchronize(new_ids.device)
-    elapsed = 1000 * (time.perf_counter() - began)
+    with forward_mode(model.model):
+        began = time.perf_counter()
+        model.model(new_ids, start, cache, num_logits=len(new_ids))
+        if new_ids.is_cuda:
+            torch.cuda.synchronize(new_ids.device)
+        elapsed = 1000 * (time.perf_counter() - began)
     cache.rollback(start)
     return elapsed
 

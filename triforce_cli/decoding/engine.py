@@ -22,7 +22,7 @@ from triforce_cli.decoding.cache_pool import CachePool, InUse, check_restorable,
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.prefill import ChunkCallback, PrefillCallback, prefill, prefill_drafter
 from triforce_cli.decoding.prompt_state import PromptState
-from triforce_cli.decoding.rounds import StopCheck, TokenCallback, decode
+from triforce_cli.decoding.rounds import StopCheck, TokenCallback, decode, forward_mode
 from triforce_cli.decoding.sampling import probabilities, sample
 from triforce_cli.decoding.sizing import CacheSpec, MemoryPlan, check_prompt
 from triforce_cli.decoding.speculative import ModelTier, Tier, set_up_tier
@@ -293,7 +293,10 @@ class Engine:
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
             stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]
             stopping = {"max_new_tokens": cfg.max_new_tokens, "eos_ids": self.eos_ids}
-            decode(top, prompt_ids, generated, held, stats, **stopping, on_tokens=on_tokens, should_stop=should_stop)
+            with forward_mode(self.target.model, self._drafter_model):
+                decode(
+                    top, prompt_ids, generated, held, stats, **stopping, on_tokens=on_tokens, should_stop=should_stop
+                )
         except KeyboardInterrupt:
             stats.stop_reason = StopReason.INTERRUPTED
         stats.tier_costs = [tier.costs() for tier in chain if tier.proposer is not None]

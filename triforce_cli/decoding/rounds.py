@@ -1,17 +1,29 @@
 """Rounds of the top tier until the answer is complete: the decoding loop of a generation."""
 
+import contextlib
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
 from triforce_cli.decoding.cache_pool import Held
 from triforce_cli.decoding.speculative import ModelTier, Proposal, TokenSequence
 from triforce_cli.decoding.stats import GenerationStats, StopReason
+from triforce_cli.runtime.model import Transformer
 
 TokenCallback = Callable[[list[int], list[str]], None]  # (new token ids, tier that sampled each)
 StopCheck = Callable[[], bool]  # asked once before each verification round: True stops the generation there
 TokenRead = Callable[[], list[int]]  # waits for a round's tokens and returns them on the host
+
+
+def forward_mode(*models: Transformer) -> AbstractContextManager:
+    """The autograd mode decoding runs the models' forwards in: inference mode where every one steps eager, so that
+    no forward enters it again (~50 us each once a step has emptied the CPU's caches); else none, since a compiled
+    step would compile again for it (dynamo keys a graph by that mode)."""
+    if all(model.fixed_step is None for model in models):
+        return torch.inference_mode()
+    return contextlib.nullcontext()
 
 
 def queued_read(ids: torch.Tensor) -> TokenRead:

@@ -36,11 +36,13 @@ every forward streams every layer's prefix to the device): the same forwards of 
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.hooks import RemovableHandle
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -109,6 +111,34 @@ def stack_write(step: EagerWrite) -> StackWrite:
         step.keys, step.values, step.slots.start, step.first_slots, step.origin, step.slots_are_positions,
         segment_keys(step.slots_are_positions), step.queries is not None,
     )  # fmt: skip
+
+
+class OneCall(NamedTuple):
+    """Transformer.one_call's operands of kernels.step.cached_step."""
+
+    stack: torch.ScriptObject  # the layers (stacked_layers')
+    embedding: list[torch.Tensor | None]  # the token embedding's table (step_embedding)
+    head: torch.ScriptObject  # the final norm and output layer (step_head)
+
+
+class OneCallKey(NamedTuple):
+    """What Transformer.one_call's answer for an eager write depends on besides the tokens."""
+
+    module_changes: int  # ModuleChanges.count: the modules' operands, their attention backends
+    hook_handles: int  # RemovableHandle.next_id: a hook registered anywhere since (a layer with hooks runs alone)
+    output_ids: torch.Tensor | None  # restrict_output's tokens, the same tensor
+    keys_dtype: torch.dtype  # the cache's keys, which attention must read (runs_cache_attention)
+    keys_device: torch.device
+
+    def holds(self, now: "OneCallKey") -> bool:
+        """Whether an answer read under this key holds under now."""
+        return (
+            self.module_changes == now.module_changes
+            and self.hook_handles == now.hook_handles
+            and self.output_ids is now.output_ids
+            and self.keys_dtype == now.keys_dtype
+            and self.keys_device == now.keys_device
+        )
 
 
 def padded_length(num_tokens: int) -> int:
@@ -591,6 +621,8 @@ class Transformer(nn.Module):
         self._embedding: list[torch.Tensor | None] | None = None
         self._embedding_read: int | None = None
         self._operands_read: int | None = None
+        # one_call's last answer for an eager write, where it was not None, and what it was read under (OneCallKey)
+        self._one_call: tuple[OneCallKey, OneCall] | None = None
         # weight_bytes_read's count and ModuleChanges.count when it was made
         self._weight_bytes: int = 0
         self._weights_counted: int | None = None
@@ -849,23 +881,33 @@ class Transformer(nn.Module):
         for o, q in zip(self._stack_of, queries):
             step.keep_queries(o.attention.layer, q)
 
-    def one_call(
-        self, tokens: torch.Tensor, step: KVCache | EagerWrite
-    ) -> tuple[torch.ScriptObject, list[torch.Tensor | None], torch.ScriptObject] | None:
+    def one_call(self, tokens: torch.Tensor, step: KVCache | EagerWrite) -> OneCall | None:
         """What an eager forward of tokens (T,) writing step needs to run in one call from ids to logits
         (kernels.step.cached_step): the layers' stack (stacked_layers'), the embedding's operands (step_embedding)
-        and the output layer's head (step_head), where each runs in the extension; else None."""
+        and the output layer's head (step_head), where each runs in the extension; else None.
+
+        Asked before every decode step, so an answer for an eager write is kept with what it depends on besides the
+        tokens (OneCallKey) and read again only when that changes: looking it up anew takes ~100 us once a step has
+        emptied the CPU's caches, a drafter step's twentieth."""
         if isinstance(tokens, FakeTensor) or tokens.device.type != "cpu" or torch.compiler.is_compiling():
             return None
-        embedding, head = self.step_embedding(), self.step_head()
-        if embedding is None or head is None:
+        if not isinstance(step, EagerWrite) or torch.is_grad_enabled():
             return None
-        stack = self._layer_stack(step)
-        return None if stack is None else (stack, embedding, head)
+        key = OneCallKey(
+            ModuleChanges.count, RemovableHandle.next_id, self.output_ids, step.keys.dtype, step.keys.device
+        )
+        kept = self._one_call
+        if kept is not None and kept[0].holds(key):
+            return kept[1]
+        embedding, head = self.step_embedding(), self.step_head()
+        stack = None if embedding is None or head is None else self._layer_stack(step)
+        answer = None if stack is None else OneCall(stack, embedding, head)
+        self._one_call = None if answer is None else (key, answer)  # a refusal is asked again (a hook removed)
+        return answer
 
     def run_one_call(
         self,
-        one_call: tuple[torch.ScriptObject, list[torch.Tensor | None], torch.ScriptObject],
+        one_call: OneCall,
         tokens: torch.Tensor,
         start: int,
         step: EagerWrite,
