@@ -36,7 +36,15 @@ import torch
 import torch.nn.functional as F
 from triforce_cli.cache.base import CacheCapacityError, SlotCache
 from triforce_cli.cache.full import FullCache
-from triforce_cli.kernels import CHUNK_SCORES, SUMMARIES, chunk_summaries, gather_chunks, summary_scores, top_chunks
+from triforce_cli.kernels import (
+    CHUNK_SCORES,
+    SUMMARIES,
+    chunk_summaries,
+    gather_chunks,
+    score_workspace,
+    summary_scores,
+    top_chunks,
+)
 from triforce_cli.kernels.memory import huge_page_zeros
 
 
@@ -75,6 +83,8 @@ class RetrievalCache(SlotCache):
             dtype=full.keys.dtype,
             device=device,
         )
+        # float32 copies of keys averaged into them and of them scored (kernels.score_workspace)
+        self.score_workspace = score_workspace(self.chunk_keys.shape, device)
         self.num_mean_keys = 0  # chunks summarised: [first_chunk, num_mean_keys) at chunk_keys' [0, num - first)
         self.first_chunk = 0  # the first chunk summarised (the full cache dropped those before: FullCache.window)
         self.chunk_ids: torch.Tensor | None = None  # (layers, Hkv, budget/chunk) after the first selection
@@ -147,7 +157,7 @@ class RetrievalCache(SlotCache):
     def _summarise(self, layer: int, keys: torch.Tensor, first: int, stop: int) -> None:
         """Summarise layer's chunks [first, stop) from keys (Hkv, (stop - first) * chunk_size, D) on this cache's
         device."""
-        summaries = chunk_summaries(keys, self.chunk_size, self.score)
+        summaries = chunk_summaries(keys, self.chunk_size, self.score, self.score_workspace)
         for summary_keys, summary in zip(self.chunk_keys, summaries, strict=True):
             summary_keys[layer, :, first - self.first_chunk : stop - self.first_chunk] = summary
 
@@ -181,7 +191,7 @@ class RetrievalCache(SlotCache):
         self._update_mean_keys(complete_chunks)
         queries = self.full.queries_at(length - 1).to(self.chunk_keys.device)  # (layers, Hq, D)
         summaries = self.chunk_keys[:, :, :, : max(0, complete_chunks - self.first_chunk)]
-        scores = summary_scores(queries, summaries, self.score)  # (layers, Hkv, chunks held)
+        scores = summary_scores(queries, summaries, self.score, self.score_workspace)  # (layers, Hkv, chunks held)
         if self.first_chunk:  # (layers, Hkv, C): the chunks the full cache dropped, before the window, never chosen
             scores = F.pad(scores, (self.first_chunk, 0), value=float("-inf"))
         first_selectable = [max(first, self.first_chunk) for first in self.first_selectable(length)]

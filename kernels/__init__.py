@@ -32,6 +32,7 @@ from triforce_cli.kernels.retrieval import (
     chunk_summaries,
     gather_chunks,
     score_chunks,
+    score_workspace,
     summary_scores,
     top_chunks,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "pad_bias",
     "runs_cache_attention",
     "score_chunks",
+    "score_workspace",
     "segment_keys",
     "summary_scores",
     "tiled_linear",

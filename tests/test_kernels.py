@@ -16,6 +16,8 @@ from triforce_cli.kernels import (
     linear,
     linear_reference,
     score_chunks,
+    score_workspace,
+    summary_scores,
     top_chunks,
 )
 from triforce_cli.kernels import retrieval as kernel_retrieval
@@ -322,6 +324,36 @@ def test_chunk_mean_keys_matches_loop(block, dtype, monkeypatch):
     for h in range(2):
         for c in range(3):
             torch.testing.assert_close(means[h, c], k[h, c * 8 : (c + 1) * 8].float().mean(dim=0))
+
+
+@pytest.mark.parametrize("chunks_held", [0, 1, 2, 5])  # 0: a workspace smaller than a chunk, copied as without
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunk_means_through_a_workspace_are_the_means_without(chunks_held, dtype):
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(3, 40, HEAD_DIM, generator=g).to(dtype)  # 5 chunks of 8
+    workspace = torch.full((chunks_held * 3 * 8 * HEAD_DIM + 7,), float("nan"))  # stale contents, a ragged end
+    assert torch.equal(chunk_mean_keys(k, 8, workspace), chunk_mean_keys(k, 8))
+    assert workspace[: 3 * 8 * HEAD_DIM].isnan().any() == (chunks_held == 0)  # the copies went through it
+
+
+@pytest.mark.parametrize("score", ["mean", "bound"])
+@pytest.mark.parametrize("layers_held", [0, 1, 3, 4])  # 0: a workspace smaller than a layer, copied as without
+def test_summary_scores_through_a_workspace_are_the_scores_without(score, layers_held):
+    g = torch.Generator().manual_seed(3)
+    summaries = torch.randn(2, 4, 3, 7, HEAD_DIM, generator=g).half()  # (2, layers, Hkv, C, D)
+    held = summaries[: 1 if score == "mean" else 2, :, :, :5]  # 5 of 7 chunks summarised
+    q = torch.randn(4, 6, HEAD_DIM, generator=g)  # (layers, Hq, D)
+    workspace = torch.full((layers_held * held[:, 0].numel() + 3,), float("nan"))  # stale contents, a ragged end
+    assert torch.equal(summary_scores(q, held, score, workspace), summary_scores(q, held, score))
+    assert workspace[: held[:, 0].numel()].isnan().any() == (layers_held == 0)  # the copies went through it
+
+
+def test_a_score_workspace_holds_its_bytes_or_one_layer_or_every_layer(monkeypatch):
+    shape = (1, 4, 3, 7, HEAD_DIM)  # a layer's summaries: 168 float32, 672 bytes
+    for workspace_bytes, layers in ((2 * 672 + 100, 2), (100, 1), (100 * 672, 4)):
+        monkeypatch.setattr(kernel_retrieval, "SCORE_WORKSPACE_BYTES", workspace_bytes)
+        workspace = score_workspace(shape, "cpu")
+        assert workspace.dtype == torch.float32 and workspace.numel() == layers * 3 * 7 * HEAD_DIM
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1), (6, 2)])

@@ -310,7 +310,7 @@ def test_an_offloaded_prefill_summarises_its_chunks_on_the_device(score, on_chip
     real = chunk_summaries
     monkeypatch.setattr(
         "triforce_cli.cache.retrieval.chunk_summaries",
-        lambda keys, size, how: summarised.append(keys.untyped_storage().data_ptr()) or real(keys, size, how),
+        lambda keys, *rest: summarised.append(keys.untyped_storage().data_ptr()) or real(keys, *rest),
     )
     offloaded = config("triforce", greedy, prefill_block=chunk, chunk_score=score, offload="kv")
     engine = Engine(model, replace(offloaded, on_chip_layers=on_chip_layers))
