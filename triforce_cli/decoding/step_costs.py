@@ -3,16 +3,25 @@ prices the ``costed`` speculation-length policy weighs (speculation_length.py).
 
 A forward of T tokens attending to P cached positions is priced as
 
-    layers * LAYER_OVERHEAD_S + max(R, A) + (T - 1) * A,
+    FORWARD + layers * LAYER + max(R, A) + (T - 1) * A - hidden,
     R = (weight bytes + key and value bytes of P positions) / read bandwidth,
-    A = (2 * linear weights + 4 * heads * head_dim * P * layers) / (arithmetic rate * its efficiency on a CPU)
+    A = (2 * linear weights + 4 * heads * head_dim * P * layers) / (arithmetic rate * its efficiency on a CPU),
+    hidden = min(OVERLAP * A, R - A) where T > 1 and the read is the longer, else 0
 
 from the floor terms of `triforce bench --forward-costs` (bench/forward_costs.py): one token's arithmetic hides in
-the read, each further token's adds to it. The fixed cost per layer and the efficiency are fitted to what
-`--forward-costs` measured on a 2-core EPYC (Zen 4) at 7,168 positions with the embedded model: full-cache forwards
-of 1, 2, 4, 6 and 8 tokens of 12.3, 16.8, 24.7, 33.5 and 44.2 ms, priced 12.7, 17.2, 26.4, 35.5 and 44.7;
-retrieval-cache forwards of 1, 2, 6 and 8 tokens of 8.6, 10.2, 17.2 and 22.1 ms, priced 8.3, 10.4, 18.5 and 22.5.
-Verifications are priced a little above what they cost, so the policy errs towards plain steps.
+the read, and part of a second one's where the read leaves room (a verification of one draft streams the same
+bytes as a plain step, and its few rows' arithmetic overlaps that stream); each further token's adds to it. The
+fixed costs per forward and per layer, the efficiency and the overlap are fitted to what `--forward-costs` measured
+on a 2-core EPYC (Zen 4, rates 34.7 GB/s and a 232.5 GFLOP/s FMA peak) with the embedded model, as ratios to the
+same prompt's 1-token full-cache forward (the decisions weigh nothing else): forwards of 1, 2, 3, 4 and 6 tokens on
+the full and the retrieval caches at 7,168 and 32,768 positions, in a quiet minute and in a busy one, and the
+drafter's step. At 7,168 positions the full cache's took 10.8-12.3, 14.1-15.6, 19.8-21.7, 24.6-26.4 and 34.1-36.0
+ms, the retrieval cache's 6.0-6.8, 8.1-8.9, 9.7-11.1, 12.4-13.4 and 17.2-18.0, the drafter's step 1.6-1.8; at
+32,768 the full cache's 26.4-32.1, 39.7-42.1, 60.5-63.2, 75.8-79.9 and 107-110, the retrieval cache's 5.0-6.2,
+7.0-7.9, 9.0-10.6, 11.4-13.1 and 16.2-17.6. Priced over the 1-token forward, every one lies within 0.86-1.12 of its
+measured ratio (the fixed 140 us a layer priced before, without the rest, put the retrieval tier at 1.19-1.47 and
+the drafter at 0.75-0.82): verifications at 32K a little below in the quiet minute, where the 1-token forward read
+at 56 GB/s, and a little above in the busy one; at 7K at or a little above.
 
 The rates are those `triforce bench` and `triforce info` keep for this machine (plan/rates.py), read, never measured
 here; without them, NOMINAL's for the device type. They are fixed before decoding and the same from run to run on
@@ -43,20 +52,34 @@ class MachineBalance:
     layer_overhead_s: float
     transfer_bandwidth: float
     arithmetic_efficiency: float = 1.0  # the share of `flops` a forward's kernels reach
+    forward_overhead_s: float = 0.0  # a forward's fixed cost besides its layers'
+    verify_overlap: float = 0.0  # the share of a second token's arithmetic a read-bound forward hides
 
 
-# A CPU layer's cost beyond its bytes and arithmetic, and the share of the measured FLOP rate the kernels reach, as
-# `triforce bench --forward-costs` shows them on a 2-core EPYC (Zen 4) at 7,168 positions (module docstring); on
-# CUDA the planner's CUDA-graph figure (plan/presets.py)
-LAYER_OVERHEAD_S = {"cpu": 140e-6, "cuda": 15e-6}
+# A CPU forward's costs beyond its bytes and arithmetic, the share of the measured FLOP rate its kernels reach and
+# the share of a second token's arithmetic its read hides, as `triforce bench --forward-costs` shows them on a
+# 2-core EPYC (Zen 4) at 7,168 and 32,768 positions (module docstring); on CUDA the planner's CUDA-graph figure
+# (plan/presets.py) and nothing else
+LAYER_OVERHEAD_S = {"cpu": 40e-6, "cuda": 15e-6}
+CPU_FORWARD_OVERHEAD_S = 0.4e-3  # the embedding, the output layer's spread, the host work around the step
+CPU_VERIFY_OVERLAP = 0.35
 CPU_ARITHMETIC_EFFICIENCY = 0.9  # of a matrix product's rate, where no FMA peak was measured
 # of the FMA peak: the same prices, 0.9 of the 182 GFLOP/s of a matrix product measured beside 235 GFLOP/s of peak in
 # a quiet minute; the peak, bound by the cores alone, measures 221-235 GFLOP/s from minute to minute where the matrix
-# product measured 138-182, and a price that moved with it drafted at 32K in one set-up and not in the next
+# product measured 138-182, and a price that moved with it drafted at 32K in one set-up and not in the next; each
+# token beyond the first of a 4- to 6-token forward costs its arithmetic at 0.69-0.70 of the peak
 CPU_PEAK_EFFICIENCY = 0.7
 PCIE_BANDWIDTH = 25e9  # the planner's PCIe 4.0 x16 with pinned memory (plan/presets.py)
 NOMINAL = {
-    "cpu": MachineBalance(30e9, 186e9, LAYER_OVERHEAD_S["cpu"], 30e9, CPU_ARITHMETIC_EFFICIENCY),  # a 2-core EPYC's
+    "cpu": MachineBalance(  # a 2-core EPYC's
+        30e9,
+        186e9,
+        LAYER_OVERHEAD_S["cpu"],
+        30e9,
+        CPU_ARITHMETIC_EFFICIENCY,
+        CPU_FORWARD_OVERHEAD_S,
+        CPU_VERIFY_OVERLAP,
+    ),
     # a data-centre GPU: a forward costs its bytes, its arithmetic hardly
     "cuda": MachineBalance(2e12, 300e12, LAYER_OVERHEAD_S["cuda"], PCIE_BANDWIDTH),
 }
@@ -83,7 +106,15 @@ def machine_balance(device_type: str) -> MachineBalance:
     if rates is None:
         return NOMINAL.get(device_type, NOMINAL["cuda"])
     read_bandwidth, flops, efficiency = rates
-    return MachineBalance(read_bandwidth, flops, LAYER_OVERHEAD_S["cpu"], read_bandwidth, efficiency)
+    return MachineBalance(
+        read_bandwidth,
+        flops,
+        LAYER_OVERHEAD_S["cpu"],
+        read_bandwidth,
+        efficiency,
+        CPU_FORWARD_OVERHEAD_S,
+        CPU_VERIFY_OVERLAP,
+    )
 
 
 def linear_weights(model: Transformer) -> int:
@@ -119,10 +150,13 @@ def forward_seconds(model: Transformer, cache: KVCache, tokens: int, balance: Ma
     attention_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * positions * tokens
     flops = 2 * linear_weights(model) * tokens + attention_flops
     per_token = flops / tokens / (balance.flops * balance.arithmetic_efficiency)
-    compute = max(read_bytes / balance.read_bandwidth, per_token) + (tokens - 1) * per_token
+    read = read_bytes / balance.read_bandwidth
+    compute = max(read, per_token) + (tokens - 1) * per_token
+    if tokens > 1:  # part of the second token's arithmetic runs under the read, where the read is the longer
+        compute -= min(balance.verify_overlap * per_token, max(0.0, read - per_token))
     if isinstance(cache, FullCache) and cache.stream is not None:
         compute = max(compute, kv_bytes / balance.transfer_bandwidth)
-    return cfg.num_layers * balance.layer_overhead_s + compute
+    return balance.forward_overhead_s + cfg.num_layers * balance.layer_overhead_s + compute
 
 
 def draft_seconds(proposer: Proposer | None, balance: MachineBalance) -> float:
