@@ -43,23 +43,23 @@ def test_each_verified_token_adds_its_arithmetic():
     assert all(math.isclose(b - a, per_token) for a, b in itertools.pairwise(prices))
 
 
-def test_a_read_bound_forward_hides_part_of_a_second_tokens_arithmetic_and_no_more():
+def test_the_first_token_pays_the_work_once_a_forward_and_the_second_saves_a_share_of_its_own():
     model, full = prefilled(200)
     cfg = model.config
     per_token = (2 * linear_weights(model) + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 200) / 1e9
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 200 * full.keys.element_size()
-    read = (weight_bytes(model.model.layers, model.model.norm, model.lm_head) + kv) / 1e9  # seconds at 1 GB/s
-    slow_read = MachineBalance(1e9 * read / (2 * per_token), 1e9, 0.0, 1e9, forward_overhead_s=1e-3, verify_overlap=0.5)
-    prices = [forward_seconds(model, full, n, slow_read) for n in range(1, 5)]
-    assert math.isclose(prices[0], 1e-3 + 2 * per_token)  # the read (twice one token's arithmetic), the fixed cost
-    assert math.isclose(prices[1] - prices[0], 0.5 * per_token)  # half the second token's arithmetic hidden
-    assert all(math.isclose(b - a, per_token) for a, b in itertools.pairwise(prices[1:]))  # each further one's whole
-    barely_read_bound = dataclasses.replace(slow_read, read_bandwidth=1e9 * read / (1.1 * per_token))
-    prices = [forward_seconds(model, full, n, barely_read_bound) for n in (1, 2)]
-    assert math.isclose(prices[1] - prices[0], per_token - 0.1 * per_token)  # no more than the read's room
-    arithmetic_bound = dataclasses.replace(slow_read, read_bandwidth=1e12)
-    prices = [forward_seconds(model, full, n, arithmetic_bound) for n in (1, 2)]
-    assert math.isclose(prices[1] - prices[0], per_token)  # nothing to hide under
+    once = (3 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 200 + 0.5 * linear_weights(model)) / 1e9
+    work = MachineBalance(1e15, 1e9, 0.0, 1e9, forward_overhead_s=1e-3, key_work=3, weight_work=0.5)
+    prices = [forward_seconds(model, full, n, work) for n in range(1, 5)]
+    assert math.isclose(prices[0], 1e-3 + once + per_token)  # bound by that work, not by the (instant) read
+    assert all(math.isclose(b - a, per_token) for a, b in itertools.pairwise(prices))  # each further token's own
+    shared = dataclasses.replace(work, second_token_share=0.25)
+    prices = [forward_seconds(model, full, n, shared) for n in range(1, 5)]
+    assert math.isclose(prices[1] - prices[0], 0.75 * per_token)  # the second token saves a quarter
+    assert all(math.isclose(b - a, per_token) for a, b in itertools.pairwise(prices[1:]))  # the third on, nothing
+    slow_read = dataclasses.replace(work, read_bandwidth=1e6)  # a read far longer than any work
+    assert math.isclose(
+        forward_seconds(model, full, 2, slow_read) - forward_seconds(model, full, 1, slow_read), per_token
+    )
 
 
 def test_the_lower_tiers_cost_less_than_the_full_cache():

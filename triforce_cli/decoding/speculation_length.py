@@ -48,13 +48,13 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   a wait of own steps, twice as long after each probe that did not pay for itself (up to MAX_PROBE_WAIT), and as
   short again after one that did. The shortest wait makes what a rejected probe loses (its draft and a
   verification of one draft, against the own step it replaces) at most PROBE_SHARE of the own steps before it,
-  and no shorter than PROBE_WAIT: on a 2-core CPU at 7K, where that verification costs 1.3 plain steps, 24 steps,
+  and no shorter than PROBE_WAIT: on a 2-core CPU at 7K, where that verification costs 1.3 plain steps, 25 steps,
   so that where drafting never pays a 128-token answer holds three probes, about 2% of its time. With a shortcut
   the probes take turns between the two sources, the shortcut first. A source whose drafts would not pay even
   were every one accepted (the retrieval tier where its forward costs most of a full one, at short contexts) is
   never probed: no acceptance could make it pay. A source with a set-up still to run (a drafter whose cache is
   prefilled only where it first drafts) is first probed once the own steps before the probe pay for that set-up
-  too at PROBE_SHARE: at 7K on a 2-core CPU 900-1,200 steps, so that a short answer never prefills a drafter whose
+  too at PROBE_SHARE: at 7K on a 2-core CPU 1,100-1,200 steps, so that a short answer never prefills a drafter whose
   drafts would not have paid. An n-gram before such a drafter drafts without it, so it is probed as any source,
   the drafter behind it waiting the same; a probe that finds nothing to draft goes back to own steps. Where
   drafting pays from the priors (long contexts, whose full forwards cost most), the first step drafts, and a

@@ -3,25 +3,30 @@ prices the ``costed`` speculation-length policy weighs (speculation_length.py).
 
 A forward of T tokens attending to P cached positions is priced as
 
-    FORWARD + layers * LAYER + max(R, A) + (T - 1) * A - hidden,
+    FORWARD + layers * LAYER + max(R, W + A) + (T - 1) * A - (SHARED * A where T > 1),
     R = (weight bytes + key and value bytes of P positions) / read bandwidth,
-    A = (2 * linear weights + 4 * heads * head_dim * P * layers) / (arithmetic rate * its efficiency on a CPU),
-    hidden = min(OVERLAP * A, R - A) where T > 1 and the read is the longer, else 0
+    W = (KEY_WORK * layers * kv_heads * head_dim * P + WEIGHT_WORK * linear weights) / (arithmetic rate * efficiency),
+    A = (2 * linear weights + 4 * heads * head_dim * P * layers) / (arithmetic rate * efficiency)
 
-from the floor terms of `triforce bench --forward-costs` (bench/forward_costs.py): one token's arithmetic hides in
-the read, and part of a second one's where the read leaves room (a verification of one draft streams the same
-bytes as a plain step, and its few rows' arithmetic overlaps that stream); each further token's adds to it. The
-fixed costs per forward and per layer, the efficiency and the overlap are fitted to what `--forward-costs` measured
-on a 2-core EPYC (Zen 4, rates 34.7 GB/s and a 232.5 GFLOP/s FMA peak) with the embedded model, as ratios to the
-same prompt's 1-token full-cache forward (the decisions weigh nothing else): forwards of 1, 2, 3, 4 and 6 tokens on
-the full and the retrieval caches at 7,168 and 32,768 positions, in a quiet minute and in a busy one, and the
-drafter's step. At 7,168 positions the full cache's took 10.8-12.3, 14.1-15.6, 19.8-21.7, 24.6-26.4 and 34.1-36.0
-ms, the retrieval cache's 6.0-6.8, 8.1-8.9, 9.7-11.1, 12.4-13.4 and 17.2-18.0, the drafter's step 1.6-1.8; at
-32,768 the full cache's 26.4-32.1, 39.7-42.1, 60.5-63.2, 75.8-79.9 and 107-110, the retrieval cache's 5.0-6.2,
-7.0-7.9, 9.0-10.6, 11.4-13.1 and 16.2-17.6. Priced over the 1-token forward, every one lies within 0.86-1.12 of its
-measured ratio (the fixed 140 us a layer priced before, without the rest, put the retrieval tier at 1.19-1.47 and
-the drafter at 0.75-0.82): verifications at 32K a little below in the quiet minute, where the 1-token forward read
-at 56 GB/s, and a little above in the busy one; at 7K at or a little above.
+from the floor terms of `triforce bench --forward-costs` (bench/forward_costs.py), R and A, and the work a forward's
+kernels do once whatever its tokens, W: each cached key and value widened from float16 and each packed weight
+unpacked into registers, which every row of a verification then reuses. On a 2-core CPU that work, not the memory,
+bounds a 1-token forward (a decode step's attention over 7,168 positions took about 12 ns a cached key and KV head
+on the two cores, whatever the minute's bandwidth, where its 256 bytes read in 7.4 ns at 34.7 GB/s), so that one
+token costs W + A and each further one A, but for the second, whose rows go through the first token's tiles of
+the attention (3 grouped query heads a token: 6 rows fill one tile, a third token's start another) and save a
+share of it. The fixed costs per forward and per layer, the efficiency, the work per key and weight and the share
+are fitted to what `--forward-costs` measured on a 2-core EPYC (Zen 4, a 232.5 GFLOP/s FMA peak)
+with the embedded model, as ratios to the same prompt's 1-token full-cache forward (the decisions weigh nothing
+else): forwards of 1, 2, 3 and 6 tokens on the full and the retrieval caches at 7,168 and 32,768 positions and the
+drafter's step, with the kept read bandwidth at 34.7 GB/s and at 54.8 (one minute's reading: the prices must not
+swing with it). At 7,168 positions the full cache's took 10.8-12.3, 14.1-15.6, 19.8-21.7 and 34.1-36.0 ms, the
+retrieval cache's 6.0-6.8, 8.1-8.9, 9.7-11.1 and 17.2-18.0, the drafter's step 1.6-1.8; at 32,768 the full cache's
+26.4-35.4, 39.7-44.5, 60.5-66.0 and 107-113, the retrieval cache's 5.0-7.0, 7.0-8.8, 9.0-11.4 and 16.2-18.5. Priced
+over the 1-token forward, each lies within 0.84-1.20 of its measured ratio, verifications on the full cache within
+0.87-1.20, and the same with either reading; the prices before (140 us a layer and nothing else) put the retrieval
+tier at 1.19-1.47 and the drafter at 0.75-0.82 with the 34.7 GB/s reading, and with the 54.8 one priced a
+verification of one draft at 32K at 1.8 plain steps (measured 1.26-1.43), so that the default stopped drafting.
 
 The rates are those `triforce bench` and `triforce info` keep for this machine (plan/rates.py), read, never measured
 here; without them, NOMINAL's for the device type. They are fixed before decoding and the same from run to run on
@@ -53,21 +58,26 @@ class MachineBalance:
     transfer_bandwidth: float
     arithmetic_efficiency: float = 1.0  # the share of `flops` a forward's kernels reach
     forward_overhead_s: float = 0.0  # a forward's fixed cost besides its layers'
-    verify_overlap: float = 0.0  # the share of a second token's arithmetic a read-bound forward hides
+    # a forward's work once whatever its tokens, in FLOPs at the arithmetic rate: per cached key and value column of
+    # a layer's KV head (widening both), and per weight of its linears (unpacking it)
+    key_work: float = 0.0
+    weight_work: float = 0.0
+    second_token_share: float = 0.0  # the share of a second token's arithmetic its rows save in the first's tiles
 
 
-# A CPU forward's costs beyond its bytes and arithmetic, the share of the measured FLOP rate its kernels reach and
-# the share of a second token's arithmetic its read hides, as `triforce bench --forward-costs` shows them on a
-# 2-core EPYC (Zen 4) at 7,168 and 32,768 positions (module docstring); on CUDA the planner's CUDA-graph figure
-# (plan/presets.py) and nothing else
+# A CPU forward's costs beyond its bytes and arithmetic (fixed, and its kernels' once-a-forward work) and the share of
+# the measured FLOP rate its kernels reach, as `triforce bench --forward-costs` shows them on a 2-core EPYC (Zen 4)
+# at 7,168 and 32,768 positions (module docstring); on CUDA the planner's CUDA-graph figure (plan/presets.py) alone
 LAYER_OVERHEAD_S = {"cpu": 40e-6, "cuda": 15e-6}
 CPU_FORWARD_OVERHEAD_S = 0.4e-3  # the embedding, the output layer's spread, the host work around the step
-CPU_VERIFY_OVERLAP = 0.35
+CPU_KEY_WORK = 6.0
+CPU_WEIGHT_WORK = 2.0
+CPU_SECOND_TOKEN_SHARE = 0.3
 CPU_ARITHMETIC_EFFICIENCY = 0.9  # of a matrix product's rate, where no FMA peak was measured
 # of the FMA peak: the same prices, 0.9 of the 182 GFLOP/s of a matrix product measured beside 235 GFLOP/s of peak in
 # a quiet minute; the peak, bound by the cores alone, measures 221-235 GFLOP/s from minute to minute where the matrix
-# product measured 138-182, and a price that moved with it drafted at 32K in one set-up and not in the next; each
-# token beyond the first of a 4- to 6-token forward costs its arithmetic at 0.69-0.70 of the peak
+# product measured 138-182, and a price that moved with it drafted at 32K in one set-up and not in the next; the fit
+# above puts each further token's arithmetic at 0.7 of the peak too
 CPU_PEAK_EFFICIENCY = 0.7
 PCIE_BANDWIDTH = 25e9  # the planner's PCIe 4.0 x16 with pinned memory (plan/presets.py)
 NOMINAL = {
@@ -78,7 +88,9 @@ NOMINAL = {
         30e9,
         CPU_ARITHMETIC_EFFICIENCY,
         CPU_FORWARD_OVERHEAD_S,
-        CPU_VERIFY_OVERLAP,
+        CPU_KEY_WORK,
+        CPU_WEIGHT_WORK,
+        CPU_SECOND_TOKEN_SHARE,
     ),
     # a data-centre GPU: a forward costs its bytes, its arithmetic hardly
     "cuda": MachineBalance(2e12, 300e12, LAYER_OVERHEAD_S["cuda"], PCIE_BANDWIDTH),
@@ -113,7 +125,9 @@ def machine_balance(device_type: str) -> MachineBalance:
         read_bandwidth,
         efficiency,
         CPU_FORWARD_OVERHEAD_S,
-        CPU_VERIFY_OVERLAP,
+        CPU_KEY_WORK,
+        CPU_WEIGHT_WORK,
+        CPU_SECOND_TOKEN_SHARE,
     )
 
 
@@ -147,13 +161,14 @@ def forward_seconds(model: Transformer, cache: KVCache, tokens: int, balance: Ma
     positions = attended_positions(cache)
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * positions * cache.keys.element_size()
     read_bytes = model.weight_bytes_read() + kv_bytes
-    attention_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * positions * tokens
-    flops = 2 * linear_weights(model) * tokens + attention_flops
-    per_token = flops / tokens / (balance.flops * balance.arithmetic_efficiency)
-    read = read_bytes / balance.read_bandwidth
-    compute = max(read, per_token) + (tokens - 1) * per_token
-    if tokens > 1:  # part of the second token's arithmetic runs under the read, where the read is the longer
-        compute -= min(balance.verify_overlap * per_token, max(0.0, read - per_token))
+    weights = linear_weights(model)
+    rate = balance.flops * balance.arithmetic_efficiency
+    per_token = (2 * weights + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * positions) / rate
+    key_columns = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * positions
+    once = (balance.key_work * key_columns + balance.weight_work * weights) / rate
+    compute = max(read_bytes / balance.read_bandwidth, once + per_token) + (tokens - 1) * per_token
+    if tokens > 1:
+        compute -= balance.second_token_share * per_token
     if isinstance(cache, FullCache) and cache.stream is not None:
         compute = max(compute, kv_bytes / balance.transfer_bandwidth)
     return balance.forward_overhead_s + cfg.num_layers * balance.layer_overhead_s + compute
