@@ -120,7 +120,7 @@ def test_the_kept_chunks_keep_their_retrieval_summaries(model, monkeypatch):
     monkeypatch.setattr(
         retrieval_module,
         "chunk_summaries",
-        lambda keys, size, score: summarised.append(keys.shape[1]) or real(keys, size, score),
+        lambda keys, *rest: summarised.append(keys.shape[1]) or real(keys, *rest),
     )
     longer = DOCUMENT[:64] + OTHER
     engine.generate(longer)
