@@ -80,18 +80,26 @@ CPU_ARITHMETIC_EFFICIENCY = 0.9  # of a matrix product's rate, where no FMA peak
 # above puts each further token's arithmetic at 0.7 of the peak too
 CPU_PEAK_EFFICIENCY = 0.7
 PCIE_BANDWIDTH = 25e9  # the planner's PCIe 4.0 x16 with pinned memory (plan/presets.py)
-NOMINAL = {
-    "cpu": MachineBalance(  # a 2-core EPYC's
-        30e9,
-        186e9,
+
+
+def cpu_balance(read_bandwidth: float, flops: float, efficiency: float) -> MachineBalance:
+    """A CPU's balance from its read bandwidth (bytes/s, also what an offloaded cache crosses at), FLOP/s and the
+    share of them its kernels reach, with the CPU's fitted costs beyond bytes and arithmetic."""
+    return MachineBalance(
+        read_bandwidth,
+        flops,
         LAYER_OVERHEAD_S["cpu"],
-        30e9,
-        CPU_ARITHMETIC_EFFICIENCY,
+        read_bandwidth,
+        efficiency,
         CPU_FORWARD_OVERHEAD_S,
         CPU_KEY_WORK,
         CPU_WEIGHT_WORK,
         CPU_SECOND_TOKEN_SHARE,
-    ),
+    )
+
+
+NOMINAL = {
+    "cpu": cpu_balance(30e9, 186e9, CPU_ARITHMETIC_EFFICIENCY),  # a 2-core EPYC's
     # a data-centre GPU: a forward costs its bytes, its arithmetic hardly
     "cuda": MachineBalance(2e12, 300e12, LAYER_OVERHEAD_S["cuda"], PCIE_BANDWIDTH),
 }
@@ -117,18 +125,7 @@ def machine_balance(device_type: str) -> MachineBalance:
     rates = kept_rates() if device_type == "cpu" else None
     if rates is None:
         return NOMINAL.get(device_type, NOMINAL["cuda"])
-    read_bandwidth, flops, efficiency = rates
-    return MachineBalance(
-        read_bandwidth,
-        flops,
-        LAYER_OVERHEAD_S["cpu"],
-        read_bandwidth,
-        efficiency,
-        CPU_FORWARD_OVERHEAD_S,
-        CPU_KEY_WORK,
-        CPU_WEIGHT_WORK,
-        CPU_SECOND_TOKEN_SHARE,
-    )
+    return cpu_balance(*rates)
 
 
 def linear_weights(model: Transformer) -> int:
