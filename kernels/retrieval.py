@@ -48,13 +48,15 @@ def chunk_mean_keys(k: torch.Tensor, chunk_size: int, workspace: torch.Tensor | 
     held = 0 if workspace is None else workspace.numel() // (num_kv_heads * chunk_size * head_dim)
     step = min(MEAN_KEY_BLOCK, held) or MEAN_KEY_BLOCK
     for first in range(0, chunks.shape[1], step):
-        block = chunks[:, first : first + step]
-        if held:
-            copied = workspace[: block.numel()].view(block.shape).copy_(block)
-        else:
-            copied = block.float()
-        means[:, first : first + step] = copied.mean(dim=2)
+        means[:, first : first + step] = _float32(chunks[:, first : first + step], workspace).mean(dim=2)
     return means
+
+
+def _float32(block: torch.Tensor, workspace: torch.Tensor | None) -> torch.Tensor:
+    """block in float32: copied into workspace's first elements where it holds them, else a fresh copy."""
+    if workspace is not None and block.numel() <= workspace.numel():
+        return workspace[: block.numel()].view(block.shape).copy_(block)
+    return block.float()
 
 
 def score_chunks(q: torch.Tensor, mean_keys: torch.Tensor) -> torch.Tensor:
@@ -117,12 +119,10 @@ def summary_scores(
     row_elements = summaries[:, 0].numel()
     held = 0 if workspace is None else workspace.numel() // row_elements
     rows = held or max(1, SCORE_BLOCK_BYTES // (row_elements * 4))
-    blocks = []
-    for i in range(0, q.shape[0], rows):
-        block = summaries[:, i : i + rows]
-        if held:
-            block = workspace[: block.numel()].view(block.shape).copy_(block)
-        blocks.append(_scores(q[i : i + rows], block, score))
+    blocks = [
+        _scores(q[i : i + rows], _float32(summaries[:, i : i + rows], workspace), score)
+        for i in range(0, q.shape[0], rows)
+    ]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
