@@ -15,6 +15,11 @@ torch's (its norm's and SiLU's vectorised reductions and exp): every position of
 A projection is handed over as its operands (Projection): for each part (one, but for GGUF blocks of different kinds
 side by side) three tensors, GGUF blocks (q, d and m or None: views of a kernels.gguf.PackedBlocks's records) or
 tiles (tiles, None, bias or None: kernels.linear.pack_tiles, pad_bias), and the part's own output features.
+
+The ops that take a LayerStack or an OutputHead are called with __torch_function__ turned off for tensor subclasses
+(plain_call): torch looks for that attribute on every argument of an op call, and on a ScriptObject the lookup fails
+by raising and clearing an AttributeError, ~40 us a ScriptObject, twice a decode step; no argument of these ops is a
+tensor subclass.
 """
 
 from dataclasses import dataclass
@@ -35,6 +40,10 @@ class Projection:
     def side_by_side(parts: "list[Projection]") -> "Projection":
         """One projection computing parts' outputs side by side."""
         return Projection([t for part in parts for t in part.operands], [n for part in parts for n in part.features])
+
+
+# the context the ScriptObject-taking ops are called in (module docstring)
+plain_call = torch._C.DisableTorchFunctionSubclass
 
 
 def step_ops_available() -> bool:
@@ -279,7 +288,8 @@ def cached_layers(
         The last layer's output (T, C), and with write.keep_queries each layer's queries (Hq, T, D) in the stack's
         order.
     """
-    return torch.ops.triforce_cpu.cached_layers(stack, x, rotation, *write)
+    with plain_call():
+        return torch.ops.triforce_cpu.cached_layers(stack, x, rotation, *write)
 
 
 def output_head(
@@ -296,7 +306,8 @@ def output_logits(head: torch.ScriptObject, x: torch.Tensor) -> torch.Tensor:
     """The logits (T, V) float32 of the last hidden states x (T, C): head's RMSNorm, its projection, -inf for every
     token it does not compute; the bits of rms_norm, the projection's product and an index_copy_ into -inf, in one
     call."""
-    return torch.ops.triforce_cpu.output_logits(head, x)
+    with plain_call():
+        return torch.ops.triforce_cpu.output_logits(head, x)
 
 
 def cached_step(
@@ -319,7 +330,8 @@ def cached_step(
     Returns:
         The logits (num_logits, V) float32, and with write.keep_queries each layer's queries (Hq, T, D).
     """
-    return torch.ops.triforce_cpu.cached_step(stack, embedding, head, ids, rotation, *write, num_logits)
+    with plain_call():
+        return torch.ops.triforce_cpu.cached_step(stack, embedding, head, ids, rotation, *write, num_logits)
 
 
 def register_fake_kernels() -> None:

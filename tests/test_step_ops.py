@@ -22,6 +22,7 @@ from triforce_cli.kernels.step import (
     Projection,
     attention_input,
     layer_output,
+    output_logits,
     rms_norm,
     rms_norm_reference,
     rotary_heads,
@@ -484,6 +485,33 @@ def test_the_output_layer_in_one_call_gives_its_modules_bits(weights, restricted
     with torch.enable_grad(), Dispatches() as calls:  # the tiles' autograd path: torch's product
         torch.testing.assert_close(model.output(x), logits, rtol=1e-5, atol=1e-5)
     assert calls.ops["triforce_cpu.output_logits"] == 0
+
+
+class Watched(torch.Tensor):
+    """A tensor subclass that counts the calls of its __torch_function__."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_ops_taking_a_head_or_stack_leave_torch_function_alone():
+    """The output layer's one call runs with __torch_function__ off for tensor subclasses (kernels.step.plain_call),
+    which keeps torch from probing the head's ScriptObject for that attribute on every call: a subclass argument's
+    override is not consulted, and the logits are the plain tensor's bits."""
+    model = output_model("half")
+    x = torch.randn(3, model.config.hidden_size, generator=generator(11))
+    with torch.inference_mode():
+        head = model.step_head()
+        plain = output_logits(head, x)
+        Watched.calls = 0
+        watched = output_logits(head, x.as_subclass(Watched))
+        consulted = Watched.calls
+    assert consulted == 0
+    assert torch.equal(watched.as_subclass(torch.Tensor), plain)
 
 
 def test_an_output_layer_replaced_is_read_anew():
