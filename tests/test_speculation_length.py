@@ -480,6 +480,28 @@ def test_costed_probes_wait_longer_where_a_verification_costs_more():
     assert dear.probe_base == 26  # 0.51 / 0.02 = 25.5
 
 
+def test_costed_drafts_whose_choice_of_chunks_eats_the_gain_are_never_probed():
+    """A retrieval tier drafting at 0.5 of a plain step, verified at 1.3 (as at 7K on a 2-core CPU): every draft
+    accepted gives 2 tokens for 1.8 steps, 1.11x the rate of own steps, so without a choice of chunks the tier
+    probes; a choice at 0.8 of a step every 4 verifications adds 0.2 to each, 2 tokens for 2.0 steps, 1.0x, short
+    of DRAFT_MARGIN: never probed, not even at the first step. A rejected probe also pays a whole choice (it follows
+    own steps), which lengthens the wait between probes where drafting could pay."""
+    verify = (1.0, 1.3)
+    bare = SpeculationLength("costed", ceiling=1, own_steps=True)
+    bare.price(StepCosts(verify, 0.5), {False: DEFAULT_PRIOR})
+    assert bare.payable == (False,) and bare.drafting
+    chosen = SpeculationLength("costed", ceiling=1, own_steps=True)
+    chosen.price(StepCosts(verify, 0.5, proposer_selection=0.8, proposer_refresh=4), {False: DEFAULT_PRIOR})
+    assert StepCosts(verify, 0.5, proposer_selection=0.8, proposer_refresh=4).round(False) == pytest.approx(0.2)
+    assert chosen.payable == ()
+    steps = feed_costed(chosen, 100, accepts=lambda n, i: n)
+    assert all(n == 0 for n, _ in steps)
+    cheap = SpeculationLength("costed", ceiling=1, own_steps=True)
+    cheap.price(StepCosts(verify, 0.01, proposer_selection=0.2, proposer_refresh=8), {False: DEFAULT_PRIOR})
+    assert cheap.payable == (False,)
+    assert cheap.probe_base == 26  # a rejected probe: 0.01 + 0.2 + 1.3 - 1.0 = 0.51 steps, 2% of 25.5
+
+
 def test_costed_probes_only_the_source_that_could_pay():
     """The proposer drafts at the price of a plain step, so its drafts could never pay; the shortcut's could, and
     are never accepted: every probe drafts from the shortcut."""

@@ -10,6 +10,8 @@ from helpers import full_cache_for, make_model, rich_model
 from triforce_cli.cache import RetrievalCache, StreamingCache
 
 from triforce_cli.decoding import step_costs
+from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.speculative import ModelTier, Tier
 from triforce_cli.decoding.step_costs import NOMINAL, MachineBalance, forward_seconds, linear_weights, machine_balance
 from triforce_cli.decoding.tuning import machine_key
 from triforce_cli.plan.rates import MachineRates, rates_path
@@ -70,6 +72,34 @@ def test_the_lower_tiers_cost_less_than_the_full_cache():
     balance = NOMINAL["cpu"]
     full_price = forward_seconds(model, full, 1, balance)
     assert forward_seconds(model, streaming, 1, balance) < forward_seconds(model, retrieval, 1, balance) < full_price
+
+
+def retrieval_tier(model, cache: RetrievalCache) -> ModelTier:
+    return ModelTier(
+        name=Tier.RETRIEVAL, model=model, cache=cache, sampling=SamplingConfig(), generator=None, refresh_interval=4
+    )
+
+
+def test_a_retrieval_tiers_choice_of_chunks_costs_its_copies_its_summaries_and_a_fixed_cost_a_head():
+    """One choice: the chosen keys and values read and written, the summaries of the prompt's chunks scored at
+    summary_work passes, and select_overhead_s per layer and KV head; more chunks in the prompt cost more; a tier
+    without chunks to choose (the drafter's) costs none, and its verifications come one to a choice."""
+    model, full = prefilled(200)
+    retrieval = RetrievalCache(full, budget=32, chunk_size=8, recent_capacity=16)
+    tier = retrieval_tier(model, retrieval)
+    cfg = model.config
+    balance = MachineBalance(1e9, 1e12, 0.0, 1e9, select_overhead_s=1e-4, summary_work=12)
+    chosen = 2 * cfg.num_layers * cfg.num_kv_heads * 32 * cfg.head_dim * retrieval.keys.element_size()
+    summaries = cfg.num_layers * cfg.num_kv_heads * (200 // 8) * cfg.head_dim * retrieval.chunk_keys.element_size()
+    expected = cfg.num_layers * cfg.num_kv_heads * 1e-4 + (2 * chosen + 12 * summaries) / 1e9
+    assert math.isclose(step_costs.selection_seconds(tier, balance), expected)
+    assert step_costs.refresh_interval(tier) == 4
+    longer_model, longer = prefilled(400)
+    longer_tier = retrieval_tier(longer_model, RetrievalCache(longer, 32, 8, 16))
+    assert step_costs.selection_seconds(longer_tier, balance) > step_costs.selection_seconds(tier, balance)
+    streaming = StreamingCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 16, 8, full.keys.dtype)
+    drafter = ModelTier(name=Tier.DRAFTER, model=model, cache=streaming, sampling=SamplingConfig(), generator=None)
+    assert step_costs.selection_seconds(drafter, balance) == 0.0 and step_costs.refresh_interval(drafter) == 1
 
 
 def test_the_rates_plan_keeps_price_the_cpu_else_nominal_figures(monkeypatch, tmp_path):

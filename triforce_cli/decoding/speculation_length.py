@@ -46,13 +46,16 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   a proposer may take own steps (the middle tier then samples from the retrieval cache, the drafter idle). Where
   own steps win, drafting is probed, at its best length (one draft, as a rule), at the first step and then after
   a wait of own steps, twice as long after each probe that did not pay for itself (up to MAX_PROBE_WAIT), and as
-  short again after one that did. The shortest wait makes what a rejected probe loses (its draft and a
-  verification of one draft, against the own step it replaces) at most PROBE_SHARE of the own steps before it,
+  short again after one that did. The shortest wait makes what a rejected probe loses (its draft, the source's
+  choice of chunks where it has one, and a verification of one draft, against the own step it replaces) at most
+  PROBE_SHARE of the own steps before it,
   and no shorter than PROBE_WAIT: on a 2-core CPU at 7K, where that verification costs 1.3 plain steps, 25 steps,
   so that where drafting never pays a 128-token answer holds three probes, about 2% of its time. With a shortcut
   the probes take turns between the two sources, the shortcut first. A source whose drafts would not pay even
-  were every one accepted (the retrieval tier where its forward costs most of a full one, at short contexts) is
-  never probed: no acceptance could make it pay. A source with a set-up still to run (a drafter whose cache is
+  were every one accepted is never probed: no acceptance could make it pay. That is the retrieval tier where its
+  forward costs most of a full one, at short contexts: on a 2-core CPU at 7K, where its choice of chunks, made every
+  refresh_interval verifications and priced as a share of each (StepCosts.round), leaves every draft accepted
+  promising 0.96x the tokens a second of own steps, and so the target takes its own steps from the first. A source with a set-up still to run (a drafter whose cache is
   prefilled only where it first drafts) is first probed once the own steps before the probe pay for that set-up
   too at PROBE_SHARE: at 7K on a 2-core CPU 1,100-1,200 steps, so that a short answer never prefills a drafter whose
   drafts would not have paid. An n-gram before such a drafter drafts without it, so it is probed as any source,
@@ -170,7 +173,9 @@ class StepCosts:
     forward[n - 1] is a forward of n tokens on the tier's cache, n = 1..ceiling + 1: an own step is forward[0], a
     verification of s drafts forward[s]. proposer and shortcut are the seconds per token drafted from each source;
     proposer_set_up and shortcut_set_up what each source costs once before its first draft (a drafter's cache
-    prefilled where it first drafts, ModelTier.set_up), 0 for none.
+    prefilled where it first drafts, ModelTier.set_up), 0 for none; proposer_selection and shortcut_selection what
+    a source's choice of chunks costs (a retrieval tier's, step_costs.selection_seconds; 0 for none), made every
+    proposer_refresh (shortcut_refresh) verifications while it drafts, and before a probe after own steps.
     """
 
     forward: tuple[float, ...]
@@ -178,6 +183,10 @@ class StepCosts:
     shortcut: float = 0.0
     proposer_set_up: float = 0.0
     shortcut_set_up: float = 0.0
+    proposer_selection: float = 0.0
+    shortcut_selection: float = 0.0
+    proposer_refresh: int = 1
+    shortcut_refresh: int = 1
 
     @property
     def own(self) -> float:
@@ -197,6 +206,17 @@ class StepCosts:
     def set_up(self, shortcut: bool) -> float:
         return self.shortcut_set_up if shortcut else self.proposer_set_up
 
+    def selection(self, shortcut: bool) -> float:
+        """A source's choice of chunks: what a probe after own steps costs besides its drafts and verification."""
+        return self.shortcut_selection if shortcut else self.proposer_selection
+
+    def round(self, shortcut: bool) -> float:
+        """What each verification of a source's drafts costs besides them: its choice of chunks, shared out over
+        the verifications between two."""
+        if shortcut:
+            return self.shortcut_selection / self.shortcut_refresh
+        return self.proposer_selection / self.proposer_refresh
+
 
 def prior_acceptance(source: str) -> float:
     """The acceptance the costed policy assumes of drafts from a source (a Proposer's name) before it has any."""
@@ -205,9 +225,9 @@ def prior_acceptance(source: str) -> float:
 
 def costed_option(acceptance: float, costs: StepCosts, shortcut: bool, ceiling: int) -> tuple[float, int]:
     """(tokens per second, length) of the best length in 1..ceiling for drafts from one source at this
-    acceptance, every cost as priced."""
+    acceptance, every cost as priced (a verification's share of the source's choice of chunks included)."""
     rates = [
-        (expected_tokens(acceptance, n) / (n * costs.draft(shortcut) + costs.verify(n)), n)
+        (expected_tokens(acceptance, n) / (n * costs.draft(shortcut) + costs.verify(n) + costs.round(shortcut)), n)
         for n in range(1, ceiling + 1)
     ]
     return max(rates, key=lambda rate_length: rate_length[0])
@@ -382,13 +402,15 @@ class SpeculationLength:
 
     def _probe_base(self) -> int:
         """Own steps between two probes at the least: PROBE_WAIT, or as many as make what the cheapest probe
-        loses where its draft is rejected (a draft and a verification of one draft, for one token an own step
-        would have given) at most PROBE_SHARE of their cost, so that probing where drafting never pays costs
+        loses where its draft is rejected (a draft, the source's choice of chunks and a verification of one draft,
+        for one token an own step would have given) at most PROBE_SHARE of their cost, so that probing where drafting never pays costs
         about that share of an answer whatever a verification costs on this machine and context."""
         if not self.payable:
             return MAX_PROBE_WAIT
-        loss = min(self.costs.draft(shortcut) for shortcut in self.payable) + self.costs.verify(1) - self.costs.own
-        return min(MAX_PROBE_WAIT, max(PROBE_WAIT, math.ceil(loss / (PROBE_SHARE * self.costs.own))))
+        costs = self.costs
+        loss = min(costs.draft(source) + costs.selection(source) for source in self.payable)
+        loss += costs.verify(1) - costs.own
+        return min(MAX_PROBE_WAIT, max(PROBE_WAIT, math.ceil(loss / (PROBE_SHARE * costs.own))))
 
     def _could_pay(self, shortcut: bool) -> bool:
         """Whether drafts from a source, at its best length with every draft accepted, promise DRAFT_MARGIN times
@@ -437,6 +459,7 @@ class SpeculationLength:
         if self._draft_if_it_pays():
             return
         seconds = drafted * self.costs.draft(self.use_shortcut) + self.costs.verify(drafted)
+        seconds += self.costs.round(self.use_shortcut)
         paid = seconds <= (accepted + 1) * self.costs.own
         if paid:
             self.probe_wait = self.probe_base
@@ -461,7 +484,7 @@ class SpeculationLength:
         if shortcut not in self.set_up_due:
             return 0
         costs = self.costs
-        loss = costs.set_up(shortcut) + costs.draft(shortcut) + costs.verify(1) - costs.own
+        loss = costs.set_up(shortcut) + costs.draft(shortcut) + costs.selection(shortcut) + costs.verify(1) - costs.own
         return math.ceil(loss / (PROBE_SHARE * costs.own))
 
     def _first_set_up_wait(self) -> int:

@@ -28,6 +28,19 @@ over the 1-token forward, each lies within 0.84-1.20 of its measured ratio, veri
 tier at 1.19-1.47 and the drafter at 0.75-0.82 with the 34.7 GB/s reading, and with the 54.8 one priced a
 verification of one draft at 32K at 1.8 plain steps (measured 1.26-1.43), so that the default stopped drafting.
 
+A retrieval tier also chooses its chunks again (RetrievalCache.select_chunks) every refresh_interval verifications
+of the tier above, and before a probe after own steps; a choice is priced as
+
+    layers * kv_heads * SELECT + (2 * chosen key and value bytes + SUMMARY_WORK * summary bytes) / read bandwidth,
+
+the chosen chunks' keys and values read from the full cache and written into the retrieval cache, the chunks'
+float16 summaries copied to float32 and scored against the queries (SUMMARY_WORK times their bytes, fitted), and
+a fixed cost per layer and KV head (the gather's copies, the choice of the best chunks). Timed alone over a random
+cache on the same CPU, a later choice took 6.1, 7.0, 11.0 and 14.3 ms at 2,048, 7,168, 16,384 and 32,768 positions
+(budget 1,024, chunks of 16; priced at 33 GB/s 6.0, 7.4, 9.8 and 14.0). The costed policy shares a choice out over
+the verifications between two (speculation_length.StepCosts): at 7,168 positions it is what keeps the retrieval
+tier's drafts from paying even were every one accepted, so the target takes its own steps without probing them.
+
 The rates are those `triforce bench` and `triforce info` keep for this machine (plan/rates.py), read, never measured
 here; without them, NOMINAL's for the device type. They are fixed before decoding and the same from run to run on
 one machine, so a seeded sampled run, whose every choice of the costed policy follows these prices and the
@@ -63,6 +76,10 @@ class MachineBalance:
     key_work: float = 0.0
     weight_work: float = 0.0
     second_token_share: float = 0.0  # the share of a second token's arithmetic its rows save in the first's tiles
+    # a retrieval tier's choice of chunks: seconds per layer and KV head, and the passes over the chunks' summaries
+    # its scoring costs, in bytes read
+    select_overhead_s: float = 0.0
+    summary_work: float = 0.0
 
 
 # A CPU forward's costs beyond its bytes and arithmetic (fixed, and its kernels' once-a-forward work) and the share of
@@ -73,6 +90,8 @@ CPU_FORWARD_OVERHEAD_S = 0.4e-3  # the embedding, the output layer's spread, the
 CPU_KEY_WORK = 6.0
 CPU_WEIGHT_WORK = 2.0
 CPU_SECOND_TOKEN_SHARE = 0.3
+CPU_SELECT_OVERHEAD_S = 45e-6
+CPU_SUMMARY_WORK = 12.0
 CPU_ARITHMETIC_EFFICIENCY = 0.9  # of a matrix product's rate, where no FMA peak was measured
 # of the FMA peak: the same prices, 0.9 of the 182 GFLOP/s of a matrix product measured beside 235 GFLOP/s of peak in
 # a quiet minute; the peak, bound by the cores alone, measures 221-235 GFLOP/s from minute to minute where the matrix
@@ -95,6 +114,8 @@ def cpu_balance(read_bandwidth: float, flops: float, efficiency: float) -> Machi
         CPU_KEY_WORK,
         CPU_WEIGHT_WORK,
         CPU_SECOND_TOKEN_SHARE,
+        CPU_SELECT_OVERHEAD_S,
+        CPU_SUMMARY_WORK,
     )
 
 
@@ -183,6 +204,30 @@ def draft_seconds(proposer: Proposer | None, balance: MachineBalance) -> float:
     raise TypeError(f"no price for drafts of a {type(proposer).__name__}")
 
 
+def selection_seconds(proposer: Proposer | None, balance: MachineBalance) -> float:
+    """The price of one choice of chunks for drafts from proposer (the module docstring's formula): a retrieval
+    tier's, which it makes every refresh_interval verifications; 0 for any other proposer."""
+    if not isinstance(proposer, ModelTier) or proposer.refresh_interval is None:
+        return 0.0
+    cache = proposer.cache
+    if not isinstance(cache, RetrievalCache):
+        raise TypeError(f"no selection price for a {type(cache).__name__}")
+    layers, kv_heads, _, head_dim = cache.keys.shape
+    chosen = 2 * layers * kv_heads * cache.budget * head_dim * cache.keys.element_size()  # keys and values
+    kinds = cache.chunk_keys.shape[0]  # summaries a chunk: a mean key, or a minimum and a maximum
+    chunks = cache.full.length // cache.chunk_size
+    summaries = kinds * layers * kv_heads * chunks * head_dim * cache.chunk_keys.element_size()
+    moved = 2 * chosen + balance.summary_work * summaries
+    return layers * kv_heads * balance.select_overhead_s + moved / balance.read_bandwidth
+
+
+def refresh_interval(proposer: Proposer | None) -> int:
+    """Verifications between two choices of chunks by proposer (a retrieval tier's), 1 for any other."""
+    if isinstance(proposer, ModelTier) and proposer.refresh_interval is not None:
+        return proposer.refresh_interval
+    return 1
+
+
 def set_up_seconds(proposer: Proposer | None, balance: MachineBalance) -> float:
     """The price of the set-up drafts from proposer would run first (set_up_tier: a drafter's StreamingLLM
     prefill, of its sinks and DRAFTER_READS windows), 0 for none: priced as one forward of those tokens, each with
@@ -209,6 +254,10 @@ def price_tiers(top: ModelTier) -> None:
                 draft_seconds(tier.shortcut, balance),
                 set_up_seconds(tier.proposer, balance),
                 set_up_seconds(tier.shortcut, balance),
+                selection_seconds(tier.proposer, balance),
+                selection_seconds(tier.shortcut, balance),
+                refresh_interval(tier.proposer),
+                refresh_interval(tier.shortcut),
             )
             tier.price(costs)
         tier = tier.proposer
