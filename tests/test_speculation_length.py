@@ -596,6 +596,23 @@ def test_costed_probes_an_ngram_before_a_drafter_at_once_and_sets_the_drafter_up
     assert length.may_set_up(False)
 
 
+def test_an_ngram_accepted_before_a_drafter_sets_it_up_only_once_the_tokens_pay_for_it():
+    """The drafter behind an n-gram, its prefill priced at 0.6 of a plain step: the n-gram's drafts all accepted
+    make drafting pay, which says nothing of the drafter's; its prefill waits until the tokens committed pay for
+    it (41: the prefill, a draft and a verification of one draft lose 0.81 of a plain step, 2% of 40.5), whatever
+    the n-gram earns meanwhile."""
+    length = SpeculationLength("costed", ceiling=4, own_steps=True)
+    costs = StepCosts(SLOPE, 0.01, proposer_set_up=0.6)
+    length.price(costs, {False: DEFAULT_PRIOR}, set_up_due=(False,), drafts_before_set_up=(False,))
+    wait = length._set_up_wait(False)
+    assert wait == 41
+    while length.tokens_taken + length.current + 1 < wait:
+        length.record(length.current, length.current, 0.0, 0.0)  # every n-gram draft accepted
+        assert length.drafting and length._pays() and not length.may_set_up(False)
+    length.record(length.current, length.current, 0.0, 0.0)
+    assert length.tokens_taken >= wait and length.may_set_up(False)
+
+
 def test_costed_probes_the_source_without_a_set_up_first():
     """The shortcut would be probed first, but its set-up is due: the proposer, which has none, is probed instead
     until a probe's turn comes after the own steps pay for the set-up (0.85 + 0.2 + 0.2: 63 steps; the third
