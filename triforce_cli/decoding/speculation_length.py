@@ -48,14 +48,14 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   a wait of own steps, twice as long after each probe that did not pay for itself (up to MAX_PROBE_WAIT), and as
   short again after one that did. The shortest wait makes what a rejected probe loses (its draft, the source's
   choice of chunks where it has one, and a verification of one draft, against the own step it replaces) at most
-  PROBE_SHARE of the own steps before it,
-  and no shorter than PROBE_WAIT: on a 2-core CPU at 7K, where that verification costs 1.3 plain steps, 25 steps,
-  so that where drafting never pays a 128-token answer holds three probes, about 2% of its time. With a shortcut
-  the probes take turns between the two sources, the shortcut first. A source whose drafts would not pay even
-  were every one accepted is never probed: no acceptance could make it pay. That is the retrieval tier where its
-  forward costs most of a full one, at short contexts: on a 2-core CPU at 7K, where its choice of chunks, made every
-  refresh_interval verifications and priced as a share of each (StepCosts.round), leaves every draft accepted
-  promising 0.96x the tokens a second of own steps, and so the target takes its own steps from the first. A source with a set-up still to run (a drafter whose cache is
+  PROBE_SHARE of the own steps before it, and no shorter than PROBE_WAIT: on a 2-core CPU at 7K, where that
+  verification costs 1.3 plain steps, 25 steps, so that where drafting never pays a 128-token answer holds three
+  probes, about 2% of its time. With a shortcut the probes take turns between the two sources, the shortcut first.
+  A source whose drafts would not pay even were every one accepted is never probed: no acceptance could make it
+  pay. That is the retrieval tier where its forward costs most of a full one, at short contexts: on a 2-core CPU at
+  7K its choice of chunks, made every refresh_interval verifications and priced as a share of each
+  (StepCosts.round), leaves every draft accepted promising 0.96x the tokens a second of own steps, so the target
+  takes its own steps from the first. A source with a set-up still to run (a drafter whose cache is
   prefilled only where it first drafts) is first probed once the own steps before the probe pay for that set-up
   too at PROBE_SHARE: at 7K on a 2-core CPU 1,100-1,200 steps, so that a short answer never prefills a drafter whose
   drafts would not have paid. An n-gram before such a drafter drafts without it, so it is probed as any source,
@@ -403,8 +403,9 @@ class SpeculationLength:
     def _probe_base(self) -> int:
         """Own steps between two probes at the least: PROBE_WAIT, or as many as make what the cheapest probe
         loses where its draft is rejected (a draft, the source's choice of chunks and a verification of one draft,
-        for one token an own step would have given) at most PROBE_SHARE of their cost, so that probing where drafting never pays costs
-        about that share of an answer whatever a verification costs on this machine and context."""
+        for one token an own step would have given) at most PROBE_SHARE of their cost, so that probing where
+        drafting never pays costs about that share of an answer whatever a verification costs on this machine and
+        context."""
         if not self.payable:
             return MAX_PROBE_WAIT
         costs = self.costs
