@@ -213,9 +213,7 @@ class StepCosts:
     def round(self, shortcut: bool) -> float:
         """What each verification of a source's drafts costs besides them: its choice of chunks, shared out over
         the verifications between two."""
-        if shortcut:
-            return self.shortcut_selection / self.shortcut_refresh
-        return self.proposer_selection / self.proposer_refresh
+        return self.selection(shortcut) / (self.shortcut_refresh if shortcut else self.proposer_refresh)
 
 
 def prior_acceptance(source: str) -> float:
@@ -475,7 +473,12 @@ class SpeculationLength:
         the tier committed so far pay for its set-up as the own steps before a probe do (_set_up_wait). A drafter
         retried under the retrieval tier at 32K would otherwise prefill its cache (about five plain steps) within
         a short answer, to draft one token that verifies no cheaper than the retrieval tier's."""
-        return shortcut in self.drafts_before_set_up or self._set_up_wait(shortcut) <= self.tokens_taken
+        return shortcut in self.drafts_before_set_up or self._tokens_pay_set_up(shortcut)
+
+    def _tokens_pay_set_up(self, shortcut: bool) -> bool:
+        """Whether the tokens the tier committed so far pay for a source's set-up as the own steps before a probe
+        do (_set_up_wait)."""
+        return self._set_up_wait(shortcut) <= self.tokens_taken
 
     def _set_up_wait(self, shortcut: bool) -> int:
         """Own steps the tier takes before the first probe of a source whose set-up is due: as many as make the
@@ -509,14 +512,14 @@ class SpeculationLength:
         """Whether drafts from a source may run its set-up now: it has none due, or the own steps so far pay for it
         (_set_up_wait), or drafting pays (from the priors the prefill goes with the prompt's: Engine.generate), or
         the policy is not costed. A source that drafts before its set-up (an n-gram before a drafter), once drafts
-        of it were judged, runs it only once the tokens the tier committed pay for it (_retry_may_set_up's rule):
-        the acceptance it has earned is the n-gram's, which says nothing of the drafter's (an n-gram accepted 7
-        times in 8 at 7K had a drafter prefilled within a 64-token answer, 14 plain steps)."""
+        of it were judged, runs it only once the tokens the tier committed pay for it (_tokens_pay_set_up, as
+        retries do): the acceptance it has earned is the n-gram's, which says nothing of the drafter's (an n-gram
+        accepted 7 times in 8 at 7K had a drafter prefilled within a 64-token answer, 14 plain steps)."""
         if self.costs is None:
             return True
         counts = self.shortcut_counts if shortcut else self.proposer_counts
         if shortcut in self.drafts_before_set_up and counts.judged:
-            return self._set_up_wait(shortcut) <= self.tokens_taken
+            return self._tokens_pay_set_up(shortcut)
         return self._set_up_wait(shortcut) <= self.own_steps_taken or self._pays()
 
     def _pays(self) -> bool:
