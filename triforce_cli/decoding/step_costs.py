@@ -250,14 +250,14 @@ def price_tiers(top: ModelTier) -> None:
             forward = tuple(forward_seconds(tier.model, tier.cache, n, balance) for n in range(1, tier.gamma + 2))
             costs = StepCosts(
                 forward,
-                draft_seconds(tier.proposer, balance),
-                draft_seconds(tier.shortcut, balance),
-                set_up_seconds(tier.proposer, balance),
-                set_up_seconds(tier.shortcut, balance),
-                selection_seconds(tier.proposer, balance),
-                selection_seconds(tier.shortcut, balance),
-                refresh_interval(tier.proposer),
-                refresh_interval(tier.shortcut),
+                proposer=draft_seconds(tier.proposer, balance),
+                shortcut=draft_seconds(tier.shortcut, balance),
+                proposer_set_up=set_up_seconds(tier.proposer, balance),
+                shortcut_set_up=set_up_seconds(tier.shortcut, balance),
+                proposer_selection=selection_seconds(tier.proposer, balance),
+                shortcut_selection=selection_seconds(tier.shortcut, balance),
+                proposer_refresh=refresh_interval(tier.proposer),
+                shortcut_refresh=refresh_interval(tier.shortcut),
             )
             tier.price(costs)
         tier = tier.proposer
