@@ -351,8 +351,7 @@ class SpeculationLength:
             self.verify_seconds[drafted] = _smooth(self.verify_seconds.get(drafted), verify_seconds)
             self._choose(drafted)
         elif self.policy == "costed" and self.costs is not None:
-            counts = self.shortcut_counts if self.use_shortcut else self.proposer_counts
-            counts.record(drafted, accepted)
+            self._counts(self.use_shortcut).record(drafted, accepted)
             self.tokens_taken += accepted + 1
             self._plan(drafted, accepted)
 
@@ -397,6 +396,10 @@ class SpeculationLength:
         self.probe_base = self.probe_wait = self._probe_base()
         self.set_up_wait = self._first_set_up_wait()
         self._probe()
+
+    def _counts(self, shortcut: bool) -> AcceptanceCounts:
+        """A source's acceptance counts (costed)."""
+        return self.shortcut_counts if shortcut else self.proposer_counts
 
     def _probe_base(self) -> int:
         """Own steps between two probes at the least: PROBE_WAIT, or as many as make what the cheapest probe
@@ -517,8 +520,7 @@ class SpeculationLength:
         accepted 7 times in 8 at 7K had a drafter prefilled within a 64-token answer, 14 plain steps)."""
         if self.costs is None:
             return True
-        counts = self.shortcut_counts if shortcut else self.proposer_counts
-        if shortcut in self.drafts_before_set_up and counts.judged:
+        if shortcut in self.drafts_before_set_up and self._counts(shortcut).judged:
             return self._tokens_pay_set_up(shortcut)
         return self._set_up_wait(shortcut) <= self.own_steps_taken or self._pays()
 
