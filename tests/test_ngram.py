@@ -110,9 +110,17 @@ def test_greedy_ngram_modes_equal_autoregressive_and_accept_drafts():
     expected = reference.generate(prompt).token_ids
     for mode in ("streaming", "triforce"):
         # fixed lengths: under throughput the clock decides how many drafts each tier asks for, and a tier drafts
-        # no more than the tokens still wanted, so the n-gram's few drafts on random weights could all miss
+        # no more than the tokens still wanted, so the n-gram's few drafts on random weights could all miss; every
+        # match proposes (ngram_min_match 1): random weights rarely continue a repeat far enough for the gate
         config = EngineConfig(
-            mode=mode, ngram=True, budget=64, chunk_size=8, max_new_tokens=60, sampling=greedy, gamma_policy="fixed"
+            mode=mode,
+            ngram=True,
+            ngram_min_match=1,
+            budget=64,
+            chunk_size=8,
+            max_new_tokens=60,
+            sampling=greedy,
+            gamma_policy="fixed",
         )
         engine = Engine(model.loaded, config)
         result = engine.generate(prompt)
@@ -167,6 +175,7 @@ def test_greedy_ngram_with_a_model_drafter_equals_autoregressive_and_uses_both()
         config = EngineConfig(
             mode=mode, ngram=True, budget=64, chunk_size=8, max_new_tokens=60, prefill_block=16, sampling=greedy,
             gamma_policy="fixed",  # the throughput policy follows the clock: on a busy machine it may skip a tier
+            ngram_min_match=1,  # every match proposes: random weights rarely continue a repeat far enough for the gate
         )  # fmt: skip
         engine = Engine(model.loaded, config, drafter=drafter.loaded)
         assert engine.drafter_description == "n-gram prompt lookup (training-free), else drafter"
@@ -343,3 +352,17 @@ def test_drafts_that_never_pass_are_dropped_for_own_steps_and_the_output_stays_g
     tokens, tier = generate_with_top_tier(model.model, prompt, ScriptedProposer(script, right=True), 60)
     assert tokens == expected[:60]
     assert tier.costs().own_steps <= 1 and tier.costs().note is None  # one own step measures it; drafting stays
+
+
+def test_min_match_proposes_only_after_long_matches_and_no_further_than_they_go():
+    """min_match 3: a match of 2 tokens proposes nothing; one of 4 tokens (3 looked up, 1 more found going back)
+    proposes at most 4 - 3 + 1 = 2 tokens, whatever is asked; min_match 1 proposes as before."""
+    gated = NGramProposer(vocab_size=100, max_ngram=3, min_match=3)
+    assert gated.continuation([1, 2, 7, 8, 9, 5, 2, 7], 4) == []  # "2 7" matched, "1 2 7" did not
+    sequence = [5, 1, 2, 3, 7, 8, 9, 10, 11, 6, 1, 2, 3]  # "1 2 3" looked up; "5 1 2 3" against "6 1 2 3": 3
+    assert gated.continuation(sequence, 4) == [7]
+    longer = [5, 1, 2, 3, 7, 8, 9, 10, 11, 5, 1, 2, 3]  # the occurrence ends alike in 4 tokens
+    assert gated.continuation(longer, 4) == [7, 8]
+    assert NGramProposer(vocab_size=100, max_ngram=3).continuation(longer, 4) == [7, 8, 9, 10]
+    proposal = gated.propose(TokenSequence.of(longer, "cpu"), 4)
+    assert proposal.tokens == [7, 8] and proposal.probs.shape == (2, 100)

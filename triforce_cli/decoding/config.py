@@ -85,7 +85,8 @@ class EngineConfig:
         PREFILL_BLOCK's for the target's device.
     ngram: draft with the training-free n-gram proposer: alone, or first with the model drafter drafting where it
     finds no continuation (speculative.FallbackProposer); None (the default) puts it first wherever a model
-    drafter is given, and leaves it out otherwise (Engine.uses_ngram). ngram_max is the longest suffix it matches.
+    drafter is given, and leaves it out otherwise (Engine.uses_ngram). ngram_max is the longest suffix it looks up;
+    ngram_min_match the fewest tokens a match must hold to propose (decoding/ngram.py).
     offload: ``none`` (every cache on the device) or ``kv`` (the target's full KV cache in host memory, streamed to
     the device layer by layer for each forward over it, offload/kv.py), with the first ``on_chip_layers`` layers
     kept on the device; ``kv+weights`` streams the other layers' weights too (offload/weights.py).
@@ -109,6 +110,7 @@ class EngineConfig:
     prefill_block: int | None = None  # tokens per prefill forward; None: PREFILL_BLOCK for the target's device
     ngram: bool | None = None
     ngram_max: int = 3
+    ngram_min_match: int = 3
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples
     offload: OffloadMode = OffloadMode.NONE
     on_chip_layers: int = 0
@@ -156,6 +158,7 @@ class EngineConfig:
             ),
             (self.prefill_block is None or self.prefill_block > 0, "prefill block must be positive"),
             (self.ngram_max > 0, "n-gram length must be positive"),
+            (self.ngram_min_match > 0, "n-gram match must be positive"),
             (
                 self.offload in OFFLOAD_CHOICES,
                 f"unknown offload '{self.offload}' (choose from {', '.join(OFFLOAD_CHOICES)})",

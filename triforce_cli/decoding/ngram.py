@@ -1,7 +1,12 @@
 """Training-free n-gram proposer (prompt lookup): continue the longest suffix that occurred earlier in the text.
 
 It proposes the tokens that followed the latest earlier occurrence of the sequence's last ``max_ngram`` tokens,
-falling back to shorter suffixes down to ``min_ngram``. Its proposal distribution is one-hot, so the tier above
+falling back to shorter suffixes down to ``min_ngram``. With ``min_match`` above 1 it proposes only where the
+sequence and that occurrence end alike in at least min_match tokens, and no more tokens than they match beyond
+min_match - 1: a short match is more often a coincidence of common tokens than text repeating. Over the embedded
+model's greedy answers to ten prompts of 7,168 tokens (documentation and code continued, questions about a
+document, summaries), one draft at every match agreed with the answer 22-98% of the time by prompt, the gated
+drafts of min_match 3 (up to 5 a pass) 41-98%, and from 45% on every question and summary but one. Its proposal distribution is one-hot, so the tier above
 accepts a token x with probability p(x) and otherwise resamples from p without x: still exact. It may propose
 fewer tokens than asked (none when nothing matches); the tier above then verifies what there is.
 
@@ -21,6 +26,7 @@ import torch
 from triforce_cli.decoding.speculative import Proposal, Tier, TokenSequence
 
 TAIL_RECHECK = 64  # positions compared to find where the sequence diverged from the indexed one
+LONGEST_MATCH = 16  # tokens compared back from a match to measure it (min_match)
 BULK_INDEX = 256  # positions from which n-grams are coded with numpy rather than one by one
 
 
@@ -29,6 +35,7 @@ class NGramProposer:
     vocab_size: int
     max_ngram: int = 3
     min_ngram: int = 1
+    min_match: int = 1  # the shortest match that proposes; above 1, proposals are capped by the match (module doc)
     name: str = Tier.NGRAM
     device: torch.device | str = "cpu"  # where the tier above verifies: the one-hot rows are built there
     _starts: dict[int, int] = field(default_factory=dict, repr=False)  # an n-gram's code (_code) -> its latest start
@@ -89,24 +96,38 @@ class NGramProposer:
     def continuation_start(self, prefix: list[int]) -> int:
         """Where the tokens that followed the latest earlier occurrence of prefix's longest matching suffix start;
         len(prefix) where no suffix matches."""
+        return self._continuation(prefix)[0]
+
+    def _continuation(self, prefix: list[int]) -> tuple[int, int]:
+        """(where the continuation starts, the most tokens it may propose): (len(prefix), 0) where no suffix
+        matches, or the match is shorter than min_match."""
         self._reindex(prefix)
         for size in range(min(self.max_ngram, len(prefix) - 1), self.min_ngram - 1, -1):
             start = self._latest_start(prefix, tuple(prefix[-size:]))
-            if start is not None:
-                return start + size
-        return len(prefix)
+            if start is None:
+                continue
+            end = start + size
+            if self.min_match == 1:
+                return end, len(prefix) - end
+            match = size  # tokens the sequence and the occurrence end alike in, measured back up to LONGEST_MATCH
+            while match < LONGEST_MATCH and end - match > 0 and prefix[end - match - 1] == prefix[-match - 1]:
+                match += 1
+            if match < self.min_match:
+                break
+            return end, match - self.min_match + 1
+        return len(prefix), 0
 
     def continuation(self, prefix: list[int], n: int) -> list[int]:
         """Up to n tokens that followed the latest earlier occurrence of prefix's longest matching suffix."""
-        start = self.continuation_start(prefix)
-        return prefix[start : start + n]
+        start, most = self._continuation(prefix)
+        return prefix[start : start + min(n, most)]
 
     def propose(self, sequence: TokenSequence, n: int) -> Proposal:
         """The continuation of sequence's host ids, as ids sliced from the sequence on the device (n,) with one-hot
         draft probabilities (n, V) built there: no token crosses from the host."""
         prefix = sequence.host_ids()
-        start = self.continuation_start(prefix)
-        tokens = prefix[start : start + n]
+        start, most = self._continuation(prefix)
+        tokens = prefix[start : start + min(n, most)]
         ids = sequence.ids[start : start + len(tokens)].to(self.device)
         probs = torch.zeros((len(tokens), self.vocab_size), device=self.device)  # (n, V), never crossing PCIe
         probs.scatter_(1, ids[:, None], 1.0)

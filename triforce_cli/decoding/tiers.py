@@ -50,8 +50,11 @@ def build_tiers(
     below: Proposer | None = None  # None without a drafter tier: the tier it would draft for samples every token
     if caches.streaming is not None:
         below = ModelTier(name=Tier.DRAFTER, model=drafter, cache=caches.streaming, set_up=set_up_drafter, **shared)
+    lookup = None
     if ngram:
-        lookup = NGramProposer(target.config.vocab_size, config.ngram_max, device=target.device)
+        lookup = NGramProposer(
+            target.config.vocab_size, config.ngram_max, min_match=config.ngram_min_match, device=target.device
+        )
         below = lookup if below is None else FallbackProposer(lookup, below)
     if not config.uses_retrieval:
         proposer, gamma, shortcut = below, config.gamma1, None
