@@ -656,3 +656,78 @@ def test_costed_drops_are_noted_with_their_prices():
     costs = top.costs()
     assert costs.priced and costs.drops >= 1 and costs.step_ms[0] == 1000 * SCRIPTED_PRICES.own
     assert "priced 1000.0 ms a token" in costs.note and "1 drafts 1200.0 ms" in costs.note
+
+
+# --- free drafts offered at every step (the n-gram lookup beside the costed policy) --------------------------------
+
+
+@dataclass
+class ScriptedLookup(ScriptedProposer):
+    """A ScriptedProposer that finds a continuation only where offered(i) says, as the n-gram lookup finds one only
+    where the text repeats; its continuation is known on the host first."""
+
+    offered: Callable[[int], bool] = lambda i: True
+    name: str = "lookup"
+
+    def continuation(self, prefix: list[int], n: int) -> list[int]:
+        first = len(prefix) - self.prompt_length
+        return self.propose(TokenSequence.of(prefix, "cpu"), n).tokens if self.offered(first) else []
+
+
+def free_decode(right: Callable[[int], bool], offered: Callable[[int], bool]) -> tuple[list[int], ModelTier]:
+    """scripted_decode with a proposer whose drafts are never right, and a ScriptedLookup offering free drafts."""
+    model = rich_model(0).model
+    prompt = prompt_for(0)
+    reference = scripted_decode(None)[0]
+    greedy = reference + [0] * SCRIPTED_PRICES.ceiling
+    cache = full_cache_for(model, capacity=len(prompt) + 2 * SCRIPTED_TOKENS)
+    vocab = model.config.vocab_size
+    top = ModelTier(
+        name=Tier.TARGET,
+        model=model,
+        cache=cache,
+        sampling=GREEDY,
+        generator=torch.Generator().manual_seed(0),
+        proposer=ScriptedProposer(len(prompt), greedy, lambda i: False, vocab),
+        lookup=ScriptedLookup(len(prompt), greedy, right, vocab, offered=offered),
+        gamma=SCRIPTED_PRICES.ceiling,
+        gamma_policy="costed",
+        own_steps=True,
+    )
+    top.price(SCRIPTED_PRICES)
+    generated = [int(model(torch.tensor(prompt), 0, cache).argmax(dim=-1)[-1])]
+    sequence = TokenSequence.of([*prompt, generated[0]], "cpu", len(prompt) + 2 * SCRIPTED_TOKENS)
+    while len(generated) < SCRIPTED_TOKENS:
+        tokens = top.step(sequence, limit=SCRIPTED_TOKENS - len(generated))
+        sequence.append(tokens.ids, tokens.tokens)
+        generated += tokens.tokens
+    assert generated == reference
+    return generated, top
+
+
+def test_free_drafts_always_right_are_verified_wherever_offered():
+    """Offered at every other step and always right: each offer verified at the ceiling's length, the tokens the
+    target's own; the proposer, never right, is only probed."""
+    _, top = free_decode(right=lambda i: True, offered=lambda i: i % 2 == 0)
+    free = top.lookup_stats
+    assert free.verifications >= 10 and free.accepted == free.drafted and free.mean_drafted > 3
+    assert top.stats.accepted == 0 and top.stats.verifications < free.verifications
+
+
+def test_free_drafts_never_right_are_probed_ever_more_rarely():
+    """Offered at every step and never right: verified while the estimate still pays (the prior, then after one
+    rejection), then probed after 8, 16 and 32 declined offers (each rejected probe doubles the wait), one draft
+    each: 5 of 80 steps."""
+    _, top = free_decode(right=lambda i: False, offered=lambda i: True)
+    free = top.lookup_stats
+    assert free.accepted == 0 and free.drafted == free.verifications == 5
+    assert top.length.free_wait == 64
+
+
+def test_free_drafts_not_offered_leave_the_policy_as_it_was():
+    """A lookup that never finds a continuation changes nothing: the same steps as without one."""
+    _, top = free_decode(right=lambda i: True, offered=lambda i: False)
+    _, plain = scripted_decode(right=lambda i: False)
+    assert top.lookup_stats.verifications == 0
+    assert top.stats.verifications == plain.stats.verifications
+    assert top.length.own_steps_taken == plain.length.own_steps_taken

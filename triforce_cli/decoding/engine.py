@@ -292,6 +292,7 @@ class Engine:
             chain = tier_chain(top)
             stats.acceptance = [t.stats for t in chain if t.stats is not None]
             stats.acceptance += [t.shortcut_stats for t in chain if t.shortcut_stats is not None]
+            stats.acceptance += [t.lookup_stats for t in chain if t.lookup_stats is not None]
             stopping = {"max_new_tokens": cfg.max_new_tokens, "eos_ids": self.eos_ids}
             with forward_mode(self.target.model, self._drafter_model):
                 decode(

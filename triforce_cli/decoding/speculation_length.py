@@ -66,6 +66,14 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   still due, only once the tokens the tier committed pay for it as the own steps before a probe would. (A tier not
   priced drafts its ceiling, as under fixed.)
 
+  Free drafts (the n-gram lookup's, which cost nothing to draft) are offered to the top tier at every step where
+  the lookup finds a continuation (ModelTier.lookup): the tier verifies the best number of them at their own
+  estimated acceptance (AcceptanceCounts beside DEFAULT_PRIOR) wherever that promises DRAFT_MARGIN times the rate
+  of own steps and no less than the tier's own choice for the step, whatever that choice (own steps, drafting, a
+  wait before a probe). Where they do not pay, one of them is verified all the same at the first offer and then
+  after a wait of offers, twice as long after each such probe that did not pay for itself (up to MAX_PROBE_WAIT),
+  so that a stretch of text that repeats is found again.
+
   Every choice follows the prices, fixed before decoding, and the acceptance counts, never the clock, so a seeded
   sampled run repeats its tokens exactly from run to run and gets the same protection as any other. The prices
   are predicted rather than timed after the prefill: timed forwards would price more closely, but differently in
@@ -320,6 +328,9 @@ class SpeculationLength:
     drafts_before_set_up: tuple[bool, ...] = field(init=False, default=())
     set_up_wait: int = field(init=False, default=0)  # costed: own steps before the first probe, as priced
     tokens_taken: int = field(init=False, default=0)  # costed: tokens the tier committed, own steps and verified
+    free_counts: AcceptanceCounts = field(init=False, default_factory=AcceptanceCounts)  # costed: free drafts'
+    free_wait: int = field(init=False, default=1)  # costed: offers of free drafts before the next probe of them
+    free_offers: int = field(init=False, default=0)  # costed: offers declined since the last verification of them
 
     @property
     def drafting(self) -> bool:
@@ -396,6 +407,34 @@ class SpeculationLength:
         self.probe_base = self.probe_wait = self._probe_base()
         self.set_up_wait = self._first_set_up_wait()
         self._probe()
+
+    def free_length(self, offered: int) -> int:
+        """How many of `offered` free drafts (costing nothing to draft) the tier verifies next: the best number at
+        their estimated acceptance where that promises DRAFT_MARGIN times the rate of own steps and no less than the
+        tier's own choice for the step; else one where a probe of them is due, or none. Only under the costed
+        policy once priced (none otherwise: the tier's own proposer drafts as before)."""
+        if self.policy != "costed" or self.costs is None or offered == 0:
+            return 0
+        acceptance = self.free_counts.estimate(DEFAULT_PRIOR)
+        rate, length = max(
+            (expected_tokens(acceptance, n) / self.costs.verify(n), n) for n in range(1, min(offered, self.ceiling) + 1)
+        )
+        own_rate = 1.0 / self.costs.own
+        chosen = max(rate for rate, _ in self._options().values()) if self.drafting else own_rate
+        if rate >= max(DRAFT_MARGIN * own_rate, chosen):
+            return length
+        self.free_offers += 1
+        return 1 if self.free_offers >= self.free_wait else 0
+
+    def record_free(self, drafted: int, accepted: int) -> None:
+        """Account for one verification of `drafted` free drafts, `accepted` of them accepted: their acceptance, and
+        the wait before the next probe of them (back to one offer after drafts that paid for themselves, as own
+        steps would have given their tokens, else twice as long)."""
+        self.free_counts.record(drafted, accepted)
+        self.tokens_taken += accepted + 1
+        paid = self.costs.verify(drafted) <= (accepted + 1) * self.costs.own
+        self.free_wait = 1 if paid else min(MAX_PROBE_WAIT, 2 * max(PROBE_WAIT // 2, self.free_wait))
+        self.free_offers = 0
 
     def _counts(self, shortcut: bool) -> AcceptanceCounts:
         """A source's acceptance counts (costed)."""

@@ -219,6 +219,14 @@ class Proposer(Protocol):
         ...
 
 
+class Lookup(Proposer, Protocol):
+    """A proposer whose drafts cost nothing to draft and are known on the host first (the n-gram lookup)."""
+
+    def continuation(self, prefix: list[int], n: int) -> list[int]:
+        """Up to n tokens it would propose after prefix (host ids), found without touching the device."""
+        ...
+
+
 @dataclass
 class FallbackProposer:
     """Drafts from ``first`` where it offers any token, else from ``fallback``, for the same tier above.
@@ -266,6 +274,8 @@ class ModelTier:
     gamma: int = 1  # drafts asked per verification, fewer where fewer are wanted; the ceiling if adaptive
     gamma_policy: str = "fixed"  # see speculation_length.py
     shortcut: Proposer | None = None  # the proposer's own proposer, drafting here directly when that pays more
+    # free drafts (the n-gram lookup) offered at every step, verified here directly where they pay (costed policy)
+    lookup: Lookup | None = None
     # the policy may drop drafting for the tier's own steps: the top tier under throughput, every tier that has a
     # proposer under costed
     own_steps: bool = False
@@ -276,6 +286,7 @@ class ModelTier:
     set_up: Callable[..., None] | None = None
     stats: AcceptanceStats | None = None
     shortcut_stats: AcceptanceStats | None = None
+    lookup_stats: AcceptanceStats | None = None
     length: SpeculationLength = field(init=False)
     clock: DeviceClock = field(init=False)  # times drafting and verification for the adaptive lengths
     last_end: Mark | None = field(init=False, default=None)  # where the previous step ended, with own_steps
@@ -287,6 +298,8 @@ class ModelTier:
             self.stats = AcceptanceStats(self.proposer.name, self.name)
         if self.shortcut is not None and self.shortcut_stats is None:
             self.shortcut_stats = AcceptanceStats(self.shortcut.name, self.name)
+        if self.lookup is not None and self.lookup_stats is None:
+            self.lookup_stats = AcceptanceStats(self.lookup.name, self.name)
         self.length = SpeculationLength(
             self.gamma_policy,
             self.gamma,
@@ -353,6 +366,10 @@ class ModelTier:
         verification adds a token of its own, and a limit of 1 samples from this tier's own forward, so no token
         is computed only to be thrown away.
         """
+        if self.lookup is not None and limit != 1:
+            free = self._free_step(sequence, limit)
+            if free is not None:
+                return free
         if self.proposer is None or limit == 1 or not self.length.drafting:
             return self._own_step(sequence, chosen=self.proposer is not None and limit != 1)
         started = self._round_start()
@@ -366,22 +383,46 @@ class ModelTier:
         wanted = self.length.current if limit is None else min(self.length.current, limit - 1)
         draft = proposer.propose(sequence, wanted)
         drafted = self.clock.mark()
-        # 2. verify
-        probs = self._forward(sequence, draft.ids)  # (len(draft) + 1, V)
-        verdict = verify_draft(draft.ids, draft.probs.to(self.model.device), probs, self.generator, from_rank_zero)
+        # 2. verify, 4. roll back
+        verdict, probs = self._verify(sequence, draft, stats)
         verified = self.last_end = self.clock.mark()  # after the verification's read: its work is done
         # 3. learn
         self._note_set_up()
+        seconds = self.clock.seconds(started, drafted), self.clock.seconds(drafted, verified)
+        self.length.record(len(draft), verdict.accepted, *seconds)
+        return self._verified(draft, verdict, probs)
+
+    def _free_step(self, sequence: TokenSequence, limit: int | None) -> Proposal | None:
+        """A round on the lookup's drafts where it finds some and the policy verifies them (free_length); None
+        otherwise, leaving the step to the tier's own choice. The drafts are verified here directly, the proposer
+        idle; its cache catches up on the accepted tokens when it next drafts (_forward)."""
+        ceiling = self.length.ceiling if limit is None else min(self.length.ceiling, limit - 1)
+        take = self.length.free_length(len(self.lookup.continuation(sequence.host_ids(), ceiling)))
+        if not take:
+            return None
+        draft = self.lookup.propose(sequence, take)
+        verdict, probs = self._verify(sequence, draft, self.lookup_stats)
+        self.last_end = self.clock.mark()
+        self.length.record_free(take, verdict.accepted)
+        return self._verified(draft, verdict, probs)
+
+    def _verify(self, sequence: TokenSequence, draft: Proposal, stats: AcceptanceStats):
+        """One forward of this tier over draft's tokens after sequence, speculative sampling of them (with one read
+        of the device), the outcome counted in stats, and this tier's cache and every one below rolled back to what
+        was accepted. Returns (the verdict, this tier's distributions (len(draft) + 1, V))."""
+        probs = self._forward(sequence, draft.ids)  # (len(draft) + 1, V)
+        verdict = verify_draft(draft.ids, draft.probs.to(self.model.device), probs, self.generator, from_rank_zero)
         stats.drafted += len(draft)
         stats.accepted += verdict.accepted
         stats.verifications += 1
         stats.rejections += verdict.accepted < len(draft)
-        seconds = self.clock.seconds(started, drafted), self.clock.seconds(drafted, verified)
-        self.length.record(len(draft), verdict.accepted, *seconds)
-        # 4. roll back
         kept = len(sequence) + verdict.accepted
         self.cache.rollback(kept)
         self._roll_back_proposers(kept)
+        return verdict, probs
+
+    def _verified(self, draft: Proposal, verdict, probs: torch.Tensor) -> Proposal:
+        """The accepted drafts and this tier's own next token, as the round's proposal to the tier above."""
         origins = draft.origins[: verdict.accepted] + [self.name]
         return Proposal(verdict.ids, probs[: verdict.accepted + 1], origins, verdict.tokens)
 
@@ -435,7 +476,7 @@ class ModelTier:
             self.cache.sync_recent()
 
     def _roll_back_proposers(self, length: int) -> None:
-        for proposer in (self.proposer, self.shortcut):
+        for proposer in (self.proposer, self.shortcut, self.lookup):
             if proposer is not None:
                 proposer.rollback(length)
 

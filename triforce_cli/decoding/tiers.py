@@ -78,6 +78,8 @@ def build_tiers(
         proposer=proposer,
         gamma=gamma,
         shortcut=shortcut,
+        # the lookup's drafts offered at every step, where it does not already draft here alone
+        lookup=lookup if policy == "costed" and proposer is not lookup else None,
         own_steps=True,
         **shared,
     )
