@@ -731,3 +731,16 @@ def test_free_drafts_not_offered_leave_the_policy_as_it_was():
     assert top.lookup_stats.verifications == 0
     assert top.stats.verifications == plain.stats.verifications
     assert top.length.own_steps_taken == plain.length.own_steps_taken
+
+
+def test_free_drafts_are_not_looked_up_before_the_host_has_read_the_sequence():
+    """A round queued ahead of its token's read (rounds.decode's lookahead on a GPU) leaves the host copy behind:
+    the lookup, which reads the host copy, is skipped rather than made to wait for the device."""
+    _, top = free_decode(right=lambda i: True, offered=lambda i: True)
+    asked = []
+    top.lookup.continuation = lambda prefix, n: asked.append(n) or []
+    behind = TokenSequence.of(prompt_for(0), "cpu", 64)
+    behind.append(torch.tensor([1]))  # on the device only
+    assert top._free_step(behind, None) is None and asked == []
+    behind.host_ids()
+    assert top._free_step(behind, None) is None and asked == [SCRIPTED_PRICES.ceiling]

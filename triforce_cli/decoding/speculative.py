@@ -395,7 +395,11 @@ class ModelTier:
     def _free_step(self, sequence: TokenSequence, limit: int | None) -> Proposal | None:
         """A round on the lookup's drafts where it finds some and the policy verifies them (free_length); None
         otherwise, leaving the step to the tier's own choice. The drafts are verified here directly, the proposer
-        idle; its cache catches up on the accepted tokens when it next drafts (_forward)."""
+        idle; its cache catches up on the accepted tokens when it next drafts (_forward). Where the host has not
+        read the sequence's last tokens yet (a round queued ahead of that read, rounds.decode on a GPU), no lookup:
+        it would wait for the device."""
+        if len(sequence.host) < len(sequence):
+            return None
         ceiling = self.length.ceiling if limit is None else min(self.length.ceiling, limit - 1)
         take = self.length.free_length(len(self.lookup.continuation(sequence.host_ids(), ceiling)))
         if not take:
