@@ -593,18 +593,36 @@ class ScriptedProposer:
         pass
 
 
-def scripted_decode(right: Callable[[int], bool] | None) -> tuple[list[int], ModelTier]:
+@dataclass
+class ScriptedLookup(ScriptedProposer):
+    """A ScriptedProposer that finds a continuation only where offered(i) says, as the n-gram lookup finds one only
+    where the text repeats; its continuation is known on the host first."""
+
+    offered: Callable[[int], bool] = lambda i: True
+    name: str = "lookup"
+
+    def continuation(self, prefix: list[int], n: int) -> list[int]:
+        first = len(prefix) - self.prompt_length
+        return self.propose(TokenSequence.of(prefix, "cpu"), n).tokens if self.offered(first) else []
+
+
+def scripted_decode(
+    right: Callable[[int], bool] | None, free: tuple[Callable[[int], bool], Callable[[int], bool]] | None = None
+) -> tuple[list[int], ModelTier]:
     """SCRIPTED_TOKENS greedy tokens of target@full after prompt_for(0): drafted by a ScriptedProposer under the
-    costed policy at SCRIPTED_PRICES, or (right None) each sampled from its own forward; and the top tier."""
+    costed policy at SCRIPTED_PRICES, or (right None) each sampled from its own forward; and the top tier. free:
+    (right, offered) of a ScriptedLookup offering free drafts beside the proposer."""
     model = rich_model(0).model
     prompt = prompt_for(0)
     reference = None if right is None else scripted_decode(None)[0]
     cache = full_cache_for(model, capacity=len(prompt) + 2 * SCRIPTED_TOKENS)
     first = int(model(torch.tensor(prompt), 0, cache).argmax(dim=-1)[-1])
-    proposer = None
+    proposer = lookup = None
     if right is not None:
         greedy = reference + [0] * SCRIPTED_PRICES.ceiling  # a last pass may draft past the end
         proposer = ScriptedProposer(len(prompt), greedy, right, model.config.vocab_size)
+        if free is not None:
+            lookup = ScriptedLookup(len(prompt), greedy, free[0], model.config.vocab_size, offered=free[1])
     top = ModelTier(
         name=Tier.TARGET,
         model=model,
@@ -612,6 +630,7 @@ def scripted_decode(right: Callable[[int], bool] | None) -> tuple[list[int], Mod
         sampling=GREEDY,
         generator=torch.Generator().manual_seed(0),
         proposer=proposer,
+        lookup=lookup,
         gamma=SCRIPTED_PRICES.ceiling,
         gamma_policy="costed",
         own_steps=True,
@@ -661,48 +680,12 @@ def test_costed_drops_are_noted_with_their_prices():
 # --- free drafts offered at every step (the n-gram lookup beside the costed policy) --------------------------------
 
 
-@dataclass
-class ScriptedLookup(ScriptedProposer):
-    """A ScriptedProposer that finds a continuation only where offered(i) says, as the n-gram lookup finds one only
-    where the text repeats; its continuation is known on the host first."""
-
-    offered: Callable[[int], bool] = lambda i: True
-    name: str = "lookup"
-
-    def continuation(self, prefix: list[int], n: int) -> list[int]:
-        first = len(prefix) - self.prompt_length
-        return self.propose(TokenSequence.of(prefix, "cpu"), n).tokens if self.offered(first) else []
-
-
 def free_decode(right: Callable[[int], bool], offered: Callable[[int], bool]) -> tuple[list[int], ModelTier]:
-    """scripted_decode with a proposer whose drafts are never right, and a ScriptedLookup offering free drafts."""
-    model = rich_model(0).model
-    prompt = prompt_for(0)
-    reference = scripted_decode(None)[0]
-    greedy = reference + [0] * SCRIPTED_PRICES.ceiling
-    cache = full_cache_for(model, capacity=len(prompt) + 2 * SCRIPTED_TOKENS)
-    vocab = model.config.vocab_size
-    top = ModelTier(
-        name=Tier.TARGET,
-        model=model,
-        cache=cache,
-        sampling=GREEDY,
-        generator=torch.Generator().manual_seed(0),
-        proposer=ScriptedProposer(len(prompt), greedy, lambda i: False, vocab),
-        lookup=ScriptedLookup(len(prompt), greedy, right, vocab, offered=offered),
-        gamma=SCRIPTED_PRICES.ceiling,
-        gamma_policy="costed",
-        own_steps=True,
-    )
-    top.price(SCRIPTED_PRICES)
-    generated = [int(model(torch.tensor(prompt), 0, cache).argmax(dim=-1)[-1])]
-    sequence = TokenSequence.of([*prompt, generated[0]], "cpu", len(prompt) + 2 * SCRIPTED_TOKENS)
-    while len(generated) < SCRIPTED_TOKENS:
-        tokens = top.step(sequence, limit=SCRIPTED_TOKENS - len(generated))
-        sequence.append(tokens.ids, tokens.tokens)
-        generated += tokens.tokens
-    assert generated == reference
-    return generated, top
+    """scripted_decode with a proposer whose drafts are never right, and a ScriptedLookup offering free drafts; its
+    tokens checked against plain decoding's."""
+    tokens, top = scripted_decode(lambda i: False, free=(right, offered))
+    assert tokens == scripted_decode(None)[0]
+    return tokens, top
 
 
 def test_free_drafts_always_right_are_verified_wherever_offered():
