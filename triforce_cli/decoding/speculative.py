@@ -187,7 +187,7 @@ class TierCosts:
                 own = f"own steps (priced {self.step_ms[0]:.1f} ms a token)"
                 return (
                     f"{self.tier}: {self.own_steps} steps without drafting: {own} yield more tokens per second than"
-                    " drafting could, even with every draft accepted"
+                    " its proposer's drafts could, even with every draft accepted"
                 )
             return None
         drafting = {n: ms for n, ms in self.step_ms.items() if n}
