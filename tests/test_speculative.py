@@ -431,6 +431,7 @@ def pipeline_pairs(mode: str, trials: int, gamma_policy: str = "fixed", ngram: b
         gamma_policy=gamma_policy,
         mode=mode,
         ngram=ngram,  # False: the drafter's own probabilities are what the tiers above judge
+        ngram_min_match=1,  # every match proposes: the 24-token prompt rarely repeats 3 tokens
         chunk_size=4,
         budget=8,  # 2 of the prompt's 6 chunks: the middle tier's distribution differs from the target's
         sink_tokens=2,
@@ -460,6 +461,26 @@ POWER_TRIALS = 600  # the inexact variant is off by far more than the exact test
 )
 def test_pipeline_is_exact_at_temperature_one(mode, ngram):
     pairs = pipeline_pairs(mode, PIPELINE_TRIALS, ngram=ngram)
+    first, second = target_joint()
+    assert joint_chi_square(pairs, first, second) > P_THRESHOLD
+
+
+def test_free_drafts_keep_the_target_distribution(monkeypatch):
+    """Under the costed policy the n-gram's drafts offered to the target at every step (ModelTier.lookup) go through
+    the same speculative sampling: the first two tokens keep the target's joint distribution, and in most trials
+    the second came from a verification of a free draft (the first offer is verified, as a probe, where the
+    prior alone would not pay)."""
+    taken = []
+    free_step = speculative.ModelTier._free_step
+
+    def counted(self, sequence, limit):
+        result = free_step(self, sequence, limit)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(speculative.ModelTier, "_free_step", counted)
+    pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="costed", ngram=True)
+    assert sum(taken) > PIPELINE_TRIALS // 2
     first, second = target_joint()
     assert joint_chi_square(pairs, first, second) > P_THRESHOLD
 
