@@ -840,3 +840,41 @@ def test_pipeline_is_exact_under_the_costed_policy(monkeypatch, pays):
     pairs = pipeline_pairs("triforce", PIPELINE_TRIALS, gamma_policy="auto")
     first, second = target_joint()
     assert joint_chi_square(pairs, first, second) > P_THRESHOLD
+
+
+FREE_PRICES = StepCosts((1.0, 1.2, 1.4, 1.6, 1.8), proposer=0.0)  # a CPU's slope; the proposer's drafts free too
+
+
+def test_free_drafts_taken_where_their_estimate_pays_and_probed_where_it_does_not():
+    """Under costed, with plain steps chosen: free drafts whose estimate pays are verified at their best length
+    (offered 4: all 4 at an acceptance near 1); with an estimate that does not pay, the first offer is a probe of
+    one draft and the next are declined until the wait after a losing probe (4 offers) is spent."""
+    costly = StepCosts(FREE_PRICES.forward, proposer=10.0)  # a proposer never worth drafting from: own steps
+    length = SpeculationLength("costed", costly.ceiling, own_steps=True)
+    length.price(costly, {False: 0.4})
+    assert not length.drafting
+    for _ in range(20):
+        length.free_counts.record(4, 4)
+    assert length.free_length(4) == 4 and length.free_length(2) == 2
+    length.free_counts = type(length.free_counts)()
+    for _ in range(20):
+        length.free_counts.record(1, 0)
+    assert length.free_length(3) == 1  # the probe: free_wait starts at one offer
+    length.record_free(1, 0)
+    assert [length.free_length(3) for _ in range(4)] == [0, 0, 0, 1] and length.free_wait == 4
+
+
+def test_a_free_probe_is_judged_against_the_drafting_it_replaced():
+    """While the tier drafts from its own source at a high rate, a probe of free drafts that beats plain steps but
+    not that drafting has not paid: its wait doubles, so free probes do not crowd out the better rounds."""
+    length = SpeculationLength("costed", FREE_PRICES.ceiling, own_steps=True)
+    length.price(FREE_PRICES, {False: 0.95})
+    assert length.drafting
+    for _ in range(20):
+        length.free_counts.record(1, 0)
+    assert length.free_length(1) == 1  # a probe
+    length.record_free(1, 1)  # 2 tokens for 1.2 plain steps: more than plain steps give, less than 4 drafts at 0.95
+    assert length.free_wait == 4
+    length.free_bar = 1.0 / FREE_PRICES.own  # had plain steps been chosen, the same probe would have paid
+    length.record_free(1, 1)
+    assert length.free_wait == 1

@@ -87,7 +87,8 @@ class EngineConfig:
     finds no continuation (speculative.FallbackProposer); None (the default) puts it first wherever a model
     drafter is given, and leaves it out otherwise (Engine.uses_ngram). ngram_max is the longest suffix it looks up;
     ngram_min_match the fewest tokens a match must hold to propose (decoding/ngram.py). Under the costed policy
-    its drafts are also offered to the target on its full cache at every step (speculative.ModelTier.lookup).
+    its drafts are also offered to the target on its full cache at every step whose tokens the host has read
+    (speculative.ModelTier.lookup).
     offload: ``none`` (every cache on the device) or ``kv`` (the target's full KV cache in host memory, streamed to
     the device layer by layer for each forward over it, offload/kv.py), with the first ``on_chip_layers`` layers
     kept on the device; ``kv+weights`` streams the other layers' weights too (offload/weights.py).

@@ -26,7 +26,7 @@ import torch
 from triforce_cli.decoding.speculative import Proposal, Tier, TokenSequence
 
 TAIL_RECHECK = 64  # positions compared to find where the sequence diverged from the indexed one
-LONGEST_MATCH = 16  # tokens compared back from a match to measure it (min_match)
+LONGEST_MATCH = 16  # tokens compared back from a match to measure it (min_match, where that is more)
 BULK_INDEX = 256  # positions from which n-grams are coded with numpy rather than one by one
 
 
@@ -110,7 +110,8 @@ class NGramProposer:
             if self.min_match == 1:
                 return end, len(prefix) - end
             match = size  # tokens the sequence and the occurrence end alike in, measured back up to LONGEST_MATCH
-            while match < LONGEST_MATCH and end - match > 0 and prefix[end - match - 1] == prefix[-match - 1]:
+            longest = max(LONGEST_MATCH, self.min_match)
+            while match < longest and end - match > 0 and prefix[end - match - 1] == prefix[-match - 1]:
                 match += 1
             if match < self.min_match:
                 break

@@ -67,7 +67,8 @@ the tier above it asks for fewer where that tier wants fewer tokens (see ModelTi
   priced drafts its ceiling, as under fixed.)
 
   Free drafts (the n-gram lookup's, which cost nothing to draft) are offered to the top tier at every step where
-  the lookup finds a continuation (ModelTier.lookup): the tier verifies the best number of them at their own
+  the lookup finds a continuation and the host has read the sequence so far (ModelTier.lookup; on a GPU a round
+  queued ahead of a plain step's read, rounds.decode, is not offered them): the tier verifies the best number of them at their own
   estimated acceptance (AcceptanceCounts beside DEFAULT_PRIOR) wherever that promises DRAFT_MARGIN times the rate
   of own steps and no less than the tier's own choice for the step, whatever that choice (own steps, drafting, a
   wait before a probe). Where they do not pay, one of them is verified all the same at the first offer and then
@@ -331,6 +332,7 @@ class SpeculationLength:
     free_counts: AcceptanceCounts = field(init=False, default_factory=AcceptanceCounts)  # costed: free drafts'
     free_wait: int = field(init=False, default=1)  # costed: offers of free drafts before the next probe of them
     free_offers: int = field(init=False, default=0)  # costed: offers declined since the last verification of them
+    free_bar: float = field(init=False, default=0.0)  # costed: tokens a second of the step free drafts last replaced
 
     @property
     def drafting(self) -> bool:
@@ -420,19 +422,20 @@ class SpeculationLength:
             (expected_tokens(acceptance, n) / self.costs.verify(n), n) for n in range(1, min(offered, self.ceiling) + 1)
         )
         own_rate = 1.0 / self.costs.own
-        chosen = max(rate for rate, _ in self._options().values()) if self.drafting else own_rate
-        if rate >= max(DRAFT_MARGIN * own_rate, chosen):
+        self.free_bar = max(rate for rate, _ in self._options().values()) if self.drafting else own_rate
+        if rate >= max(DRAFT_MARGIN * own_rate, self.free_bar):
             return length
         self.free_offers += 1
         return 1 if self.free_offers >= self.free_wait else 0
 
     def record_free(self, drafted: int, accepted: int) -> None:
         """Account for one verification of `drafted` free drafts, `accepted` of them accepted: their acceptance, and
-        the wait before the next probe of them (back to one offer after drafts that paid for themselves, as own
-        steps would have given their tokens, else twice as long)."""
+        the wait before the next probe of them: back to one offer after drafts that paid for themselves (their
+        tokens a second, as priced, no fewer than the step they replaced promised: own steps, or the tier's
+        drafting from its own sources), else twice as long."""
         self.free_counts.record(drafted, accepted)
         self.tokens_taken += accepted + 1
-        paid = self.costs.verify(drafted) <= (accepted + 1) * self.costs.own
+        paid = (accepted + 1) / self.costs.verify(drafted) >= self.free_bar
         self.free_wait = 1 if paid else min(MAX_PROBE_WAIT, 2 * max(PROBE_WAIT // 2, self.free_wait))
         self.free_offers = 0
 

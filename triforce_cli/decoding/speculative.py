@@ -407,7 +407,7 @@ class ModelTier:
         draft = self.lookup.propose(sequence, take)
         verdict, probs = self._verify(sequence, draft, self.lookup_stats)
         self.last_end = self.clock.mark()
-        self.length.record_free(take, verdict.accepted)
+        self.length.record_free(len(draft), verdict.accepted)
         return self._verified(draft, verdict, probs)
 
     def _verify(self, sequence: TokenSequence, draft: Proposal, stats: AcceptanceStats):
