@@ -6,9 +6,11 @@ sequence and that occurrence end alike in at least min_match tokens, and no more
 min_match - 1: a short match is more often a coincidence of common tokens than text repeating. Over the embedded
 model's greedy answers to ten prompts of 7,168 tokens (documentation and code continued, questions about a
 document, summaries), one draft at every match agreed with the answer 22-98% of the time by prompt, the gated
-drafts of min_match 3 (up to 5 a pass) 41-98%, and from 45% on every question and summary but one. Its proposal distribution is one-hot, so the tier above
-accepts a token x with probability p(x) and otherwise resamples from p without x: still exact. It may propose
-fewer tokens than asked (none when nothing matches); the tier above then verifies what there is.
+drafts of min_match 3 41-98%, and from 45% on every question and summary but one.
+
+Its proposal distribution is one-hot, so the tier above accepts a token x with probability p(x) and otherwise
+resamples from p without x: still exact. It may propose fewer tokens than asked (none when nothing matches); the
+tier above then verifies what there is.
 
 Lookups are dictionary hits: every n-gram's latest start is indexed, under one integer code per n-gram, as the
 sequence grows; a long prompt's n-grams are coded in bulk with numpy, so the first lookup after a 32K prompt costs
