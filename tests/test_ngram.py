@@ -63,7 +63,7 @@ def test_a_long_prompt_indexed_in_bulk_answers_as_a_search_would(vocab_size, max
     prompt = alphabet[torch.randint(0, 7, (2000,), generator=generator)].tolist()
     proposer = NGramProposer(vocab_size=vocab_size, max_ngram=max_ngram)
     assert proposer._codes_fit == (max_ngram == 3)
-    proposer.continuation_start(prompt)
+    proposer.continuation_span(prompt)
     latest = {}  # every n-gram followed by a token -> its latest start, one by one
     for start in range(len(prompt)):
         for size in range(1, min(max_ngram, len(prompt) - 1 - start) + 1):
@@ -71,7 +71,7 @@ def test_a_long_prompt_indexed_in_bulk_answers_as_a_search_would(vocab_size, max
     assert proposer._starts == latest  # no stale entry for the lookup's scan to repair
     sequence = list(prompt)
     for step in range(60):
-        assert proposer.continuation_start(sequence) == latest_continuation_start(sequence, max_ngram), step
+        assert proposer.continuation_span(sequence)[0] == latest_continuation_start(sequence, max_ngram), step
         if step % 7 == 6:
             del sequence[-3:]  # a rejected tail
         sequence.append(alphabet[step % 7].item())

@@ -95,14 +95,10 @@ class NGramProposer:
             self._starts[code] = found
         return found
 
-    def continuation_start(self, prefix: list[int]) -> int:
-        """Where the tokens that followed the latest earlier occurrence of prefix's longest matching suffix start;
-        len(prefix) where no suffix matches."""
-        return self._continuation(prefix)[0]
-
-    def _continuation(self, prefix: list[int]) -> tuple[int, int]:
-        """(where the continuation starts, the most tokens it may propose): (len(prefix), 0) where no suffix
-        matches, or the match is shorter than min_match."""
+    def continuation_span(self, prefix: list[int]) -> tuple[int, int]:
+        """(where the tokens that followed the latest earlier occurrence of prefix's longest matching suffix start,
+        the most of them it may propose): (len(prefix), 0) where no suffix matches, or the match is shorter than
+        min_match."""
         self._reindex(prefix)
         for size in range(min(self.max_ngram, len(prefix) - 1), self.min_ngram - 1, -1):
             start = self._latest_start(prefix, tuple(prefix[-size:]))
@@ -122,14 +118,14 @@ class NGramProposer:
 
     def continuation(self, prefix: list[int], n: int) -> list[int]:
         """Up to n tokens that followed the latest earlier occurrence of prefix's longest matching suffix."""
-        start, most = self._continuation(prefix)
+        start, most = self.continuation_span(prefix)
         return prefix[start : start + min(n, most)]
 
     def propose(self, sequence: TokenSequence, n: int) -> Proposal:
         """The continuation of sequence's host ids, as ids sliced from the sequence on the device (n,) with one-hot
         draft probabilities (n, V) built there: no token crosses from the host."""
         prefix = sequence.host_ids()
-        start, most = self._continuation(prefix)
+        start, most = self.continuation_span(prefix)
         tokens = prefix[start : start + min(n, most)]
         ids = sequence.ids[start : start + len(tokens)].to(self.device)
         probs = torch.zeros((len(tokens), self.vocab_size), device=self.device)  # (n, V), never crossing PCIe
