@@ -35,6 +35,7 @@ from triforce_cli.decoding.speculation_length import (
     MAX_PROBE_WAIT,
     PROBE_WAIT,
     SHORTCUT_RETRY,
+    AcceptanceCounts,
     DraftSource,
     SpeculationLength,
     StepCosts,
@@ -856,7 +857,7 @@ def test_free_drafts_taken_where_their_estimate_pays_and_probed_where_it_does_no
     for _ in range(20):
         length.free_counts.record(4, 4)
     assert length.free_length(4) == 4 and length.free_length(2) == 2
-    length.free_counts = type(length.free_counts)()
+    length.free_counts = AcceptanceCounts()
     for _ in range(20):
         length.free_counts.record(1, 0)
     assert length.free_length(3) == 1  # the probe: free_wait starts at one offer
