@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from triforce_cli.kernels.sampling import sample_rows, sampling_kernels_available, sampling_probabilities
+
 NUCLEUS_PROBE = 64  # tokens ranked first when looking for a top-p nucleus; see nucleus
 
 
@@ -28,10 +30,18 @@ class SamplingConfig:
 
 
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Sampling distribution (N, V) in float32 for logits (N, V)."""
+    """Sampling distribution (N, V) in float32 for logits (N, V): on the CPU by the extension in one call a row
+    (kernels.sampling), elsewhere by the torch ops below, its reference."""
     logits = logits.float()
     if cfg.greedy:  # one-hot argmax by a scatter: F.one_hot reads its indices' range back on a CPU
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if sampling_kernels_available(logits):
+        return sampling_probabilities(logits, cfg.temperature, cfg.top_k, cfg.min_p, cfg.top_p)
+    return probabilities_reference(logits, cfg)
+
+
+def probabilities_reference(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """probabilities' torch ops for float32 logits (N, V) at a temperature above 0."""
     logits = logits / cfg.temperature
     if 0 < cfg.top_k < logits.shape[-1]:
         kth = logits.topk(cfg.top_k, dim=-1).values[:, -1:]
@@ -74,10 +84,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """One token per row of probs (N, V) -> (N,), by inverting each row's cumulative distribution.
 
     A cumulative sum and a binary search take a tenth of torch.multinomial's time on a CPU (see
-    docs/performance.md). The sums run in float64 so that even tokens of tiny probability keep their share.
+    docs/performance.md). The sums run in float64 so that even tokens of tiny probability keep their share. On the
+    CPU the extension walks each row once (kernels.sampling), the same draw.
     """
-    cumulative = probs.cumsum(dim=-1, dtype=torch.float64)  # (N, V)
     uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    if sampling_kernels_available(probs):
+        return sample_rows(probs, uniform)
+    cumulative = probs.cumsum(dim=-1, dtype=torch.float64)  # (N, V)
     tokens = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)[:, 0]
     return tokens.clamp_max(probs.shape[-1] - 1)
 
