@@ -27,6 +27,7 @@ from triforce_cli.decoding import speculative, step_costs
 from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
+from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculation_length import (
     DEFAULT_PRIOR,
@@ -503,6 +504,22 @@ def test_costed_drafts_whose_choice_of_chunks_eats_the_gain_are_never_probed():
     assert cheap.probe_base == 26  # a rejected probe: 0.01 + 0.2 + 1.3 - 1.0 = 0.51 steps, 2% of 25.5
 
 
+def test_costed_keeps_a_shortcut_that_found_nothing_where_the_proposer_could_never_pay():
+    """A shortcut (an n-gram) that found nothing is asked again at the next drafting step where the proposer's drafts
+    could not pay even if always accepted (a retrieval tier at 7K), rather than turning to them; where they could,
+    back to the proposer as under the other policies."""
+    only_shortcut = costed(FLAT, draft=1.0, shortcut=0.01)
+    assert only_shortcut.payable == (True,) and only_shortcut.drafting
+    only_shortcut.use_shortcut = True
+    only_shortcut.record(0, 0, 0.0, 0.0)
+    assert only_shortcut.use_shortcut
+    both = costed(FLAT, draft=0.01, shortcut=0.01)
+    assert set(both.payable) == {False, True}
+    both.use_shortcut = True
+    both.record(0, 0, 0.0, 0.0)
+    assert not both.use_shortcut
+
+
 def test_costed_probes_only_the_source_that_could_pay():
     """The proposer drafts at the price of a plain step, so its drafts could never pay; the shortcut's could, and
     are never accepted: every probe drafts from the shortcut."""
@@ -766,12 +783,19 @@ def test_a_drafter_is_prefilled_where_it_first_drafts(monkeypatch, mode, ngram):
     Greedy output equals plain decoding every time."""
     calls = recorded_set_ups(monkeypatch)
     drafting_pays_less_than_own_steps(monkeypatch)
+    asked = []  # the sequence's length wherever the n-gram was asked to draft
+    ask = NGramProposer.propose
+    monkeypatch.setattr(NGramProposer, "propose", lambda self, seq, n: asked.append(len(seq)) or ask(self, seq, n))
+    verified = []  # drafts a verification judged
+    verify = speculative.verify_draft
+    monkeypatch.setattr(speculative, "verify_draft", lambda d, *args: verified.append(len(d)) or verify(d, *args))
     short = drafter_engine(mode, max_new_tokens=20, ngram=ngram)
     result = short.generate(prompt_for(0))
     assert result.token_ids == list(autoregressive_tokens(0))[:20]
     assert calls == [] and short._caches.streaming.length == 0
     if ngram and mode == "streaming":  # the first step probes the n-gram, which drafts without the drafter
-        assert result.stats.acceptance[0].verifications > 0
+        assert asked[0] == PROMPT_TOKENS + 1
+    assert 0 not in verified  # where the n-gram found nothing, the tier took its own step: no verification of none
     assert drafter_engine(mode, ngram=ngram).generate(prompt_for(0)).token_ids == list(autoregressive_tokens(0))
     # triforce with the n-gram: the probes take turns with the retrieval tier, the n-gram's first one (at the
     # second turn) too early for the prefill, its next one past the answer's end

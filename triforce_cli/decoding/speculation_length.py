@@ -349,11 +349,16 @@ class SpeculationLength:
         (and, with a shortcut, the next source).
 
         A proposer may offer fewer tokens than asked (the n-gram proposer: none when nothing matches); a
-        verification of no drafts tells nothing about acceptance and changes only the source, back to the proposer.
+        verification of no drafts tells nothing about acceptance and changes only the source, back to the proposer
+        (under the costed policy only where the proposer's drafts could pay, and ModelTier then takes its own step
+        instead of verifying nothing).
         """
         if drafted == 0:
-            self.use_shortcut = False  # a shortcut that found nothing waits for its next retry
-            if self.policy == "costed" and self.costs is not None and self.own_steps and not self._pays():
+            costed = self.policy == "costed" and self.costs is not None
+            if not costed or False in self.payable:
+                self.use_shortcut = False  # a shortcut that found nothing waits for its next retry
+            # (costed, where the proposer's drafts could never pay: the shortcut is asked again next time)
+            if costed and self.own_steps and not self._pays():
                 self.current, self.own_steps_left = 0, self.probe_base  # a probe that found nothing to draft
             return
         if self.policy == "heuristic":

@@ -382,6 +382,11 @@ class ModelTier:
             behind.run_set_up(sequence.host_ids()[: len(sequence) - 1])
         wanted = self.length.current if limit is None else min(self.length.current, limit - 1)
         draft = proposer.propose(sequence, wanted)
+        if len(draft) == 0 and self.length.policy == "costed":
+            # nothing to draft (an n-gram without a match, its drafter not set up): the policy learns it as from a
+            # verification of nothing, and the token comes from the tier's own forward, without one
+            self.length.record(0, 0, 0.0, 0.0)
+            return self._own_step(sequence, chosen=False)
         drafted = self.clock.mark()
         # 2. verify, 4. roll back
         verdict, probs = self._verify(sequence, draft, stats)
