@@ -30,11 +30,11 @@ from typer.testing import CliRunner
 from triforce_cli.cli.app import app
 from triforce_cli.decoding import engine as engine_module
 from triforce_cli.decoding import prefill as prefill_module
-from triforce_cli.decoding import rounds, sizing
+from triforce_cli.decoding import rounds, sizing, speculative
 from triforce_cli.decoding.clock import DeviceClock
 from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.engine import Engine
-from triforce_cli.decoding.sampling import SamplingConfig
+from triforce_cli.decoding.sampling import SamplingConfig, verify_on_device
 from triforce_cli.decoding.setup import resolve_attention
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.forms import StepMode, resolve_steps, resolve_weights
@@ -177,6 +177,7 @@ def test_the_device_is_read_once_per_verification_and_never_while_drafting(sampl
 
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counted(name))
+    monkeypatch.setattr(speculative, "verify_draft", verify_on_device)  # a GPU's (the CPU verifies on the host)
     with ScalarReads() as scalar_reads:
         result = engine.generate(prompt)
     monkeypatch.undo()
@@ -251,6 +252,7 @@ def test_a_round_copies_no_token_list_to_the_device_and_reads_once_per_verificat
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counted_read(name))
     monkeypatch.setattr(engine_module, "decode", counted_decode)
+    monkeypatch.setattr(speculative, "verify_draft", verify_on_device)  # a GPU's (the CPU verifies on the host)
     result = engine.generate(prompt)
     monkeypatch.undo()
     stats = result.stats

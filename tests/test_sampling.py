@@ -5,7 +5,16 @@ import pytest
 import torch
 from helpers import wrong_verify_draft
 
-from triforce_cli.decoding.sampling import SamplingConfig, Verdict, nucleus, probabilities, sample, verify_draft
+from triforce_cli.decoding.sampling import (
+    SamplingConfig,
+    Verdict,
+    nucleus,
+    probabilities,
+    sample,
+    verify_draft,
+    verify_on_device,
+    verify_on_host,
+)
 
 P_THRESHOLD = 1e-3
 
@@ -212,9 +221,19 @@ def chi_square_p(tokens: list[int], probs: torch.Tensor) -> float:
     return chisquare(observed, expected).pvalue
 
 
-@pytest.fixture(scope="module")
-def exact_trials():
-    return run_trials(verify_draft, 20000, seed=1234)
+@pytest.fixture(scope="module", params=[verify_on_host, verify_on_device], ids=["host", "device"])
+def exact_trials(request):
+    """verify_draft's two paths on the CPU: the host's (what a CPU runs) and the device's (what a GPU runs)."""
+    return run_trials(request.param, 20000, seed=1234)
+
+
+def test_host_and_device_verifications_agree_draw_for_draw():
+    """The same generator state gives the same verdict on both paths: they draw the same numbers in the same order."""
+    on_host, on_device = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for i in range(500):
+        draft = torch.tensor([i % VOCAB, i // VOCAB % VOCAB])
+        a, b = verify_on_host(draft, Q, P, on_host), verify_on_device(draft, Q, P, on_device)
+        assert a == b and a.tokens == b.tokens and torch.equal(a.ids, b.ids)
 
 
 @pytest.mark.parametrize("position", [0, 1, 2])

@@ -115,14 +115,55 @@ def verify_draft(
     generator: torch.Generator | None,
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Verdict:
-    """Speculative sampling of n draft tokens (n,) drawn from draft_probs (n, V) against target_probs (n+1, V).
+    """Speculative sampling of n draft tokens (n,) drawn from draft_probs (n, V) against target_probs (n+1, V):
+    on the host where the distributions are (verify_on_host), else on their device (verify_on_device). Both draw
+    the same random numbers in the same order and take the same decisions from them.
 
-    Everything stays on the device until one read at the end: how many were accepted and the tokens committed
-    (the accepted drafts, which a drafter on the device has not read, and the next token), so a verification on a
-    GPU waits for the device once. The committed tokens stay on the device too (Verdict.ids), for the sequence to
-    go on with, never copied back from the host. agree: applied to that outcome (n+2,) on the device before the
-    read; under tensor parallelism, parallel.from_rank_zero, so that every rank goes on with rank 0's.
+    agree: applied to the outcome (n+2,: how many were accepted, then the committed tokens) before it is read;
+    under tensor parallelism, parallel.from_rank_zero, so that every rank goes on with rank 0's.
     """
+    verify = verify_on_host if target_probs.device.type == "cpu" else verify_on_device
+    return verify(draft_tokens, draft_probs, target_probs, generator, agree)
+
+
+def verify_on_host(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Verdict:
+    """verify_draft where reading a tensor costs nothing (the CPU): the acceptance is read first, so that only the
+    row the next token comes from is touched: p after every draft accepted, else the residual max(p - q, 0) at the
+    first rejection (p where that is zero everywhere), which sample draws from unnormalised."""
+    n = draft_tokens.shape[0]
+    rows = torch.arange(n)
+    uniform = torch.rand(n, generator=generator, device=draft_tokens.device)
+    p_x, q_x = target_probs[rows, draft_tokens], draft_probs[rows, draft_tokens]
+    accepted = int((uniform * q_x < p_x).int().cumprod(dim=0).sum())
+    after_accepted = target_probs[accepted]  # (V,)
+    weights = after_accepted
+    if accepted < n:
+        residual = (after_accepted - draft_probs[accepted]).clamp_min_(0.0)
+        weights = residual if bool(residual.sum() > 0) else after_accepted
+    next_token = int(sample(weights[None], generator)[0])
+    outcome = torch.full((n + 2,), next_token, dtype=torch.long, device=draft_tokens.device)  # (n+2,)
+    outcome[0] = accepted
+    outcome[1 : accepted + 1] = draft_tokens[:accepted]
+    return _read_outcome(outcome, agree)
+
+
+def verify_on_device(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Verdict:
+    """verify_draft with everything on the device until one read at the end: how many were accepted and the tokens
+    committed (the accepted drafts, which a drafter on the device has not read, and the next token), so a
+    verification on a GPU waits for the device once. The committed tokens stay on the device too (Verdict.ids),
+    for the sequence to go on with, never copied back from the host."""
     n = draft_tokens.shape[0]
     positions = torch.arange(n + 1, device=draft_tokens.device)
     rows = positions[:n]
@@ -144,6 +185,12 @@ def verify_draft(
     # 3. The committed tokens: the drafts before position `accepted`, the next token from there on (n+1,).
     committed = torch.where(positions < accepted, torch.cat([draft_tokens, next_token[None]]), next_token)
     outcome = torch.cat([accepted.long()[None], committed])  # (n+2,)
+    return _read_outcome(outcome, agree)
+
+
+def _read_outcome(outcome: torch.Tensor, agree: Callable[[torch.Tensor], torch.Tensor] | None) -> Verdict:
+    """The verdict of a verification's outcome (n+2,): how many drafts were accepted, then the committed tokens
+    (the accepted drafts, then the next token repeated to the end), agreed on first where agree is given."""
     if agree is not None:
         outcome = agree(outcome)
     accepted_count, *tokens = outcome.tolist()  # the one read of the device
