@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import wrong_verify_draft
 
+from triforce_cli.decoding import sampling as sampling_module
 from triforce_cli.decoding.sampling import (
     SamplingConfig,
     Verdict,
@@ -17,6 +18,15 @@ from triforce_cli.decoding.sampling import (
 )
 
 P_THRESHOLD = 1e-3
+
+
+@pytest.fixture(autouse=True, params=["extension", "torch ops"])
+def sampling_ops(request, monkeypatch):
+    """Every test here on both of decoding.sampling's ways: the CPU extension's (kernels.sampling, where it is
+    loaded) and the torch ops, which CUDA runs."""
+    if request.param == "torch ops":
+        monkeypatch.setattr(sampling_module, "sampling_kernels_available", lambda x: False)
+    return request.param
 
 
 # --- probabilities ---------------------------------------------------------------------------------------------

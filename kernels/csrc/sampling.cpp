@@ -12,8 +12,9 @@
 //      become 0 and the kept ones are divided by their sum. Only the tokens of p >= tau are ranked, tau the largest
 //      of max p * 2^-8, 2^-16, ... (or 0) whose tokens hold top_p of the mass: no token below tau can be reached.
 // Sums run in 16 lanes (element i into lane i mod 16), then lane by lane in order, so that a row's result is the
-// same bits whatever rows go with it, on every body (AVX-512, AVX2 and plain C++ take the same exp steps; the plain
-// body calls std::exp). Differences from the torch ops are float32 roundings of the same quantities.
+// same bits whatever rows go with it. The AVX-512 and AVX2 bodies take the same exp steps (vector_exp.h) and give
+// the same bits; the plain C++ body calls std::exp, whose bits differ. Differences from the torch ops are float32
+// roundings of the same quantities.
 //
 // sample_rows(probs (N, V), uniform (N,) float64 in [0, 1)) -> (N,) int64: for each row the first token whose
 // running float64 sum of probs exceeds uniform * (the row's float64 sum), as decoding.sampling.sample's cumsum and

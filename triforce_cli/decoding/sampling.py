@@ -134,19 +134,22 @@ def verify_on_host(
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Verdict:
     """verify_draft where reading a tensor costs nothing (the CPU): the acceptance is read first, so that only the
-    row the next token comes from is touched: p after every draft accepted, else the residual max(p - q, 0) at the
-    first rejection (p where that is zero everywhere), which sample draws from unnormalised."""
+    row the next token comes from is touched: the normalised residual max(p - q, 0) at the first rejection, or p
+    (normalised) after every draft accepted, p itself where the residual is zero everywhere: the device path's
+    values, bit for bit."""
     n = draft_tokens.shape[0]
     rows = torch.arange(n)
     uniform = torch.rand(n, generator=generator, device=draft_tokens.device)
     p_x, q_x = target_probs[rows, draft_tokens], draft_probs[rows, draft_tokens]
     accepted = int((uniform * q_x < p_x).int().cumprod(dim=0).sum())
     after_accepted = target_probs[accepted]  # (V,)
-    weights = after_accepted
-    if accepted < n:
-        residual = (after_accepted - draft_probs[accepted]).clamp_min_(0.0)
-        weights = residual if bool(residual.sum() > 0) else after_accepted
-    next_token = int(sample(weights[None], generator)[0])
+    # q is 0 after the last draft: the residual is p there
+    residual = after_accepted - draft_probs[accepted] if accepted < n else after_accepted.clone()
+    total = residual.clamp_min_(0.0).sum()
+    next_probs = after_accepted
+    if bool(total > 0):
+        next_probs = residual.div_(total.clamp_min(torch.finfo(residual.dtype).tiny))
+    next_token = int(sample(next_probs[None], generator)[0])
     outcome = torch.full((n + 2,), next_token, dtype=torch.long, device=draft_tokens.device)  # (n+2,)
     outcome[0] = accepted
     outcome[1 : accepted + 1] = draft_tokens[:accepted]

@@ -373,6 +373,14 @@ class SpeculationLength:
             self.tokens_taken += accepted + 1
             self._plan(drafted, accepted)
 
+    def record_nothing_drafted(self) -> None:
+        """Costed: the source drafted nothing, and the tier took its own step instead (ModelTier.step). The step
+        counts as one of its own and among the tokens taken; the next source is chosen as after a verification of
+        no drafts (record)."""
+        self.own_steps_taken += 1
+        self.tokens_taken += 1
+        self.record(0, 0, 0.0, 0.0)
+
     def record_own_step(self, seconds: float) -> None:
         """Account for one step in which the tier sampled its own token (length 0) and took `seconds`; once
         own_steps_left is spent, the next step retries drafting."""

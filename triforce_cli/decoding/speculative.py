@@ -383,9 +383,9 @@ class ModelTier:
         wanted = self.length.current if limit is None else min(self.length.current, limit - 1)
         draft = proposer.propose(sequence, wanted)
         if len(draft) == 0 and self.length.policy == "costed":
-            # nothing to draft (an n-gram without a match, its drafter not set up): the policy learns it as from a
-            # verification of nothing, and the token comes from the tier's own forward, without one
-            self.length.record(0, 0, 0.0, 0.0)
+            # nothing to draft (an n-gram without a match, its drafter not set up): the token comes from the tier's
+            # own forward, without a verification of nothing
+            self.length.record_nothing_drafted()
             return self._own_step(sequence, chosen=False)
         drafted = self.clock.mark()
         # 2. verify, 4. roll back
