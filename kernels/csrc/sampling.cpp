@@ -87,6 +87,20 @@ __attribute__((always_inline)) inline void divide_row(float* x, int64_t n, float
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] / divisor;
 }
 
+// take(i) for each i < n, in order, where keep(x[i]); 16 elements are looked at together first, so that a run of
+// 16 none of which is kept costs one pass of compares (most of a nucleus-cut row's tokens are 0).
+template <typename Keep, typename Take>
+__attribute__((always_inline)) inline void each_kept(const float* x, int64_t n, Keep keep, Take take) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int64_t end = std::min(n, i + kLanes);
+    bool any = false;
+    for (int64_t j = i; j < end; ++j) any |= keep(x[j]);
+    if (!any) continue;
+    for (int64_t j = i; j < end; ++j)
+      if (keep(x[j])) take(j);
+  }
+}
+
 __attribute__((target("avx512f"))) void exp_shifted_avx512(float* x, int64_t n, float shift) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
@@ -127,14 +141,8 @@ __attribute__((always_inline)) inline void keep_nucleus(float* p, int64_t n, flo
   while (tau > 0.f && mass_from(p, n, tau) < top_p)
     tau = tau * kNucleusStep;  // reaches 0 after a few steps at most (float32's least normal is 2^-126)
   std::vector<std::pair<float, int64_t>> ranked;
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const int64_t end = std::min(n, i + kLanes);
-    bool any = false;
-    for (int64_t j = i; j < end; ++j) any |= p[j] >= tau && p[j] > 0.f;
-    if (!any) continue;
-    for (int64_t j = i; j < end; ++j)
-      if (p[j] >= tau && p[j] > 0.f) ranked.emplace_back(p[j], j);
-  }
+  each_kept(
+      p, n, [tau](float x) { return x >= tau && x > 0.f; }, [&](int64_t j) { ranked.emplace_back(p[j], j); });
   std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
     return a.first != b.first ? a.first > b.first : a.second < b.second;
   });
@@ -227,17 +235,12 @@ at::Tensor sample_rows(const at::Tensor& probs, const at::Tensor& uniform) {
     const float* row = pp + r * n;
     std::vector<int64_t> nonzero;
     double total = 0.0;
-    for (int64_t i = 0; i < n; i += kLanes) {
-      const int64_t end = std::min(n, i + kLanes);
-      bool any = false;
-      for (int64_t j = i; j < end; ++j) any |= row[j] != 0.f;
-      if (!any) continue;
-      for (int64_t j = i; j < end; ++j)
-        if (row[j] != 0.f) {
+    each_kept(
+        row, n, [](float x) { return x != 0.f; },
+        [&](int64_t j) {
           nonzero.push_back(j);
           total += double(row[j]);
-        }
-    }
+        });
     const double target = uu[r] * total;
     int64_t token = n - 1;
     double running = 0.0;
