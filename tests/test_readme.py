@@ -82,3 +82,38 @@ def test_the_first_setup_command_generates(tmp_path):
     result = subprocess.run(run, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() and "Traceback" not in result.stderr
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a document's headings: lower case, punctuation dropped, spaces as hyphens, a
+    repeated one numbered from -1."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    anchors: set[str] = set()
+    for title in re.findall(r"^#{1,6} +(.+?) *#*$", text, flags=re.MULTILINE):
+        anchor = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        numbered, count = anchor, 0
+        while numbered in anchors:
+            count += 1
+            numbered = f"{anchor}-{count}"
+        anchors.add(numbered)
+    return anchors
+
+
+def relative_links() -> list[tuple[str, str]]:
+    found = []
+    for path in DOCUMENTS:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if not re.match(r"[a-z]+:", target):
+                found.append((path.relative_to(ROOT).as_posix(), target))
+    return found
+
+
+@pytest.mark.parametrize(("document", "target"), relative_links())
+def test_every_relative_link_reaches_a_file_and_heading(document, target):
+    """A link between the documents names a file that exists and, with #anchor, one of its headings."""
+    file, _, anchor = target.partition("#")
+    linked = (ROOT / document).parent / file if file else ROOT / document
+    assert linked.exists(), f"{document}: {target}: no such file"
+    if anchor:
+        assert anchor in heading_anchors(linked), f"{document}: {target}: no such heading"
