@@ -299,10 +299,16 @@ def chat_body(**fields) -> dict:
         (chat_body(max_tokens=2, max_completion_tokens=3), 400, "max_tokens", "differ"),
         (chat_body(temperature=-1), 400, "temperature", "greater than or equal to 0"),
         (chat_body(temperature=1e9), 400, "temperature", "less than or equal to 2"),
-        (chat_body(top_p=0), 400, "top_p", "greater than 0"),
+        (chat_body(top_p=-0.1), 400, "top_p", "greater than or equal to 0"),
+        (chat_body(stream="yes"), 400, "stream", "boolean"),
         (chat_body(seed=-1), 400, "seed", "greater than or equal to 0"),
         (chat_body(seed=True), 400, "seed", "integer"),
-        (chat_body(n=2), 400, "n", "one choice"),
+        (
+            chat_body(n=2),
+            400,
+            "n",
+            "'n' 2 is not supported: one choice per request is generated (one model, batch 1) (accepted: null, 1)",
+        ),
         (chat_body(logprobs=True), 400, "logprobs", "not returned"),
         (chat_body(presence_penalty=0.5), 400, "presence_penalty", "exact"),
         (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
@@ -328,9 +334,10 @@ def chat_body(**fields) -> dict:
         (
             chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
             400,
-            None,
-            "",
+            "messages.0.content.0",
+            "'image_url' is not supported",
         ),
+        (chat_body(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, "messages.0.content.0", "text"),
         (chat_body(messages=[{"role": "user", "content": " ".join(["w2"] * 600)}]), 400, "messages", "context"),
         ({"messages": question("w1")}, 400, "model", "required"),
         (chat_body(model="gpt-4o"), 404, "model", "does not exist"),
@@ -1023,3 +1030,44 @@ def test_a_signal_refuses_the_waiting_finishes_or_cancels_the_running_and_exits_
     usage = results["running"].json()["usage"]
     assert (usage["completion_tokens"] == 40) == finished
     assert "Shutting down" in log and "Finished server process" in log  # uvicorn's messages at info level
+
+
+def test_a_requests_unset_fields_take_the_servers_settings_not_the_last_requests():
+    """The worker sets the pipeline to each request's sampling and token limit; a request that sets neither gets
+    the server's greedy 16 tokens however the one before it was sampled."""
+    server = LiveServer(create_app(pipeline=pipeline(sampling=GREEDY)))
+    try:
+        client = server.client()
+        messages = question("w4")
+        sampled = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, temperature=1.0, seed=5, extra_body={"top_k": 2}
+        )
+        assert sampled.usage.completion_tokens == 3
+        unset = client.chat.completions.create(model=MODEL, messages=messages)
+        assert unset.choices[0].message.content == reference_text(messages[0]["content"], chat=True)
+        assert unset.usage.completion_tokens == NEW_TOKENS
+    finally:
+        server.close()
+
+
+def test_what_sdks_and_proxies_add_around_the_served_fields_is_taken():
+    """A null stream is no stream; stream_options and text parts may carry keys of other servers and clients
+    (the SDK's include_obfuscation, vLLM's continuous_usage_stats, a prompt cache's cache_control); top_p 0 keeps
+    the likeliest token alone; a monitor may probe /health with HEAD."""
+    server = LiveServer(create_app(pipeline=pipeline(sampling=GREEDY)))
+    try:
+        messages = question("w4")
+        greedy = reference_text(messages[0]["content"], chat=True)
+        parts = [{**messages[0], "content": [{"type": "text", "text": messages[0]["content"], "cache_control": {}}]}]
+        plain = post(server, chat_body(messages=parts, max_tokens=NEW_TOKENS, stream=None))
+        assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] == greedy
+        nucleus_of_none = post(server, chat_body(messages=messages, max_tokens=NEW_TOKENS, temperature=1.0, top_p=0))
+        assert nucleus_of_none.json()["choices"][0]["message"]["content"] == greedy
+        options = {"include_usage": True, "include_obfuscation": False, "continuous_usage_stats": True}
+        chunks = server.client().chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=NEW_TOKENS, stream=True, stream_options=options
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == greedy
+        assert httpx.head(f"{server.url}/health").status_code == 200
+    finally:
+        server.close()

@@ -34,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from triforce_cli.decoding.config import EngineConfig
 from triforce_cli.decoding.pipeline import Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.stats import GenerationStats
@@ -133,6 +134,9 @@ class ServerState:
     max_tokens_limit: int | None
     request_timeout: float | None
     max_body_bytes: int
+    # the server's own settings, as the pipeline had them when the server was made: a request's unset fields take
+    # these, never the settings the worker gave the pipeline for the request before it
+    defaults: EngineConfig
     started: int = field(default_factory=lambda: int(time.time()))
     # a fast tokenizer is not to be used by two threads at once
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -177,7 +181,7 @@ class ServerState:
     ) -> GenerationRequest:
         """The checked request: the token limit within the context (the server's --max-new-tokens by default, or
         what the context leaves), the sampling (the server's defaults where the request says nothing)."""
-        context, max_tokens_limit, defaults = self.context, self.max_tokens_limit, self.pipeline.config
+        context, max_tokens_limit, defaults = self.context, self.max_tokens_limit, self.defaults
         room = context - len(prompt_ids)
         if room < 1:
             raise s.ApiError(
@@ -201,10 +205,14 @@ class ServerState:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        top_p = defaults.sampling.top_p if body.top_p is None else body.top_p
+        top_k = defaults.sampling.top_k if body.top_k is None else max(body.top_k, 0)
+        if top_p == 0:  # the nucleus of no mass: the likeliest token alone
+            top_p, top_k = 1.0, 1
         sampling = SamplingConfig(
             temperature=defaults.sampling.temperature if body.temperature is None else body.temperature,
-            top_p=defaults.sampling.top_p if body.top_p is None else body.top_p,
-            top_k=defaults.sampling.top_k if body.top_k is None else max(body.top_k, 0),
+            top_p=top_p,
+            top_k=top_k,
             min_p=defaults.sampling.min_p if body.min_p is None else body.min_p,
             seed=defaults.sampling.seed if body.seed is None else body.seed,
         )
@@ -269,6 +277,7 @@ def create_app(
         max_tokens_limit=max_tokens_limit,
         request_timeout=request_timeout,
         max_body_bytes=max_body_bytes,
+        defaults=pipeline.config,
     )
     app.state.worker = worker  # what a graceful shutdown drains (cli/serve.py)
     if api_key is not None:
@@ -315,7 +324,7 @@ async def unexpected(request: Request, error: Exception) -> JSONResponse:
 routes = APIRouter()
 
 
-@routes.get("/health")
+@routes.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> JSONResponse:
     """ok, or 503 naming what is wrong: the worker thread has stopped, the server is shutting down, or the
     CUDA device does not answer."""

@@ -10,10 +10,11 @@ vLLM and llama-server do. Types of the served fields are strict: ``"max_tokens":
 names a file.
 """
 
+import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_TEMPERATURE = 2.0  # OpenAI's range
@@ -115,13 +116,20 @@ class Lenient(BaseModel):
         return dict(self.model_extra or {})
 
 
-class StreamOptions(Strict):
+class StreamOptions(BaseModel):
+    """Served: include_usage; other keys (the SDK's include_obfuscation, vLLM's continuous_usage_stats) ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content: a text part is served (keys beside type and text, such as cache_control,
+    ignored); a part of another type is refused (ChatCompletionRequest.check_refused)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
 
 
 class Message(Lenient):
@@ -129,7 +137,7 @@ class Message(Lenient):
     it is (a template without tool messages refuses it), `name` is ignored."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: Any = None
 
@@ -137,7 +145,7 @@ class Message(Lenient):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "".join(part.text or "" for part in self.content)
 
     @property
     def template_role(self) -> str:
@@ -152,13 +160,18 @@ class GenerationFields(Lenient):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: the likeliest token alone (served as top_k 1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: every token (vLLM's and OpenAI-style clients' "off")
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_stream_is_false(cls, value: Any) -> Any:
+        return False if value is None else value
 
     def check_refused(self) -> None:
         """An ApiError naming the first field set to something that would change the output and that this server
@@ -167,8 +180,10 @@ class GenerationFields(Lenient):
         for name, (allowed, why) in REFUSED.items():
             value = extra.get(name)
             if not any(_same(value, ok) for ok in allowed):
-                shown = ", ".join("null" if ok is None else repr(ok) for ok in allowed)
-                raise ApiError(400, f"'{name}' {value!r} is not supported: {why} (accepted: {shown})", param=name)
+                shown = ", ".join(json.dumps(ok) for ok in allowed)
+                raise ApiError(
+                    400, f"'{name}' {json.dumps(value)} is not supported: {why} (accepted: {shown})", param=name
+                )
 
     def ignored_fields(self) -> list[str]:
         """The names of the fields given that this server ignores: every one it neither serves nor refuses."""
@@ -207,6 +222,14 @@ class ChatCompletionRequest(GenerationFields):
         for index, message in enumerate(self.messages):
             if message.tool_calls not in (None, []):
                 raise ApiError(400, f"a message's 'tool_calls': {NO_TOOLS}", param=f"messages.{index}.tool_calls")
+            for number, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                param = f"messages.{index}.content.{number}"
+                if part.type != "text":
+                    raise ApiError(
+                        400, f"a content part of type '{part.type}' is not supported: text only", param=param
+                    )
+                if part.text is None:
+                    raise ApiError(400, "a text part without 'text'", param=param)
 
     def ignored_fields(self) -> list[str]:
         names = {f"messages[].{name}" for message in self.messages for name in message.extra_fields()}
