@@ -764,3 +764,27 @@ def test_ctrl_c_at_any_moment_is_one_line(tiny_folder, tmp_path, delay):
     stderr = err.decode()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted" in stderr, stderr
+
+
+def test_a_checkpoints_own_code_never_runs_even_when_stdin_says_yes(tiny_folder, word_prompt, tmp_path):
+    """A folder whose config and tokenizer name Python classes of its own (`auto_map`) is refused in one line:
+    transformers' question whether to run that code is never asked, so a 'y' on stdin runs nothing."""
+    folder = copy_folder(tiny_folder, tmp_path / "custom")
+    marker = tmp_path / "ran"
+    (folder / "custom_code.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, PreTrainedTokenizerFast\n"
+        "class CustomConfig(LlamaConfig):\n    model_type = 'llama'\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    for file, auto_map in (
+        ("config.json", {"AutoConfig": "custom_code.CustomConfig"}),
+        ("tokenizer_config.json", {"AutoTokenizer": [None, "custom_code.CustomTokenizer"]}),
+    ):
+        settings = {**json.loads((folder / file).read_text()), "auto_map": auto_map}
+        if file == "tokenizer_config.json":
+            settings["tokenizer_class"] = "CustomTokenizer"  # no class of the library's: only the folder's code has it
+        (folder / file).write_text(json.dumps(settings))
+    result = invoke("-p", word_prompt, "--target", folder, "--max-new-tokens", 2, input="y\n" * 4)
+    assert_one_error_line(result, "custom code")
+    assert not marker.exists()

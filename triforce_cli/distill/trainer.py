@@ -140,7 +140,7 @@ def load_teacher(
     checkpoint = resolve_checkpoint(spec, status)
     try:
         teacher = load_hf_model(str(checkpoint.folder), torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder, trust_remote_code=False)
         ModelConfig.from_hf(teacher.config)
     except (ValueError, OSError) as err:
         raise ModelLoadError(f"cannot load {checkpoint.name} as a transformers model: {err}") from None

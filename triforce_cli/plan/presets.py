@@ -247,9 +247,9 @@ def model_preset(name_or_path: str) -> ModelPreset:
 
     try:
         if path.suffix == ".gguf":  # the config its metadata implies, as transformers reads it
-            hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
         else:
-            hf_config = AutoConfig.from_pretrained(path)
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         config = ModelConfig.from_hf(hf_config)
     except UnsupportedModelError as err:
         raise ConfigError(f"{path}: {err}") from None

@@ -168,8 +168,8 @@ def _convert(gguf: Path, identity: str, folder: Path) -> None:
     folder.mkdir()
     hf_logging.disable_progress_bar()
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
@@ -578,8 +578,8 @@ def load_model(
     if torch.device(device).type == "cpu":
         kernel_error()  # the CPU extension, where it builds: prefill attention (and GGUF blocks) run on it
     try:
-        hf_config = AutoConfig.from_pretrained(folder)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # a checkpoint's code never runs
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (ValueError, OSError) as err:
         raise ModelLoadError(f"cannot read config or tokenizer of {name}: {err}") from None
     if context_window is not None:
@@ -623,7 +623,12 @@ def load_hf_model(
     try:
         # safetensors only: a pickled weights file beside them is never unpickled
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, config=config, use_safetensors=True, attn_implementation="sdpa"
+            source,
+            dtype=dtype,
+            config=config,
+            use_safetensors=True,
+            attn_implementation="sdpa",
+            trust_remote_code=False,
         )
         model = model.to(device).eval()
     finally:
