@@ -14,6 +14,7 @@ from triforce_cli.decoding.tuning import remembered_tunings
 from triforce_cli.runtime.measurements import tuning_folder
 from triforce_cli.runtime.store import (
     LIMIT_VARIABLE,
+    PROMPT_ENTRIES,
     cache_limit,
     compiled_folder,
     entries,
@@ -63,7 +64,7 @@ def list_entries(prompt_cache: PromptFolder = None) -> None:
             table.add_column("entry", overflow="fold")
             table.add_column("size", justify="right")
             table.add_column("last used")
-            for entry in entries(folder):
+            for entry in entries(folder, PROMPT_ENTRIES if kind == "prompt" else "*"):
                 total += entry.size
                 table.add_row(Text(entry.path.name), human_size(entry.size), _when(entry.last_used))
             if table.row_count:
@@ -100,7 +101,7 @@ def clear(
         for kind, folder in cache_folders(prompt_cache):
             if chosen and kind not in chosen:
                 continue
-            for entry in entries(folder):
+            for entry in entries(folder, PROMPT_ENTRIES if kind == "prompt" else "*"):
                 remove(entry.path)
                 freed += entry.size
                 removed += 1

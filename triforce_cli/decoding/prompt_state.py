@@ -39,7 +39,7 @@ from triforce_cli.cache import FullCache, kv_dtype
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.loading import LoadedModel, StatusCallback
 from triforce_cli.runtime.native import kernel_build
-from triforce_cli.runtime.store import PARTIAL_SUFFIX, evict, mark_used, write_atomically
+from triforce_cli.runtime.store import PARTIAL_SUFFIX, PROMPT_ENTRIES, evict, mark_used, write_atomically
 
 TENSOR_NAMES = ("prompt_ids", "answer_ids", "keys", "values", "last_queries", "last_logits")
 PREFIX_INDEX = ".prefix-index.json"  # block hash -> saved file (a dot name: never counted or evicted as an entry)
@@ -188,7 +188,7 @@ class PromptCache:
         return self._path(self.key(prompt_ids))
 
     def _path(self, key: str) -> Path:
-        return self.folder / f"prompt-{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+        return self.folder / PROMPT_ENTRIES.replace("*", hashlib.sha256(key.encode()).hexdigest()[:24])
 
     def load(self, prompt_ids: list[int]) -> PromptState | None:
         """The saved prefill of prompt_ids, or None; an entry that does not match is removed with a note."""
@@ -274,7 +274,7 @@ class PromptCache:
         except (OSError, SafetensorError) as err:
             self._note(f"could not save the prefill to `prompt_cache` {self.folder} ({err}); generating on")
             return False
-        evict(self.folder, keep=path)
+        evict(self.folder, keep=path, names=PROMPT_ENTRIES)
         return True
 
     def write_file(self, path: Path, state: PromptState, extra: dict[str, str]) -> None:

@@ -25,6 +25,9 @@ LIMIT_VARIABLE = "TRIFORCE_CACHE_LIMIT"
 INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"  # torch's folder of compiled artefacts
 DEFAULT_LIMIT = 4 * 2**30
 PARTIAL_SUFFIX = ".partial"  # an entry still being written: never listed, evicted only once stale
+# the names of saved prefills: a --prompt-cache folder is the user's, so only these in it are listed, evicted or
+# cleared, never the user's own files beside them
+PROMPT_ENTRIES = "prompt-*.safetensors"
 STALE_PARTIAL_SECONDS = 24 * 3600  # a partial untouched this long was left by a process killed while writing it
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 IDENTITIES_FILE = "file-identities.json"  # in the cache root: content_identity's memory
@@ -142,12 +145,13 @@ def _size(path: Path) -> int:
     return path.stat().st_size
 
 
-def entries(folder: Path) -> list[Entry]:
-    """The finished entries of folder, least recently used first (none where the folder does not exist)."""
+def entries(folder: Path, names: str = "*") -> list[Entry]:
+    """The finished entries of folder whose names match the pattern names, least recently used first (none where
+    the folder does not exist)."""
     if not folder.is_dir():
         return []
     found = []
-    for path in folder.iterdir():
+    for path in folder.glob(names):
         if path.name.endswith(PARTIAL_SUFFIX) or path.name.startswith("."):
             continue
         try:
@@ -200,11 +204,11 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def remove_stale_partials(folder: Path) -> None:
+def remove_stale_partials(folder: Path, names: str = "*") -> None:
     """Remove the partials of folder last written more than STALE_PARTIAL_SECONDS ago: a process killed while writing
     (SIGKILL, a power cut) leaves its partial behind, and nothing else ever removes it. A fresher one may still be
     another process's write in progress, so it stays."""
-    for path in folder.glob(f"*{PARTIAL_SUFFIX}"):
+    for path in folder.glob(f"{names.rstrip('*')}*{PARTIAL_SUFFIX}"):  # the partials of those names
         try:
             if time.time() - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
                 remove(path)
@@ -212,14 +216,15 @@ def remove_stale_partials(folder: Path) -> None:
             continue
 
 
-def evict(folder: Path, keep: Path, limit: int | None = None) -> list[Entry]:
+def evict(folder: Path, keep: Path, limit: int | None = None, names: str = "*") -> list[Entry]:
     """Remove the stale partials of folder (remove_stale_partials), then its least recently used entries, never
-    keep, until it holds at most limit bytes (cache_limit() when None; 0: no limit). Returns the entries removed."""
-    remove_stale_partials(folder)
+    keep, until they hold at most limit bytes (cache_limit() when None; 0: no limit); only entries whose names match
+    the pattern names count and go. Returns the entries removed."""
+    remove_stale_partials(folder, names)
     limit = cache_limit() if limit is None else limit
     if limit <= 0:
         return []
-    present = entries(folder)
+    present = entries(folder, names)
     total = sum(e.size for e in present)
     removed = []
     for entry in present:
