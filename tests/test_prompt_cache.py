@@ -100,6 +100,18 @@ class TestEntriesMatchTheirInputs:
         assert not data["prompt_cached"]
         assert data["token_ids"] == json_run("-p", words, "--target", second, *GREEDY_SHORT)["token_ids"]
 
+    def test_an_edited_config_misses_the_cache(self, two_checkpoints, words, tmp_path):
+        """The weights and tokenizer unchanged, a setting of config.json that the forward reads changed: another
+        model, whose prefill the saved one is not."""
+        first = two_checkpoints[0]
+        folder = tmp_path / "prompts"
+        json_run("-p", words, "--target", first, "--prompt-cache", folder, *GREEDY_SHORT)
+        config = json.loads((first / "config.json").read_text())
+        (first / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+        data = json_run("-p", words, "--target", first, "--prompt-cache", folder, *GREEDY_SHORT)
+        assert not data["prompt_cached"]
+        assert data["token_ids"] == json_run("-p", words, "--target", first, *GREEDY_SHORT)["token_ids"]
+
     @pytest.mark.parametrize("damage", ["flip a byte", "truncate", "garbage"])
     def test_damaged_entry_is_prefilled_again_and_replaced(self, two_checkpoints, words, tmp_path, damage):
         checkpoint = two_checkpoints[0]
@@ -362,6 +374,20 @@ class TestSizeLimit:
         assert [p.name for p in folder.glob("*.safetensors")] != [entry.name]
         assert len(list(folder.glob("*.safetensors"))) == 1
 
+    def test_the_users_own_files_in_the_folder_are_never_evicted(self, two_checkpoints, words, tmp_path, monkeypatch):
+        """A --prompt-cache folder is the user's: the limit counts and evicts saved prefills only."""
+        folder = tmp_path / "prompts"
+        (folder / "project").mkdir(parents=True)
+        (folder / "project" / "notes.txt").write_text("mine")
+        (folder / "draft.partial").write_text("mine too")
+        old = time.time() - store.STALE_PARTIAL_SECONDS - 60
+        os.utime(folder / "draft.partial", (old, old))
+        monkeypatch.setenv(store.LIMIT_VARIABLE, "1")  # past the limit with any entry at all
+        json_run("-p", words, "--target", two_checkpoints[0], "--prompt-cache", folder, *GREEDY_SHORT)
+        assert (folder / "project" / "notes.txt").read_text() == "mine"
+        assert (folder / "draft.partial").read_text() == "mine too"
+        assert len(list(folder.glob("prompt-*.safetensors"))) == 1
+
 
 class TestCacheCommand:
     def test_list_and_clear(self, two_checkpoints, words, tmp_path, monkeypatch):
@@ -377,6 +403,11 @@ class TestCacheCommand:
         assert cleared.exit_code == 0 and "removed 1 entries" in cleared.stderr
         assert not list(prompts.iterdir())
         assert sorted(path.name.split("-")[0] for path in other.iterdir()) == [".prefix", "prompt"]  # entry, index
+        (other / "thesis.txt").write_text("mine")
+        (other / "sub").mkdir()
+        cleared = CliRunner().invoke(app, ["cache", "clear", "--prompts", "--prompt-cache", str(other)])
+        assert cleared.exit_code == 0 and "removed 1 entries" in cleared.stderr
+        assert sorted(path.name for path in other.iterdir()) == ["sub", "thesis.txt"]
 
     def test_compiled_steps_are_listed_and_cleared_apart(self, tmp_path, monkeypatch):
         """torch inductor's caches of compiled decode steps (store.compiled_folder) are cache entries like the

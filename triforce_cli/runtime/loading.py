@@ -110,9 +110,10 @@ class LoadedModel:
     @cached_property
     def fingerprint(self) -> str:
         """A hash that changes with the checkpoint behind this model: each weight file's resolved path, size,
-        modification time and first megabyte (the safetensors header and more), the GGUF file it came from, and the
-        tokenizer's files; for a model built in memory (no files), its parameters' values."""
-        digest = hashlib.sha256()
+        modification time and first megabyte (the safetensors header and more), the GGUF file it came from, the
+        tokenizer's files, and the config as loaded (every setting the forward reads: an edited config.json is another
+        model); for a model built in memory (no files), its parameters' values."""
+        digest = hashlib.sha256(self.hf_config.to_json_string(use_diff=False).encode())
         files = [*self.weight_files, *([self.gguf] if self.gguf is not None else [])]
         if self.source:
             files += sorted(Path(self.source).glob("tokenizer*"))
