@@ -325,16 +325,17 @@ def test_teacher_targets_are_saved_on_leaving_not_per_batch(target_folder, text_
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        TeacherTargets(windows, 5, path).fill(teacher, 4, interrupt_after_3_batches)
+        TeacherTargets(windows, 5, path, "t").fill(teacher, 4, interrupt_after_3_batches)
     assert saves == [12]  # once, on leaving: no rewrite of the file per batch
-    resumed = TeacherTargets(windows, 5, path)
+    assert TeacherTargets(windows, 5, path, "another target").done == 0  # another target's top-K: computed again
+    resumed = TeacherTargets(windows, 5, path, "t")
     assert resumed.done == 12
     resumed.fill(teacher, 4)
-    whole = TeacherTargets(windows, 5, tmp_path / "whole.safetensors")
+    whole = TeacherTargets(windows, 5, tmp_path / "whole.safetensors", "t")
     whole.fill(teacher, 4)
     assert saves == [12, 20, 20] and torch.equal(resumed.ids, whole.ids) and torch.equal(resumed.logp, whole.logp)
     monkeypatch.setattr(TeacherTargets, "SAVE_SECONDS", 0.0)
-    TeacherTargets(windows, 5, tmp_path / "each.safetensors").fill(teacher, 8)
+    TeacherTargets(windows, 5, tmp_path / "each.safetensors", "t").fill(teacher, 8)
     assert saves[3:] == [8, 16, 20] and not list(tmp_path.glob("*.partial"))  # due at every batch now
 
 

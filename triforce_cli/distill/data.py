@@ -115,14 +115,18 @@ class TeacherTargets:
 
     SAVE_SECONDS = 60.0
 
-    def __init__(self, windows: torch.Tensor, top_k: int, path: Path):
+    def __init__(self, windows: torch.Tensor, top_k: int, path: Path, teacher: str):
+        """teacher: an identity of the target (Distiller.teacher_identity); a file another target filled is computed
+        again, never trained on."""
         self.windows = windows  # (N, L)
         self.top_k = top_k
         self.path = path
+        self.teacher = teacher
         n, length = windows.shape
         saved, record = load_tensors(path, "delete it to compute it again") if path.is_file() else ({}, {})
         if (
             saved.keys() == {"windows", "ids", "logp"}
+            and record.get("teacher") == teacher
             and isinstance(record.get("done"), int)
             and 0 <= record["done"] <= n
             and torch.equal(saved["windows"], windows)
@@ -168,4 +172,5 @@ class TeacherTargets:
 
     def _save(self) -> None:
         """Write the file whole, so that a second Ctrl-C while writing leaves the last save in place."""
-        save_tensors(self.path, {"windows": self.windows, "ids": self.ids, "logp": self.logp}, {"done": self.done})
+        tensors = {"windows": self.windows, "ids": self.ids, "logp": self.logp}
+        save_tensors(self.path, tensors, {"done": self.done, "teacher": self.teacher})

@@ -14,6 +14,7 @@ HASS's second idea, context alignment, trains a feature-level drafter on the fea
 drafter already shipped, with a learning-rate schedule of their own.
 """
 
+import hashlib
 import json
 import math
 import time
@@ -48,6 +49,7 @@ from triforce_cli.runtime.loading import (
     token_id_set,
 )
 from triforce_cli.runtime.model import ModelConfig, UnsupportedModelError, spread_over_vocabulary
+from triforce_cli.runtime.store import content_identity
 
 CHECKPOINT_NAME = "distill-checkpoint.safetensors"
 PICKLED_CHECKPOINT_NAME = "distill-checkpoint.pt"  # the older, pickled format: refused, never read
@@ -294,6 +296,15 @@ def learning_rate(config: DistillConfig, step: int) -> float:
 class Distiller:
     """One distillation run into an output folder, resumable from the checkpoint it keeps there."""
 
+    @property
+    def teacher_identity(self) -> str:
+        """The target's config and weight files by content (store.content_identity): what the saved top-K of
+        another target never matches."""
+        digest = hashlib.sha256((self.target.folder / "config.json").read_bytes())
+        for path in self.target.weight_files:
+            digest.update(content_identity(path).encode())
+        return digest.hexdigest()
+
     def __init__(
         self,
         config: DistillConfig,
@@ -421,7 +432,7 @@ class Distiller:
         self._started = time.monotonic()
         deadline = self._started + 60 * max_minutes if max_minutes is not None else math.inf
         train, held_out = self._windows(on_progress)
-        targets = TeacherTargets(train, cfg.top_k, self.work / "teacher-top-k.safetensors")
+        targets = TeacherTargets(train, cfg.top_k, self.work / "teacher-top-k.safetensors", self.teacher_identity)
         targets.fill(
             self.teacher, cfg.batch_size, lambda done, total: on_progress(DistillProgress("teacher", done, total)),
             deadline=deadline,
