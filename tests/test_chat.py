@@ -184,6 +184,8 @@ def test_a_question_that_does_not_fit_leaves_the_conversation_as_it_was(pipe):
         session.ask(TOO_LONG)
     with pytest.raises(PromptError, match="the question is empty"):
         session.ask("  \n")
+    with pytest.raises(PromptError, match="the question is not UTF-8 text"):
+        session.ask("caf\udce9 \udcff?")  # bytes of Latin-1 read from a terminal as lone surrogates
     assert len(session.turns) == 1 and session.last_turn.question == QUESTIONS[0]
     session.ask(QUESTIONS[1])
     first, second = session.turns

@@ -30,7 +30,6 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from jinja2 import TemplateError
 from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
@@ -157,10 +156,7 @@ class ChatSession:
         if not document:
             raise PromptError("the document is empty")
         self.pipeline = pipeline
-        try:
-            self.conversation = ConversationIds(pipeline.target.tokenizer, document, system)
-        except TemplateError as error:
-            raise PromptError(f"the model's chat template refuses the conversation: {error}") from None
+        self.conversation = ConversationIds(pipeline.target.tokenizer, document, system)
         pipeline.engine.check_prompt(self.conversation.document_prefix_ids)
         pipeline.size_for_whole_context()
         self.turns: list[ChatTurn] = []
@@ -221,9 +217,10 @@ class ChatSession:
         if not question:
             raise PromptError("the question is empty")
         try:
-            prompt_ids = self.conversation.prompt_ids(self.turns, question)
-        except TemplateError as error:
-            raise PromptError(f"the model's chat template refuses the conversation: {error}") from None
+            question.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8, read as lone surrogates
+            raise PromptError("the question is not UTF-8 text") from None
+        prompt_ids = self.conversation.prompt_ids(self.turns, question)
         room = self.context_tokens - len(prompt_ids)
         if room < 1:
             raise PromptError(

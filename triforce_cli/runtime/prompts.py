@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from triforce_cli.errors import PromptError
@@ -53,8 +54,16 @@ def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     """
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("`chat` needs a chat template, and this model's tokenizer has none")
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(rendered, add_special_tokens=False).input_ids
+    return tokenizer(render_chat(tokenizer, messages), add_special_tokens=False).input_ids
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """The chat template's text of messages with the prompt for the model's answer; a PromptError where the template
+    refuses them (roles it does not take, turns out of order), fails or does not parse."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as error:
+        raise PromptError(f"the model's chat template refuses the conversation: {error}") from None
 
 
 DOCUMENT_PLACEHOLDER = "<<triforce-document>>"  # stands for the document while the chat template is rendered
@@ -75,7 +84,7 @@ def around_document(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     """
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("a chat turn needs a chat template, and this model's tokenizer has none")
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rendered = render_chat(tokenizer, messages)
     if rendered.count(DOCUMENT_PLACEHOLDER) != 1:
         raise PromptError("the chat template changes the message it is given, so the document cannot be cut in it")
     before, after = rendered.split(DOCUMENT_PLACEHOLDER)

@@ -28,7 +28,6 @@ import torch
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
-from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -372,10 +371,8 @@ async def chat_completions(request: Request) -> Response:
     tokenizer = server.pipeline.target.tokenizer
     try:
         ids = await server.tokenize(lambda: encode_messages(tokenizer, messages))
-    except TriforceError as error:
+    except TriforceError as error:  # the template's own refusal among them: roles it does not take, or out of order
         raise s.ApiError(400, str(error), param="messages") from None
-    except TemplateError as error:  # the template's own refusal: roles it does not take, or out of order
-        raise s.ApiError(400, f"the model's chat template refuses the messages: {error}", param="messages") from None
     return await answer(server, request, CHAT_ROUTE, body, server.generation_request(body, ids, "messages"))
 
 
