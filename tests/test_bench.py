@@ -689,3 +689,22 @@ def test_bench_errors_are_one_line(checkpoint, prompt_file, monkeypatch, tmp_pat
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     assert all(fragment in errors[0] for fragment in fragments), errors[0]
+
+
+@pytest.mark.parametrize("option", ["--out", "--plot"])
+@pytest.mark.parametrize("where", ["a folder", "a missing folder"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_bench_runs(
+    checkpoint, prompt_file, tmp_path, monkeypatch, option, where
+):
+    """The results of a long bench are not lost to an --out or --plot path found unwritable only at the end."""
+    ran = []
+    monkeypatch.setattr(triforce_cli.cli.bench, "load_pipeline", lambda *a, **k: ran.append(1))
+    path = tmp_path / ("results.json" if option == "--out" else "plot.png")
+    if where == "a folder":
+        path.mkdir()
+    else:
+        path = tmp_path / "nowhere" / path.name
+    result = invoke_bench("--target", checkpoint, "-p", prompt_file, "--context", CONTEXT, option, path)
+    assert result.exit_code == 1 and not ran, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and option.removeprefix("--") in lines[0]

@@ -297,6 +297,31 @@ class TestRealLoader:
         assert not any(line.startswith("error:") for line in lines[:-1])
         assert not list(own_cache.rglob("*.partial"))  # no half-converted folder is left behind
 
+    @pytest.mark.parametrize("kept", [0.9, 0.01])
+    def test_a_gguf_file_cut_short_is_one_line(self, prompt_file, tmp_path, own_cache, kept):
+        from triforce_cli.runtime.embedded import embedded_gguf_path
+
+        whole = embedded_gguf_path().read_bytes()
+        cut = tmp_path / "cut.gguf"
+        cut.write_bytes(whole[: int(len(whole) * kept)])
+        result = invoke("-p", prompt_file, "--target", cut)
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert lines[-1].startswith("error: cannot read GGUF file")  # after the conversion's note
+        assert not any(line.startswith("error:") for line in lines[:-1])
+
+    @pytest.mark.parametrize(
+        ("setting", "fragment"),
+        [({"hidden_size": 63}, "not a multiple"), ({"num_hidden_layers": -1}, "num_hidden_layers -1")],
+    )
+    def test_a_config_of_impossible_sizes_is_one_line(self, prompt_file, tiny_folder, tmp_path, setting, fragment):
+        folder = copy_folder(tiny_folder, tmp_path / "sizes")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **setting}))
+        assert_one_error_line(invoke("-p", prompt_file, "--target", folder), fragment)
+        planned = CliRunner().invoke(app, ["plan", "--model", str(folder), "--context", "1k", "--hardware", "h100"])
+        assert_one_error_line(planned, fragment)
+
     def test_corrupt_weights(self, prompt_file, tiny_folder, tmp_path):
         folder = copy_folder(tiny_folder, tmp_path / "corrupt")
         (folder / "model.safetensors").write_bytes((tiny_folder / "model.safetensors").read_bytes()[:100])
@@ -320,6 +345,17 @@ class TestRealLoader:
 
     def test_chat_on_real_tokenizer_without_template(self, word_prompt, tiny_folder):
         assert_one_error_line(invoke("-p", word_prompt, "--target", tiny_folder, "--chat"), "chat template")
+
+    @pytest.mark.parametrize(
+        "template",
+        ["{{ raise_exception('no user turns') }}", "{% for m in messages %}", "{{ ''.__class__.__mro__ }}"],
+        ids=["refused", "unparsed", "sandboxed"],
+    )
+    def test_a_chat_template_that_fails_is_one_line(self, word_prompt, tiny_folder, tmp_path, template):
+        folder = copy_folder(tiny_folder, tmp_path / "templated")
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": template}))
+        assert_one_error_line(invoke("-p", word_prompt, "--target", folder, "--chat"), "chat template refuses")
 
     def test_generates_from_a_saved_folder(self, word_prompt, tiny_folder):
         data = run_json("-p", word_prompt, "--target", tiny_folder, "--max-new-tokens", 5, *GREEDY)
@@ -788,3 +824,23 @@ def test_a_checkpoints_own_code_never_runs_even_when_stdin_says_yes(tiny_folder,
     result = invoke("-p", word_prompt, "--target", folder, "--max-new-tokens", 2, input="y\n" * 4)
     assert_one_error_line(result, "custom code")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("root", ["a file", "under a file"])
+def test_a_cache_root_that_cannot_be_a_folder_is_one_line_before_torch_imports(tmp_path, root):
+    """torch makes its compiled-code caches' folders in the cache root as it imports: a root that cannot be a folder
+    is said in one line first, not as that import's traceback."""
+    file = tmp_path / "not-a-folder"
+    file.write_text("x")
+    env = {**os.environ, "TRIFORCE_CACHE": str(file if root == "a file" else file / "cache")}
+    result = subprocess.run(
+        [sys.executable, "-m", "triforce_cli", "cache", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: the cache folder") and "TRIFORCE_CACHE" in lines[0]

@@ -11,7 +11,14 @@ import torch
 import typer
 
 from triforce_cli.bench.qa import QA_PEERS, QABench, qa_modes
-from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_qa_results, write_results
+from triforce_cli.bench.report import (
+    check_results_path,
+    check_writable_file,
+    plot_latency,
+    pyplot,
+    write_qa_results,
+    write_results,
+)
 from triforce_cli.bench.runner import ALL_MODES, Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console, print_note, table_console
@@ -169,6 +176,7 @@ def bench(
             qa_modes(config.modes)
         if plot is not None:
             pyplot()
+            check_writable_file(plot, "plot")
         if prompt_cache is not None:
             check_writable(prompt_cache)
         if prompt_file:

@@ -130,6 +130,11 @@ def command_console(threads: int | None = None, json_output: bool = False) -> It
                 raise typer.Exit(1) from None
             except (typer.Exit, BrokenPipeError):
                 raise
+            except OSError as error:  # a path the user gave, or the cache folder, that cannot be read or written
+                if not isinstance(error, ConnectionError) and error.strerror and error.filename is not None:
+                    print_error(err, f"{error.filename}: {error.strerror}", json_output)
+                    raise typer.Exit(1) from None
+                raise
             except BaseException as error:
                 if watch.seen or isinstance(error, KeyboardInterrupt):
                     print_error(err, INTERRUPTED, json_output)

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -144,7 +145,7 @@ def load_teacher(
         teacher = load_hf_model(str(checkpoint.folder), torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder, trust_remote_code=False)
         ModelConfig.from_hf(teacher.config)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, StrictDataclassError) as err:
         raise ModelLoadError(f"cannot load {checkpoint.name} as a transformers model: {err}") from None
     except UnsupportedModelError as err:
         raise ModelLoadError(f"{checkpoint.name}: {err}") from None
@@ -314,6 +315,8 @@ class Distiller:
         out: Path,
         resume: bool = False,
     ):
+        if config.top_k > teacher.config.vocab_size:
+            raise ConfigError(f"`top_k` {config.top_k} is more than the target's {teacher.config.vocab_size} tokens")
         self.config = config
         self.teacher = teacher.eval()
         self.tokenizer = tokenizer

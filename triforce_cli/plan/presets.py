@@ -7,13 +7,16 @@ rounded; memory counts 2^30 bytes per GB as GPU vendors do.
 """
 
 import re
+import struct
 from dataclasses import dataclass, replace
 from difflib import get_close_matches
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
+
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan.model import Acceptance, Hardware, ModelShape
-from triforce_cli.runtime.model import ModelConfig, UnsupportedModelError
+from triforce_cli.runtime.model import ModelConfig, UnsupportedModelError, config_refusal
 
 GIB = 2**30
 
@@ -253,8 +256,8 @@ def model_preset(name_or_path: str) -> ModelPreset:
         config = ModelConfig.from_hf(hf_config)
     except UnsupportedModelError as err:
         raise ConfigError(f"{path}: {err}") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ConfigError(f"{path} is not a readable model config: {err}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error, StrictDataclassError) as err:
+        raise ConfigError(f"{path} is not a readable model config: {config_refusal(err)}") from None
     name = path.stem if path.suffix == ".gguf" else (path.parent if path.is_file() else path).name or str(path)
     target = ModelShape.from_config(name=name, config=config)
     return ModelPreset(target, shipped_drafter(target) or llama_68m_drafter(target.vocab_size))

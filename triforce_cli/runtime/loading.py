@@ -8,12 +8,14 @@ such a folder.
 
 import hashlib
 import json
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -45,6 +47,7 @@ from triforce_cli.runtime.model import (
     ModelConfig,
     Transformer,
     UnsupportedModelError,
+    config_refusal,
     long_rope_frequencies,
     rope_frequencies,
 )
@@ -174,7 +177,7 @@ def _convert(gguf: Path, identity: str, folder: Path) -> None:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
-    except (ValueError, KeyError, OSError) as err:
+    except (ValueError, KeyError, OSError, struct.error, StrictDataclassError) as err:  # struct.error: cut short
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {err}") from None
     finally:
         hf_logging.enable_progress_bar()
@@ -581,8 +584,8 @@ def load_model(
     try:
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # a checkpoint's code never runs
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    except (ValueError, OSError) as err:
-        raise ModelLoadError(f"cannot read config or tokenizer of {name}: {err}") from None
+    except (ValueError, OSError, StrictDataclassError) as err:  # the last: a config its own checks refuse
+        raise ModelLoadError(f"cannot read config or tokenizer of {name}: {config_refusal(err)}") from None
     if context_window is not None:
         extend_context(hf_config, context_window)
     runtime_config(hf_config, name)  # an architecture this runtime cannot run fails before any weight is read

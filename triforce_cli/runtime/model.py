@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.hooks import RemovableHandle
@@ -151,6 +152,12 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's architecture is not one this runtime implements."""
 
 
+def config_refusal(error: BaseException) -> BaseException:
+    """What to tell of an error reading a config: for a check of huggingface_hub's strict dataclasses (a hidden size
+    that the heads do not divide), the check's own error, not its one-line heading."""
+    return error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ is not None else error
+
+
 # the shape fields every Llama-family config has, by their names here and in a transformers config
 HF_SHAPE_NAMES = {
     "vocab_size": "vocab_size",
@@ -200,6 +207,11 @@ class ModelConfig:
         rope = dict(getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
         if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(f"rope type '{rope.get('rope_type')}' is not supported")
+        for theirs in (*HF_SHAPE_NAMES.values(), "num_key_value_heads", "max_position_embeddings"):
+            size = getattr(hf, theirs, None)
+            optional = theirs == "num_key_value_heads" and size is None  # then as many as the query heads
+            if not optional and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+                raise UnsupportedModelError(f"config {theirs} {size!r}: a positive whole number is needed")
         partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
         if partial != 1.0:
             raise UnsupportedModelError(f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported")

@@ -61,6 +61,19 @@ def compiled_folder() -> Path:
     return cache_root() / "inductor"
 
 
+def unusable_cache_root() -> str | None:
+    """Why the cache root cannot hold the cache (something not a folder stands on its path, or it cannot be made),
+    in one line; None where it can."""
+    root = cache_root()
+    if root.exists() and not root.is_dir():
+        return f"the cache folder {root} is a file: set TRIFORCE_CACHE to a folder"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"the cache folder {root} cannot be made ({error.strerror}): set TRIFORCE_CACHE to a folder"
+    return None
+
+
 def keep_compiled_steps() -> None:
     """Have inductor's FX graph and AOT autograd caches (on by default) write to compiled_folder(), unless
     INDUCTOR_CACHE_VARIABLE names a folder already. Their folder is that variable, read when inductor first needs it
