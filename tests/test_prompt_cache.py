@@ -149,6 +149,34 @@ class TestEntriesMatchTheirInputs:
         again = json_run(*args, "--json")
         assert again["prompt_cached"] and again["token_ids"] == expected["token_ids"]  # the entry was replaced
 
+    @pytest.mark.parametrize("cut", ["logits", "layers", "positions"])
+    def test_an_entry_of_other_shapes_with_its_own_checksum_is_prefilled_again(self, two_checkpoints, words, cut):
+        """A file rewritten by hand, its checksum computed again, cannot serve tensors this model's forward does
+        not make: a note, and the prompt prefilled again."""
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        from triforce_cli.decoding.prompt_state import _read_file
+
+        folder = two_checkpoints[0].parent / "prompts"
+        args = ("-p", words, "--target", two_checkpoints[0], "--prompt-cache", folder, *GREEDY_SHORT)
+        expected = json_run(*args)
+        (entry,) = folder.glob("prompt-*.safetensors")
+        state, _ = _read_file(entry)
+        with safe_open(str(entry), "pt") as handle:
+            metadata = handle.metadata()
+        changes = {
+            "logits": {"last_logits": state.last_logits[:, :10]},
+            "layers": {"keys": state.keys[:1], "values": state.values[:1]},
+            "positions": {"keys": state.keys[:, :, :0], "values": state.values[:, :, :0]},
+        }[cut]
+        tampered = dataclasses.replace(state, **{name: t.contiguous() for name, t in changes.items()})
+        tensors = {name: t.contiguous() for name, t in tampered.tensors.items()}
+        save_file(tensors, entry, metadata={**metadata, "checksum": tampered.checksum()})
+        data = json_run(*args)
+        assert not data["prompt_cached"] and data["token_ids"] == expected["token_ids"]
+        assert json_run(*args)["prompt_cached"]  # the entry replaced by a good one
+
     def test_key_holds_every_setting_that_shapes_the_state(self, two_checkpoints, monkeypatch):
         from dataclasses import replace
 

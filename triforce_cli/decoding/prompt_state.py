@@ -250,6 +250,7 @@ class PromptCache:
             raise StaleEntry("was saved for another model, setting or prompt")
         if metadata.get("checksum") != state.checksum():
             raise StaleEntry("was changed after it was saved (its checksum does not match)")
+        self._check_shapes(state)
         kv = kv_dtype(self.target.device, self.target.dtype)
         if state.keys.dtype != kv or state.values.dtype != kv:
             raise StaleEntry(f"holds keys and values in {state.keys.dtype}, where the cache holds {kv}")
@@ -292,7 +293,30 @@ class PromptCache:
             raise StaleEntry("was saved for another model or setting")
         if metadata.get("checksum") != state.checksum():
             raise StaleEntry("was changed after it was saved (its checksum does not match)")
+        self._check_shapes(state, outputs_kept=False)
         return state, metadata
+
+    def _check_shapes(self, state: PromptState, outputs_kept: bool = True) -> None:
+        """A StaleEntry where the tensors are not of the shapes this target's forward makes (a file written by hand
+        with a checksum of its own): the layers, the head size, the held positions, the logits' width.
+        outputs_kept False: the last queries and logits may also be empty (a conversation's state, write_file)."""
+        config = self.target.model.config
+        keys, queries, logits = state.keys, state.last_queries, state.last_logits
+        outputs = (
+            queries.dim() == 3
+            and (queries.shape[0], queries.shape[2]) == (config.num_layers, config.head_dim)
+            and tuple(logits.shape) == (1, config.vocab_size)
+        ) or (not outputs_kept and queries.numel() == logits.numel() == 0)
+        if (
+            not outputs
+            or state.prompt_ids.dim() != 1
+            or state.answer_ids.dim() != 1
+            or keys.dim() != 4
+            or keys.shape != state.values.shape
+            or (keys.shape[0], keys.shape[3]) != (config.num_layers, config.head_dim)
+            or not 1 <= keys.shape[2] <= len(state.held_ids)
+        ):
+            raise StaleEntry("holds tensors of other shapes than this model's forward makes")
 
     def _note(self, message: str) -> None:
         if self.status is not None:
