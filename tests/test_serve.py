@@ -1071,3 +1071,20 @@ def test_what_sdks_and_proxies_add_around_the_served_fields_is_taken():
         assert httpx.head(f"{server.url}/health").status_code == 200
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("taken", ["a port another program holds", "an address not this machine's"])
+def test_an_address_the_server_cannot_listen_on_is_one_line_before_the_models_load(monkeypatch, taken):
+    loaded = []
+    monkeypatch.setattr(serve_command, "load_pipeline", lambda *args, **kwargs: loaded.append(1))
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        host, port = ("127.0.0.1", holder.getsockname()[1]) if taken.startswith("a port") else ("192.0.2.1", 8000)
+        result = CliRunner().invoke(cli_app, ["serve", "--host", host, "--port", str(port)])
+    finally:
+        holder.close()
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and not loaded, result.output
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot listen on {host}:{port}")

@@ -2,6 +2,7 @@
 
 import copy
 import ipaddress
+import socket
 from types import FrameType
 from typing import Annotated
 
@@ -88,6 +89,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_listenable(host: str, port: int) -> None:
+    """A ConfigError now, before the models load, where host:port cannot be listened on (a name that does not
+    resolve, an address not this machine's, a port another program holds); uvicorn binds it the same way later."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise ConfigError(f"`host` {host} is not an address to listen on ({error})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
 def graceful_server(app, grace: float, **config):
     """A uvicorn server whose first SIGINT or SIGTERM drains the worker (waiting requests answered 503, the running
     one given grace seconds) and then stops as uvicorn does, exiting 0 rather than raising the signal again; a
@@ -164,6 +182,7 @@ def serve(
             ) from None
         if prompt_cache is not None:
             check_writable(prompt_cache)
+        check_listenable(host, port)
         pipe = load_pipeline(settings, config, lambda message: print_note(err, message))
         app = create_app(
             pipeline=pipe,
