@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 from pathlib import Path
 
 from triforce_cli.bench.forward_costs import ForwardCost
@@ -12,6 +11,7 @@ from triforce_cli.decoding.stats import as_record
 from triforce_cli.errors import ConfigError
 from triforce_cli.plan.plot import pyplot
 from triforce_cli.runtime.environment import machine_description
+from triforce_cli.runtime.store import check_writable_file
 
 
 def acceptance_text(row: BenchRow) -> str:
@@ -43,17 +43,6 @@ def check_results_path(path: Path | None) -> None:
     if path is not None and path.suffix not in RESULT_SUFFIXES:
         raise ConfigError(f"`out` must end in .json or .csv, not {path.suffix or 'nothing'}")
     check_writable_file(path, "out")
-
-
-def check_writable_file(path: Path | None, setting: str) -> None:
-    """A ConfigError now where path (a file the run will write) is a folder or its folder is not one that can be
-    written to: the results of minutes of benchmarking are not lost to it at the end."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise ConfigError(f"`{setting}` {path} is a folder: name a file")
-    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"`{setting}` {path}: its folder {path.parent} does not exist or cannot be written to")
 
 
 def write_results(

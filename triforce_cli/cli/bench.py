@@ -11,14 +11,7 @@ import torch
 import typer
 
 from triforce_cli.bench.qa import QA_PEERS, QABench, qa_modes
-from triforce_cli.bench.report import (
-    check_results_path,
-    check_writable_file,
-    plot_latency,
-    pyplot,
-    write_qa_results,
-    write_results,
-)
+from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_qa_results, write_results
 from triforce_cli.bench.runner import ALL_MODES, Bench, BenchConfig, default_modes
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console, print_note, table_console
@@ -32,6 +25,7 @@ from triforce_cli.errors import ConfigError, PromptError
 from triforce_cli.plan.rates import machine_rates
 from triforce_cli.runtime.environment import machine_description
 from triforce_cli.runtime.prompts import cut_document, cut_prompt, read_prompt
+from triforce_cli.runtime.store import check_writable_file
 
 BENCH_DEFAULTS = BenchConfig()
 BENCH_SEED = 0  # a sampled bench (--temperature above 0) repeats exactly

@@ -20,7 +20,7 @@ from triforce_cli.errors import ConfigError
 from triforce_cli.plan.plot import plot_predicted_latency, pyplot
 from triforce_cli.plan.weights import WEIGHT_PLANS
 from triforce_cli.runtime.forms import OffloadMode
-from triforce_cli.runtime.store import human_size
+from triforce_cli.runtime.store import check_writable_file, human_size
 
 DEFAULTS = EngineConfig()
 MAX_GPUS = 64
@@ -161,8 +161,7 @@ def plan(
 def check_plot_path(path: Path) -> None:
     if path.suffix.lower() != ".png":
         raise ConfigError(f"--plot writes a PNG: give a file ending in .png, not {path.name}")
-    if not path.parent.is_dir():
-        raise ConfigError(f"--plot: folder {path.parent} does not exist")
+    check_writable_file(path, "plot")
 
 
 def plan_record(

@@ -210,6 +210,17 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+def check_writable_file(path: Path | None, setting: str) -> None:
+    """A ConfigError now where path (a file a command will write at its end: bench's --out, a --plot) is a folder
+    or its folder is not one that can be written to, so that what the command computed is not lost to it."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ConfigError(f"`{setting}` {path} is a folder: name a file")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"`{setting}` {path}: its folder {path.parent} does not exist or cannot be written to")
+
+
 def remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
