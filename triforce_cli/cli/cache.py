@@ -37,16 +37,17 @@ PromptFolder = Annotated[
 ]
 
 
-def cache_folders(prompt_cache: Path | None) -> list[tuple[str, Path]]:
-    """Each folder of cached entries, with the kind of entry it holds."""
+def cache_folders(prompt_cache: Path | None) -> list[tuple[str, Path, str]]:
+    """Each folder of cached entries, with the kind of entry it holds and the pattern of its entries' names (a
+    prompt folder may be the user's: only the saved prefills in it are entries)."""
     folders = [
-        ("model", models_folder()),
-        ("prompt", prompts_folder()),
-        ("measurement", tuning_folder()),
-        ("compiled step", compiled_folder()),  # torch inductor's caches of --compile's graphs
+        ("model", models_folder(), "*"),
+        ("prompt", prompts_folder(), PROMPT_ENTRIES),
+        ("measurement", tuning_folder(), "*"),
+        ("compiled step", compiled_folder(), "*"),  # torch inductor's caches of --compile's graphs
     ]
     if prompt_cache is not None:
-        folders.append(("prompt", prompt_cache.expanduser()))
+        folders.append(("prompt", prompt_cache.expanduser(), PROMPT_ENTRIES))
     return folders
 
 
@@ -59,12 +60,12 @@ def list_entries(prompt_cache: PromptFolder = None) -> None:
         limit = cache_limit()
         out = StdoutConsole()
         total = 0
-        for kind, folder in cache_folders(prompt_cache):
+        for kind, folder, names in cache_folders(prompt_cache):
             table = Table(title=Text(f"{kind}s in {folder}"), title_justify="left")
             table.add_column("entry", overflow="fold")
             table.add_column("size", justify="right")
             table.add_column("last used")
-            for entry in entries(folder, PROMPT_ENTRIES if kind == "prompt" else "*"):
+            for entry in entries(folder, names):
                 total += entry.size
                 table.add_row(Text(entry.path.name), human_size(entry.size), _when(entry.last_used))
             if table.row_count:
@@ -98,10 +99,10 @@ def clear(
             )
             if asked
         }
-        for kind, folder in cache_folders(prompt_cache):
+        for kind, folder, names in cache_folders(prompt_cache):
             if chosen and kind not in chosen:
                 continue
-            for entry in entries(folder, PROMPT_ENTRIES if kind == "prompt" else "*"):
+            for entry in entries(folder, names):
                 remove(entry.path)
                 freed += entry.size
                 removed += 1

@@ -49,7 +49,7 @@ from triforce_cli.runtime.loading import (
     resolve_checkpoint,
     token_id_set,
 )
-from triforce_cli.runtime.model import ModelConfig, UnsupportedModelError, spread_over_vocabulary
+from triforce_cli.runtime.model import ModelConfig, UnsupportedModelError, config_refusal, spread_over_vocabulary
 from triforce_cli.runtime.store import content_identity
 
 CHECKPOINT_NAME = "distill-checkpoint.safetensors"
@@ -146,7 +146,7 @@ def load_teacher(
         tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder, trust_remote_code=False)
         ModelConfig.from_hf(teacher.config)
     except (ValueError, OSError, StrictDataclassError) as err:
-        raise ModelLoadError(f"cannot load {checkpoint.name} as a transformers model: {err}") from None
+        raise ModelLoadError(f"cannot load {checkpoint.name} as a transformers model: {config_refusal(err)}") from None
     except UnsupportedModelError as err:
         raise ModelLoadError(f"{checkpoint.name}: {err}") from None
     return checkpoint, teacher.eval(), tokenizer
