@@ -652,6 +652,17 @@ def test_bench_chat_prompts_asked_for_without_a_chat_template_fail_before_any_ru
     assert "prefill, then" not in result.stderr  # stdlib-a, first, was cut but not run
 
 
+@pytest.mark.parametrize(
+    "args", [("--modes", "autoregressive,hf-assisted"), ("--modes", "autoregressive", "--forward-costs", 1), ()]
+)
+def test_bench_takes_a_drafter_a_mode_drafts_with(monkeypatch, args):
+    """--draft passes where a mode drafts with it: assisted generation, the drafter's forward costs, the defaults."""
+    loaded = []
+    monkeypatch.setattr(triforce_cli.cli.bench, "load_pipeline", lambda *a, **k: loaded.append(1) or sys.exit(3))
+    result = invoke_bench("--draft", "some-drafter", *args)
+    assert loaded and result.exit_code == 3, result.output
+
+
 def test_bench_plot_without_matplotlib_fails_before_loading_anything(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     result = invoke_bench("--target", tmp_path / "never-loaded", "--plot", tmp_path / "latency.png")
@@ -680,6 +691,11 @@ def test_bench_command_reuses_the_prompt_cache(checkpoint, prompt_file, tmp_path
         (["--context", CONTEXT, "--modes", "autoregressive,llama.cpp"], ["llama.cpp"]),
         (["--context", CONTEXT, "--out", "rows.txt"], [".json or .csv"]),
         (["--context", CONTEXT, "--gamma-policy", "fixed,eager"], ["'fixed,eager': choose from"]),
+        (
+            ["--context", CONTEXT, "--modes", "autoregressive,retrieval,hf", "--draft", "some-drafter"],
+            ["--draft names the model of a drafter tier, which --modes autoregressive,retrieval,hf does not run"],
+        ),
+        (["--context", CONTEXT, "--questions", "questions.txt"], ["--questions", "give --scenario qa"]),
     ],
 )
 def test_bench_errors_are_one_line(checkpoint, prompt_file, monkeypatch, tmp_path, args, fragments):

@@ -192,9 +192,31 @@ class TestSettingErrors:
             invoke("-p", prompt_file, "--draft", "other-vocab", "--max-new-tokens", 4), "vocabulary", "other-vocab"
         )
 
-    def test_drafter_vocabulary_irrelevant_without_drafter_tier(self, prompt_file):
-        data = run_json("-p", prompt_file, "--draft", "other-vocab", "--mode", "retrieval", "--max-new-tokens", 3)
+    def test_drafter_refused_for_a_mode_without_drafter_tier(self, prompt_file, tiny):
+        """A --draft that no tier of the mode would use is refused before any model loads, not loaded for nothing;
+        'self' (no drafter) agrees with such a mode."""
+        for mode in ("retrieval", "autoregressive"):
+            assert_one_error_line(
+                invoke("-p", prompt_file, "--draft", "other-vocab", "--mode", mode, "--max-new-tokens", 3),
+                f"--draft names the model of a drafter tier, which --mode {mode} does not run",
+                "(streaming or triforce)",
+            )
+        assert tiny["calls"] == []
+        data = run_json("-p", prompt_file, "--draft", "self", "--mode", "retrieval", "--max-new-tokens", 3)
         assert data["new_tokens"] == 3 and data["drafter"] is None
+
+    def test_on_chip_layers_need_an_offloaded_cache(self, prompt_file):
+        assert_one_error_line(
+            invoke("-p", prompt_file, "--on-chip-layers", 2, "--max-new-tokens", 3),
+            "--on-chip-layers keeps layers of an offloaded KV cache on the device: give --offload kv",
+        )
+
+    def test_blank_prompt_cache_is_not_the_current_folder(self, prompt_file, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        for blank in ("", " "):
+            result = invoke("-p", prompt_file, "--prompt-cache", blank, "--max-new-tokens", 3)
+            assert_one_error_line(result, "--prompt-cache", "give a folder, not an empty path")
+        assert [path.name for path in tmp_path.iterdir()] == [prompt_file.name]  # no prefill saved there
 
     @pytest.mark.parametrize(
         "error",

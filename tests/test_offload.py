@@ -126,6 +126,14 @@ def test_offloaded_generation_gives_the_tokens_of_the_device_cache(sampling, on_
         assert (engine._caches.full.stream is None) == (on_chip_layers == model.model.config.num_layers)
 
 
+def test_on_chip_layers_are_refused_without_an_offloaded_cache():
+    """Layers kept on the device mean something only where the rest of the cache is offloaded."""
+    with pytest.raises(ConfigError, match="`on_chip_layers` keeps layers of an offloaded KV cache on the device"):
+        EngineConfig(on_chip_layers=2)
+    for offload in ("kv", "kv+weights"):
+        assert EngineConfig(offload=offload, on_chip_layers=2).on_chip_layers == 2
+
+
 def test_offload_with_every_layer_on_chip_keeps_nothing_in_host_memory_and_runs_fixed_shape_steps():
     """--offload kv whose on-chip layers are all of them offloads nothing: the plan holds no host bytes and the same
     device bytes as no offload, and the full cache is made static, so its steps are recorded as graphs."""
@@ -500,7 +508,8 @@ def test_generate_prints_the_memory_plan_and_offloads_on_request(tmp_path):
     runs = {}
     for offload in ("none", "kv", "kv+weights"):
         args = ["generate", "-p", str(prompt), "--target", str(folder), "--temperature", "0", "--max-new-tokens", "12"]
-        result = CliRunner().invoke(app, [*args, "--offload", offload, "--on-chip-layers", "1"])
+        on_chip = () if offload == "none" else ("--on-chip-layers", "1")
+        result = CliRunner().invoke(app, [*args, "--offload", offload, *on_chip])
         assert result.exit_code == 0, result.output
         runs[offload] = result
     assert runs["kv"].stdout == runs["kv+weights"].stdout == runs["none"].stdout

@@ -71,6 +71,12 @@ RETRIEVAL_MODES = tuple(name for name, mode in OUR_MODES.items() if mode.tiers.r
 SPECULATIVE_MODES = tuple(name for name, mode in OUR_MODES.items() if mode.tiers.speculative)
 
 
+def drafts_with_model(modes: tuple[str, ...]) -> bool:
+    """Whether any of modes (bench names) drafts with the pipeline's model drafter: one of ours with a model drafter,
+    or transformers' assisted generation."""
+    return any(OUR_MODES[m].model_drafter if m in OUR_MODES else m == "hf-assisted" for m in modes)
+
+
 def default_modes(target: LoadedModel) -> tuple[str, ...]:
     """DEFAULT_MODES, plus llama.cpp where llama-cpp-python is installed, the target is a GGUF file and runs on the
     CPU, as the llama.cpp peer does; on a GPU the peers are transformers' on the same GPU."""

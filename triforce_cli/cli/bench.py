@@ -12,11 +12,11 @@ import typer
 
 from triforce_cli.bench.qa import QA_PEERS, QABench, qa_modes
 from triforce_cli.bench.report import check_results_path, plot_latency, pyplot, write_qa_results, write_results
-from triforce_cli.bench.runner import ALL_MODES, Bench, BenchConfig, default_modes
+from triforce_cli.bench.runner import ALL_MODES, Bench, BenchConfig, default_modes, drafts_with_model
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console, print_note, table_console
 from triforce_cli.cli.render import bench_header, bench_tables, forward_cost_table, qa_tables
-from triforce_cli.cli.settings import engine_config, load_pipeline, sampling_config
+from triforce_cli.cli.settings import check_draft_used, engine_config, load_pipeline, sampling_config
 from triforce_cli.corpus import BENCH_DEFAULT, BENCH_PROMPTS, DOCUMENT_QUESTIONS, QA_QUESTIONS, builtin_document
 from triforce_cli.decoding.config import GAMMA_POLICIES, Mode
 from triforce_cli.decoding.pipeline import Pipeline
@@ -160,6 +160,11 @@ def bench(
             prompt_cache=prompt_cache,
             ignore_eos=ignore_eos,
         )
+        # the default modes and --forward-costs' drafter row draft with it too
+        runs_drafter = "default" in modes or bool(forward_costs) or drafts_with_model(config.modes)
+        check_draft_used(draft, runs_drafter, f"`modes` {','.join(modes)}")
+        if questions is not None and scenario != "qa":
+            raise ConfigError("--questions are asked in the qa scenario: give --scenario qa with them")
         check_results_path(out)
         asked_questions = read_questions(questions) if questions is not None else None
         if scenario == "qa":

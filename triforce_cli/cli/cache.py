@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.decoding.prompt_state import PREFIX_INDEX
 from triforce_cli.decoding.tuning import remembered_tunings
@@ -32,7 +33,10 @@ cache_app = typer.Typer(
 PromptFolder = Annotated[
     Path | None,
     typer.Option(
-        "--prompt-cache", metavar="DIR", help="Also this --prompt-cache folder [default: the cache's prompts/]."
+        "--prompt-cache",
+        parser=o.folder_path,
+        metavar="DIR",
+        help="Also this --prompt-cache folder [default: the cache's prompts/].",
     ),
 ]
 

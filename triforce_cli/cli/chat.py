@@ -39,7 +39,7 @@ from triforce_cli.cli.render import (
     print_setup,
     print_summary,
 )
-from triforce_cli.cli.settings import engine_config, load_pipeline
+from triforce_cli.cli.settings import check_draft_used, engine_config, load_pipeline
 from triforce_cli.decoding.chat import ChatSession, state_path, transcript_text, transcript_turns
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.errors import PromptError, TriforceError
@@ -100,6 +100,7 @@ def chat(
     out = StdoutConsole(highlight=False)
     with command_console(threads) as err:
         config = engine_config(settings)
+        check_draft_used(draft, config.uses_drafter, f"`mode` {config.mode}")
         if prompt_file == "-":
             raise PromptError("chat reads its questions from standard input: give the document as a file")
         document = read_prompt(prompt_file)

@@ -28,7 +28,7 @@ def layer_numbers(value: str | tuple) -> tuple[int, ...]:
 
 
 DrafterFolder = Annotated[
-    Path, typer.Option(metavar="DIR", help="Folder to write the drafter (and its checkpoint) to.")
+    Path, typer.Option(parser=o.folder_path, metavar="DIR", help="Folder to write the drafter (and its checkpoint) to.")
 ]
 TrainingFiles = Annotated[
     list[Path] | None,

@@ -8,7 +8,7 @@ import typer
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import StdoutConsole, command_console, print_note
 from triforce_cli.cli.render import PrefillProgress, TokenStream, print_setup, print_summary
-from triforce_cli.cli.settings import engine_config, load_pipeline
+from triforce_cli.cli.settings import check_draft_used, engine_config, load_pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.decoding.stats import as_record
 from triforce_cli.interrupts import interrupted_exit_code
@@ -60,6 +60,7 @@ def generate(
     out = StdoutConsole(highlight=False)
     with command_console(threads, json_output) as err:
         config = engine_config(settings)
+        check_draft_used(draft, config.uses_drafter, f"`mode` {config.mode}")
         text = read_prompt(prompt_file)
         if prompt_cache is not None:
             check_writable(prompt_cache)

@@ -99,6 +99,13 @@ def some_of(flag: str, choices: tuple[str, ...], name: str, help: str):
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def folder_path(value: str | Path) -> Path:
+    """Parser of a folder option: a path that is not blank (Path("") would mean the current folder)."""
+    if not str(value).strip():
+        raise typer.BadParameter("give a folder, not an empty path")
+    return Path(value)
+
+
 def device_name(value: str) -> str:
     """Parser of auto, cpu or cuda, the last two optionally with a device index (cuda:1)."""
     kind, _, index = value.partition(":")
@@ -226,6 +233,7 @@ Seed = Annotated[int | None, typer.Option(min=0, max=MAX_SEED, metavar="SEED", h
 PromptCache = Annotated[
     Path | None,
     typer.Option(
+        parser=folder_path,
         metavar="DIR",
         help="Folder to save prefilled prompts in and reuse them from (e.g. ~/.cache/triforce-cli/prompts).",
     ),

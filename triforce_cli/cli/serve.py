@@ -10,7 +10,7 @@ import typer
 
 from triforce_cli.cli import options as o
 from triforce_cli.cli.console import command_console, print_note
-from triforce_cli.cli.settings import engine_config, load_pipeline
+from triforce_cli.cli.settings import check_draft_used, engine_config, load_pipeline
 from triforce_cli.decoding.prompt_state import check_writable
 from triforce_cli.errors import ConfigError
 from triforce_cli.runtime.store import parse_size
@@ -174,6 +174,7 @@ def serve(
 
     with command_console(threads) as err:
         config = engine_config(settings)
+        check_draft_used(draft, config.uses_drafter, f"`mode` {config.mode}")
         try:
             prefix_bytes = parse_size(prefix_memory)
         except ConfigError:

@@ -4,8 +4,8 @@ the fields are picked by name."""
 
 from dataclasses import fields
 
-from triforce_cli.decoding.config import EngineConfig
-from triforce_cli.decoding.pipeline import Pipeline
+from triforce_cli.decoding.config import MODE_TIERS, EngineConfig
+from triforce_cli.decoding.pipeline import SELF_DRAFT, Pipeline
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.setup import LoadOptions
 from triforce_cli.errors import ConfigError
@@ -46,3 +46,14 @@ def engine_config(values: dict, skip: tuple[str, ...] = ()) -> EngineConfig:
 def load_pipeline(values: dict, config: EngineConfig, status: StatusCallback | None) -> Pipeline:
     """The command's models loaded as its options ask, with config."""
     return Pipeline.load(options=load_options(values), config=config, status=status)
+
+
+def check_draft_used(draft: str | None, runs_drafter: bool, modes: str) -> None:
+    """A ConfigError where `draft` names a model that no mode the command runs drafts with (modes: those modes, as
+    the message names them), rather than loading it for nothing."""
+    if draft is not None and draft != SELF_DRAFT and not runs_drafter:
+        drafting = " or ".join(mode for mode, tiers in MODE_TIERS.items() if tiers.drafter)
+        raise ConfigError(
+            f"`draft` names the model of a drafter tier, which {modes} does not run: leave `draft` out, or choose a"
+            f" mode with one ({drafting})"
+        )

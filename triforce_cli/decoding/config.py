@@ -166,6 +166,13 @@ class EngineConfig:
                 f"unknown offload '{self.offload}' (choose from {', '.join(OFFLOAD_CHOICES)})",
             ),
             (self.on_chip_layers >= 0, "on-chip layers must not be negative"),
+            (
+                self.on_chip_layers == 0 or self.offload != OffloadMode.NONE,
+                (
+                    "`on_chip_layers` keeps layers of an offloaded KV cache on the device: give `offload` kv (or"
+                    " kv+weights) with it, or leave it out"
+                ),
+            ),
             (self.cache_positions is None or self.cache_positions > 0, "cache positions must be positive"),
             (not self.ngram or self.uses_drafter, f"`ngram` needs a `mode` with a drafter tier ({drafter_modes})"),
             (0 <= self.sampling.temperature < math.inf, "temperature must be a finite number, 0 or more"),
