@@ -39,7 +39,8 @@
 // prefetchers, a decode step's value loads waited on memory, and prefetches of whole blocks at once stalled it
 // (their instructions waited for free miss buffers). A unit that reads its keys directly also asks for the block
 // three ahead into L2, line for line with the next one: its scores transpose no keys, and what it waits on is
-// memory.
+// memory. The blocks that every row of a verification of one score tile reads whole are the exception
+// (whole_blocks): left to the hardware's prefetchers, they went faster.
 // Three bodies: AVX-512 and AVX2 (F16C) for D a multiple of their width, 64 and 128 compiled for their size, and
 // plain C++ for everything else, picked by isa.h.
 
@@ -124,6 +125,12 @@ struct Stream {
     if (k)
       while (issued < pairs) issue();
   }
+};
+
+// No read-ahead: a run of blocks that every row of a short verification reads whole (whole_blocks in
+// cache_attention_body.h) leaves the next block to the hardware's prefetchers.
+struct NoReadAhead {
+  void advance(int64_t) {}
 };
 
 inline int64_t floor_to(int64_t x, int64_t step) { return x / step * step; }  // x >= 0
