@@ -191,28 +191,27 @@ void attend_rows(const Problem& p, int64_t head, int64_t row0, int64_t rows, int
   std::fill(state.total, state.total + rows * W, 0.f);
   std::fill(state.out, state.out + rows * dim, 0.f);
 
-  // the keys the segment holds, as view indices, and the part of them these rows read
+  // the keys the segment holds, as view indices; the part of them any of these rows reads, [first, last], and the
+  // part every one of them reads, [every_first, every_last]
   const int64_t seg_begin = p.segment_begin(segment), seg_end = p.segment_end(segment);
-  int64_t first = seg_end, last = seg_begin - 1;
+  int64_t first = seg_end, last = seg_begin - 1, every_first = seg_begin, every_last = seg_end - 1;
   for (int64_t r = row0; r < row0 + rows; ++r) {
-    first = std::min(first, p.first_key(r));
-    last = std::max(last, p.last_key(r));
+    const int64_t row_first = p.first_key(r), row_last = p.last_key(r);
+    first = std::min(first, row_first);
+    last = std::max(last, row_last);
+    every_first = std::max(every_first, row_first);
+    every_last = std::min(every_last, row_last);
   }
   first = std::max(first, seg_begin);
   last = std::min(last, seg_end - 1);
   const float* q = p.q + (head * p.rows + row0) * dim;
   const at::Half* k_head = p.k + head * p.k_head;
   const at::Half* v_head = p.v + head * p.v_head;
-  // a verification of one score tile: the blocks every row reads whole, [whole_begin, whole_end), go to whole_blocks
+  // a verification of one score tile: the whole blocks of [every_first, every_last] go to whole_blocks
   int64_t whole_begin = seg_begin, whole_end = seg_begin;
   if (!kPacked && rows > p.group && rows <= Ops::kScoreRows) {
-    whole_end = seg_end;
-    for (int64_t r = row0; r < row0 + rows; ++r) {
-      whole_begin = std::max(whole_begin, p.first_key(r));
-      whole_end = std::min(whole_end, p.last_key(r) + 1);
-    }
-    whole_begin = floor_to(p.origin + whole_begin + kBlock - 1, kBlock) - p.origin;
-    whole_end = floor_to(p.origin + whole_end, kBlock) - p.origin;
+    whole_begin = floor_to(p.origin + every_first + kBlock - 1, kBlock) - p.origin;
+    whole_end = floor_to(p.origin + every_last + 1, kBlock) - p.origin;
   }
   if (first <= last) {
     for (int64_t block_start = floor_to(p.origin + first, kBlock) - p.origin; block_start <= last;
