@@ -31,6 +31,7 @@ from triforce_cli.decoding.ngram import NGramProposer
 from triforce_cli.decoding.sampling import SamplingConfig
 from triforce_cli.decoding.speculation_length import (
     DEFAULT_PRIOR,
+    DRAFT_MARGIN,
     DRAFT_RETRY,
     MAX_DRAFT_RETRY,
     MAX_PROBE_WAIT,
@@ -629,6 +630,27 @@ def test_an_ngram_accepted_before_a_drafter_sets_it_up_only_once_the_tokens_pay_
         assert length.drafting and length._pays() and not length.may_set_up(False)
     length.record(length.current, length.current, 0.0, 0.0)
     assert length.tokens_taken >= wait and length.may_set_up(False)
+
+
+def test_the_proposer_paying_does_not_set_up_a_drafter_behind_the_shortcut():
+    """The target drafting from the retrieval tier, which pays from its prior (32K), with an n-gram before the
+    drafter as its shortcut, the drafter's prefill priced at 6 plain steps and forwards priced as measured there
+    (a verification of one draft 1.42 plain steps, of two 2.1): the proposer's drafts paying lets the proposer
+    draft, not the drafter's prefill run; the shortcut's n-gram drafts alone until the tokens committed pay for the
+    prefill (_tokens_pay_set_up), as a retry's do."""
+    length = SpeculationLength("costed", ceiling=4, own_steps=True, has_shortcut=True)
+    costs = StepCosts((1.0, 1.42, 2.1, 2.8, 3.5), proposer=0.18, shortcut=0.05, shortcut_set_up=6.0)
+    priors = {False: prior_acceptance("retrieval"), True: DEFAULT_PRIOR}
+    length.price(costs, priors, set_up_due=(True,), drafts_before_set_up=(True,))
+    rates = {source: rate for source, (rate, _) in length._options().items()}
+    assert rates[False] >= DRAFT_MARGIN / costs.own > rates[True]  # the proposer's drafts pay, the shortcut's not
+    assert length.may_set_up(False) and not length.may_set_up(True)
+    wait = length._set_up_wait(True)
+    while length.tokens_taken < wait:
+        shortcut = length.use_shortcut
+        length.record(length.current, 0 if shortcut else length.current, 0.0, 0.0)  # the shortcut's drafts rejected
+        assert length.tokens_taken >= wait or not length.may_set_up(True)
+    assert length.may_set_up(True)
 
 
 def test_costed_probes_the_source_without_a_set_up_first():

@@ -568,8 +568,11 @@ class SpeculationLength:
 
     def may_set_up(self, shortcut: bool) -> bool:
         """Whether drafts from a source may run its set-up now: it has none due, or the own steps so far pay for it
-        (_set_up_wait), or drafting pays (from the priors the prefill goes with the prompt's: Engine.generate), or
-        the policy is not costed. A source that drafts before its set-up (an n-gram before a drafter), once drafts
+        (_set_up_wait), or drafting from that source pays (from the priors the prefill goes with the prompt's:
+        Engine.generate), or the policy is not costed. Another source's paying does not count: at 32K the target
+        drafts from the retrieval tier, which pays, and an n-gram retried as its shortcut would otherwise have the
+        drafter behind it prefilled (six plain steps) within a short answer, for drafts verified no cheaper than
+        the retrieval tier's. A source that drafts before its set-up (an n-gram before a drafter), once drafts
         of it were judged, runs it only once the tokens the tier committed pay for it (_tokens_pay_set_up, as
         retries do): the acceptance it has earned is the n-gram's, which says nothing of the drafter's (an n-gram
         accepted 7 times in 8 at 7K had a drafter prefilled within a 64-token answer, 14 plain steps)."""
@@ -577,13 +580,15 @@ class SpeculationLength:
             return True
         if shortcut in self.drafts_before_set_up and self._counts(shortcut).judged:
             return self._tokens_pay_set_up(shortcut)
-        return self._set_up_wait(shortcut) <= self.own_steps_taken or self._pays()
+        return self._set_up_wait(shortcut) <= self.own_steps_taken or self._pays(shortcut)
 
-    def _pays(self) -> bool:
-        """Whether drafting promises DRAFT_MARGIN times the tokens per second of own steps, at the acceptance
-        estimated so far (_draft_if_it_pays), or the tier has no own steps."""
-        best = max(rate for rate, _ in self._options().values())
-        return not self.own_steps or best >= DRAFT_MARGIN / self.costs.own
+    def _pays(self, source: bool | None = None) -> bool:
+        """Whether drafting (from `source` where given, True the shortcut, else from the best source) promises
+        DRAFT_MARGIN times the tokens per second of own steps, at the acceptance estimated so far
+        (_draft_if_it_pays), or the tier has no own steps."""
+        options = self._options()
+        rate = options[source][0] if source is not None else max(rate for rate, _ in options.values())
+        return not self.own_steps or rate >= DRAFT_MARGIN / self.costs.own
 
     def _probe(self) -> None:
         """Draft where it pays; else draft once all the same, a probe, to learn whether drafting pays now, at the
