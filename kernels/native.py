@@ -1,7 +1,8 @@
 """The CPU extension (`torch.ops.triforce_cpu`): GGUF block products (csrc/gguf_blocks.cpp), dense products of
 float32 or float16 weight tiles in one order of arithmetic per output (csrc/dense_linear.cpp), attention of
 float32 queries against a float16 KV cache (csrc/cache_attention.cpp), a decoder layer's other ops with its two
-halves in one call each (csrc/step_ops.cpp), a step's sampling (csrc/sampling.cpp), and the CPU's float32 FMA peak
+halves in one call each (csrc/step_ops.cpp), a step's sampling (csrc/sampling.cpp), the retrieval cache's chunks
+copied in one call (csrc/gather_chunks.cpp), and the CPU's float32 FMA peak
 (csrc/peak_rate.h).
 
 Built from source with torch.utils.cpp_extension the first time (seconds; it needs a C++ compiler and ninja) into a
@@ -31,7 +32,14 @@ from triforce_cli.kernels.step import register_fake_kernels
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("gguf_blocks.cpp", "dense_linear.cpp", "cache_attention.cpp", "step_ops.cpp", "sampling.cpp")
+    for name in (
+        "gguf_blocks.cpp",
+        "dense_linear.cpp",
+        "cache_attention.cpp",
+        "step_ops.cpp",
+        "sampling.cpp",
+        "gather_chunks.cpp",
+    )
 )
 HEADERS = tuple(
     CSRC / name for name in ("isa.h", "vector_exp.h", "cache_attention_body.h", "step_kernels.h", "peak_rate.h")

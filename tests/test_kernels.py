@@ -428,6 +428,41 @@ def test_gather_chunks_equals_a_gather_of_every_element_into_any_view():
     assert torch.equal(strided, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gather_chunks_in_one_call_copies_what_a_copy_a_head_does(dtype, monkeypatch):
+    """The extension's one call (csrc/gather_chunks.cpp) against the index_select of each head, from a view of the
+    full cache's storage (its held positions, as RetrievalCache.select_chunks reads them) into the retrieval cache's
+    first slots: the same bits, and nothing written outside the chosen slots."""
+    if kernel_error() is not None:
+        pytest.skip(kernel_error())
+    g = torch.Generator().manual_seed(7)
+    layers, num_kv_heads, chunk, chunks, keep = 4, 3, 16, 40, 9
+    storage = torch.randn(layers, num_kv_heads, chunks * chunk + 21, HEAD_DIM, generator=g).to(dtype)
+    source = storage[:, :, 2 * chunk :]  # heads further apart than their rows
+    ids = torch.stack([torch.randperm(chunks - 2, generator=g)[:keep].sort().values for _ in range(layers * 3)])
+    ids = ids.view(layers, num_kv_heads, keep)
+    slots = keep * chunk
+    outputs = []
+    for one_call in (True, False):
+        monkeypatch.setattr(kernel_retrieval, "native_loaded", lambda one_call=one_call: one_call)
+        buffer = torch.zeros(layers, num_kv_heads, slots + 2 * chunk, HEAD_DIM, dtype=dtype)
+        assert kernel_retrieval._copies_in_one_call(source, ids, buffer[:, :, :slots]) == one_call
+        gather_chunks(source, ids, chunk, out=buffer[:, :, :slots])
+        outputs.append(buffer)
+    assert torch.equal(outputs[0], outputs[1]) and outputs[0][:, :, :slots].any()
+    assert not outputs[0][:, :, slots:].any()
+
+
+def test_gather_chunks_in_one_call_refuses_a_chunk_outside_the_cache():
+    if kernel_error() is not None:
+        pytest.skip(kernel_error())
+    k, out = torch.zeros(2, 20, HEAD_DIM), torch.zeros(2, 8, HEAD_DIM)
+    for ids in ([[0, 5], [0, 1]], [[0, -1], [0, 1]]):  # 5 chunks of 4 tokens: 0..4
+        with pytest.raises(RuntimeError, match="chunk indices in \\[0, L / chunk\\)"):
+            torch.ops.triforce_cpu.gather_chunks(k, torch.tensor(ids), 4, out)
+    assert not out.any()
+
+
 # --- linear ------------------------------------------------------------------------------------------------------
 
 
