@@ -189,11 +189,13 @@ def gather_chunks(
 
 
 def _copies_in_one_call(k: torch.Tensor, chunk_ids: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether gather_chunks copies with the extension's one call: CPU tensors of one dtype, int64 ids, the
-    extension loaded, and in k and out rows of D contiguous and D apart."""
+    """Whether gather_chunks copies with the extension's one call: CPU tensors of one dtype, int64 ids, one leading
+    shape, the extension loaded, and in k and out rows of D contiguous and D apart."""
     dim = k.shape[-1]
     return (
         k.device.type == out.device.type == chunk_ids.device.type == "cpu"
+        and k.dim() == out.dim() == chunk_ids.dim() + 1
+        and k.shape[:-2] == out.shape[:-2] == chunk_ids.shape[:-1]
         and k.dtype == out.dtype
         and chunk_ids.dtype == torch.int64
         and all(t.stride(-1) == 1 and t.stride(-2) == dim for t in (k, out))

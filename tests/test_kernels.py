@@ -453,7 +453,7 @@ def test_gather_chunks_in_one_call_copies_what_a_copy_a_head_does(dtype, monkeyp
     assert not outputs[0][:, :, slots:].any()
 
 
-def test_gather_chunks_in_one_call_refuses_a_chunk_outside_the_cache():
+def test_gather_chunks_in_one_call_refuses_a_chunk_outside_the_cache_and_an_out_over_its_source():
     if kernel_error() is not None:
         pytest.skip(kernel_error())
     k, out = torch.zeros(2, 20, HEAD_DIM), torch.zeros(2, 8, HEAD_DIM)
@@ -461,6 +461,8 @@ def test_gather_chunks_in_one_call_refuses_a_chunk_outside_the_cache():
         with pytest.raises(RuntimeError, match="chunk indices in \\[0, L / chunk\\)"):
             torch.ops.triforce_cpu.gather_chunks(k, torch.tensor(ids), 4, out)
     assert not out.any()
+    with pytest.raises(RuntimeError, match="out: memory apart from source's"):  # out over the chunks it reads
+        torch.ops.triforce_cpu.gather_chunks(k, torch.tensor([[0, 3], [0, 3]]), 4, k[:, :8])
 
 
 # --- linear ------------------------------------------------------------------------------------------------------

@@ -646,11 +646,14 @@ def test_the_proposer_paying_does_not_set_up_a_drafter_behind_the_shortcut():
     assert rates[False] >= DRAFT_MARGIN / costs.own > rates[True]  # the proposer's drafts pay, the shortcut's not
     assert length.may_set_up(False) and not length.may_set_up(True)
     wait = length._set_up_wait(True)
-    while length.tokens_taken < wait:
+    for _ in range(wait):  # each verification commits a token at least
         shortcut = length.use_shortcut
+        assert length.current > 0  # the proposer's drafts pay: the policy drafts throughout
         length.record(length.current, 0 if shortcut else length.current, 0.0, 0.0)  # the shortcut's drafts rejected
-        assert length.tokens_taken >= wait or not length.may_set_up(True)
-    assert length.may_set_up(True)
+        if length.tokens_taken >= wait:
+            break
+        assert not length.may_set_up(True)
+    assert length.tokens_taken >= wait and length.may_set_up(True)
 
 
 def test_costed_probes_the_source_without_a_set_up_first():

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -20,6 +21,20 @@ int64_t head_offset(const at::Tensor& t, int64_t flat) {
     flat /= t.size(d);
   }
   return offset;
+}
+
+// Whether the bytes from t's first element to its last, for two tensors with nonnegative strides, meet.
+bool spans_meet(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const char* first = static_cast<const char*>(t.data_ptr());
+    return std::make_pair(first, first + (last + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
 }
 
 // out (..., Hkv, n chunk, D)[..., h, j chunk + t, :] = source (..., Hkv, L, D)[..., h, ids[..., h, j] chunk + t, :]
@@ -38,6 +53,7 @@ void gather_chunks(const at::Tensor& source, const at::Tensor& ids, int64_t chun
   TORCH_CHECK(out.size(-2) == n * chunk && out.size(-1) == dim, "out: (..., Hkv, n chunk, D)");
   TORCH_CHECK(source.stride(-1) == 1 && source.stride(-2) == dim && out.stride(-1) == 1 && out.stride(-2) == dim,
               "source, out: rows of D contiguous, D apart");
+  TORCH_CHECK(!spans_meet(source, out), "out: memory apart from source's");  // memcpy over what it still reads
   const at::Tensor flat_ids = ids.contiguous();
   const int64_t* id = flat_ids.data_ptr<int64_t>();
   const int64_t copies = flat_ids.numel(), heads = n ? copies / n : 0;
