@@ -439,7 +439,9 @@ def test_gather_chunks_in_one_call_copies_what_a_copy_a_head_does(dtype, monkeyp
     layers, num_kv_heads, chunk, chunks, keep = 4, 3, 16, 40, 9
     storage = torch.randn(layers, num_kv_heads, chunks * chunk + 21, HEAD_DIM, generator=g).to(dtype)
     source = storage[:, :, 2 * chunk :]  # heads further apart than their rows
-    ids = torch.stack([torch.randperm(chunks - 2, generator=g)[:keep].sort().values for _ in range(layers * 3)])
+    ids = torch.stack(
+        [torch.randperm(chunks - 2, generator=g)[:keep].sort().values for _ in range(layers * num_kv_heads)]
+    )
     ids = ids.view(layers, num_kv_heads, keep)
     slots = keep * chunk
     outputs = []
